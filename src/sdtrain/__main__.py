@@ -1,0 +1,3 @@
+from sdtrain.cli.main import main
+
+raise SystemExit(main())

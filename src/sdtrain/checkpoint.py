@@ -1,0 +1,192 @@
+"""Checkpoints: everything a run needs to continue exactly, written so that none is ever half there.
+
+A checkpoint is a folder ``RUN/checkpoints/step_NNNNNNNN`` holding
+- ``model.safetensors`` and ``ema.safetensors``: the trained modules' weights (keys ``unet.*``, ...);
+- ``optimizer.pt``: the optimizer state (tensors and numbers only, loaded with weights_only=True);
+- ``trainer.pt``: LR schedule, data position, RNG states and counters (also weights_only-safe);
+- ``meta.json``: step, samples seen and each module's class and config, so the weights can be
+  rebuilt into models without the run's config (export, generate, a later stage).
+The folder is written under a temporary name and renamed into place, so a crash mid-save leaves
+the previous checkpoint as the newest complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from sdtrain.config import CheckpointConfig
+from sdtrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^step_(\d{8})$")
+
+
+def _module_spec(module: nn.Module) -> dict[str, Any]:
+    if hasattr(module, "config") and hasattr(module.config, "to_dict"):  # transformers
+        return {"class": type(module).__name__, "config": module.config.to_dict()}
+    # diffusers resets keys listed in _use_default_values on load, which would undo values set after
+    # construction (the autoencoder's measured scaling_factor).
+    config = {k: v for k, v in dict(module.config).items() if k != "_use_default_values"}
+    return {"class": type(module).__name__, "config": config}  # diffusers
+
+
+def _flat_state(modules: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+    return {
+        f"{prefix}.{key}": value.detach().contiguous().cpu()
+        for prefix, module in modules.items()
+        for key, value in module.state_dict().items()
+    }
+
+
+def _split_state(flat: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    cut = len(prefix) + 1
+    return {k[cut:]: v for k, v in flat.items() if k.startswith(prefix + ".")}
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    folder = Path(run_dir) / "checkpoints"
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and _NAME.match(p.name) and (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))  # type: ignore[union-attr]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+class Checkpointer:
+    """Saves and restores the TrainState registry under a run folder."""
+
+    def __init__(self, run_dir: Path, config: CheckpointConfig):
+        self.run_dir = Path(run_dir)
+        self.config = config
+        self.folder = self.run_dir / "checkpoints"
+
+    def due(self, step: int) -> bool:
+        return self.config.every > 0 and step % self.config.every == 0
+
+    def save(self, state: Any) -> Path:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        final = self.folder / f"step_{state.step:08d}"
+        if final.exists():
+            return final
+        tmp = self.folder / f".{final.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_file(_flat_state(state.modules), str(tmp / "model.safetensors"))
+        if state.ema is not None:
+            save_file({k: v.contiguous().cpu() for k, v in state.ema.state_dict().items()},
+                      str(tmp / "ema.safetensors"))
+        torch.save(state.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(state.trainer_state(), tmp / "trainer.pt")
+        meta = {
+            "step": state.step,
+            "samples": state.samples,
+            "stage": state.stage,
+            "ema": state.ema is not None,
+            "modules": {name: _module_spec(m) for name, m in state.modules.items()},
+        }
+        # meta.json last: its presence is what marks a checkpoint folder complete.
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        _fsync_tree(tmp)
+        os.replace(tmp, final)
+        self._prune()
+        log.info("saved checkpoint %s", final)
+        return final
+
+    def _prune(self) -> None:
+        for old in list_checkpoints(self.run_dir)[: -self.config.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def resume_path(self) -> Path | None:
+        """The checkpoint to start from under the configured resume policy, or None for a fresh start."""
+        policy = self.config.resume
+        newest = latest_checkpoint(self.run_dir)
+        if policy == "auto":
+            return newest
+        if policy == "never":
+            if newest is not None:
+                raise UserError(
+                    f"{self.run_dir}: already holds checkpoints; use checkpoint.resume=auto to continue "
+                    "or another run_dir to start over"
+                )
+            return None
+        path = Path(policy)
+        if not (path / "meta.json").is_file():
+            raise UserError(f"checkpoint.resume: {path} is not a checkpoint folder (no meta.json)")
+        return path
+
+    def load(self, path: Path, state: Any) -> None:
+        try:
+            model = load_file(str(path / "model.safetensors"))
+            for name, module in state.modules.items():
+                module.load_state_dict(_split_state(model, name))
+            trainer = torch.load(path / "trainer.pt", weights_only=True)
+            if state.ema is not None:
+                state.ema.load_state_dict(load_file(str(path / "ema.safetensors")), trainer["ema_updates"])
+            state.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+            state.load_trainer_state(trainer)
+        except (OSError, RuntimeError, KeyError) as exc:
+            raise UserError(
+                f"{path}: cannot resume from this checkpoint ({str(exc).splitlines()[0]}); "
+                "delete it to fall back to the previous one, or set checkpoint.resume=never with a new run_dir"
+            ) from exc
+        log.info("resumed from %s at step %d", path, state.step)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for item in folder.iterdir():
+        with open(item, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def _instantiate(spec: dict[str, Any]) -> nn.Module:
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    cls_name, config = spec["class"], spec["config"]
+    if cls_name == "CLIPTextModel":
+        return CLIPTextModel(CLIPTextConfig.from_dict(config))
+    classes = {"AutoencoderKL": AutoencoderKL, "UNet2DConditionModel": UNet2DConditionModel}
+    if cls_name not in classes:
+        raise UserError(f"checkpoint names an unknown module class {cls_name}")
+    return classes[cls_name].from_config(config)
+
+
+def load_run_modules(
+    run_dir: Path, names: list[str] | None = None, ema: bool = True, checkpoint: Path | None = None
+) -> dict[str, nn.Module]:
+    """Rebuild the trained modules of a run from its newest (or a given) checkpoint, EMA weights by default."""
+    path = checkpoint or latest_checkpoint(run_dir)
+    if path is None:
+        raise UserError(f"{run_dir}: no complete checkpoint yet; train the run first")
+    meta = json.loads((path / "meta.json").read_text())
+    use_ema = ema and meta.get("ema", False)
+    weights = load_file(str(path / ("ema.safetensors" if use_ema else "model.safetensors")))
+    modules = {}
+    for name, spec in meta["modules"].items():
+        if names is not None and name not in names:
+            continue
+        module = _instantiate(spec)
+        state = _split_state(weights, name)
+        if use_ema:
+            # The EMA holds trained parameters only; buffers come from the raw weights.
+            raw = _split_state(load_file(str(path / "model.safetensors")), name)
+            state = {**raw, **state}
+        module.load_state_dict(state)
+        module.eval()
+        modules[name] = module
+    return modules

@@ -1,0 +1,43 @@
+"""`sdtrain generate --model RUN_OR_PIPELINE --prompt TEXT | --prompts FILE`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from sdtrain.errors import UserError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("generate", help="images from prompts")
+    parser.add_argument("--model", required=True, help="a diffusers pipeline folder or a diffusion run folder")
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    group.add_argument("--prompts", type=Path, help="a file with one prompt per line")
+    parser.add_argument("--out", type=Path, default=Path("samples"), help="output folder")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the first prompt; prompt i uses seed + i")
+    parser.add_argument("--scheduler", default="euler", choices=["euler", "ddim", "dpmpp"])
+    parser.add_argument("--negative-prompt", default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-ema", dest="ema", action="store_false", help="with a run: use the raw weights")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sdtrain.generate import generate
+
+    if args.prompts is not None:
+        if not args.prompts.is_file():
+            raise UserError(f"--prompts: {args.prompts} not found; pass a text file with one prompt per line")
+        prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
+    else:
+        prompts = args.prompt
+    if args.steps < 1:
+        raise UserError("--steps: must be at least 1")
+    paths = generate(args.model, prompts, args.out, steps=args.steps, guidance=args.guidance, seed=args.seed,
+                     scheduler=args.scheduler, ema=args.ema, device=args.device,
+                     negative_prompt=args.negative_prompt)
+    print(f"wrote {len(paths) - 1} images and {paths[-1]}")
+    return 0

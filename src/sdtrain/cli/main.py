@@ -1,0 +1,50 @@
+"""`sdtrain` entry point: parse, dispatch to a subcommand module, print user errors as one line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+
+from sdtrain import __version__
+from sdtrain.cli import demo, export, generate, prepare, train
+from sdtrain.errors import UserError
+
+COMMANDS = (prepare, train, generate, export, demo)
+
+
+def _quiet_libraries() -> None:
+    # Nothing here ever talks to the hub; saying so up front keeps libraries from trying.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    warnings.filterwarnings("ignore", message=".*torchvision.*")
+    for name in ("diffusers", "transformers", "huggingface_hub"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sdtrain", description="Train latent text-to-image diffusion models.")
+    parser.add_argument("--version", action="version", version=f"sdtrain {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMANDS:
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    _quiet_libraries()
+    try:
+        return int(args.run(args) or 0)
+    except UserError as exc:
+        print(f"sdtrain {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"sdtrain {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,25 @@
+"""`sdtrain train CONFIG [key=value ...]`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("train", help="train the stage a config describes (autoencoder or diffusion)")
+    parser.add_argument("config", type=Path, help="YAML config")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.max_steps=100")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sdtrain.config import load_config
+
+    # Validate before the heavy imports, so a typo is reported at once.
+    config = load_config(args.config, args.overrides)
+    from sdtrain.train.trainer import Trainer
+
+    final = Trainer(config).train()
+    print(f"finished: {config.run_dir} (checkpoint {final})")
+    return 0

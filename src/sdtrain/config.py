@@ -1,0 +1,302 @@
+"""The typed configuration tree.
+
+A run is described by one ``RunConfig``: YAML files merged over these defaults, then dotted
+``key=value`` overrides from the command line. Loading validates everything up front, so a
+typo fails in the first second with one line naming the key instead of an hour into a job.
+The resolved config is written into the run folder and never changed afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from sdtrain.errors import UserError
+
+STAGES = ("autoencoder", "diffusion")
+
+
+@dataclass
+class DataConfig:
+    shards: str = MISSING
+    """Training shards: a directory (every .tar in it), a glob, or a brace pattern such as
+    ``data/shard-{000000..000009}.tar``."""
+    resolution: int = 64
+    """Square side in pixels that images are resized (shorter side) and cropped to."""
+    center_crop: bool = True
+    """Crop the centre; false crops at a random (seeded, resumable) position."""
+    random_flip: bool = False
+    """Flip half of the images horizontally. Off by default: captions may say left and right."""
+    batch_size: int = 16
+    """Samples per micro-batch on each process."""
+    num_workers: int = 2
+    """DataLoader worker processes; 0 loads in the training process. Fixed for the life of a run,
+    because the resumable data position is kept per worker."""
+    caption_dropout: float = 0.1
+    """Fraction of captions replaced by the empty string, so the model also learns the
+    unconditional prediction that classifier-free guidance needs."""
+    image_key: str = "png;jpg;jpeg;webp"
+    """Sample fields tried in order for the image."""
+    caption_key: str = "txt"
+    """Sample field holding the caption."""
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    """Architecture for components built from scratch: ``tiny`` (tests, demo), ``small`` or ``sd2``
+    (the real Stable Diffusion 2 base UNet, 865.9M parameters)."""
+    pretrained: str | None = None
+    """A local diffusers pipeline folder; components not named below load from it."""
+    vae: str | None = None
+    """Autoencoder source: a diffusers ``vae`` folder, a pipeline folder, or an sdtrain autoencoder run."""
+    text_encoder: str | None = None
+    """Text encoder source: a CLIPTextModel folder, a pipeline folder, or an sdtrain run."""
+    tokenizer: str | None = None
+    """Tokenizer folder; when neither this nor ``pretrained`` is set, a BPE tokenizer is trained on
+    the training captions and saved in the run folder."""
+    unet: str | None = None
+    """UNet source: a UNet2DConditionModel folder, a pipeline folder, or an sdtrain run."""
+    tokenizer_vocab_size: int = 1024
+    """Vocabulary size of a tokenizer trained from captions."""
+    max_text_length: int = 77
+    """Tokens per caption (CLIP's 77 by default)."""
+    unet_overrides: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments that replace the preset's UNet2DConditionModel settings."""
+    vae_overrides: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments that replace the preset's AutoencoderKL settings."""
+    text_encoder_overrides: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments that replace the preset's CLIPTextConfig settings."""
+
+
+@dataclass
+class DiffusionConfig:
+    prediction_type: str = "epsilon"
+    """What the UNet predicts: ``epsilon`` or ``v_prediction``."""
+    num_train_timesteps: int = 1000
+    """Length of the noise schedule."""
+    beta_schedule: str = "scaled_linear"
+    """Noise schedule of the DDPM scheduler (Stable Diffusion's is scaled_linear)."""
+    beta_start: float = 0.00085
+    """First beta of the schedule."""
+    beta_end: float = 0.012
+    """Last beta of the schedule."""
+    train_text_encoder: bool = False
+    """Train the text encoder with the UNet (needed from scratch) instead of freezing it."""
+
+
+@dataclass
+class AutoencoderLossConfig:
+    kl_weight: float = 1.0e-6
+    """Weight of the KL term that keeps the latent distribution close to a unit Gaussian."""
+    sample_posterior: bool = True
+    """Decode a sample of the posterior (true) or its mean."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1.0e-4
+    """Peak learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    eps: float = 1.0e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from zero."""
+    schedule: str = "constant"
+    """After warmup: ``constant`` or ``cosine`` (to zero at max_steps)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this once per optimizer step; 0 disables."""
+
+
+@dataclass
+class EMAConfig:
+    enabled: bool = True
+    """Keep an exponential moving average of the trained weights (exported by default)."""
+    decay: float = 0.999
+    """Upper bound of the EMA decay."""
+    warmup: bool = True
+    """Ramp the decay as (1 + step) / (10 + step) so early averages are not dominated by the random init."""
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000
+    """Optimizer steps to train for."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    mixed_precision: str = "no"
+    """``no`` (fp32) or ``bf16`` autocast. fp16 is not offered: it needs loss scaling and is slow on CPUs."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``."""
+    threads: int = 0
+    """torch intra-op threads on CPU; 0 keeps torch's default."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 500
+    """Save every this many optimizer steps (and always at the end); 0 saves only at the end."""
+    keep_last: int = 2
+    """Checkpoints kept; older ones are deleted after a newer one is complete."""
+    resume: str = "auto"
+    """``auto`` continues from the newest checkpoint in the run folder, ``never`` refuses to start
+    over an existing one, or a path to a checkpoint folder."""
+
+
+@dataclass
+class LoggingConfig:
+    every: int = 10
+    """Log metrics every this many optimizer steps."""
+    progress: bool = True
+    """Show a progress bar."""
+    tensorboard: bool = True
+    """Write TensorBoard events under the run folder."""
+    wandb: bool = False
+    """Log to Weights & Biases; the key comes from WANDB_API_KEY, WANDB_MODE=offline works without network."""
+    wandb_project: str = "sdtrain"
+    """W&B project name."""
+
+
+@dataclass
+class ValidationConfig:
+    prompts: list[str] = field(default_factory=list)
+    """Prompts of the sample grid written at each checkpoint and at the end (diffusion stage)."""
+    seed: int = 0
+    """Seed of the first prompt's image; prompt i uses seed + i."""
+    steps: int = 20
+    """Sampling steps."""
+    guidance: float = 5.0
+    """Classifier-free guidance scale."""
+
+
+@dataclass
+class RunConfig:
+    stage: str = MISSING
+    """What to train: ``autoencoder`` or ``diffusion`` (UNet, optionally with the text encoder)."""
+    run_dir: str = MISSING
+    """Folder for the resolved config, checkpoints, logs and samples."""
+    seed: int = 0
+    """Seeds initialisation, data order, augmentation and noise."""
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    autoencoder: AutoencoderLossConfig = field(default_factory=AutoencoderLossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+
+
+def _describe(exc: OmegaConfBaseException) -> str:
+    """OmegaConf's messages span several lines; keep the first and name the key."""
+    message = str(exc).strip().splitlines()[0]
+    key = getattr(exc, "full_key", None)
+    if key and key not in message:
+        message = f"{key}: {message}"
+    return message
+
+
+def _merge(base: DictConfig, layer: Any, where: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, layer)  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        raise UserError(f"{where}{_describe(exc)}") from exc
+
+
+def _check_sections(layer: DictConfig, where: str) -> None:
+    """OmegaConf reports a scalar given for a whole section without naming it; name it here."""
+    sections = {f.name for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(f.default_factory)}
+    for key in sections & set(layer.keys()):
+        value = layer._get_node(key)._value()
+        if value is not None and not isinstance(value, (dict, DictConfig)) and not OmegaConf.is_missing(layer, key):
+            raise UserError(f"{where}{key}: must be a mapping of {key} settings, got {value!r}")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Merge YAML then ``key=value`` overrides over the defaults and validate the result."""
+    merged = OmegaConf.structured(RunConfig)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"{path}: config file not found; pass the path of a YAML config")
+        try:
+            layer = OmegaConf.load(path)
+        except Exception as exc:  # yaml raises many types; all mean "not valid YAML"
+            raise UserError(f"{path}: not valid YAML ({str(exc).splitlines()[0]}); fix the file") from exc
+        if not isinstance(layer, DictConfig):
+            raise UserError(f"{path}: the top level must be a mapping of config keys (stage:, data:, ...)")
+        _check_sections(layer, f"{path}: ")
+        merged = _merge(merged, layer, f"{path}: ")
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"override '{item}' is not key=value; write e.g. train.max_steps=100")
+    dotlist = OmegaConf.from_dotlist(list(overrides))
+    _check_sections(dotlist, "command line: ")
+    merged = _merge(merged, dotlist, "command line: ")
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        raise UserError(f"{missing[0]}: required value missing (???); set it in the YAML or as {missing[0]}=...")
+    try:
+        config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:
+        raise UserError(_describe(exc)) from exc
+    validate(config)
+    return config
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise UserError(f"{key}: {message}")
+
+
+def validate(config: RunConfig) -> None:
+    """Checks OmegaConf's types cannot express; each failure names its key."""
+    _check(config.stage in STAGES, "stage", f"'{config.stage}' is not one of {', '.join(STAGES)}")
+    _check(config.data.resolution >= 8, "data.resolution", "must be at least 8 pixels")
+    _check(config.data.batch_size >= 1, "data.batch_size", "must be at least 1")
+    _check(config.data.num_workers >= 0, "data.num_workers", "must be 0 or more")
+    _check(0.0 <= config.data.caption_dropout < 1.0, "data.caption_dropout", "must be in [0, 1)")
+    _check(config.model.preset in ("tiny", "small", "sd2"), "model.preset", "must be tiny, small or sd2")
+    _check(config.model.max_text_length >= 4, "model.max_text_length", "must be at least 4")
+    _check(
+        config.diffusion.prediction_type in ("epsilon", "v_prediction"),
+        "diffusion.prediction_type",
+        "must be epsilon or v_prediction",
+    )
+    _check(config.optim.lr > 0, "optim.lr", "must be positive")
+    _check(len(config.optim.betas) == 2, "optim.betas", "needs two values, e.g. [0.9, 0.999]")
+    _check(config.optim.warmup_steps >= 0, "optim.warmup_steps", "must be 0 or more")
+    _check(config.optim.schedule in ("constant", "cosine"), "optim.schedule", "must be constant or cosine")
+    _check(config.optim.grad_clip >= 0, "optim.grad_clip", "must be 0 (off) or positive")
+    _check(0.0 < config.ema.decay < 1.0, "ema.decay", "must be in (0, 1)")
+    _check(config.train.max_steps >= 1, "train.max_steps", "must be at least 1")
+    _check(config.train.grad_accum >= 1, "train.grad_accum", "must be at least 1")
+    _check(config.train.mixed_precision in ("no", "bf16"), "train.mixed_precision", "must be no or bf16")
+    _check(config.train.device in ("auto", "cpu", "cuda"), "train.device", "must be auto, cpu or cuda")
+    _check(config.checkpoint.every >= 0, "checkpoint.every", "must be 0 (end only) or positive")
+    _check(config.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be at least 1")
+    _check(config.logging.every >= 1, "logging.every", "must be at least 1")
+
+
+def to_yaml(config: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def as_omegaconf(config: RunConfig) -> DictConfig:
+    return OmegaConf.structured(config)

@@ -1,0 +1,390 @@
+"""The training data stream: WebDataset shards in, collated batches out, resumable to the sample.
+
+Every epoch has one global order: shards in a seeded permutation, samples within each shard in
+a seeded permutation. That order is cut into equal contiguous ranges, one per loader *slot*
+(a DataLoader worker; with several ranks, rank x worker), so within an epoch every sample is
+read once and every slot reads only about its share of shards. A slot's whole position is
+(epoch, offset into its range); batches carry it, the trainer records the position of each
+batch it consumes, and a resumed run restarts every slot exactly there. Augmentation and caption
+dropout draw from an RNG keyed by the sample's place in the epoch, so they replay identically.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import logging
+import os
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import webdataset as wds
+from PIL import Image
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from sdtrain.config import DataConfig
+from sdtrain.data.shards import read_manifest
+from sdtrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+REMOTE_PREFIXES = ("pipe:", "http://", "https://", "s3://", "gs://")
+
+
+@dataclass(frozen=True)
+class Shard:
+    url: str
+    samples: int
+
+
+def _is_remote(url: str) -> bool:
+    return url.startswith(REMOTE_PREFIXES)
+
+
+def count_samples(path: str) -> int:
+    """Number of distinct keys in a local tar; tarfile seeks over member data, so this is cheap."""
+    keys = set()
+    try:
+        with tarfile.open(path) as tar:
+            for member in tar:
+                if member.isreg():
+                    keys.add(wds.tariterators.base_plus_ext(member.name)[0])
+    except (tarfile.TarError, OSError) as exc:
+        log.warning("%s: unreadable past %d samples (%s); the rest is skipped", path, len(keys), exc)
+    return len(keys)
+
+
+def resolve_shards(spec: str) -> list[Shard]:
+    """Expand a directory, glob or brace pattern into shards with their sample counts.
+
+    Counts come from the folder's manifest.json when there is one (``sdtrain prepare`` writes it);
+    local shards without one are counted by scanning their headers.
+    """
+    if _is_remote(spec):
+        urls = list(wds.shardlists.expand_urls(spec))
+    elif os.path.isdir(spec):
+        manifest = read_manifest(spec)
+        if manifest is not None:
+            # The manifest, not the folder listing, says what the dataset is: stale shards of an
+            # earlier run may still lie beside it.
+            urls = [os.path.join(spec, entry["name"]) for entry in manifest["shards"]]
+        else:
+            urls = sorted(glob.glob(os.path.join(spec, "*.tar")))
+    elif any(ch in spec for ch in "*?["):
+        urls = sorted(glob.glob(spec))
+    else:
+        urls = list(wds.shardlists.expand_urls(spec))
+    if not urls:
+        raise UserError(f"data.shards: no shards match '{spec}'; point it at a folder of .tar files or a pattern")
+    counts: dict[str, int] = {}
+    for folder in {os.path.dirname(u) for u in urls if not _is_remote(u)}:
+        manifest = read_manifest(folder) if os.path.isdir(folder) else None
+        for entry in (manifest or {}).get("shards", []):
+            counts[os.path.join(folder, entry["name"])] = int(entry["samples"])
+    shards = []
+    for url in urls:
+        if url in counts:
+            shards.append(Shard(url, counts[url]))
+        elif _is_remote(url):
+            raise UserError(f"{url}: remote shard without a manifest.json beside it; run `sdtrain prepare` first")
+        elif not os.path.isfile(url):
+            raise UserError(f"data.shards: {url} does not exist; fix the path or pattern")
+        else:
+            shards.append(Shard(url, count_samples(url)))
+    if sum(s.samples for s in shards) == 0:
+        raise UserError(f"data.shards: the shards of '{spec}' hold no samples")
+    return shards
+
+
+def _epoch_order(shards: list[Shard], seed: int, epoch: int) -> list[int]:
+    return list(np.random.default_rng([seed, epoch, 0x5A4D]).permutation(len(shards)))
+
+
+def _within_shard_order(samples: int, seed: int, epoch: int, shard_index: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch, shard_index, 0x1D]).permutation(samples)
+
+
+def slot_range(total: int, slot: int, slots: int) -> tuple[int, int]:
+    return total * slot // slots, total * (slot + 1) // slots
+
+
+class SampleDecoder:
+    """Turns a raw WebDataset sample into tensors; returns None for samples that cannot be used."""
+
+    def __init__(self, config: DataConfig, tokenizer: Any | None, seed: int):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.image_keys = [k.strip() for k in config.image_key.split(";") if k.strip()]
+
+    def __call__(self, raw: dict[str, Any], place: tuple[int, int, int]) -> dict[str, Any] | None:
+        image_bytes = next((raw[k] for k in self.image_keys if k in raw), None)
+        if image_bytes is None:
+            return None
+        rng = np.random.default_rng([self.seed, *place, 0xDA7A])
+        try:
+            with Image.open(io.BytesIO(image_bytes)) as img:
+                img.load()
+                pixels = self._transform(img.convert("RGB"), rng)
+        except (OSError, ValueError, Image.DecompressionBombError, SyntaxError):
+            return None
+        caption = raw.get(self.config.caption_key, b"")
+        caption = caption.decode("utf-8", "replace") if isinstance(caption, bytes) else str(caption)
+        drop = rng.random() < self.config.caption_dropout
+        sample = {"pixel_values": pixels, "caption": "" if drop else caption.strip(), "key": raw["__key__"]}
+        return sample
+
+    def _transform(self, img: Image.Image, rng: np.random.Generator) -> torch.Tensor:
+        size = self.config.resolution
+        scale = size / min(img.size)
+        if scale != 1.0:
+            new_size = (max(size, round(img.width * scale)), max(size, round(img.height * scale)))
+            img = img.resize(new_size, Image.Resampling.BICUBIC)
+        if self.config.center_crop:
+            left, top = (img.width - size) // 2, (img.height - size) // 2
+        else:
+            left = int(rng.integers(0, img.width - size + 1))
+            top = int(rng.integers(0, img.height - size + 1))
+        img = img.crop((left, top, left + size, top + size))
+        if self.config.random_flip and rng.random() < 0.5:
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        array = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
+        return torch.from_numpy(array.transpose(2, 0, 1).copy())
+
+
+@dataclass
+class SlotCursor:
+    epoch: int = 0
+    offset: int = 0
+
+
+class ShardStream(IterableDataset):
+    """An endless, resumable stream of batches over shards; see the module docstring."""
+
+    def __init__(
+        self,
+        shards: list[Shard],
+        config: DataConfig,
+        tokenizer: Any | None,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        cursors: dict[int, SlotCursor] | None = None,
+        skipped: dict[int, int] | None = None,
+        rotation: int = 0,
+    ):
+        self.shards = shards
+        self.config = config
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.workers = max(1, config.num_workers)
+        self.cursors = cursors or {}
+        self.skipped = skipped or {}
+        self.rotation = rotation
+        self.decoder = SampleDecoder(config, tokenizer, seed)
+        self.total = sum(s.samples for s in shards)
+        self.offsets = np.cumsum([0] + [s.samples for s in shards])
+
+    @property
+    def slots(self) -> int:
+        return self.world_size * self.workers
+
+    def _slot(self) -> int:
+        info = get_worker_info()
+        worker = 0 if info is None else info.id
+        # DataLoader always starts its round-robin at worker 0; rotating the logical slots makes the
+        # first batch after a resume come from the slot whose turn it was.
+        return self.rank * self.workers + (worker + self.rotation) % self.workers
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        slot = self._slot()
+        cursor = self.cursors.get(slot, SlotCursor())
+        epoch, offset = cursor.epoch, cursor.offset
+        skipped = self.skipped.get(slot, 0)
+        batch: list[dict[str, Any]] = []
+        while True:
+            for epoch, offset, sample in self._epoch_samples(slot, epoch, offset):
+                if sample is None:
+                    skipped += 1
+                    continue
+                batch.append(sample)
+                if len(batch) == self.config.batch_size:
+                    yield self._collate(batch, slot, epoch, offset, skipped)
+                    batch = []
+            epoch, offset = epoch + 1, 0
+
+    def _epoch_samples(self, slot: int, epoch: int, offset: int) -> Iterator[tuple[int, int, Any]]:
+        """(epoch, offset after this sample, decoded sample or None) from `offset` to the range end."""
+        start, end = slot_range(self.total, slot, self.slots)
+        order = _epoch_order(self.shards, self.seed, epoch)
+        sizes = [self.shards[i].samples for i in order]
+        bounds = np.cumsum([0] + sizes)
+        position = start + offset
+        while position < end:
+            j = int(np.searchsorted(bounds, position, side="right") - 1)
+            shard_index = order[j]
+            first, last = position - bounds[j], min(end, bounds[j + 1]) - bounds[j]
+            raw = self._read_shard(shard_index)
+            perm = _within_shard_order(self.shards[shard_index].samples, self.seed, epoch, shard_index)
+            for k in range(first, last):
+                index = int(perm[k])
+                sample = None
+                if index < len(raw):
+                    sample = self.decoder(raw[index], (epoch, shard_index, index))
+                    if sample is None:
+                        log.warning("skipped undecodable sample %s in %s", raw[index].get("__key__"),
+                                    self.shards[shard_index].url)
+                position += 1
+                yield epoch, position - start, sample
+            if len(raw) < self.shards[shard_index].samples:
+                log.warning("%s: %d of %d samples readable (truncated or corrupt tar)",
+                            self.shards[shard_index].url, len(raw), self.shards[shard_index].samples)
+
+    def _read_shard(self, shard_index: int) -> list[dict[str, Any]]:
+        url = self.shards[shard_index].url
+        errors: list[Exception] = []
+
+        def keep_going(exc: Exception) -> bool:
+            errors.append(exc)
+            return True
+
+        samples = list(wds.tariterators.tarfile_samples([{"url": url}], handler=keep_going))
+        if errors:
+            log.warning("%s: %s", url, str(errors[0]).splitlines()[0] if str(errors[0]) else type(errors[0]))
+        return samples
+
+    def _collate(self, batch: list[dict[str, Any]], slot: int, epoch: int, offset: int, skipped: int) -> dict:
+        captions = [s["caption"] for s in batch]
+        out: dict[str, Any] = {
+            "pixel_values": torch.stack([s["pixel_values"] for s in batch]),
+            "captions": captions,
+            "keys": [s["key"] for s in batch],
+            "position": {"slot": slot, "epoch": epoch, "offset": offset, "skipped": skipped},
+        }
+        if self.tokenizer is not None:
+            tokens = self.tokenizer(captions, padding="max_length", truncation=True,
+                                    max_length=self.tokenizer.model_max_length, return_tensors="pt")
+            out["input_ids"] = tokens.input_ids
+        return out
+
+
+class DataPosition:
+    """The resumable part of the data stream: where every slot is and how many batches were consumed."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.batches = 0
+        self.cursors: dict[int, SlotCursor] = {}
+        self.skipped: dict[int, int] = {}
+
+    def advance(self, batch: dict[str, Any]) -> None:
+        pos = batch["position"]
+        self.cursors[pos["slot"]] = SlotCursor(pos["epoch"], pos["offset"])
+        self.skipped[pos["slot"]] = pos["skipped"]
+        self.batches += 1
+
+    @property
+    def epoch(self) -> int:
+        return min((c.epoch for c in self.cursors.values()), default=0)
+
+    @property
+    def total_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "workers": self.workers,
+            "batches": self.batches,
+            "cursors": {str(k): [c.epoch, c.offset] for k, c in self.cursors.items()},
+            "skipped": {str(k): v for k, v in self.skipped.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["workers"]) != self.workers:
+            raise UserError(
+                f"data.num_workers: this run was started with {state['workers']} workers; "
+                f"resume with data.num_workers={state['workers']} so the data position stays exact"
+            )
+        self.batches = int(state["batches"])
+        self.cursors = {int(k): SlotCursor(int(v[0]), int(v[1])) for k, v in state["cursors"].items()}
+        self.skipped = {int(k): int(v) for k, v in state["skipped"].items()}
+
+
+class TrainBatches:
+    """Iterates training batches from a DataLoader over a ShardStream, tracking the data position."""
+
+    def __init__(self, config: DataConfig, tokenizer: Any | None, seed: int, rank: int = 0, world_size: int = 1):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.shards = resolve_shards(config.shards)
+        self.position = DataPosition(max(1, config.num_workers))
+        self._iterator: Iterator[dict[str, Any]] | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    def _make_iterator(self) -> Iterator[dict[str, Any]]:
+        stream = ShardStream(
+            self.shards, self.config, self.tokenizer, self.seed, self.rank, self.world_size,
+            cursors=dict(self.position.cursors), skipped=dict(self.position.skipped),
+            rotation=self.position.batches % self.position.workers,
+        )
+        workers = self.config.num_workers
+        loader = DataLoader(
+            stream, batch_size=None, num_workers=workers, pin_memory=torch.cuda.is_available(),
+            persistent_workers=False, prefetch_factor=2 if workers else None,
+            worker_init_fn=_single_thread_worker if workers else None,
+            # Its own generator: drawing worker seeds from the global RNG would make a resumed run's
+            # global RNG stream differ from an uninterrupted one.
+            generator=torch.Generator().manual_seed(self.seed),
+        )
+        return iter(loader)
+
+    def next(self) -> dict[str, Any]:
+        if self._iterator is None:
+            self._iterator = self._make_iterator()
+        batch = next(self._iterator)
+        self.position.advance(batch)
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.position.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position.load_state_dict(state)
+        self._iterator = None
+
+
+def _single_thread_worker(_: int) -> None:
+    # Loader workers decode images; letting each also spawn a full torch thread pool starves the
+    # training process on small machines.
+    torch.set_num_threads(1)
+
+
+def read_captions(spec: str, caption_key: str = "txt", limit: int = 200_000) -> list[str]:
+    """Captions of the shards (up to `limit`), in shard order, for training a tokenizer."""
+    captions: list[str] = []
+    suffix = "." + caption_key
+    for shard in resolve_shards(spec):
+        samples = wds.tariterators.tarfile_samples(
+            [{"url": shard.url}], handler=wds.handlers.warn_and_continue,
+            select_files=lambda name: name.endswith(suffix),
+        )
+        for sample in samples:
+            value = sample.get(caption_key)
+            if value:
+                captions.append(value.decode("utf-8", "replace").strip())
+            if len(captions) >= limit:
+                return captions
+    return captions

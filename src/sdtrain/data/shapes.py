@@ -1,0 +1,174 @@
+"""The embedded demo dataset: coloured circles, squares and triangles with exact captions.
+
+Small enough to generate in seconds and simple enough that a tiny model can learn it on a CPU, while the
+captions still make text conditioning matter (colour, kind, and left/right order for two shapes).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from sdtrain.data.shards import ShardWriter, read_manifest
+from sdtrain.errors import UserError
+
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30),
+    "green": (30, 160, 50),
+    "blue": (30, 70, 220),
+    "yellow": (240, 210, 20),
+    "purple": (140, 40, 190),
+    "orange": (245, 130, 15),
+}
+KINDS: tuple[str, ...] = ("circle", "square", "triangle")
+
+_SUPERSAMPLE = 4
+_MAX_OVERLAP = 0.1  # of the smaller box's area
+_PLACEMENT_TRIES = 20
+
+
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
+def shape_phrase(colour: str, kind: str) -> str:
+    """``"a red circle"`` / ``"an orange square"``: the one place the article rule lives."""
+    return f"{_article(colour)} {colour} {kind}"
+
+
+def caption_for(shapes: list[dict]) -> str:
+    """Caption for shapes already in left-to-right order, e.g. ``"a blue square and a yellow triangle"``."""
+    return " and ".join(shape_phrase(s["colour"], s["kind"]) for s in shapes)
+
+
+def caption_prompts() -> list[str]:
+    """Fixed demo prompts covering every colour and kind, phrased exactly like the training captions."""
+    pairs = [
+        [("red", "circle")],
+        [("blue", "square")],
+        [("green", "triangle")],
+        [("yellow", "circle")],
+        [("purple", "square")],
+        [("orange", "triangle")],
+        [("red", "square"), ("blue", "circle")],
+        [("green", "circle"), ("yellow", "triangle")],
+    ]
+    return [caption_for([{"colour": c, "kind": k} for c, k in p]) for p in pairs]
+
+
+def _random_box(rng: np.random.Generator, size: int, lo: float, hi: float) -> list[int]:
+    side = int(rng.integers(max(2, round(lo * size)), max(3, round(hi * size)) + 1))
+    x0, y0 = (int(v) for v in rng.integers(0, size - side + 1, size=2))
+    return [x0, y0, x0 + side, y0 + side]
+
+
+def _overlap(a: list[int], b: list[int]) -> float:
+    w = min(a[2], b[2]) - max(a[0], b[0])
+    h = min(a[3], b[3]) - max(a[1], b[1])
+    smaller = min((a[2] - a[0]) * (a[3] - a[1]), (b[2] - b[0]) * (b[3] - b[1]))
+    return max(w, 0) * max(h, 0) / smaller
+
+
+def _draw(draw: ImageDraw.ImageDraw, kind: str, box: list[int], fill: tuple[int, int, int]) -> None:
+    s = _SUPERSAMPLE
+    # Boxes are [x0, y0, x1, y1) in output pixels; PIL's ellipse/rectangle include their end coordinate.
+    x0, y0, x1, y1 = box[0] * s, box[1] * s, box[2] * s - 1, box[3] * s - 1
+    if kind == "circle":
+        draw.ellipse((x0, y0, x1, y1), fill=fill)
+    elif kind == "square":
+        draw.rectangle((x0, y0, x1, y1), fill=fill)
+    else:
+        # Upright isosceles triangle on the box bottom, so the box centre is always inside the shape.
+        draw.polygon([(x0, y1), (x1, y1), ((x0 + x1) / 2, y0)], fill=fill)
+
+
+def render_shapes_sample(
+    rng: np.random.Generator, size: int = 64, num_shapes: int | None = None
+) -> tuple[Image.Image, str, dict]:
+    """Draw one or two shapes on a light background; return (RGB image, caption, json metadata).
+
+    ``num_shapes`` None picks 1 or 2 with equal odds. Metadata lists shapes left to right by box centre,
+    matching the caption order and the drawing order; boxes are ``[x0, y0, x1, y1]`` pixels, end exclusive.
+    """
+    if num_shapes is None:
+        num_shapes = 1 + int(rng.integers(0, 2))
+    if num_shapes not in (1, 2):
+        raise ValueError(f"num_shapes must be 1 or 2, got {num_shapes}")
+    names = list(COLOURS)
+    shapes: list[dict] = []
+    while len(shapes) < num_shapes:
+        colour, kind = names[int(rng.integers(len(names)))], KINDS[int(rng.integers(len(KINDS)))]
+        # "a red circle and a red circle" would be a poor caption; ask for distinct pairs instead.
+        if any(s["colour"] == colour and s["kind"] == kind for s in shapes):
+            continue
+        shapes.append({"colour": colour, "kind": kind})
+
+    if num_shapes == 1:
+        shapes[0]["box"] = _random_box(rng, size, 0.35, 0.6)
+    else:
+        shapes[0]["box"] = _random_box(rng, size, 0.25, 0.42)
+        # Keep the least-overlapping of a few placements so both shapes stay recognisable.
+        best: tuple[float, list[int]] | None = None
+        for _ in range(_PLACEMENT_TRIES):
+            box = _random_box(rng, size, 0.25, 0.42)
+            ov = _overlap(shapes[0]["box"], box)
+            if best is None or ov < best[0]:
+                best = (ov, box)
+            if ov <= _MAX_OVERLAP:
+                break
+        assert best is not None
+        shapes[1]["box"] = best[1]
+        shapes.sort(key=lambda s: (s["box"][0] + s["box"][2], s["box"][1] + s["box"][3]))
+
+    background = tuple(int(v) for v in rng.integers(225, 256, size=3))
+    big = Image.new("RGB", (size * _SUPERSAMPLE, size * _SUPERSAMPLE), background)
+    draw = ImageDraw.Draw(big)
+    for s in shapes:
+        _draw(draw, s["kind"], s["box"], COLOURS[s["colour"]])
+    image = big.resize((size, size), Image.Resampling.LANCZOS)
+    meta = {"width": size, "height": size, "shapes": shapes}
+    return image, caption_for(shapes), meta
+
+
+def _png_bytes(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    # Explicit encoder settings so the bytes (and shard sha256s) don't drift with PIL defaults.
+    image.save(buf, format="PNG", compress_level=6, optimize=False)
+    return buf.getvalue()
+
+
+def write_shapes_dataset(
+    out_dir: str | Path,
+    num: int,
+    seed: int = 0,
+    samples_per_shard: int = 1000,
+    size: int = 64,
+    two_shape_fraction: float = 0.5,
+) -> dict:
+    """Write ``num`` shapes samples as WebDataset shards plus manifest; return the manifest dict.
+
+    Each sample gets its own generator seeded from ``(seed, index)``: output is byte-identical for a given
+    seed, and sample ``i`` is the same whatever ``num`` is, so datasets can be extended or generated in
+    parallel later.
+    """
+    if num < 0:
+        raise UserError(f"shapes dataset: num must be >= 0, got {num}")
+    if size < 16:
+        raise UserError(f"shapes dataset: size must be >= 16 pixels, got {size}")
+    if not 0.0 <= two_shape_fraction <= 1.0:
+        raise UserError(f"shapes dataset: two_shape_fraction must be in [0, 1], got {two_shape_fraction}")
+    if seed < 0:
+        raise UserError(f"shapes dataset: seed must be >= 0, got {seed}")
+    extra = {"source": "shapes", "seed": seed, "size": size}
+    with ShardWriter(out_dir, samples_per_shard, extra=extra) as writer:
+        for i in range(num):
+            rng = np.random.Generator(np.random.PCG64([seed, i]))
+            num_shapes = 2 if rng.random() < two_shape_fraction else 1
+            image, caption, meta = render_shapes_sample(rng, size, num_shapes)
+            writer.write({"__key__": f"{i:08d}", "png": _png_bytes(image), "txt": caption, "json": meta})
+    manifest = read_manifest(out_dir)
+    assert manifest is not None
+    return manifest

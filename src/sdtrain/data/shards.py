@@ -1,0 +1,241 @@
+"""Writing WebDataset tar shards safely, plus the ``manifest.json`` that describes them.
+
+Every dataset sdtrain produces (demo shapes, reshards, filtered copies, pre-encoded latents) uses this
+layout: numbered ``{prefix}-{index:06d}.tar`` files and a manifest listing each shard's sample count and
+sha256. The shards themselves are plain WebDataset tars, so any WebDataset reader can consume them and
+shards from elsewhere (without a manifest) remain usable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, BinaryIO, Self
+
+import webdataset as wds
+
+from sdtrain.errors import UserError
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "sdtrain-shards/1"
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass
+class ShardInfo:
+    """One finished shard: its file name (relative to the dataset folder), sample count and sha256."""
+
+    name: str
+    samples: int
+    sha256: str
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes, read in chunks so large shards don't need to fit in memory."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(out_dir: str | Path, shards: list[ShardInfo], extra: dict | None = None) -> Path:
+    """Write ``manifest.json`` atomically and return its path.
+
+    ``extra`` adds provenance keys (source, seed, ...); it may not override the structural keys, since
+    readers rely on them.
+    """
+    extra = dict(extra or {})
+    clash = {"format", "total", "shards"} & extra.keys()
+    if clash:
+        raise ValueError(f"manifest extra keys {sorted(clash)} are reserved")
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "total": sum(s.samples for s in shards),
+        "shards": [asdict(s) for s in shards],
+        **extra,
+    }
+    path = Path(out_dir) / MANIFEST_NAME
+    _atomic_write_bytes(path, (json.dumps(manifest, indent=1) + "\n").encode("utf-8"))
+    return path
+
+
+def read_manifest(out_dir: str | Path) -> dict | None:
+    """Load and validate ``{out_dir}/manifest.json``; None when there is none (e.g. shards from elsewhere).
+
+    Raises UserError (one line, naming the file and the fix) when it exists but is unreadable or malformed.
+    """
+    path = Path(out_dir) / MANIFEST_NAME
+    fix = "delete it and re-create the dataset (or fix the file by hand)"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read shard manifest ({e}); {fix}") from e
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: shard manifest is not valid JSON ({e}); {fix}") from e
+
+    def bad(why: str) -> UserError:
+        return UserError(f"{path}: malformed shard manifest: {why}; {fix}")
+
+    if not isinstance(manifest, dict):
+        raise bad("top level is not a JSON object")
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise bad(f"format is {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+    shards = manifest.get("shards")
+    if not isinstance(shards, list):
+        raise bad("'shards' is missing or not a list")
+    for i, s in enumerate(shards):
+        ok = (
+            isinstance(s, dict)
+            and isinstance(s.get("name"), str)
+            # Names must stay inside the dataset folder: a manifest is data, not a pointer to anywhere.
+            and s["name"] not in ("", ".", "..")
+            and "/" not in s["name"]
+            and "\\" not in s["name"]
+            and isinstance(s.get("samples"), int)
+            and not isinstance(s.get("samples"), bool)
+            and s["samples"] >= 0
+            and isinstance(s.get("sha256"), str)
+            and _SHA256_RE.match(s["sha256"]) is not None
+        )
+        if not ok:
+            raise bad(f"shard entry {i} needs a plain file 'name', integer 'samples' >= 0 and hex 'sha256'")
+    total = sum(s["samples"] for s in shards)
+    if manifest.get("total") != total:
+        raise bad(f"'total' is {manifest.get('total')!r} but the shard counts add up to {total}")
+    return manifest
+
+
+class ShardWriter:
+    """Writes samples into numbered tar shards ``{out_dir}/{prefix}-{index:06d}.tar``.
+
+    Each shard holds at most ``samples_per_shard`` samples and is written under a hidden temporary name,
+    then renamed into place once complete, so an interrupted run never leaves a truncated shard under a
+    final name. ``close()`` finishes the last shard and writes the manifest; leaving the ``with`` block
+    through an exception discards the unfinished shard and writes no manifest.
+
+    Samples are dicts with ``"__key__"`` (no dots: WebDataset splits the key from the field at the first
+    dot) and fields such as ``"png"`` (bytes), ``"txt"`` (str) or ``"json"`` (dict); WebDataset's encoder
+    turns str/dict into bytes. Tar headers carry a fixed mtime so equal input gives byte-identical shards.
+
+    ``start_index`` and ``manifest=False`` let several writers (e.g. one per worker) fill one folder with
+    distinct prefixes or index ranges and have the caller merge their ``shards`` into one manifest.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        samples_per_shard: int = 1000,
+        prefix: str = "shard",
+        *,
+        start_index: int = 0,
+        manifest: bool = True,
+        extra: dict | None = None,
+    ) -> None:
+        if samples_per_shard < 1:
+            raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
+        self.out_dir = Path(out_dir)
+        self.samples_per_shard = samples_per_shard
+        self.prefix = prefix
+        self.shards: list[ShardInfo] = []
+        self._index = start_index
+        self._write_manifest = manifest
+        self._extra = extra
+        self._file: BinaryIO | None = None
+        self._tar: wds.TarWriter | None = None
+        self._count = 0
+        self._closed = False
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        # Shards from an earlier run are about to be overwritten, so its manifest would lie about their
+        # checksums if this run were interrupted; better to have no manifest than a wrong one.
+        if manifest:
+            (self.out_dir / MANIFEST_NAME).unlink(missing_ok=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def _paths(self) -> tuple[Path, Path]:
+        final = self.out_dir / f"{self.prefix}-{self._index:06d}.tar"
+        return final, final.with_name(f".{final.name}.tmp")
+
+    def write(self, sample: dict[str, Any]) -> None:
+        """Append one sample, starting a new shard when the current one is full."""
+        if self._closed:
+            raise RuntimeError("ShardWriter is closed")
+        key = sample.get("__key__")
+        if not isinstance(key, str) or not key or "." in key:
+            raise ValueError(f"sample needs a non-empty string '__key__' without dots, got {key!r}")
+        if self._tar is None:
+            # Stays open across write() calls until the shard is full; closed by _finish_shard/abort.
+            self._file = open(self._paths()[1], "wb")  # noqa: SIM115
+            # mtime=0: TarWriter otherwise stamps every member with the current time.
+            self._tar = wds.TarWriter(self._file, mtime=0.0)
+        self._tar.write(sample)
+        self._count += 1
+        if self._count >= self.samples_per_shard:
+            self._finish_shard()
+
+    def _finish_shard(self) -> None:
+        assert self._tar is not None and self._file is not None
+        self._tar.close()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        final, tmp = self._paths()
+        info = ShardInfo(final.name, self._count, sha256_file(tmp))
+        os.replace(tmp, final)
+        self.shards.append(info)
+        self._tar, self._file, self._count = None, None, 0
+        self._index += 1
+
+    def close(self) -> None:
+        """Finish the last (partial) shard and write the manifest. Idempotent."""
+        if self._closed:
+            return
+        if self._tar is not None:
+            self._finish_shard()
+        self._closed = True
+        if self._write_manifest:
+            write_manifest(self.out_dir, self.shards, self._extra)
+
+    def abort(self) -> None:
+        """Drop the unfinished shard without writing a manifest; finished shards stay on disk."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._tar is not None:
+            assert self._file is not None
+            # Close the tar stream too, or its finaliser later writes to the closed file; the failure that
+            # led here may be an I/O error, which must not mask the original exception.
+            with contextlib.suppress(OSError, ValueError):
+                self._tar.close()
+            self._file.close()
+            self._paths()[1].unlink(missing_ok=True)
+            self._tar, self._file = None, None

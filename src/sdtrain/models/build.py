@@ -1,0 +1,179 @@
+"""Model components, built from a named preset or loaded from a local folder, through one path.
+
+A component source is one of: nothing (build the preset from scratch), a diffusers component
+folder (has config.json), a diffusers pipeline folder (has model_index.json), or an sdtrain run
+folder (its newest checkpoint, EMA weights when it kept them). No function here downloads: every
+load is local, so an offline cluster node behaves exactly like a laptop.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel
+
+from sdtrain.config import DiffusionConfig, ModelConfig
+from sdtrain.errors import UserError
+from sdtrain.models.tokenizer import load_clip_tokenizer
+
+# 4x downsampling: 64 px images become 16x16x4 latents. No mid-block attention: on a CPU it costs
+# 15% of the step and flat shapes need no global context to reconstruct.
+_TINY_VAE = dict(
+    down_block_types=["DownEncoderBlock2D"] * 3,
+    up_block_types=["UpDecoderBlock2D"] * 3,
+    block_out_channels=[32, 32, 64],
+    layers_per_block=1,
+    latent_channels=4,
+    norm_num_groups=32,
+    mid_block_add_attention=False,
+)
+_SD_VAE = dict(
+    down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4,
+    block_out_channels=[128, 256, 512, 512],
+    layers_per_block=2,
+    latent_channels=4,
+    norm_num_groups=32,
+)
+_TINY_UNET = dict(
+    block_out_channels=[32, 64, 64],
+    layers_per_block=1,
+    down_block_types=["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+    up_block_types=["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+    attention_head_dim=8,
+    norm_num_groups=32,
+)
+_SMALL_UNET = dict(
+    block_out_channels=[64, 128, 128],
+    layers_per_block=1,
+    down_block_types=["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+    up_block_types=["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+    attention_head_dim=8,
+    norm_num_groups=32,
+)
+# Stable Diffusion 2 base: 865.9M parameters.
+_SD2_UNET = dict(
+    block_out_channels=[320, 640, 1280, 1280],
+    layers_per_block=2,
+    down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+    up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
+    attention_head_dim=[5, 10, 20, 20],
+    use_linear_projection=True,
+    norm_num_groups=32,
+)
+_TINY_TEXT = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, projection_dim=64)
+_SMALL_TEXT = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+                   projection_dim=128)
+# The OpenCLIP ViT-H/14 text tower as SD2 uses it (penultimate layer, hence 23 layers).
+_SD2_TEXT = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=23, num_attention_heads=16,
+                 projection_dim=512, hidden_act="gelu")
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "tiny": {"vae": _TINY_VAE, "unet": _TINY_UNET, "text_encoder": _TINY_TEXT},
+    "small": {"vae": _TINY_VAE, "unet": _SMALL_UNET, "text_encoder": _SMALL_TEXT},
+    "sd2": {"vae": _SD_VAE, "unet": _SD2_UNET, "text_encoder": _SD2_TEXT},
+}
+
+COMPONENT_CLASSES = {"vae": AutoencoderKL, "unet": UNet2DConditionModel, "text_encoder": CLIPTextModel}
+
+
+def vae_scale(block_out_channels: list[int] | tuple[int, ...]) -> int:
+    """An AutoencoderKL halves the resolution at every level but the last."""
+    return 2 ** (len(block_out_channels) - 1)
+
+
+def build_vae(config: ModelConfig) -> AutoencoderKL:
+    kwargs = {**copy.deepcopy(PRESETS[config.preset]["vae"]), **config.vae_overrides}
+    return AutoencoderKL(**kwargs)
+
+
+def build_text_encoder(config: ModelConfig, tokenizer: Any) -> CLIPTextModel:
+    kwargs = {**copy.deepcopy(PRESETS[config.preset]["text_encoder"]), **config.text_encoder_overrides}
+    # The pooled output is read at the eos position, so the ids must be the tokenizer's own.
+    text_config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=tokenizer.model_max_length,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **kwargs,
+    )
+    return CLIPTextModel(text_config)
+
+
+def build_unet(config: ModelConfig, latent_channels: int, latent_size: int, cross_attention_dim: int):
+    kwargs = {
+        **copy.deepcopy(PRESETS[config.preset]["unet"]),
+        "in_channels": latent_channels,
+        "out_channels": latent_channels,
+        "sample_size": latent_size,
+        "cross_attention_dim": cross_attention_dim,
+        **config.unet_overrides,
+    }
+    return UNet2DConditionModel(**kwargs)
+
+
+def build_noise_scheduler(config: DiffusionConfig) -> DDPMScheduler:
+    return DDPMScheduler(
+        num_train_timesteps=config.num_train_timesteps,
+        beta_schedule=config.beta_schedule,
+        beta_start=config.beta_start,
+        beta_end=config.beta_end,
+        prediction_type=config.prediction_type,
+        clip_sample=False,
+        steps_offset=1,
+    )
+
+
+def source_kind(path: str | Path) -> str:
+    """'component', 'pipeline' or 'run'; a UserError names the folder otherwise."""
+    path = Path(path)
+    if (path / "model_index.json").is_file():
+        return "pipeline"
+    if (path / "config.json").is_file():
+        return "component"
+    if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():
+        return "run"
+    raise UserError(
+        f"{path}: not a diffusers component folder (config.json), pipeline folder (model_index.json) "
+        "or sdtrain run folder (config.yaml + checkpoints/); fix the path"
+    )
+
+
+def load_component(name: str, source: str | Path) -> Any:
+    """Load component `name` ('vae', 'unet', 'text_encoder') from a local source folder."""
+    kind = source_kind(source)
+    cls = COMPONENT_CLASSES[name]
+    if kind == "run":
+        from sdtrain.checkpoint import load_run_modules
+
+        modules = load_run_modules(Path(source), names=[name])
+        if name not in modules:
+            raise UserError(f"{source}: this run did not train a {name}; point model.{name} at a run that did")
+        return modules[name]
+    folder = Path(source) / name if kind == "pipeline" else Path(source)
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{folder}: no config.json for the {name}; point model.{name} at a folder that has one")
+    try:
+        return cls.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{folder}: cannot load the {name} ({str(exc).splitlines()[0]})") from exc
+
+
+def load_tokenizer(source: str | Path, max_length: int | None = None) -> Any:
+    kind = source_kind(source) if not (Path(source) / "vocab.json").is_file() else "component"
+    folder = Path(source) / "tokenizer" if kind in ("pipeline", "run") else Path(source)
+    return load_clip_tokenizer(folder, max_length=max_length)
+
+
+def component_source(config: ModelConfig, name: str) -> str | None:
+    """The folder a component loads from, or None when it is built from the preset."""
+    explicit = getattr(config, name)
+    return explicit if explicit is not None else config.pretrained
+
+
+def count_parameters(module: Any) -> int:
+    return sum(p.numel() for p in module.parameters())

@@ -1,0 +1,50 @@
+"""The run folder and the device: set up once per run, shared by every stage."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from sdtrain.config import RunConfig, to_yaml
+from sdtrain.errors import UserError
+from sdtrain.utils import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("train.device: cuda requested but no CUDA device is visible; use train.device=cpu")
+    return torch.device(name)
+
+
+def prepare_run_dir(config: RunConfig) -> Path:
+    """Create the run folder and record the resolved config.
+
+    The first start writes config.yaml; it is never rewritten. A restart with a different config
+    (say a longer max_steps) keeps the original and records the new one beside it.
+    """
+    run_dir = Path(config.run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"run_dir: cannot create {run_dir} ({exc.strerror}); choose a writable folder") from exc
+    text = to_yaml(config)
+    first = run_dir / "config.yaml"
+    if not first.exists():
+        atomic_write_text(first, text)
+    elif first.read_text() != text:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        changed = run_dir / f"config.{stamp}.yaml"
+        n = 1
+        while changed.exists():
+            n += 1
+            changed = run_dir / f"config.{stamp}-{n}.yaml"
+        atomic_write_text(changed, text)
+        log.warning("config differs from %s; this start's config is saved as %s", first, changed)
+    return run_dir

@@ -1,0 +1,62 @@
+"""Exponential moving average of trained weights.
+
+Kept by parameter name rather than position (as diffusers' EMAModel does) so that the average
+saves to safetensors under the model's own keys, loads into a fresh model for export, and maps
+onto sharded parameters when the model is wrapped for data parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sdtrain.config import EMAConfig
+
+
+class EMA:
+    def __init__(self, modules: dict[str, nn.Module], config: EMAConfig):
+        self.config = config
+        self.modules = modules
+        self.updates = 0
+        self.shadow: dict[str, torch.Tensor] = {
+            name: param.detach().clone().float()
+            for name, param in self._named_parameters()
+        }
+
+    def _named_parameters(self):
+        for prefix, module in self.modules.items():
+            for name, param in module.named_parameters():
+                if param.requires_grad:
+                    yield f"{prefix}.{name}", param
+
+    def decay(self) -> float:
+        if not self.config.warmup:
+            return self.config.decay
+        return min(self.config.decay, (1 + self.updates) / (10 + self.updates))
+
+    @torch.no_grad()
+    def update(self) -> None:
+        decay = self.decay()
+        params = dict(self._named_parameters())
+        names = list(self.shadow)
+        shadows = [self.shadow[n] for n in names]
+        current = [params[n].detach().float() for n in names]
+        # shadow <- decay * shadow + (1 - decay) * param, in one fused call per step.
+        torch._foreach_lerp_(shadows, current, 1.0 - decay)
+        self.updates += 1
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.shadow)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], updates: int) -> None:
+        missing = set(self.shadow) - set(state)
+        if missing:
+            raise KeyError(f"EMA state lacks {sorted(missing)[0]}")
+        for name in self.shadow:
+            self.shadow[name].copy_(state[name])
+        self.updates = updates
+
+    def module_state(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The averaged weights of one module, under that module's own keys."""
+        cut = len(prefix) + 1
+        return {k[cut:]: v for k, v in self.shadow.items() if k.startswith(prefix + ".")}

@@ -1,0 +1,100 @@
+"""Where training metrics go: a progress bar, metrics.jsonl, TensorBoard and optionally W&B."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from sdtrain.config import LoggingConfig
+from sdtrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+class RunLogger:
+    def __init__(self, config: LoggingConfig, run_dir: Path, max_steps: int, run_config: dict[str, Any],
+                 enabled: bool = True):
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.max_steps = max_steps
+        self.run_config = run_config
+        self.enabled = enabled
+        self.bar: tqdm | None = None
+        self.tb = None
+        self.wandb = None
+        self.jsonl = None
+        self._last_time = time.perf_counter()
+        self._last_samples = 0
+
+    def start(self, step: int, samples: int) -> None:
+        self._last_time, self._last_samples = time.perf_counter(), samples
+        if not self.enabled:
+            return
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - open for the whole run
+        if self.config.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=step or None)
+        if self.config.wandb:
+            self.wandb = self._start_wandb()
+        if self.config.progress:
+            self.bar = tqdm(total=self.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+
+    def _start_wandb(self) -> Any:
+        try:
+            import wandb
+        except ImportError as exc:
+            raise UserError("logging.wandb: wandb is not installed; pip install 'sdtrain[wandb]'") from exc
+        # The key is read by wandb itself from WANDB_API_KEY; offline mode needs none.
+        if os.environ.get("WANDB_MODE") != "offline" and not os.environ.get("WANDB_API_KEY"):
+            raise UserError("logging.wandb: set WANDB_API_KEY in the environment, or WANDB_MODE=offline")
+        return wandb.init(project=self.config.wandb_project, dir=str(self.run_dir), config=self.run_config,
+                          name=self.run_dir.name, resume="allow", id=self.run_dir.name.replace("/", "-"))
+
+    def throughput(self, samples: int) -> float:
+        now = time.perf_counter()
+        rate = (samples - self._last_samples) / max(now - self._last_time, 1e-9)
+        self._last_time, self._last_samples = now, samples
+        return rate
+
+    def log(self, step: int, samples: int, metrics: dict[str, float], force: bool = False) -> None:
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+        if not (force or step % self.config.every == 0):
+            return
+        metrics = {**metrics, "samples": samples, "img_per_s": self.throughput(samples)}
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", img_s=f"{metrics['img_per_s']:.1f}",
+                                 lr=f"{metrics['lr']:.2e}", seen=samples, refresh=False)
+        record = {"step": step, **metrics}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in metrics.items():
+                self.tb.add_scalar(f"train/{key}", value, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def image(self, tag: str, path: Path, step: int) -> None:
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({tag: wandb.Image(str(path))}, step=step)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

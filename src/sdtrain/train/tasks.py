@@ -1,0 +1,234 @@
+"""Training tasks: what a stage trains and how its loss is computed.
+
+The Trainer owns the loop, optimizer, EMA, checkpoints and logging; a task only builds its
+models, names the trainable ones, computes the loss of a batch and renders validation images.
+New modes (LoRA, textual inversion, DreamBooth) subclass a task and override those steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sdtrain.config import RunConfig
+from sdtrain.errors import UserError
+from sdtrain.models import build
+from sdtrain.models.tokenizer import train_clip_tokenizer
+from sdtrain.utils import save_grid
+
+log = logging.getLogger(__name__)
+
+
+class Task:
+    """Base: subclasses set ``trainable`` (name -> module) and implement ``loss``."""
+
+    needs_captions = False
+    trainable: dict[str, nn.Module]
+    tokenizer: Any = None
+
+    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path):
+        self.config = config
+        self.device = device
+        self.run_dir = run_dir
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.trainable.values() for p in m.parameters() if p.requires_grad]
+
+    def loss(self, batch: dict[str, Any], generator: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+    def extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def before_save(self) -> None:
+        """Called on every rank before a checkpoint is written."""
+
+    @torch.no_grad()
+    def validate(self, modules: dict[str, nn.Module], out: Path, batch: dict[str, Any] | None) -> Path | None:
+        return None
+
+    def _enable_checkpointing(self, module: nn.Module) -> None:
+        if self.config.train.gradient_checkpointing:
+            if hasattr(module, "enable_gradient_checkpointing"):
+                module.enable_gradient_checkpointing()
+            else:
+                module.gradient_checkpointing_enable()
+
+
+class AutoencoderTask(Task):
+    """Reconstruction plus a small KL term, as in the latent diffusion paper's autoencoder (without the GAN)."""
+
+    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path):
+        super().__init__(config, device, run_dir)
+        source = build.component_source(config.model, "vae")
+        vae = build.load_component("vae", source) if source else build.build_vae(config.model)
+        scale = build.vae_scale(vae.config.block_out_channels)
+        if config.data.resolution % scale:
+            raise UserError(f"data.resolution: {config.data.resolution} is not a multiple of the VAE's factor {scale}")
+        vae.to(device).train()
+        self._enable_checkpointing(vae)
+        self.vae = vae
+        self.trainable = {"vae": vae}
+        # Running second moment of the latents, for the scaling factor that gives them unit variance.
+        self.latent_moment = torch.zeros((), dtype=torch.float64)
+        self.latent_batches = 0
+
+    def loss(self, batch, generator):
+        pixels = batch["pixel_values"].to(self.device, non_blocking=True)
+        posterior = self.vae.encode(pixels).latent_dist
+        cfg = self.config.autoencoder
+        latents = posterior.sample(generator) if cfg.sample_posterior else posterior.mode()
+        reconstruction = self.vae.decode(latents).sample
+        rec = F.l1_loss(reconstruction.float(), pixels.float())
+        # The LDM recipe weights a per-sample KL sum against a per-sample pixel sum; dividing both by
+        # the pixel count keeps that balance with a mean-reduced reconstruction loss.
+        kl = posterior.kl().float().mean() / pixels[0].numel()
+        loss = rec + cfg.kl_weight * kl
+        with torch.no_grad():
+            moment = posterior.mean.float().pow(2).mean().double().cpu()
+            self.latent_batches += 1
+            self.latent_moment += (moment - self.latent_moment) / min(self.latent_batches, 100)
+        return loss, {"rec_l1": rec.item(), "kl": kl.item()}
+
+    def scaling_factor(self) -> float:
+        return float(1.0 / max(self.latent_moment.sqrt().item(), 1e-6)) if self.latent_batches else 1.0
+
+    def before_save(self) -> None:
+        self.vae.register_to_config(scaling_factor=self.scaling_factor())
+
+    def extra_state(self):
+        return {"latent_moment": float(self.latent_moment), "latent_batches": self.latent_batches}
+
+    def load_extra_state(self, state):
+        self.latent_moment = torch.tensor(state["latent_moment"], dtype=torch.float64)
+        self.latent_batches = int(state["latent_batches"])
+
+    @torch.no_grad()
+    def validate(self, modules, out, batch):
+        if batch is None:
+            return None
+        vae = modules["vae"]
+        pixels = batch["pixel_values"][:8].to(self.device)
+        reconstruction = vae.decode(vae.encode(pixels).latent_dist.mode()).sample
+        return save_grid(torch.cat([pixels, reconstruction]).clamp(-1, 1), out, rows=2)
+
+
+class DiffusionTask(Task):
+    """Denoising loss of a UNet conditioned on text, in the latent space of a frozen autoencoder."""
+
+    needs_captions = True
+
+    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path):
+        super().__init__(config, device, run_dir)
+        model = config.model
+        self.tokenizer = self._tokenizer()
+        vae_source = build.component_source(model, "vae")
+        if vae_source is None:
+            raise UserError(
+                "model.vae: the diffusion stage needs a trained autoencoder; set model.vae to an autoencoder run "
+                "or a diffusers folder, or model.pretrained to a pipeline"
+            )
+        self.vae = build.load_component("vae", vae_source).to(device).eval().requires_grad_(False)
+        scale = build.vae_scale(self.vae.config.block_out_channels)
+        if config.data.resolution % scale:
+            raise UserError(f"data.resolution: {config.data.resolution} is not a multiple of the VAE's factor {scale}")
+        text_source = build.component_source(model, "text_encoder")
+        if text_source:
+            self.text_encoder = build.load_component("text_encoder", text_source)
+        else:
+            self.text_encoder = build.build_text_encoder(model, self.tokenizer)
+            if not config.diffusion.train_text_encoder:
+                log.warning("the text encoder is built from scratch but frozen; set diffusion.train_text_encoder=true")
+        unet_source = build.component_source(model, "unet")
+        if unet_source:
+            self.unet = build.load_component("unet", unet_source)
+        else:
+            self.unet = build.build_unet(
+                model, self.vae.config.latent_channels, config.data.resolution // scale,
+                self.text_encoder.config.hidden_size,
+            )
+        self.noise_scheduler = self._noise_scheduler()
+        self.unet.to(device).train()
+        self._enable_checkpointing(self.unet)
+        self.trainable = {"unet": self.unet}
+        self.text_encoder.to(device)
+        if config.diffusion.train_text_encoder:
+            self.text_encoder.train()
+            self._enable_checkpointing(self.text_encoder)
+            self.trainable["text_encoder"] = self.text_encoder
+        else:
+            self.text_encoder.eval().requires_grad_(False)
+        self.alphas_cumprod = self.noise_scheduler.alphas_cumprod.to(device)
+
+    def _tokenizer(self):
+        model = self.config.model
+        source = model.tokenizer or model.pretrained
+        if source:
+            return build.load_tokenizer(source, model.max_text_length)
+        saved = self.run_dir / "tokenizer"
+        if (saved / "vocab.json").is_file():
+            return build.load_tokenizer(saved, model.max_text_length)
+        from sdtrain.data.pipeline import read_captions
+
+        captions = read_captions(self.config.data.shards, self.config.data.caption_key)
+        log.info("training a %d-token BPE tokenizer on %d captions", model.tokenizer_vocab_size, len(captions))
+        return train_clip_tokenizer(captions, saved, model.tokenizer_vocab_size, model.max_text_length)
+
+    def _noise_scheduler(self):
+        from diffusers import DDPMScheduler
+
+        if self.config.model.pretrained:
+            folder = Path(self.config.model.pretrained) / "scheduler"
+            if folder.is_dir():
+                return DDPMScheduler.from_pretrained(folder, prediction_type=self.config.diffusion.prediction_type)
+        return build.build_noise_scheduler(self.config.diffusion)
+
+    def encode_text(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.text_encoder(input_ids.to(self.device, non_blocking=True))[0]
+
+    def loss(self, batch, generator):
+        pixels = batch["pixel_values"].to(self.device, non_blocking=True)
+        with torch.no_grad():
+            latents = self.vae.encode(pixels).latent_dist.sample(generator) * self.vae.config.scaling_factor
+        noise = torch.randn(latents.shape, generator=generator, device=self.device, dtype=latents.dtype)
+        steps = self.noise_scheduler.config.num_train_timesteps
+        timesteps = torch.randint(0, steps, (latents.shape[0],), generator=generator, device=self.device)
+        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        if self.noise_scheduler.config.prediction_type == "v_prediction":
+            target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
+        else:
+            target = noise
+        with torch.set_grad_enabled(self.config.diffusion.train_text_encoder):
+            context = self.encode_text(batch["input_ids"])
+        prediction = self.unet(noisy, timesteps, context).sample
+        loss = F.mse_loss(prediction.float(), target.float())
+        return loss, {}
+
+    @torch.no_grad()
+    def validate(self, modules, out, batch):
+        prompts = self.config.validation.prompts
+        if not prompts:
+            return None
+        from sdtrain.generate import sample_images
+        from sdtrain.models.pipeline import assemble_pipeline, sampler_from
+
+        pipe = assemble_pipeline(
+            self.vae, modules.get("text_encoder", self.text_encoder), self.tokenizer, modules["unet"],
+            sampler_from(self.noise_scheduler, "euler"),
+        )
+        val = self.config.validation
+        images = sample_images(pipe, prompts, seed=val.seed, steps=val.steps, guidance=val.guidance)
+        return save_grid(images, out, rows=max(1, len(prompts) // 4), labels=prompts)
+
+
+def make_task(config: RunConfig, device: torch.device, run_dir: Path) -> Task:
+    tasks = {"autoencoder": AutoencoderTask, "diffusion": DiffusionTask}
+    return tasks[config.stage](config, device, run_dir)

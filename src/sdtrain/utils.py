@@ -1,0 +1,57 @@
+"""Small helpers shared across commands: atomic writes and image grids."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_image_atomic(image: Image.Image, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    image.save(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def to_pil(images: torch.Tensor | Sequence[Image.Image]) -> list[Image.Image]:
+    """Tensors in [-1, 1] (N, 3, H, W) or PIL images -> PIL images."""
+    if isinstance(images, torch.Tensor):
+        array = ((images.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().byte()
+        return [Image.fromarray(a.permute(1, 2, 0).numpy()) for a in array]
+    return list(images)
+
+
+def make_grid(images: list[Image.Image], rows: int, labels: Sequence[str] | None = None, scale: int = 2) -> Image.Image:
+    """Tile images row-major; small images are upscaled so a person can see them, labels go underneath."""
+    cols = max(1, -(-len(images) // rows))
+    w, h = images[0].width * scale, images[0].height * scale
+    label_h = 14 if labels else 0
+    grid = Image.new("RGB", (cols * w, rows * (h + label_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, img in enumerate(images):
+        x, y = (i % cols) * w, (i // cols) * (h + label_h)
+        grid.paste(img.convert("RGB").resize((w, h), Image.Resampling.NEAREST), (x, y))
+        if labels:
+            draw.text((x + 2, y + h + 1), str(labels[i])[: max(4, w // 6)], fill="black")
+    return grid
+
+
+def save_grid(images, path: Path, rows: int = 1, labels: Sequence[str] | None = None) -> Path:
+    pil = to_pil(images)
+    return save_image_atomic(make_grid(pil, rows=min(rows, len(pil)), labels=labels), path)
+
+
+def image_difference(a: Image.Image, b: Image.Image) -> float:
+    return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).mean())

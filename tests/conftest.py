@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny datasets and tiny trained runs, made once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Two cores: tests that run training must not oversubscribe them with a full thread pool each.
+torch.set_num_threads(2)
+
+TINY = [
+    "data.resolution=32",
+    "data.batch_size=4",
+    "data.num_workers=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+]
+
+
+@pytest.fixture(scope="session")
+def shapes_dir(tmp_path_factory) -> Path:
+    from sdtrain.data.shapes import write_shapes_dataset
+
+    out = tmp_path_factory.mktemp("shapes")
+    write_shapes_dataset(out, num=48, seed=0, samples_per_shard=16, size=32)
+    return out
+
+
+def config_path(name: str) -> Path:
+    return Path(__file__).resolve().parents[1] / "configs" / "demo" / name
+
+
+def train(config: str, run_dir: Path, *overrides: str) -> None:
+    from sdtrain.cli.main import main
+
+    code = main(["train", str(config_path(config)), f"run_dir={run_dir}", *TINY, *overrides])
+    assert code == 0
+
+
+@pytest.fixture(scope="session")
+def autoencoder_run(tmp_path_factory, shapes_dir) -> Path:
+    run = tmp_path_factory.mktemp("runs") / "autoencoder"
+    train("autoencoder.yaml", run, f"data.shards={shapes_dir}", "train.max_steps=4", "checkpoint.every=2")
+    return run
+
+
+@pytest.fixture(scope="session")
+def diffusion_run(tmp_path_factory, shapes_dir, autoencoder_run) -> Path:
+    run = tmp_path_factory.mktemp("runs") / "diffusion"
+    train("diffusion.yaml", run, f"data.shards={shapes_dir}", f"model.vae={autoencoder_run}",
+          "train.max_steps=4", "checkpoint.every=2", "validation.prompts=[a red circle,a blue square]",
+          "validation.steps=2")
+    return run

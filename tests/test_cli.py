@@ -1,0 +1,46 @@
+"""The CLI end to end at the tiny size, as a new user would run it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from .conftest import TINY, config_path
+
+
+def sdtrain(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "sdtrain", *args], capture_output=True, text=True, env=env)
+
+
+def test_prepare_train_export_generate(tmp_path):
+    data, ae, sd = tmp_path / "data", tmp_path / "ae", tmp_path / "sd"
+    result = sdtrain("prepare", "shapes", "--out", str(data), "--num", "24", "--size", "32", "--seed", "1")
+    assert result.returncode == 0, result.stderr
+    assert (data / "manifest.json").is_file()
+    result = sdtrain("train", str(config_path("autoencoder.yaml")), f"run_dir={ae}", f"data.shards={data}",
+                     *TINY, "train.max_steps=2")
+    assert result.returncode == 0, result.stderr
+    result = sdtrain("train", str(config_path("diffusion.yaml")), f"run_dir={sd}", f"data.shards={data}",
+                     f"model.vae={ae}", *TINY, "train.max_steps=2", "validation.prompts=[]")
+    assert result.returncode == 0, result.stderr
+    result = sdtrain("export", str(sd), "--out", str(tmp_path / "pipe"))
+    assert result.returncode == 0, result.stderr
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\na green triangle\n")
+    for model in (tmp_path / "pipe", sd):
+        out = tmp_path / f"samples-{model.name}"
+        result = sdtrain("generate", "--model", str(model), "--prompts", str(prompts), "--steps", "2",
+                         "--scheduler", "dpmpp", "--out", str(out))
+        assert result.returncode == 0, result.stderr
+        assert sorted(p.name for p in out.iterdir()) == ["000-a-red-circle.png", "001-a-green-triangle.png", "grid.png"]
+
+
+def test_user_errors_are_one_line_without_traceback(tmp_path):
+    result = sdtrain("train", str(config_path("diffusion.yaml")), f"run_dir={tmp_path}", "data.shards=/nonexistent/x")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("sdtrain train: error:") and "Traceback" not in result.stderr
+    result = sdtrain("generate", "--model", str(tmp_path / "missing"), "--prompt", "a red circle")
+    assert result.returncode == 2 and "Traceback" not in result.stderr

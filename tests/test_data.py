@@ -1,0 +1,217 @@
+"""The training data stream: every sample once per epoch, seeded order, exact resume, damaged data skipped."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import tarfile
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from sdtrain.config import DataConfig
+from sdtrain.data.pipeline import TrainBatches, resolve_shards, slot_range
+from sdtrain.data.shapes import write_shapes_dataset
+from sdtrain.data.shards import ShardWriter
+from sdtrain.errors import UserError
+
+NUM = 37  # 10 + 10 + 10 + 7 samples: uneven shards
+KEYS = [f"{i:08d}" for i in range(NUM)]
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("shapes")
+    write_shapes_dataset(out, num=NUM, seed=3, samples_per_shard=10, size=32)
+    return out
+
+
+@pytest.fixture
+def shapes_copy(shapes: Path, tmp_path: Path) -> Path:
+    """A copy a test may modify."""
+    return Path(shutil.copytree(shapes, tmp_path / "copy"))
+
+
+def data_config(shards: Path | str, workers: int = 0, **kwargs) -> DataConfig:
+    return DataConfig(
+        shards=str(shards), resolution=32, batch_size=4, num_workers=workers, caption_dropout=0.0, **kwargs
+    )
+
+
+def take(tb: TrainBatches, n: int) -> list[dict]:
+    return [tb.next() for _ in range(n)]
+
+
+def keys_of(batches: list[dict]) -> list[str]:
+    return [k for b in batches for k in b["keys"]]
+
+
+def png(seed: int, size: tuple[int, int] = (40, 48)) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_sample_once_per_epoch(shapes: Path, workers: int) -> None:
+    tb = TrainBatches(data_config(shapes, workers), None, seed=0)
+    assert tb.num_samples == NUM
+    per_slot: dict[int, list[str]] = defaultdict(list)
+    while tb.position.epoch == 0:
+        batch = tb.next()
+        assert batch["pixel_values"].shape == (4, 3, 32, 32)
+        assert batch["pixel_values"].dtype == torch.float32
+        assert batch["pixel_values"].min() >= -1.0 and batch["pixel_values"].max() <= 1.0
+        assert len(batch["captions"]) == len(batch["keys"]) == 4
+        per_slot[batch["position"]["slot"]] += batch["keys"]
+    # Each slot (loader worker) reads its own contiguous range of the epoch's order; batches may run on
+    # into the next epoch, so take each slot's first range-length keys.
+    slots = max(1, workers)
+    assert sorted(per_slot) == list(range(slots))
+    first_epoch = []
+    for slot, keys in per_slot.items():
+        start, end = slot_range(NUM, slot, slots)
+        first_epoch += keys[: end - start]
+    assert sorted(first_epoch) == KEYS
+
+
+def test_order_is_seeded_and_differs_between_epochs(shapes: Path) -> None:
+    def two_epochs(seed: int) -> list[str]:
+        return keys_of(take(TrainBatches(data_config(shapes), None, seed=seed), 19))[: 2 * NUM]
+
+    a = two_epochs(0)
+    assert a == two_epochs(0)
+    assert a != two_epochs(1)
+    assert sorted(a[NUM:]) == KEYS
+    assert a[:NUM] != a[NUM:]
+    assert a[:NUM] != KEYS  # shuffled, not file order
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_is_exact(shapes: Path, workers: int) -> None:
+    # Shapes are square, so the random crop has no room; the flip is the augmentation that must replay.
+    config = data_config(shapes, workers, random_flip=True, center_crop=False)
+    straight = take(TrainBatches(config, None, seed=5), 25)  # 100 samples: crosses two epoch boundaries
+
+    first = TrainBatches(config, None, seed=5)
+    head = take(first, 9)
+    state = json.loads(json.dumps(first.state_dict()))  # as stored in a checkpoint
+    del first
+    resumed = TrainBatches(config, None, seed=5)
+    resumed.load_state_dict(state)
+    tail = take(resumed, 16)
+
+    assert keys_of(head + tail) == keys_of(straight)
+    for a, b in zip(straight[9:], tail, strict=True):
+        assert torch.equal(a["pixel_values"], b["pixel_values"])
+        assert a["captions"] == b["captions"]
+    assert resumed.position.batches == 25
+    assert resumed.position.epoch == 2
+
+
+def test_resume_with_other_num_workers_is_refused(shapes: Path) -> None:
+    tb = TrainBatches(data_config(shapes, 0), None, seed=0)
+    take(tb, 2)
+    other = TrainBatches(data_config(shapes, 2), None, seed=0)
+    with pytest.raises(UserError, match="data.num_workers") as info:
+        other.load_state_dict(tb.state_dict())
+    assert "\n" not in str(info.value)
+
+
+def write_damaged(out: Path) -> None:
+    """Three shards of ten: s003 has garbage png bytes, s005 has no image, the last shard is cut to 60%."""
+    with ShardWriter(out, samples_per_shard=10) as writer:
+        for i in range(30):
+            sample = {"__key__": f"s{i:03d}", "txt": f"caption {i}"}
+            if i == 3:
+                sample["png"] = b"\x89PNG\r\n\x1a\n this is not an image"
+            elif i != 5:
+                sample["png"] = png(i)
+            writer.write(sample)
+    last = out / "shard-000002.tar"
+    data = last.read_bytes()
+    last.write_bytes(data[: int(len(data) * 0.6)])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_damaged_data_is_skipped(tmp_path: Path, workers: int) -> None:
+    write_damaged(tmp_path)
+    tb = TrainBatches(data_config(tmp_path, workers), None, seed=0)
+    seen = []
+    while tb.position.epoch == 0:
+        batch = tb.next()
+        assert batch["pixel_values"].shape == (4, 3, 32, 32)
+        assert torch.isfinite(batch["pixel_values"]).all()
+        seen += batch["keys"]
+    assert "s003" not in seen and "s005" not in seen
+    assert {f"s{i:03d}" for i in range(10, 20)} <= set(seen)  # the intact shard is read in full
+    assert len({k for k in seen if k >= "s020"}) < 10  # the cut shard lost samples
+    assert tb.position.total_skipped >= 3  # garbage + no image + at least one lost to the cut
+
+
+def test_sample_without_image_counts_as_skipped(tmp_path: Path) -> None:
+    with ShardWriter(tmp_path, samples_per_shard=10) as writer:
+        for i in range(5):
+            writer.write({"__key__": f"s{i}", "txt": f"caption {i}", **({"png": png(i)} if i != 2 else {})})
+    tb = TrainBatches(data_config(tmp_path), None, seed=0)
+    batches = take(tb, 2)  # four good samples per epoch: the second batch ends past epoch 0
+    assert "s2" not in keys_of(batches)
+    assert tb.position.total_skipped >= 1
+
+
+def test_resolve_shards_prefers_the_manifest(shapes_copy: Path) -> None:
+    shutil.copy(shapes_copy / "shard-000000.tar", shapes_copy / "shard-000009.tar")  # stale leftover
+    shards = resolve_shards(str(shapes_copy))
+    assert [os.path.basename(s.url) for s in shards] == [f"shard-{i:06d}.tar" for i in range(4)]
+    assert [s.samples for s in shards] == [10, 10, 10, 7]
+
+
+def test_resolve_shards_patterns(shapes: Path) -> None:
+    brace = resolve_shards(f"{shapes}/shard-{{000001..000003}}.tar")
+    assert [(os.path.basename(s.url), s.samples) for s in brace] == [
+        ("shard-000001.tar", 10),
+        ("shard-000002.tar", 10),
+        ("shard-000003.tar", 7),
+    ]
+    glob = resolve_shards(f"{shapes}/shard-*.tar")
+    assert [s.samples for s in glob] == [10, 10, 10, 7]
+    assert resolve_shards(f"{shapes}/shard-00000[02].tar") == [glob[0], glob[2]]
+
+
+@pytest.mark.parametrize("pattern", ["nothing-*.tar", "shard-{000007..000009}.tar", "empty"])
+def test_resolve_shards_without_match_names_data_shards(shapes: Path, tmp_path: Path, pattern: str) -> None:
+    (tmp_path / "empty").mkdir()
+    spec = f"{tmp_path}/{pattern}" if pattern == "empty" else f"{shapes}/{pattern}"
+    with pytest.raises(UserError, match="data.shards") as info:
+        resolve_shards(spec)
+    assert "\n" not in str(info.value)
+
+
+def test_resolve_shards_counts_by_scanning_without_manifest(shapes_copy: Path) -> None:
+    (shapes_copy / "manifest.json").unlink()
+    shards = resolve_shards(str(shapes_copy))
+    assert [os.path.basename(s.url) for s in shards] == [f"shard-{i:06d}.tar" for i in range(4)]
+    assert [s.samples for s in shards] == [10, 10, 10, 7]
+    assert TrainBatches(data_config(shapes_copy), None, seed=0).num_samples == NUM
+
+
+def test_captions_match_the_shards(shapes: Path) -> None:
+    expected = {}
+    for tar_path in sorted(shapes.glob("*.tar")):
+        with tarfile.open(tar_path) as tar:
+            for member in tar:
+                if member.name.endswith(".txt"):
+                    expected[member.name.split(".")[0]] = tar.extractfile(member).read().decode()
+    assert sorted(expected) == KEYS
+    got = {}
+    for batch in take(TrainBatches(data_config(shapes), None, seed=0), 10):
+        got.update(zip(batch["keys"], batch["captions"]))
+    assert got == expected
+    assert all(c.startswith(("a ", "an ")) for c in got.values())

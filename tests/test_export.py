@@ -1,0 +1,56 @@
+"""Export and generation: what leaves sdtrain must work in plain diffusers, offline."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from sdtrain.errors import UserError
+from sdtrain.export import export_run
+
+
+def test_exported_pipeline_loads_in_plain_diffusers_offline(tmp_path, diffusion_run, monkeypatch):
+    from diffusers import StableDiffusionPipeline
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = export_run(diffusion_run, tmp_path / "pipeline")
+    index = json.loads((out / "model_index.json").read_text())
+    assert {"unet", "vae", "text_encoder", "tokenizer", "scheduler"} <= set(index)
+    assert list(out.glob("unet/*.safetensors")) and not list(out.rglob("*.bin"))
+    pipe = StableDiffusionPipeline.from_pretrained(out, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe("a red circle", num_inference_steps=2, output_type="np").images[0]
+    assert image.shape == (32, 32, 3) and np.isfinite(image).all()
+
+
+def test_export_uses_ema_weights_by_default(tmp_path, diffusion_run):
+    from diffusers import UNet2DConditionModel
+
+    ema = UNet2DConditionModel.from_pretrained(export_run(diffusion_run, tmp_path / "ema") / "unet")
+    raw = UNet2DConditionModel.from_pretrained(export_run(diffusion_run, tmp_path / "raw", ema=False) / "unet")
+    assert any((a != b).any() for a, b in zip(ema.parameters(), raw.parameters()))
+
+
+def test_autoencoder_run_exports_a_vae_folder(tmp_path, autoencoder_run):
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(export_run(autoencoder_run, tmp_path / "vae"))
+    assert vae.config.latent_channels == 4
+
+
+def test_export_of_a_folder_that_is_not_a_run_is_one_clear_error(tmp_path):
+    with pytest.raises(UserError, match="not an sdtrain run folder"):
+        export_run(tmp_path, tmp_path / "out")
+
+
+def test_generate_is_reproducible_for_a_seed(tmp_path, diffusion_run):
+    from sdtrain.generate import generate
+
+    first = generate(diffusion_run, ["a red circle", "a blue square"], tmp_path / "a", steps=2, seed=3)
+    again = generate(diffusion_run, ["a red circle"], tmp_path / "b", steps=2, seed=3, scheduler="euler")
+    from PIL import Image
+
+    assert np.array_equal(np.asarray(Image.open(first[0])), np.asarray(Image.open(again[0])))
+    assert (tmp_path / "a" / "grid.png").is_file()
