@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from sdtrain.cli.main import main
+
 from .conftest import TINY, config_path
 
 
@@ -16,31 +18,32 @@ def sdtrain(*args: str) -> subprocess.CompletedProcess:
 
 def test_prepare_train_export_generate(tmp_path):
     data, ae, sd = tmp_path / "data", tmp_path / "ae", tmp_path / "sd"
+    # The entry point itself, in its own process; the heavier stages run in-process to keep CI fast.
     result = sdtrain("prepare", "shapes", "--out", str(data), "--num", "24", "--size", "32", "--seed", "1")
     assert result.returncode == 0, result.stderr
     assert (data / "manifest.json").is_file()
-    result = sdtrain("train", str(config_path("autoencoder.yaml")), f"run_dir={ae}", f"data.shards={data}",
-                     *TINY, "train.max_steps=2")
-    assert result.returncode == 0, result.stderr
-    result = sdtrain("train", str(config_path("diffusion.yaml")), f"run_dir={sd}", f"data.shards={data}",
-                     f"model.vae={ae}", *TINY, "train.max_steps=2", "validation.prompts=[]")
-    assert result.returncode == 0, result.stderr
-    result = sdtrain("export", str(sd), "--out", str(tmp_path / "pipe"))
-    assert result.returncode == 0, result.stderr
+    assert main(["train", str(config_path("autoencoder.yaml")), f"run_dir={ae}", f"data.shards={data}",
+                 *TINY, "train.max_steps=2"]) == 0
+    assert main(["train", str(config_path("diffusion.yaml")), f"run_dir={sd}", f"data.shards={data}",
+                 f"model.vae={ae}", *TINY, "train.max_steps=2", "validation.prompts=[]"]) == 0
+    assert main(["export", str(sd), "--out", str(tmp_path / "pipe")]) == 0
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle\na green triangle\n")
     for model in (tmp_path / "pipe", sd):
         out = tmp_path / f"samples-{model.name}"
-        result = sdtrain("generate", "--model", str(model), "--prompts", str(prompts), "--steps", "2",
-                         "--scheduler", "dpmpp", "--out", str(out))
-        assert result.returncode == 0, result.stderr
+        assert main(["generate", "--model", str(model), "--prompts", str(prompts), "--steps", "2",
+                     "--scheduler", "dpmpp", "--out", str(out)]) == 0
         assert sorted(p.name for p in out.iterdir()) == ["000-a-red-circle.png", "001-a-green-triangle.png", "grid.png"]
 
 
 def test_user_errors_are_one_line_without_traceback(tmp_path):
     result = sdtrain("train", str(config_path("diffusion.yaml")), f"run_dir={tmp_path}", "data.shards=/nonexistent/x")
     assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert lines[-1].startswith("sdtrain train: error:") and "Traceback" not in result.stderr
-    result = sdtrain("generate", "--model", str(tmp_path / "missing"), "--prompt", "a red circle")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().startswith("sdtrain train: error:") and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_generate_names_a_missing_model_folder(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "a red circle"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sdtrain generate: error:") and "missing" in err and len(err.splitlines()) == 1

@@ -10,27 +10,32 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from sdtrain.cli.main import main
+
 from .conftest import TINY, config_path
 
 
-def _train(run_dir: Path, steps: int, shapes_dir: Path, autoencoder_run: Path, workers: int) -> None:
-    # A separate interpreter each time: nothing may survive in memory between the halves.
-    command = [
-        sys.executable, "-m", "sdtrain", "train", str(config_path("diffusion.yaml")), f"run_dir={run_dir}",
-        f"data.shards={shapes_dir}", f"model.vae={autoencoder_run}", *TINY, f"data.num_workers={workers}",
-        f"train.max_steps={steps}", "checkpoint.every=3", "optim.schedule=constant", "optim.warmup_steps=2",
-        "validation.prompts=[]", "data.caption_dropout=0.25", "data.random_flip=true", "data.center_crop=false",
+def _overrides(run_dir: Path, steps: int, shapes_dir: Path, autoencoder_run: Path, workers: int) -> list[str]:
+    return [
+        f"run_dir={run_dir}", f"data.shards={shapes_dir}", f"model.vae={autoencoder_run}", *TINY,
+        f"data.num_workers={workers}", f"train.max_steps={steps}", "checkpoint.every=3",
+        "optim.schedule=constant", "optim.warmup_steps=2", "validation.prompts=[]",
+        "data.caption_dropout=0.25", "data.random_flip=true",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    subprocess.run(command, check=True, env=env, capture_output=True)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resumed_run_is_bitwise_equal_to_a_straight_run(tmp_path, shapes_dir, autoencoder_run, workers):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    _train(straight, 7, shapes_dir, autoencoder_run, workers)
-    _train(resumed, 3, shapes_dir, autoencoder_run, workers)
-    _train(resumed, 7, shapes_dir, autoencoder_run, workers)
+    config = str(config_path("diffusion.yaml"))
+    assert main(["train", config, *_overrides(straight, 7, shapes_dir, autoencoder_run, workers)]) == 0
+    assert main(["train", config, *_overrides(resumed, 3, shapes_dir, autoencoder_run, workers)]) == 0
+    # The second half in a separate interpreter: nothing may survive in memory between the halves.
+    command = [sys.executable, "-m", "sdtrain", "train", config,
+               *_overrides(resumed, 7, shapes_dir, autoencoder_run, workers)]
+    result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "2"}, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "resumed from" in result.stderr
     for name in ("model.safetensors", "ema.safetensors"):
         a = load_file(str(straight / "checkpoints" / "step_00000007" / name))
         b = load_file(str(resumed / "checkpoints" / "step_00000007" / name))

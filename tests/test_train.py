@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
+from sdtrain.cli.main import main
 from sdtrain.config import load_config
 from sdtrain.train.trainer import Trainer
 
-from .conftest import TINY, config_path
+from .conftest import TINY, config_path, train
 
 
 def _fixed_batch_loss(trainer: Trainer, batch) -> float:
@@ -58,8 +60,6 @@ def test_run_folder_has_config_metrics_checkpoints_and_samples(diffusion_run):
 
 
 def test_keep_last_prunes_old_checkpoints_and_leaves_no_temporaries(tmp_path, shapes_dir):
-    from .conftest import train
-
     run = tmp_path / "ae"
     train("autoencoder.yaml", run, f"data.shards={shapes_dir}", "train.max_steps=4", "checkpoint.every=1",
           "checkpoint.keep_last=2")
@@ -72,3 +72,59 @@ def test_autoencoder_checkpoint_records_a_latent_scaling_factor(autoencoder_run)
 
     vae = load_run_modules(autoencoder_run)["vae"]
     assert vae.config.scaling_factor != 0.18215 and vae.config.scaling_factor > 0
+
+
+def test_bf16_checkpointing_accumulation_and_v_prediction_train(tmp_path, shapes_dir, autoencoder_run):
+    run = tmp_path / "sd"
+    train("diffusion.yaml", run, f"data.shards={shapes_dir}", f"model.vae={autoencoder_run}",
+          "train.max_steps=2", "train.mixed_precision=bf16", "train.gradient_checkpointing=true",
+          "train.grad_accum=2", "diffusion.prediction_type=v_prediction", "validation.prompts=[a red circle]",
+          "validation.steps=2")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["samples"] == 2 * 2 * 4  # steps x accumulation x batch
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    from sdtrain.export import pipeline_from_run
+
+    assert pipeline_from_run(run).scheduler.config.prediction_type == "v_prediction"
+
+
+def test_training_runs_on_through_damaged_shards(tmp_path):
+    from .test_data import write_damaged
+
+    data = tmp_path / "damaged"
+    write_damaged(data)
+    run = tmp_path / "ae"
+    train("autoencoder.yaml", run, f"data.shards={data}", "train.max_steps=8")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 8 and records[-1]["skipped_samples"] >= 2
+
+
+def test_fine_tune_from_a_pipeline_folder(tmp_path, shapes_dir, diffusion_run):
+    from sdtrain.export import export_run
+
+    pipeline = export_run(diffusion_run, tmp_path / "base")
+    run = tmp_path / "finetune"
+    train("diffusion.yaml", run, f"data.shards={shapes_dir}", f"model.pretrained={pipeline}", "model.vae=null",
+          "diffusion.train_text_encoder=false", "train.max_steps=2", "validation.prompts=[]")
+    assert not (run / "tokenizer").exists()  # the pipeline's own tokenizer was used
+    tuned = export_run(run, tmp_path / "tuned")
+    assert (tuned / "text_encoder").is_dir() and (tuned / "unet").is_dir()
+
+
+def test_wandb_offline_logs_without_network_or_key(tmp_path, shapes_dir, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "ae"
+    train("autoencoder.yaml", run, f"data.shards={shapes_dir}", "train.max_steps=2", "logging.wandb=true",
+          "logging.every=1")
+    assert list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_wandb_online_without_a_key_is_one_clear_error(tmp_path, shapes_dir, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    code = main(["train", str(config_path("autoencoder.yaml")), f"run_dir={tmp_path / 'ae'}",
+                 f"data.shards={shapes_dir}", *TINY, "train.max_steps=1", "logging.wandb=true"])
+    assert code == 2

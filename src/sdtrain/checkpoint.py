@@ -100,7 +100,7 @@ class Checkpointer:
             "modules": {name: _module_spec(m) for name, m in state.modules.items()},
         }
         # meta.json last: its presence is what marks a checkpoint folder complete.
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
         _fsync_tree(tmp)
         os.replace(tmp, final)
         self._prune()

@@ -28,6 +28,9 @@ class DataConfig:
     ``data/shard-{000000..000009}.tar``."""
     resolution: int = 64
     """Square side in pixels that images are resized (shorter side) and cropped to."""
+    resize: bool = True
+    """Resize the shorter side to ``resolution`` before cropping. False crops windows of the images at
+    their own size: autoencoders train on such crops several times faster and still work at full size."""
     center_crop: bool = True
     """Crop the centre; false crops at a random (seeded, resumable) position."""
     random_flip: bool = False
@@ -86,12 +89,20 @@ class DiffusionConfig:
     """First beta of the schedule."""
     beta_end: float = 0.012
     """Last beta of the schedule."""
+    snr_gamma: float = 0.0
+    """Min-SNR loss weighting (Hang et al., 2023): clamp each timestep's weight at this signal-to-noise
+    ratio, so the many easy low-noise steps stop dominating; 5 is the paper's value, 0 turns it off."""
+    sample_latents: bool = True
+    """Train on samples of the autoencoder's posterior (as Stable Diffusion does); false uses its mean,
+    which suits an autoencoder trained with ``autoencoder.sample_posterior: false``."""
     train_text_encoder: bool = False
     """Train the text encoder with the UNet (needed from scratch) instead of freezing it."""
 
 
 @dataclass
 class AutoencoderLossConfig:
+    reconstruction: str = "l1"
+    """Pixel loss: ``l1`` (sharper edges), ``mse`` (punishes large colour errors hardest) or ``l1+mse``."""
     kl_weight: float = 1.0e-6
     """Weight of the KL term that keeps the latent distribution close to a unit Gaussian."""
     sample_posterior: bool = True
@@ -275,6 +286,9 @@ def validate(config: RunConfig) -> None:
         "diffusion.prediction_type",
         "must be epsilon or v_prediction",
     )
+    _check(config.autoencoder.reconstruction in ("l1", "mse", "l1+mse"), "autoencoder.reconstruction",
+           "must be l1, mse or l1+mse")
+    _check(config.diffusion.snr_gamma >= 0, "diffusion.snr_gamma", "must be 0 (off) or positive")
     _check(config.optim.lr > 0, "optim.lr", "must be positive")
     _check(len(config.optim.betas) == 2, "optim.betas", "needs two values, e.g. [0.9, 0.999]")
     _check(config.optim.warmup_steps >= 0, "optim.warmup_steps", "must be 0 or more")

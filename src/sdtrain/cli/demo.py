@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     if args.autoencoder_steps:
         ae.append(f"train.max_steps={args.autoencoder_steps}")
     _step("2/5 train the autoencoder", ae)
-    sd = ["train", str(config_path("diffusion.yaml")), f"run_dir={sd_run}", f"data.shards={data}", f"model.vae={ae_run}"]
+    sd = ["train", str(config_path("diffusion.yaml")), f"run_dir={sd_run}", f"data.shards={data}",
+          f"model.vae={ae_run}"]
     if args.diffusion_steps:
         sd.append(f"train.max_steps={args.diffusion_steps}")
     _step("3/5 train the text encoder and UNet", sd)

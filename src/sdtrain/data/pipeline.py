@@ -18,7 +18,6 @@ import os
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -142,7 +141,7 @@ class SampleDecoder:
     def _transform(self, img: Image.Image, rng: np.random.Generator) -> torch.Tensor:
         size = self.config.resolution
         scale = size / min(img.size)
-        if scale != 1.0:
+        if scale != 1.0 and (self.config.resize or scale > 1.0):
             new_size = (max(size, round(img.width * scale)), max(size, round(img.height * scale)))
             img = img.resize(new_size, Image.Resampling.BICUBIC)
         if self.config.center_crop:
@@ -210,13 +209,13 @@ class ShardStream(IterableDataset):
         skipped = self.skipped.get(slot, 0)
         batch: list[dict[str, Any]] = []
         while True:
-            for epoch, offset, sample in self._epoch_samples(slot, epoch, offset):
+            for at_epoch, at_offset, sample in self._epoch_samples(slot, epoch, offset):
                 if sample is None:
                     skipped += 1
                     continue
                 batch.append(sample)
                 if len(batch) == self.config.batch_size:
-                    yield self._collate(batch, slot, epoch, offset, skipped)
+                    yield self._collate(batch, slot, at_epoch, at_offset, skipped)
                     batch = []
             epoch, offset = epoch + 1, 0
 

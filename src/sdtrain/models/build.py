@@ -27,7 +27,8 @@ _TINY_VAE = dict(
     block_out_channels=[32, 32, 64],
     layers_per_block=1,
     latent_channels=4,
-    norm_num_groups=32,
+    # 32 groups over 32 channels would normalise every channel on its own, which washes out colour.
+    norm_num_groups=8,
     mid_block_add_attention=False,
 )
 _SD_VAE = dict(
@@ -44,7 +45,7 @@ _TINY_UNET = dict(
     down_block_types=["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
     up_block_types=["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
     attention_head_dim=8,
-    norm_num_groups=32,
+    norm_num_groups=8,
 )
 _SMALL_UNET = dict(
     block_out_channels=[64, 128, 128],

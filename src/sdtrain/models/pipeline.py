@@ -18,7 +18,9 @@ SAMPLERS = {
 }
 
 
-def assemble_pipeline(vae: Any, text_encoder: Any, tokenizer: Any, unet: Any, scheduler: Any) -> StableDiffusionPipeline:
+def assemble_pipeline(
+    vae: Any, text_encoder: Any, tokenizer: Any, unet: Any, scheduler: Any
+) -> StableDiffusionPipeline:
     # Models trained here have no safety checker; the pipeline must be told so explicitly.
     return StableDiffusionPipeline(
         vae=vae,

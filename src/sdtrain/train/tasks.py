@@ -55,6 +55,15 @@ class Task:
     def validate(self, modules: dict[str, nn.Module], out: Path, batch: dict[str, Any] | None) -> Path | None:
         return None
 
+    def _check_resolution(self, vae: nn.Module) -> int:
+        """The VAE's downsampling factor, which the training resolution must be a multiple of."""
+        scale = build.vae_scale(vae.config.block_out_channels)
+        if self.config.data.resolution % scale:
+            raise UserError(
+                f"data.resolution: {self.config.data.resolution} is not a multiple of the VAE's factor {scale}"
+            )
+        return scale
+
     def _enable_checkpointing(self, module: nn.Module) -> None:
         if self.config.train.gradient_checkpointing:
             if hasattr(module, "enable_gradient_checkpointing"):
@@ -70,9 +79,7 @@ class AutoencoderTask(Task):
         super().__init__(config, device, run_dir)
         source = build.component_source(config.model, "vae")
         vae = build.load_component("vae", source) if source else build.build_vae(config.model)
-        scale = build.vae_scale(vae.config.block_out_channels)
-        if config.data.resolution % scale:
-            raise UserError(f"data.resolution: {config.data.resolution} is not a multiple of the VAE's factor {scale}")
+        self._check_resolution(vae)
         vae.to(device).train()
         self._enable_checkpointing(vae)
         self.vae = vae
@@ -87,7 +94,9 @@ class AutoencoderTask(Task):
         cfg = self.config.autoencoder
         latents = posterior.sample(generator) if cfg.sample_posterior else posterior.mode()
         reconstruction = self.vae.decode(latents).sample
-        rec = F.l1_loss(reconstruction.float(), pixels.float())
+        rec = reconstruction.float()
+        rec = sum(loss(rec, pixels.float()) for name, loss in (("l1", F.l1_loss), ("mse", F.mse_loss))
+                  if name in cfg.reconstruction.split("+"))
         # The LDM recipe weights a per-sample KL sum against a per-sample pixel sum; dividing both by
         # the pixel count keeps that balance with a mean-reduced reconstruction loss.
         kl = posterior.kl().float().mean() / pixels[0].numel()
@@ -96,7 +105,7 @@ class AutoencoderTask(Task):
             moment = posterior.mean.float().pow(2).mean().double().cpu()
             self.latent_batches += 1
             self.latent_moment += (moment - self.latent_moment) / min(self.latent_batches, 100)
-        return loss, {"rec_l1": rec.item(), "kl": kl.item()}
+        return loss, {"reconstruction": rec.item(), "kl": kl.item()}
 
     def scaling_factor(self) -> float:
         return float(1.0 / max(self.latent_moment.sqrt().item(), 1e-6)) if self.latent_batches else 1.0
@@ -137,9 +146,7 @@ class DiffusionTask(Task):
                 "or a diffusers folder, or model.pretrained to a pipeline"
             )
         self.vae = build.load_component("vae", vae_source).to(device).eval().requires_grad_(False)
-        scale = build.vae_scale(self.vae.config.block_out_channels)
-        if config.data.resolution % scale:
-            raise UserError(f"data.resolution: {config.data.resolution} is not a multiple of the VAE's factor {scale}")
+        scale = self._check_resolution(self.vae)
         text_source = build.component_source(model, "text_encoder")
         if text_source:
             self.text_encoder = build.load_component("text_encoder", text_source)
@@ -197,7 +204,9 @@ class DiffusionTask(Task):
     def loss(self, batch, generator):
         pixels = batch["pixel_values"].to(self.device, non_blocking=True)
         with torch.no_grad():
-            latents = self.vae.encode(pixels).latent_dist.sample(generator) * self.vae.config.scaling_factor
+            posterior = self.vae.encode(pixels).latent_dist
+            latents = posterior.sample(generator) if self.config.diffusion.sample_latents else posterior.mode()
+            latents = latents * self.vae.config.scaling_factor
         noise = torch.randn(latents.shape, generator=generator, device=self.device, dtype=latents.dtype)
         steps = self.noise_scheduler.config.num_train_timesteps
         timesteps = torch.randint(0, steps, (latents.shape[0],), generator=generator, device=self.device)
@@ -209,8 +218,15 @@ class DiffusionTask(Task):
         with torch.set_grad_enabled(self.config.diffusion.train_text_encoder):
             context = self.encode_text(batch["input_ids"])
         prediction = self.unet(noisy, timesteps, context).sample
-        loss = F.mse_loss(prediction.float(), target.float())
-        return loss, {}
+        loss = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+        gamma = self.config.diffusion.snr_gamma
+        if gamma > 0:
+            alpha = self.alphas_cumprod[timesteps].float()
+            snr = alpha / (1 - alpha)
+            # The epsilon loss weighs a step by snr relative to x0-prediction, the v loss by snr + 1.
+            base = snr + 1 if self.noise_scheduler.config.prediction_type == "v_prediction" else snr
+            loss = loss * torch.clamp(snr, max=gamma) / base
+        return loss.mean(), {}
 
     @torch.no_grad()
     def validate(self, modules, out, batch):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
@@ -93,6 +92,7 @@ class Trainer:
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                        enabled=config.train.mixed_precision == "bf16")
         self.last_batch: dict[str, Any] | None = None
+        self.saved: tuple[int, Path] | None = None
 
     def train(self) -> Path:
         resume = self.checkpointer.resume_path()
@@ -147,9 +147,12 @@ class Trainer:
         return totals
 
     def save(self) -> Path:
+        if self.saved is not None and self.saved[0] == self.state.step:
+            return self.saved[1]  # the last periodic save was also the final step
         self.task.before_save()
         path = self.checkpointer.save(self.state)
         self.validate()
+        self.saved = (self.state.step, path)
         return path
 
     def averaged_modules(self) -> dict[str, nn.Module]:
@@ -166,13 +169,13 @@ class Trainer:
     def validate(self) -> None:
         out = self.run_dir / "samples" / f"step_{self.state.step:08d}.png"
         modules = self.averaged_modules()
-        was_training = {n: m.training for n, m in self.task.trainable.items()}
-        with contextlib.ExitStack():
-            for m in modules.values():
-                m.eval()
+        for module in modules.values():
+            module.eval()
+        try:
             path = self.task.validate(modules, out, self.last_batch)
-        for name, module in self.task.trainable.items():
-            module.train(was_training[name])
+        finally:
+            for module in self.task.trainable.values():
+                module.train()
         if path is not None:
             log.info("validation images: %s", path)
             self.logger.image("validation", path, self.state.step)
