@@ -42,3 +42,34 @@ def test_resumed_run_is_bitwise_equal_to_a_straight_run(tmp_path, shapes_dir, au
         assert a.keys() == b.keys()
         different = [k for k in a if not (a[k] == b[k]).all()]
         assert not different, f"{name}: {len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def test_a_corrupt_checkpoint_is_one_clear_error_naming_it(tmp_path, shapes_dir, capsys):
+    from .conftest import train
+
+    run = tmp_path / "ae"
+    train("autoencoder.yaml", run, f"data.shards={shapes_dir}", "train.max_steps=2", "checkpoint.every=1")
+    newest = run / "checkpoints" / "step_00000002"
+    (newest / "model.safetensors").write_bytes(b"not safetensors")
+    code = main(["train", str(config_path("autoencoder.yaml")), f"run_dir={run}", f"data.shards={shapes_dir}",
+                 *TINY, "train.max_steps=3"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("sdtrain train: error:") and "step_00000002" in err
+
+
+def test_an_interrupted_save_leaves_the_previous_checkpoint_newest(tmp_path, shapes_dir):
+    from sdtrain.checkpoint import latest_checkpoint
+
+    from .conftest import train
+
+    run = tmp_path / "ae"
+    train("autoencoder.yaml", run, f"data.shards={shapes_dir}", "train.max_steps=2", "checkpoint.every=1")
+    # What a crash mid-save leaves: a temporary folder without meta.json.
+    partial = run / "checkpoints" / ".step_00000003.tmp-999"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"partial")
+    assert latest_checkpoint(run).name == "step_00000002"
+    train("autoencoder.yaml", run, f"data.shards={shapes_dir}", "train.max_steps=3", "checkpoint.every=1")
+    assert latest_checkpoint(run).name == "step_00000003"
+    assert not partial.exists()  # cleaned up by the restart

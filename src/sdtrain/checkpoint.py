@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -113,6 +115,10 @@ class Checkpointer:
 
     def resume_path(self) -> Path | None:
         """The checkpoint to start from under the configured resume policy, or None for a fresh start."""
+        # Temporary folders are what a crash mid-save leaves; the run has one writer, so any found at
+        # start are dead.
+        for partial in self.folder.glob(".step_*.tmp-*") if self.folder.is_dir() else ():
+            shutil.rmtree(partial, ignore_errors=True)
         policy = self.config.resume
         newest = latest_checkpoint(self.run_dir)
         if policy == "auto":
@@ -139,7 +145,7 @@ class Checkpointer:
                 state.ema.load_state_dict(load_file(str(path / "ema.safetensors")), trainer["ema_updates"])
             state.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
             state.load_trainer_state(trainer)
-        except (OSError, RuntimeError, KeyError) as exc:
+        except (OSError, RuntimeError, KeyError, SafetensorError, pickle.UnpicklingError) as exc:
             raise UserError(
                 f"{path}: cannot resume from this checkpoint ({str(exc).splitlines()[0]}); "
                 "delete it to fall back to the previous one, or set checkpoint.resume=never with a new run_dir"

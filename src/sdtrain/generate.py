@@ -13,10 +13,11 @@ from PIL import Image
 from sdtrain.errors import UserError
 from sdtrain.models import build
 from sdtrain.models.pipeline import sampler_from
+from sdtrain.run import resolve_device
 from sdtrain.utils import make_grid, save_image_atomic
 
 
-def load_pipeline(model: str | Path, ema: bool = True, device: str = "cpu") -> Any:
+def load_pipeline(model: str | Path, ema: bool = True, device: str = "auto") -> Any:
     from diffusers import StableDiffusionPipeline
 
     kind = build.source_kind(model)
@@ -30,7 +31,7 @@ def load_pipeline(model: str | Path, ema: bool = True, device: str = "cpu") -> A
         )
     else:
         raise UserError(f"--model: {model} is a single component; pass a pipeline folder or a diffusion run")
-    return pipe.to(device)
+    return pipe.to(resolve_device(device))
 
 
 @torch.no_grad()
@@ -52,7 +53,7 @@ def _slug(text: str) -> str:
 
 
 def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int = 30, guidance: float = 5.0,
-             seed: int = 0, scheduler: str = "euler", ema: bool = True, device: str = "cpu",
+             seed: int = 0, scheduler: str = "euler", ema: bool = True, device: str = "auto",
              negative_prompt: str | None = None) -> list[Path]:
     if not prompts:
         raise UserError("no prompts: pass --prompt TEXT or --prompts FILE with one prompt per line")

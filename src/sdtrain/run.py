@@ -18,9 +18,12 @@ log = logging.getLogger(__name__)
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("train.device: cuda requested but no CUDA device is visible; use train.device=cpu")
-    return torch.device(name)
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device: {name} requested but no CUDA device is visible; use cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError as exc:
+        raise UserError(f"device: '{name}' is not a device; use auto, cpu, cuda or cuda:N") from exc
 
 
 def prepare_run_dir(config: RunConfig) -> Path:

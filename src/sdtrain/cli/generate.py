@@ -20,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the first prompt; prompt i uses seed + i")
     parser.add_argument("--scheduler", default="euler", choices=["euler", "ddim", "dpmpp"])
     parser.add_argument("--negative-prompt", default=None)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     parser.add_argument("--no-ema", dest="ema", action="store_false", help="with a run: use the raw weights")
     parser.set_defaults(run=run)
 

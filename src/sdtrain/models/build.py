@@ -47,14 +47,7 @@ _TINY_UNET = dict(
     attention_head_dim=8,
     norm_num_groups=8,
 )
-_SMALL_UNET = dict(
-    block_out_channels=[64, 128, 128],
-    layers_per_block=1,
-    down_block_types=["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
-    up_block_types=["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
-    attention_head_dim=8,
-    norm_num_groups=32,
-)
+_SMALL_UNET = {**_TINY_UNET, "block_out_channels": [64, 128, 128]}
 # Stable Diffusion 2 base: 865.9M parameters.
 _SD2_UNET = dict(
     block_out_channels=[320, 640, 1280, 1280],

@@ -63,11 +63,11 @@ class RunLogger:
         self._last_time, self._last_samples = now, samples
         return rate
 
-    def log(self, step: int, samples: int, metrics: dict[str, float], force: bool = False) -> None:
+    def advance(self, step: int) -> None:
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
-        if not (force or step % self.config.every == 0):
-            return
+
+    def log(self, step: int, samples: int, metrics: dict[str, float]) -> None:
         metrics = {**metrics, "samples": samples, "img_per_s": self.throughput(samples)}
         if not self.enabled:
             return

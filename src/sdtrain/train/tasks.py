@@ -39,7 +39,7 @@ class Task:
     def parameters(self) -> list[nn.Parameter]:
         return [p for m in self.trainable.values() for p in m.parameters() if p.requires_grad]
 
-    def loss(self, batch: dict[str, Any], generator: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: dict[str, Any], generator: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError
 
     def extra_state(self) -> dict[str, Any]:
@@ -85,7 +85,7 @@ class AutoencoderTask(Task):
         self.vae = vae
         self.trainable = {"vae": vae}
         # Running second moment of the latents, for the scaling factor that gives them unit variance.
-        self.latent_moment = torch.zeros((), dtype=torch.float64)
+        self.latent_moment = torch.zeros((), device=device)
         self.latent_batches = 0
 
     def loss(self, batch, generator):
@@ -102,10 +102,10 @@ class AutoencoderTask(Task):
         kl = posterior.kl().float().mean() / pixels[0].numel()
         loss = rec + cfg.kl_weight * kl
         with torch.no_grad():
-            moment = posterior.mean.float().pow(2).mean().double().cpu()
+            moment = posterior.mean.float().pow(2).mean()
             self.latent_batches += 1
             self.latent_moment += (moment - self.latent_moment) / min(self.latent_batches, 100)
-        return loss, {"reconstruction": rec.item(), "kl": kl.item()}
+        return loss, {"reconstruction": rec, "kl": kl}
 
     def scaling_factor(self) -> float:
         return float(1.0 / max(self.latent_moment.sqrt().item(), 1e-6)) if self.latent_batches else 1.0
@@ -117,7 +117,7 @@ class AutoencoderTask(Task):
         return {"latent_moment": float(self.latent_moment), "latent_batches": self.latent_batches}
 
     def load_extra_state(self, state):
-        self.latent_moment = torch.tensor(state["latent_moment"], dtype=torch.float64)
+        self.latent_moment = torch.tensor(state["latent_moment"], device=self.device)
         self.latent_batches = int(state["latent_batches"])
 
     @torch.no_grad()

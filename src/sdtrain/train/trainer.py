@@ -106,8 +106,7 @@ class Trainer:
             while self.state.step < self.config.train.max_steps:
                 metrics = self.train_step()
                 self.state.step += 1
-                self.logger.log(self.state.step, self.state.samples, metrics,
-                                force=self.state.step == self.config.train.max_steps)
+                self.report(metrics)
                 if self.checkpointer.due(self.state.step):
                     self.save()
             final = self.save()
@@ -115,11 +114,12 @@ class Trainer:
             self.logger.close()
         return final
 
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step over grad_accum micro-batches."""
+    def train_step(self) -> dict[str, torch.Tensor]:
+        """One optimizer step over grad_accum micro-batches. Metrics stay tensors: reading them
+        every step would stall an accelerator for nothing."""
         self.optimizer.zero_grad(set_to_none=True)
         accum = self.config.train.grad_accum
-        totals: dict[str, float] = {"loss": 0.0}
+        totals: dict[str, torch.Tensor] = {}
         for _ in range(accum):
             batch = self.data.next()
             self.last_batch = batch
@@ -127,24 +127,29 @@ class Trainer:
                 loss, metrics = self.task.loss(batch, self.state.noise)
             (loss / accum).backward()
             self.state.samples += batch["pixel_values"].shape[0]
-            totals["loss"] += loss.item() / accum
-            for key, value in metrics.items():
-                totals[key] = totals.get(key, 0.0) + value / accum
-        if not math.isfinite(totals["loss"]):
-            raise UserError(
-                f"step {self.state.step + 1}: loss is {totals['loss']}; lower optim.lr or enable optim.grad_clip"
-            )
-        params = self.task.parameters()
+            for key, value in {"loss": loss, **metrics}.items():
+                totals[key] = totals.get(key, 0) + value.detach().float() / accum
         if self.config.optim.grad_clip > 0:
-            totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, self.config.optim.grad_clip))
+            totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.task.parameters(), self.config.optim.grad_clip)
         self.optimizer.step()
         self.lr_schedule.step()
         if self.ema is not None:
             self.ema.update()
-        totals["lr"] = self.lr_schedule.get_last_lr()[0]
-        totals["epoch"] = self.data.position.epoch
-        totals["skipped_samples"] = self.data.position.total_skipped
         return totals
+
+    def report(self, metrics: dict[str, torch.Tensor]) -> None:
+        step = self.state.step
+        final = step == self.config.train.max_steps
+        self.logger.advance(step)
+        if not (final or step % self.config.logging.every == 0):
+            return
+        values = {key: float(value) for key, value in metrics.items()}
+        if not math.isfinite(values["loss"]):
+            raise UserError(f"step {step}: loss is {values['loss']}; lower optim.lr or enable optim.grad_clip")
+        values["lr"] = self.lr_schedule.get_last_lr()[0]
+        values["epoch"] = self.data.position.epoch
+        values["skipped_samples"] = self.data.position.total_skipped
+        self.logger.log(step, self.state.samples, values)
 
     def save(self) -> Path:
         if self.saved is not None and self.saved[0] == self.state.step:
