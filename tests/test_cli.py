@@ -47,3 +47,11 @@ def test_generate_names_a_missing_model_folder(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "a red circle"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("sdtrain generate: error:") and "missing" in err and len(err.splitlines()) == 1
+
+
+def test_demo_runs_end_to_end_at_a_few_steps(tmp_path):
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--num", "32", "--autoencoder-steps", "2", "--diffusion-steps", "2"]) == 0
+    assert (out / "samples.png").is_file()
+    assert (out / "pipeline" / "model_index.json").is_file()
+    assert (out / "diffusion" / "checkpoints" / "step_00000002").is_dir()

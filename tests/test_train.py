@@ -62,9 +62,10 @@ def test_run_folder_has_config_metrics_checkpoints_and_samples(diffusion_run):
 def test_keep_last_prunes_old_checkpoints_and_leaves_no_temporaries(tmp_path, shapes_dir):
     run = tmp_path / "ae"
     train("autoencoder.yaml", run, f"data.shards={shapes_dir}", "train.max_steps=4", "checkpoint.every=1",
-          "checkpoint.keep_last=2")
+          "checkpoint.keep_last=2", "logging.tensorboard=true")
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert names == ["step_00000003", "step_00000004"]
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def test_autoencoder_checkpoint_records_a_latent_scaling_factor(autoencoder_run):
