@@ -215,3 +215,11 @@ def test_captions_match_the_shards(shapes: Path) -> None:
         got.update(zip(batch["keys"], batch["captions"]))
     assert got == expected
     assert all(c.startswith(("a ", "an ")) for c in got.values())
+
+
+def test_data_with_no_decodable_image_is_one_clear_error_not_a_hang(shapes: Path) -> None:
+    for workers in (0, 1):
+        tb = TrainBatches(data_config(shapes, workers, image_key="jpg"), None, seed=0)
+        with pytest.raises(UserError, match="data.image_key") as info:
+            tb.next()
+        assert "\n" not in str(info.value)

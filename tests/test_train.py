@@ -29,11 +29,12 @@ def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(tmp_path, shapes_dir, auto
     ])
     trainer = Trainer(config)
     batch = trainer.data.next()
+    trainer.data.next = lambda: batch  # the classic sanity check: fit one batch
     before = _fixed_batch_loss(trainer, batch)
     for _ in range(30):
         trainer.train_step()
     after = _fixed_batch_loss(trainer, batch)
-    assert after < 0.8 * before, (before, after)
+    assert after < 0.7 * before, (before, after)
 
 
 def test_autoencoder_loss_goes_down(tmp_path, shapes_dir):

@@ -80,9 +80,13 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.config.every > 0 and step % self.config.every == 0
 
-    def save(self, state: Any) -> Path:
+    def path_for(self, step: int) -> Path:
+        return self.folder / f"step_{step:08d}"
+
+    def save(self, state: Any, ranks: list[dict[str, Any]]) -> Path:
+        """Write the checkpoint; `ranks` holds every rank's own state (data position, RNG)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        final = self.folder / f"step_{state.step:08d}"
+        final = self.path_for(state.step)
         if final.exists():
             return final
         tmp = self.folder / f".{final.name}.tmp-{os.getpid()}"
@@ -93,7 +97,7 @@ class Checkpointer:
             save_file({k: v.contiguous().cpu() for k, v in state.ema.state_dict().items()},
                       str(tmp / "ema.safetensors"))
         torch.save(state.optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(state.trainer_state(), tmp / "trainer.pt")
+        torch.save(state.trainer_state(ranks), tmp / "trainer.pt")
         meta = {
             "step": state.step,
             "samples": state.samples,

@@ -154,6 +154,18 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    strategy: str = "ddp"
+    """How several processes share the work: ``ddp`` (every rank holds the whole model) or ``fsdp``
+    (FSDP2, parameters sharded per UNet block). A single process ignores it."""
+    backend: str = "auto"
+    """Collectives: ``auto`` (nccl on GPUs; ccl when Intel's bindings are installed, else gloo, on CPUs),
+    ``nccl``, ``gloo`` or ``ccl``."""
+    timeout_minutes: float = 30.0
+    """How long a collective may wait for the slowest rank before the job fails."""
+
+
+@dataclass
 class CheckpointConfig:
     every: int = 500
     """Save every this many optimizer steps (and always at the end); 0 saves only at the end."""
@@ -205,6 +217,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
@@ -299,6 +312,9 @@ def validate(config: RunConfig) -> None:
     _check(config.train.grad_accum >= 1, "train.grad_accum", "must be at least 1")
     _check(config.train.mixed_precision in ("no", "bf16"), "train.mixed_precision", "must be no or bf16")
     _check(config.train.device in ("auto", "cpu", "cuda"), "train.device", "must be auto, cpu or cuda")
+    _check(config.parallel.strategy in ("ddp", "fsdp"), "parallel.strategy", "must be ddp or fsdp")
+    _check(config.parallel.backend in ("auto", "nccl", "gloo", "ccl"), "parallel.backend",
+           "must be auto, nccl, gloo or ccl")
     _check(config.checkpoint.every >= 0, "checkpoint.every", "must be 0 (end only) or positive")
     _check(config.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be at least 1")
     _check(config.logging.every >= 1, "logging.every", "must be at least 1")

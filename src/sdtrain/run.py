@@ -15,9 +15,12 @@ from sdtrain.utils import atomic_write_text
 log = logging.getLogger(__name__)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """`auto` is this process's GPU (one per local rank) when there are GPUs, else the CPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if name == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", local_rank)
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"device: {name} requested but no CUDA device is visible; use cpu")
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -18,8 +19,15 @@ def run(args: argparse.Namespace) -> int:
 
     # Validate before the heavy imports, so a typo is reported at once.
     config = load_config(args.config, args.overrides)
-    from sdtrain.train.trainer import Trainer
+    from sdtrain.distributed import destroy
+    from sdtrain.train.trainer import Preempted, Trainer
 
-    final = Trainer(config).train()
+    try:
+        final = Trainer(config).train()
+    except Preempted as stop:
+        print(f"sdtrain train: {stop}", file=sys.stderr)
+        return Preempted.exit_code
+    finally:
+        destroy()
     print(f"finished: {config.run_dir} (checkpoint {final})")
     return 0

@@ -209,14 +209,22 @@ class ShardStream(IterableDataset):
         skipped = self.skipped.get(slot, 0)
         batch: list[dict[str, Any]] = []
         while True:
+            usable = False
             for at_epoch, at_offset, sample in self._epoch_samples(slot, epoch, offset):
                 if sample is None:
                     skipped += 1
                     continue
+                usable = True
                 batch.append(sample)
                 if len(batch) == self.config.batch_size:
                     yield self._collate(batch, slot, at_epoch, at_offset, skipped)
                     batch = []
+            if not usable and offset == 0:
+                # A whole pass without one usable sample would otherwise spin forever.
+                raise UserError(
+                    f"data.shards: no sample in {self.shards[0].url} and the rest could be decoded with "
+                    f"data.image_key={self.config.image_key!r}; check the image field names and the files"
+                )
             epoch, offset = epoch + 1, 0
 
     def _epoch_samples(self, slot: int, epoch: int, offset: int) -> Iterator[tuple[int, int, Any]]:
@@ -327,6 +335,12 @@ class TrainBatches:
         self.world_size = world_size
         self.shards = resolve_shards(config.shards)
         self.position = DataPosition(max(1, config.num_workers))
+        slots = world_size * self.position.workers
+        if self.num_samples < slots:
+            raise UserError(
+                f"data.shards: {self.num_samples} samples cannot feed {slots} loader slots "
+                f"({world_size} ranks x {self.position.workers} workers); lower data.num_workers or add data"
+            )
         self._iterator: Iterator[dict[str, Any]] | None = None
 
     @property
@@ -353,7 +367,11 @@ class TrainBatches:
     def next(self) -> dict[str, Any]:
         if self._iterator is None:
             self._iterator = self._make_iterator()
-        batch = next(self._iterator)
+        try:
+            batch = next(self._iterator)
+        except UserError as exc:
+            # A worker's error arrives wrapped with its traceback; the user needs its last line.
+            raise UserError(str(exc).strip().splitlines()[-1].split("UserError: ", 1)[-1]) from None
         self.position.advance(batch)
         return batch
 

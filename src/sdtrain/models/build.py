@@ -158,8 +158,10 @@ def load_component(name: str, source: str | Path) -> Any:
 
 
 def load_tokenizer(source: str | Path, max_length: int | None = None) -> Any:
-    kind = source_kind(source) if not (Path(source) / "vocab.json").is_file() else "component"
-    folder = Path(source) / "tokenizer" if kind in ("pipeline", "run") else Path(source)
+    """From a tokenizer folder, or the tokenizer/ inside a pipeline or run folder."""
+    folder = Path(source)
+    if (folder / "tokenizer").is_dir():
+        folder = folder / "tokenizer"
     return load_clip_tokenizer(folder, max_length=max_length)
 
 

@@ -42,6 +42,10 @@ class Task:
     def loss(self, batch: dict[str, Any], generator: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError
 
+    @staticmethod
+    def prepare(config: RunConfig, run_dir: Path) -> None:
+        """One-off work before every rank builds the task, done once by the main rank."""
+
     def extra_state(self) -> dict[str, Any]:
         return {}
 
@@ -177,17 +181,21 @@ class DiffusionTask(Task):
 
     def _tokenizer(self):
         model = self.config.model
-        source = model.tokenizer or model.pretrained
-        if source:
-            return build.load_tokenizer(source, model.max_text_length)
-        saved = self.run_dir / "tokenizer"
-        if (saved / "vocab.json").is_file():
-            return build.load_tokenizer(saved, model.max_text_length)
+        source = model.tokenizer or model.pretrained or self.run_dir
+        return build.load_tokenizer(source, model.max_text_length)
+
+    @staticmethod
+    def prepare(config: RunConfig, run_dir: Path) -> None:
+        """Train the run's tokenizer on the captions when no tokenizer is given (main rank only)."""
+        model = config.model
+        saved = run_dir / "tokenizer"
+        if model.tokenizer or model.pretrained or (saved / "vocab.json").is_file():
+            return
         from sdtrain.data.pipeline import read_captions
 
-        captions = read_captions(self.config.data.shards, self.config.data.caption_key)
+        captions = read_captions(config.data.shards, config.data.caption_key)
         log.info("training a %d-token BPE tokenizer on %d captions", model.tokenizer_vocab_size, len(captions))
-        return train_clip_tokenizer(captions, saved, model.tokenizer_vocab_size, model.max_text_length)
+        train_clip_tokenizer(captions, saved, model.tokenizer_vocab_size, model.max_text_length)
 
     def _noise_scheduler(self):
         from diffusers import DDPMScheduler
@@ -245,6 +253,12 @@ class DiffusionTask(Task):
         return save_grid(images, out, rows=max(1, len(prompts) // 4), labels=prompts)
 
 
+TASKS: dict[str, type[Task]] = {"autoencoder": AutoencoderTask, "diffusion": DiffusionTask}
+
+
+def prepare_task(config: RunConfig, run_dir: Path) -> None:
+    TASKS[config.stage].prepare(config, run_dir)
+
+
 def make_task(config: RunConfig, device: torch.device, run_dir: Path) -> Task:
-    tasks = {"autoencoder": AutoencoderTask, "diffusion": DiffusionTask}
-    return tasks[config.stage](config, device, run_dir)
+    return TASKS[config.stage](config, device, run_dir)

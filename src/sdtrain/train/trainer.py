@@ -2,97 +2,141 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import hashlib
 import logging
 import math
+import os
 import random
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from sdtrain.checkpoint import Checkpointer
 from sdtrain.config import RunConfig, to_dict
 from sdtrain.data.pipeline import TrainBatches
+from sdtrain.distributed import any_rank, barrier, detect_topology, gather_objects, init_distributed, mean_over_ranks
 from sdtrain.errors import UserError
 from sdtrain.run import prepare_run_dir, resolve_device
 from sdtrain.train.ema import EMA
 from sdtrain.train.logger import RunLogger
 from sdtrain.train.optim import build_lr_schedule, build_optimizer
-from sdtrain.train.tasks import Task, make_task
+from sdtrain.train.parallel import DataParallel
+from sdtrain.train.tasks import Task, make_task, prepare_task
 
 log = logging.getLogger(__name__)
+
+
+class Preempted(Exception):
+    """Training stopped on a signal after saving; running the same command again resumes."""
+
+    exit_code = 75  # EX_TEMPFAIL: "try again", which is what a requeue does
+
+
+def noise_seed(seed: int, step: int, micro: int) -> int:
+    """The noise of a micro-batch depends only on its place in training, not on RNG history: a resumed
+    run and a run split differently over ranks and accumulation steps draw the same noise."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{micro}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 class TrainState:
     """The one registry of everything a resumed run needs to continue exactly."""
 
     def __init__(self, stage: str, modules: dict[str, nn.Module], ema: EMA | None, optimizer, lr_schedule,
-                 data: TrainBatches, noise: torch.Generator, task: Task):
+                 data: TrainBatches, task: Task, rank: int):
         self.stage = stage
         self.modules = modules
         self.ema = ema
         self.optimizer = optimizer
         self.lr_schedule = lr_schedule
         self.data = data
-        self.noise = noise
         self.task = task
+        self.rank = rank
         self.step = 0
         self.samples = 0
 
-    def trainer_state(self) -> dict[str, Any]:
+    def rank_state(self) -> dict[str, Any]:
+        """What differs between ranks: each one's data position and RNG streams."""
         return {
-            "step": self.step,
-            "samples": self.samples,
-            "lr_schedule": self.lr_schedule.state_dict(),
             "data": self.data.state_dict(),
-            "ema_updates": self.ema.updates if self.ema is not None else 0,
-            "task": self.task.extra_state(),
             "rng": {
                 "python": random.getstate(),
                 "torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-                "noise": self.noise.get_state(),
             },
         }
 
+    def trainer_state(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "samples": self.samples,
+            "lr_schedule": self.lr_schedule.state_dict(),
+            "ema_updates": self.ema.updates if self.ema is not None else 0,
+            "task": self.task.extra_state(),
+            "ranks": ranks,
+        }
+
     def load_trainer_state(self, state: dict[str, Any]) -> None:
+        ranks = state["ranks"]
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if len(ranks) != world:
+            raise UserError(
+                f"this checkpoint was written by {len(ranks)} ranks and this job has {world}; "
+                f"resume with {len(ranks)} ranks"
+            )
         self.step, self.samples = int(state["step"]), int(state["samples"])
         self.lr_schedule.load_state_dict(state["lr_schedule"])
-        self.data.load_state_dict(state["data"])
         self.task.load_extra_state(state["task"])
-        rng = state["rng"]
+        mine = ranks[self.rank]
+        self.data.load_state_dict(mine["data"])
+        rng = mine["rng"]
         random.setstate(rng["python"])
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
-        self.noise.set_state(rng["noise"])
 
 
 class Trainer:
     def __init__(self, config: RunConfig):
         self.config = config
-        self.device = resolve_device(config.train.device)
+        self.topology = detect_topology()
+        self.device = resolve_device(config.train.device, self.topology.local_rank)
         if config.train.threads and self.device.type == "cpu":
             torch.set_num_threads(config.train.threads)
+        init_distributed(self.topology, self.device, config.parallel.backend, config.parallel.timeout_minutes)
+        self.is_main = self.topology.is_main
         random.seed(config.seed)
         torch.manual_seed(config.seed)
-        self.run_dir = prepare_run_dir(config)
+        self.run_dir = Path(config.run_dir)
+        if self.is_main:
+            prepare_run_dir(config)
+            prepare_task(config, self.run_dir)
+        barrier()
         self.task = make_task(config, self.device, self.run_dir)
-        self.data = TrainBatches(config.data, self.task.tokenizer, config.seed)
+        self.data = TrainBatches(config.data, self.task.tokenizer, config.seed, self.topology.rank,
+                                 self.topology.world_size)
+        self.parallel = DataParallel(config.parallel, self.topology, self.device)
+        self.parallel.apply(self.task)
         self.optimizer = build_optimizer(self.task.parameters(), config.optim)
         self.lr_schedule = build_lr_schedule(self.optimizer, config.optim, config.train.max_steps)
         self.ema = EMA(self.task.trainable, config.ema) if config.ema.enabled else None
-        noise = torch.Generator(self.device).manual_seed(config.seed + 1)
+        self.noise = torch.Generator(self.device)
         self.state = TrainState(config.stage, self.task.trainable, self.ema, self.optimizer, self.lr_schedule,
-                                self.data, noise, self.task)
+                                self.data, self.task, self.topology.rank)
         self.checkpointer = Checkpointer(self.run_dir, config.checkpoint)
-        self.logger = RunLogger(config.logging, self.run_dir, config.train.max_steps, to_dict(config))
-        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
-                                       enabled=config.train.mixed_precision == "bf16")
+        self.logger = RunLogger(config.logging, self.run_dir, config.train.max_steps, to_dict(config),
+                                enabled=self.is_main)
+        self.bf16 = config.train.mixed_precision == "bf16"
         self.last_batch: dict[str, Any] | None = None
         self.saved: tuple[int, Path] | None = None
+        self.stop_signal: int | None = None
 
     def train(self) -> Path:
         resume = self.checkpointer.resume_path()
@@ -103,16 +147,40 @@ class Trainer:
                  len(self.data.shards))
         self.logger.start(self.state.step, self.state.samples)
         try:
-            while self.state.step < self.config.train.max_steps:
-                metrics = self.train_step()
-                self.state.step += 1
-                self.report(metrics)
-                if self.checkpointer.due(self.state.step):
-                    self.save()
-            final = self.save()
+            with self._stop_on_signals():
+                while self.state.step < self.config.train.max_steps:
+                    metrics = self.train_step()
+                    self.state.step += 1
+                    self.report(metrics)
+                    if self.checkpointer.due(self.state.step):
+                        self.save()
+                    if any_rank(self.stop_signal is not None, self.device):
+                        self.save()
+                        raise Preempted(f"stopped by a signal at step {self.state.step} after saving; "
+                                        "run the same command to resume")
+                final = self.save()
         finally:
             self.logger.close()
         return final
+
+    @contextlib.contextmanager
+    def _stop_on_signals(self) -> Iterator[None]:
+        """SIGTERM (preemption, torchrun shutting down) and SIGUSR1 (Slurm's warning before the time
+        limit) finish the current step, save on every rank together, then stop."""
+
+        def handler(signum: int, _frame: Any) -> None:
+            if self.stop_signal is not None:  # asked twice: stop now, without saving
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            self.stop_signal = signum
+
+        signals = [signal.SIGTERM, signal.SIGUSR1]
+        previous = {s: signal.signal(s, handler) for s in signals}
+        try:
+            yield
+        finally:
+            for s, old in previous.items():
+                signal.signal(s, old)
 
     def train_step(self) -> dict[str, torch.Tensor]:
         """One optimizer step over grad_accum micro-batches. Metrics stay tensors: reading them
@@ -120,13 +188,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         accum = self.config.train.grad_accum
         totals: dict[str, torch.Tensor] = {}
-        for _ in range(accum):
+        world, rank = self.topology.world_size, self.topology.rank
+        for micro in range(accum):
             batch = self.data.next()
             self.last_batch = batch
-            with self.autocast:
-                loss, metrics = self.task.loss(batch, self.state.noise)
-            (loss / accum).backward()
-            self.state.samples += batch["pixel_values"].shape[0]
+            self.noise.manual_seed(noise_seed(self.config.seed, self.state.step, micro * world + rank))
+            with self.parallel.no_sync(skip=micro < accum - 1):
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                    loss, metrics = self.task.loss(batch, self.noise)
+                (loss / accum).backward()
+            self.state.samples += batch["pixel_values"].shape[0] * world
             for key, value in {"loss": loss, **metrics}.items():
                 totals[key] = totals.get(key, 0) + value.detach().float() / accum
         if self.config.optim.grad_clip > 0:
@@ -143,7 +214,7 @@ class Trainer:
         self.logger.advance(step)
         if not (final or step % self.config.logging.every == 0):
             return
-        values = {key: float(value) for key, value in metrics.items()}
+        values = mean_over_ranks({key: float(value) for key, value in metrics.items()}, self.device)
         if not math.isfinite(values["loss"]):
             raise UserError(f"step {step}: loss is {values['loss']}; lower optim.lr or enable optim.grad_clip")
         values["lr"] = self.lr_schedule.get_last_lr()[0]
@@ -155,8 +226,13 @@ class Trainer:
         if self.saved is not None and self.saved[0] == self.state.step:
             return self.saved[1]  # the last periodic save was also the final step
         self.task.before_save()
-        path = self.checkpointer.save(self.state)
-        self.validate()
+        # Every rank enters: each contributes its data position and RNG states.
+        ranks = gather_objects(self.state.rank_state())
+        path = self.checkpointer.path_for(self.state.step)
+        if self.is_main:
+            self.checkpointer.save(self.state, ranks)
+            self.validate()
+        barrier()
         self.saved = (self.state.step, path)
         return path
 

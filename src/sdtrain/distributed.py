@@ -1,0 +1,150 @@
+"""Process-group set-up from whichever launcher started the process: torchrun, Slurm or mpirun.
+
+The same ``sdtrain train CONFIG`` runs under all of them: the launcher is recognised from its
+environment variables, never from a flag, so job scripts stay one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sdtrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_PORT
+    launcher: str = "single"
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list such as ``gpu[003-005,010],cpu1`` (-> ``gpu003``)."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise UserError(f"SLURM_JOB_NODELIST: cannot read '{nodelist}'; set MASTER_ADDR to the first node")
+    prefix, ranges = match.group(1), match.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def detect_topology(env: Mapping[str, str] | None = None) -> Topology:
+    """Read rank, world size and rendezvous address from the launcher's environment."""
+    env = os.environ if env is None else env
+
+    def port() -> int:
+        return int(env.get("MASTER_PORT", DEFAULT_PORT))
+
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, Kubeflow PyTorchJob
+        return Topology(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                        env.get("MASTER_ADDR", "127.0.0.1"), port(), "torchrun")
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:  # srun, one task per device
+        addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        # A port derived from the job id lets several jobs share a node without colliding.
+        default_port = 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+        return Topology(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
+                        addr, int(env.get("MASTER_PORT", default_port)), "slurm")
+    if "OMPI_COMM_WORLD_RANK" in env:  # Open MPI's mpirun
+        return Topology(int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"]),
+                        int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)), env.get("MASTER_ADDR", "127.0.0.1"),
+                        port(), "mpi")
+    if "PMI_RANK" in env and "PMI_SIZE" in env:  # Intel MPI / MPICH hydra
+        local = env.get("MPI_LOCALRANKID", env.get("PMI_LOCAL_RANK", "0"))
+        return Topology(int(env["PMI_RANK"]), int(env["PMI_SIZE"]), int(local),
+                        env.get("MASTER_ADDR", "127.0.0.1"), port(), "mpi")
+    return Topology()
+
+
+def choose_backend(requested: str, device: torch.device) -> str:
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        return "nccl"
+    try:  # Intel's collectives for CPU clusters, when their bindings are installed
+        import oneccl_bindings_for_pytorch  # noqa: F401
+
+        return "ccl"
+    except ImportError:
+        return "gloo"
+
+
+def init_distributed(topology: Topology, device: torch.device, backend: str = "auto",
+                     timeout_minutes: float = 30) -> None:
+    """Join the process group (a no-op for a single process)."""
+    if not topology.distributed or dist.is_initialized():
+        return
+    # env:// reads these; launchers other than torchrun do not set them.
+    os.environ.setdefault("MASTER_ADDR", topology.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(topology.master_port))
+    os.environ.setdefault("RANK", str(topology.rank))
+    os.environ.setdefault("WORLD_SIZE", str(topology.world_size))
+    os.environ.setdefault("LOCAL_RANK", str(topology.local_rank))
+    chosen = choose_backend(backend, device)
+    dist.init_process_group(chosen, timeout=timedelta(minutes=timeout_minutes),
+                            device_id=device if device.type == "cuda" else None)
+    log.info("rank %d of %d (%s, backend %s)", topology.rank, topology.world_size, topology.launcher, chosen)
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, on every rank (just [obj] for a single process)."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on at least one (e.g. a preemption signal)."""
+    if not dist.is_initialized():
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def mean_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    if not dist.is_initialized() or not values:
+        return values
+    keys = sorted(values)
+    tensor = torch.tensor([values[k] for k in keys], device=device, dtype=torch.float64)
+    dist.all_reduce(tensor)
+    tensor /= dist.get_world_size()
+    return dict(zip(keys, tensor.tolist()))
