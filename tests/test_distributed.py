@@ -1,0 +1,96 @@
+"""Scale-out on CPU with gloo: torchrun DDP against one process, launcher detection, preemption."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sdtrain.cli.main import main
+from sdtrain.distributed import detect_topology, first_slurm_host
+
+from .conftest import TINY, config_path
+
+
+def _overrides(run: Path, shapes_dir: Path, autoencoder_run: Path, *extra: str) -> list[str]:
+    return [f"run_dir={run}", f"data.shards={shapes_dir}", f"model.vae={autoencoder_run}", *TINY,
+            "validation.prompts=[]", "train.max_steps=3", "checkpoint.every=0", "data.caption_dropout=0.2", *extra]
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.dist
+def test_torchrun_ddp_matches_one_process_at_the_same_global_batch(tmp_path, shapes_dir, autoencoder_run):
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    config = str(config_path("diffusion.yaml"))
+    # One process: two loader workers feed two micro-batches per step, as two ranks would.
+    assert main(["train", config, *_overrides(single, shapes_dir, autoencoder_run, "data.num_workers=2",
+                                              "train.grad_accum=2", "logging.every=1")]) == 0
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "sdtrain", "train", config,
+               *_overrides(ddp, shapes_dir, autoencoder_run, "data.num_workers=0", "logging.every=1")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _losses(single) == pytest.approx(_losses(ddp), rel=1e-4)
+    a = load_file(str(single / "checkpoints" / "step_00000003" / "model.safetensors"))
+    b = load_file(str(ddp / "checkpoints" / "step_00000003" / "model.safetensors"))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_sigterm_saves_stops_and_the_rerun_ends_equal_to_an_uninterrupted_run(tmp_path, shapes_dir,
+                                                                              autoencoder_run):
+    config = str(config_path("diffusion.yaml"))
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    steps = ["train.max_steps=40"]
+    assert main(["train", config, *_overrides(straight, shapes_dir, autoencoder_run, *steps)]) == 0
+    command = [sys.executable, "-m", "sdtrain", "train", config,
+               *_overrides(stopped, shapes_dir, autoencoder_run, *steps)]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    for line in process.stderr:  # the first log line of the training loop
+        if "diffusion stage" in line:
+            process.send_signal(signal.SIGTERM)
+            break
+    err = process.stderr.read()
+    assert process.wait(timeout=300) == 75, err
+    assert "run the same command to resume" in err
+    saved = sorted((stopped / "checkpoints").iterdir())
+    assert len(saved) == 1 and saved[0].name != "step_00000040"
+    assert main(["train", config, *_overrides(stopped, shapes_dir, autoencoder_run, *steps)]) == 0
+    a = load_file(str(straight / "checkpoints" / "step_00000040" / "model.safetensors"))
+    b = load_file(str(stopped / "checkpoints" / "step_00000040" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_launcher_environments_are_recognised():
+    torchrun = detect_topology({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "n0",
+                                "MASTER_PORT": "1234"})
+    assert (torchrun.rank, torchrun.world_size, torchrun.local_rank, torchrun.launcher) == (3, 8, 1, "torchrun")
+    slurm = detect_topology({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+                             "SLURM_JOB_NODELIST": "gpu[007-010,012]", "SLURM_JOB_ID": "42"})
+    assert (slurm.rank, slurm.world_size, slurm.local_rank, slurm.master_addr) == (5, 16, 1, "gpu007")
+    assert slurm.master_port == 20042
+    mpi = detect_topology({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3",
+                           "OMPI_COMM_WORLD_LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.1"})
+    assert (mpi.rank, mpi.world_size, mpi.master_addr, mpi.launcher) == (2, 3, "10.0.0.1", "mpi")
+    hydra = detect_topology({"PMI_RANK": "1", "PMI_SIZE": "3", "MPI_LOCALRANKID": "0"})
+    assert (hydra.rank, hydra.world_size) == (1, 3)
+    assert not detect_topology({}).distributed
+    # A one-task Slurm allocation running torchrun inside is torchrun's, not Slurm's.
+    assert detect_topology({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).launcher == "single"
+
+
+@pytest.mark.parametrize("nodelist, first", [("node1", "node1"), ("a[01-04]", "a01"), ("x[3,5-7],y2", "x3"),
+                                             ("cpu-2,cpu-3", "cpu-2")])
+def test_first_slurm_host(nodelist, first):
+    assert first_slurm_host(nodelist) == first
