@@ -223,3 +223,11 @@ def test_data_with_no_decodable_image_is_one_clear_error_not_a_hang(shapes: Path
         with pytest.raises(UserError, match="data.image_key") as info:
             tb.next()
         assert "\n" not in str(info.value)
+
+
+def test_one_unreadable_shard_does_not_stop_the_others(tmp_path: Path) -> None:
+    write_damaged(tmp_path)
+    (tmp_path / "shard-000000.tar").write_bytes(b"")  # one worker's whole share is unreadable
+    tb = TrainBatches(data_config(tmp_path, workers=2), None, seed=0)
+    keys = keys_of(take(tb, 6))
+    assert keys and all(k >= "s010" for k in keys)

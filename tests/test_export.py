@@ -54,3 +54,15 @@ def test_generate_is_reproducible_for_a_seed(tmp_path, diffusion_run):
 
     assert np.array_equal(np.asarray(Image.open(first[0])), np.asarray(Image.open(again[0])))
     assert (tmp_path / "a" / "grid.png").is_file()
+
+
+def test_export_never_deletes_the_run_or_an_unrelated_folder(tmp_path, autoencoder_run):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("keep me")
+    for out in (autoencoder_run, precious, autoencoder_run / "checkpoints" / "x"):
+        with pytest.raises(UserError, match="--out"):
+            export_run(autoencoder_run, out)
+    assert (precious / "thesis.txt").is_file() and (autoencoder_run / "checkpoints").is_dir()
+    first = export_run(autoencoder_run, tmp_path / "vae")
+    assert export_run(autoencoder_run, first) == first  # an earlier export may be replaced

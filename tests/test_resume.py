@@ -73,3 +73,17 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_newest(tmp_path, sha
     train("autoencoder.yaml", run, f"data.shards={shapes_dir}", "train.max_steps=3", "checkpoint.every=1")
     assert latest_checkpoint(run).name == "step_00000003"
     assert not partial.exists()  # cleaned up by the restart
+
+
+def test_a_resume_takes_this_starts_optimizer_settings(tmp_path, shapes_dir):
+    import json
+
+    from .conftest import train
+
+    run = tmp_path / "ae"
+    train("autoencoder.yaml", run, f"data.shards={shapes_dir}", "train.max_steps=2", "optim.schedule=constant",
+          "optim.warmup_steps=0", "logging.every=1")
+    train("autoencoder.yaml", run, f"data.shards={shapes_dir}", "train.max_steps=3", "optim.schedule=constant",
+          "optim.warmup_steps=0", "logging.every=1", "optim.lr=1e-5")
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 3 and last["lr"] == pytest.approx(1e-5)

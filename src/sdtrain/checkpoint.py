@@ -87,8 +87,6 @@ class Checkpointer:
         """Write the checkpoint; `ranks` holds every rank's own state (data position, RNG)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         final = self.path_for(state.step)
-        if final.exists():
-            return final
         tmp = self.folder / f".{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -108,6 +106,11 @@ class Checkpointer:
         # meta.json last: its presence is what marks a checkpoint folder complete.
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
         _fsync_tree(tmp)
+        if final.exists():
+            # Left by an earlier attempt that went further than the point this run resumed from.
+            stale = final.with_name(f".{final.name}.stale-{os.getpid()}")
+            os.replace(final, stale)
+            shutil.rmtree(stale, ignore_errors=True)
         os.replace(tmp, final)
         self._prune()
         log.info("saved checkpoint %s", final)
@@ -121,7 +124,7 @@ class Checkpointer:
         """The checkpoint to start from under the configured resume policy, or None for a fresh start."""
         # Temporary folders are what a crash mid-save leaves; the run has one writer, so any found at
         # start are dead.
-        for partial in self.folder.glob(".step_*.tmp-*") if self.folder.is_dir() else ():
+        for partial in self.folder.glob(".step_*.*-*") if self.folder.is_dir() else ():
             shutil.rmtree(partial, ignore_errors=True)
         policy = self.config.resume
         newest = latest_checkpoint(self.run_dir)
@@ -144,12 +147,12 @@ class Checkpointer:
             model = load_file(str(path / "model.safetensors"))
             for name, module in state.modules.items():
                 module.load_state_dict(_split_state(model, name))
-            trainer = torch.load(path / "trainer.pt", weights_only=True)
+            trainer = torch.load(path / "trainer.pt", weights_only=True, map_location="cpu")
             if state.ema is not None:
                 state.ema.load_state_dict(load_file(str(path / "ema.safetensors")), trainer["ema_updates"])
-            state.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+            state.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
             state.load_trainer_state(trainer)
-        except (OSError, RuntimeError, KeyError, SafetensorError, pickle.UnpicklingError) as exc:
+        except (OSError, RuntimeError, KeyError, ValueError, SafetensorError, pickle.UnpicklingError) as exc:
             raise UserError(
                 f"{path}: cannot resume from this checkpoint ({str(exc).splitlines()[0]}); "
                 "delete it to fall back to the previous one, or set checkpoint.resume=never with a new run_dir"

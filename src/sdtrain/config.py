@@ -301,6 +301,9 @@ def validate(config: RunConfig) -> None:
     )
     _check(config.autoencoder.reconstruction in ("l1", "mse", "l1+mse"), "autoencoder.reconstruction",
            "must be l1, mse or l1+mse")
+    _check(config.diffusion.num_train_timesteps >= 2, "diffusion.num_train_timesteps", "must be at least 2")
+    _check(config.diffusion.beta_schedule in ("linear", "scaled_linear", "squaredcos_cap_v2"),
+           "diffusion.beta_schedule", "must be linear, scaled_linear or squaredcos_cap_v2")
     _check(config.diffusion.snr_gamma >= 0, "diffusion.snr_gamma", "must be 0 (off) or positive")
     _check(config.optim.lr > 0, "optim.lr", "must be positive")
     _check(len(config.optim.betas) == 2, "optim.betas", "needs two values, e.g. [0.9, 0.999]")

@@ -106,6 +106,8 @@ def init_distributed(topology: Topology, device: torch.device, backend: str = "a
     os.environ.setdefault("RANK", str(topology.rank))
     os.environ.setdefault("WORLD_SIZE", str(topology.world_size))
     os.environ.setdefault("LOCAL_RANK", str(topology.local_rank))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # object collectives stage on the current device
     chosen = choose_backend(backend, device)
     dist.init_process_group(chosen, timeout=timedelta(minutes=timeout_minutes),
                             device_id=device if device.type == "cuda" else None)

@@ -42,7 +42,7 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
             raise UserError(f"{run_dir}: the {name} was neither trained nor loaded from a folder")
         return build.load_component(name, source)
 
-    tokenizer_source = model.tokenizer or model.pretrained or run_dir
+    tokenizer_source = build.tokenizer_source(model) or run_dir
     tokenizer = build.load_tokenizer(tokenizer_source, model.max_text_length)
     noise = build.build_noise_scheduler(config.diffusion)
     if model.pretrained and (Path(model.pretrained) / "scheduler").is_dir():
@@ -54,13 +54,33 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
                              sampler_from(noise, "euler"))
 
 
+def _check_replaceable(out: Path, run_dir: Path) -> None:
+    """Only an earlier export may be replaced: never the run itself, nor a folder holding anything else."""
+    resolved, run = out.resolve(), run_dir.resolve()
+    if resolved == run or run.is_relative_to(resolved) or resolved.is_relative_to(run / "checkpoints"):
+        raise UserError(f"--out: {out} would overwrite the run {run_dir}; choose a folder outside it")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out: {out} is a file; choose a folder name")
+    if out.is_dir() and any(out.iterdir()):
+        is_export = (out / "model_index.json").is_file() or (
+            (out / "config.json").is_file() and all(p.name in _VAE_FILES for p in out.iterdir()))
+        if not is_export:
+            raise UserError(f"--out: {out} is a folder with other contents; choose a new or empty folder")
+
+
+_VAE_FILES = {"config.json", "diffusion_pytorch_model.safetensors"}
+
+
 def export_run(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | None = None) -> Path:
     """Write the run's model to `out`: a pipeline folder for diffusion runs, a VAE folder for autoencoder runs."""
     run_dir, out = Path(run_dir), Path(out)
     if not (run_dir / "config.yaml").is_file():
         raise UserError(f"{run_dir}: not an sdtrain run folder (no config.yaml); pass the run_dir of a training run")
+    if checkpoint is not None and not (Path(checkpoint) / "meta.json").is_file():
+        raise UserError(f"--checkpoint: {checkpoint} is not a checkpoint folder (no meta.json)")
     if checkpoint is None and latest_checkpoint(run_dir) is None:
         raise UserError(f"{run_dir}: no complete checkpoint yet; train the run first")
+    _check_replaceable(out, run_dir)
     config = run_config(run_dir)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -20,6 +20,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_shapes(args: argparse.Namespace) -> int:
     from sdtrain.data.shapes import write_shapes_dataset
+    from sdtrain.errors import UserError
+
+    if args.samples_per_shard < 1:
+        raise UserError("--samples-per-shard: must be at least 1")
+    if args.out.exists() and not args.out.is_dir():
+        raise UserError(f"--out: {args.out} is a file; choose a folder")
 
     manifest = write_shapes_dataset(args.out, num=args.num, seed=args.seed, size=args.size,
                                     samples_per_shard=args.samples_per_shard)

@@ -15,6 +15,7 @@ import glob
 import io
 import logging
 import os
+import signal
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -219,13 +220,11 @@ class ShardStream(IterableDataset):
                 if len(batch) == self.config.batch_size:
                     yield self._collate(batch, slot, at_epoch, at_offset, skipped)
                     batch = []
-            if not usable and offset == 0:
-                # A whole pass without one usable sample would otherwise spin forever.
-                raise UserError(
-                    f"data.shards: no sample in {self.shards[0].url} and the rest could be decoded with "
-                    f"data.image_key={self.config.image_key!r}; check the image field names and the files"
-                )
             epoch, offset = epoch + 1, 0
+            if not usable:
+                # This slot's whole share yielded nothing (say, one unreadable shard). It must still take
+                # its turn in the loader's round-robin, or the other slots would wait for it forever.
+                yield {"empty": True, "position": {"slot": slot, "epoch": epoch, "offset": 0, "skipped": skipped}}
 
     def _epoch_samples(self, slot: int, epoch: int, offset: int) -> Iterator[tuple[int, int, Any]]:
         """(epoch, offset after this sample, decoded sample or None) from `offset` to the range end."""
@@ -327,8 +326,10 @@ class DataPosition:
 class TrainBatches:
     """Iterates training batches from a DataLoader over a ShardStream, tracking the data position."""
 
-    def __init__(self, config: DataConfig, tokenizer: Any | None, seed: int, rank: int = 0, world_size: int = 1):
+    def __init__(self, config: DataConfig, tokenizer: Any | None, seed: int, rank: int = 0, world_size: int = 1,
+                 pin_memory: bool = False):
         self.config = config
+        self.pin_memory = pin_memory
         self.tokenizer = tokenizer
         self.seed = seed
         self.rank = rank
@@ -355,7 +356,7 @@ class TrainBatches:
         )
         workers = self.config.num_workers
         loader = DataLoader(
-            stream, batch_size=None, num_workers=workers, pin_memory=torch.cuda.is_available(),
+            stream, batch_size=None, num_workers=workers, pin_memory=self.pin_memory,
             persistent_workers=False, prefetch_factor=2 if workers else None,
             worker_init_fn=_single_thread_worker if workers else None,
             # Its own generator: drawing worker seeds from the global RNG would make a resumed run's
@@ -367,13 +368,22 @@ class TrainBatches:
     def next(self) -> dict[str, Any]:
         if self._iterator is None:
             self._iterator = self._make_iterator()
-        try:
-            batch = next(self._iterator)
-        except UserError as exc:
-            # A worker's error arrives wrapped with its traceback; the user needs its last line.
-            raise UserError(str(exc).strip().splitlines()[-1].split("UserError: ", 1)[-1]) from None
-        self.position.advance(batch)
-        return batch
+        empty_passes = 0
+        while True:
+            try:
+                batch = next(self._iterator)
+            except UserError as exc:
+                # A worker's error arrives wrapped with its traceback; the user needs its last line.
+                raise UserError(str(exc).strip().splitlines()[-1].split("UserError: ", 1)[-1]) from None
+            self.position.advance(batch)
+            if not batch.get("empty"):
+                return batch
+            empty_passes += 1
+            if empty_passes > 2 * self.position.workers:
+                raise UserError(
+                    f"data.shards: no sample of '{self.config.shards}' could be decoded with "
+                    f"data.image_key={self.config.image_key!r}; check the image field names and the files"
+                )
 
     def state_dict(self) -> dict[str, Any]:
         return self.position.state_dict()
@@ -387,6 +397,10 @@ def _single_thread_worker(_: int) -> None:
     # Loader workers decode images; letting each also spawn a full torch thread pool starves the
     # training process on small machines.
     torch.set_num_threads(1)
+    # Launchers signal the whole process group; the trainer decides when to stop, and a worker that
+    # died first would take the final save down with it.
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def read_captions(spec: str, caption_key: str = "txt", limit: int = 200_000) -> list[str]:

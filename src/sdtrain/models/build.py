@@ -79,22 +79,29 @@ def vae_scale(block_out_channels: list[int] | tuple[int, ...]) -> int:
     return 2 ** (len(block_out_channels) - 1)
 
 
+def _construct(cls: Any, key: str, kwargs: dict[str, Any]) -> Any:
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"model.{key}: {str(exc).splitlines()[0]}; fix the override") from exc
+
+
 def build_vae(config: ModelConfig) -> AutoencoderKL:
     kwargs = {**copy.deepcopy(PRESETS[config.preset]["vae"]), **config.vae_overrides}
-    return AutoencoderKL(**kwargs)
+    return _construct(AutoencoderKL, "vae_overrides", kwargs)
 
 
 def build_text_encoder(config: ModelConfig, tokenizer: Any) -> CLIPTextModel:
     kwargs = {**copy.deepcopy(PRESETS[config.preset]["text_encoder"]), **config.text_encoder_overrides}
     # The pooled output is read at the eos position, so the ids must be the tokenizer's own.
-    text_config = CLIPTextConfig(
+    text_config = _construct(CLIPTextConfig, "text_encoder_overrides", dict(
         vocab_size=len(tokenizer),
         max_position_embeddings=tokenizer.model_max_length,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         **kwargs,
-    )
+    ))
     return CLIPTextModel(text_config)
 
 
@@ -107,7 +114,7 @@ def build_unet(config: ModelConfig, latent_channels: int, latent_size: int, cros
         "cross_attention_dim": cross_attention_dim,
         **config.unet_overrides,
     }
-    return UNet2DConditionModel(**kwargs)
+    return _construct(UNet2DConditionModel, "unet_overrides", kwargs)
 
 
 def build_noise_scheduler(config: DiffusionConfig) -> DDPMScheduler:
@@ -163,6 +170,16 @@ def load_tokenizer(source: str | Path, max_length: int | None = None) -> Any:
     if (folder / "tokenizer").is_dir():
         folder = folder / "tokenizer"
     return load_clip_tokenizer(folder, max_length=max_length)
+
+
+def tokenizer_source(config: ModelConfig) -> str | None:
+    """The tokenizer belongs with the text encoder: loaded from wherever that comes from, unless named."""
+    if config.tokenizer:
+        return config.tokenizer
+    text_encoder = component_source(config, "text_encoder")
+    if text_encoder and (Path(text_encoder) / "tokenizer").is_dir():
+        return text_encoder
+    return config.pretrained
 
 
 def component_source(config: ModelConfig, name: str) -> str | None:

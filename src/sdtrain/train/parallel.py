@@ -1,8 +1,8 @@
 """Data parallelism applied to a task's trained modules from outside the model code.
 
-Tasks name each trained module by the attribute they call it through (``task.unet``); wrapping
-replaces that attribute with the parallel wrapper while ``task.trainable`` keeps the plain module,
-whose weights the checkpoint and the EMA read.
+A task names the attributes its loss calls the trained modules through (``task.parallel_modules()``,
+e.g. ``unet``); wrapping replaces those attributes with the parallel wrapper while ``task.trainable``
+keeps the plain modules, whose weights the checkpoint and the EMA read.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class DataParallel:
             return
         if self.config.strategy != "ddp":
             raise UserError(f"parallel.strategy: {self.config.strategy} is not available yet; use ddp")
-        for name, module in task.trainable.items():
+        for name, module in task.parallel_modules().items():
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             wrapped = DistributedDataParallel(module, device_ids=device_ids)
             setattr(task, name, wrapped)

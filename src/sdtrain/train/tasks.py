@@ -36,6 +36,10 @@ class Task:
         self.device = device
         self.run_dir = run_dir
 
+    def parallel_modules(self) -> dict[str, nn.Module]:
+        """The attributes the loss calls the trained modules through, for a data-parallel wrapper."""
+        return dict(self.trainable)
+
     def parameters(self) -> list[nn.Parameter]:
         return [p for m in self.trainable.values() for p in m.parameters() if p.requires_grad]
 
@@ -76,6 +80,19 @@ class Task:
                 module.gradient_checkpointing_enable()
 
 
+class Reconstruct(nn.Module):
+    """Encode and decode in one forward, so a data-parallel wrapper sees the whole autoencoder step."""
+
+    def __init__(self, vae: nn.Module):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, pixels: torch.Tensor, sample_posterior: bool, generator: torch.Generator | None):
+        posterior = self.vae.encode(pixels).latent_dist
+        latents = posterior.sample(generator) if sample_posterior else posterior.mode()
+        return self.vae.decode(latents).sample, posterior.mean, posterior.logvar
+
+
 class AutoencoderTask(Task):
     """Reconstruction plus a small KL term, as in the latent diffusion paper's autoencoder (without the GAN)."""
 
@@ -88,25 +105,28 @@ class AutoencoderTask(Task):
         self._enable_checkpointing(vae)
         self.vae = vae
         self.trainable = {"vae": vae}
+        self.reconstruct = Reconstruct(vae)
         # Running second moment of the latents, for the scaling factor that gives them unit variance.
         self.latent_moment = torch.zeros((), device=device)
         self.latent_batches = 0
 
+    def parallel_modules(self) -> dict[str, nn.Module]:
+        return {"reconstruct": self.reconstruct}
+
     def loss(self, batch, generator):
         pixels = batch["pixel_values"].to(self.device, non_blocking=True)
-        posterior = self.vae.encode(pixels).latent_dist
         cfg = self.config.autoencoder
-        latents = posterior.sample(generator) if cfg.sample_posterior else posterior.mode()
-        reconstruction = self.vae.decode(latents).sample
+        reconstruction, mean, logvar = self.reconstruct(pixels, cfg.sample_posterior, generator)
         rec = reconstruction.float()
         rec = sum(loss(rec, pixels.float()) for name, loss in (("l1", F.l1_loss), ("mse", F.mse_loss))
                   if name in cfg.reconstruction.split("+"))
         # The LDM recipe weights a per-sample KL sum against a per-sample pixel sum; dividing both by
         # the pixel count keeps that balance with a mean-reduced reconstruction loss.
-        kl = posterior.kl().float().mean() / pixels[0].numel()
+        mean, logvar = mean.float(), logvar.float()
+        kl = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).sum(dim=(1, 2, 3)).mean() / pixels[0].numel()
         loss = rec + cfg.kl_weight * kl
         with torch.no_grad():
-            moment = posterior.mean.float().pow(2).mean()
+            moment = mean.pow(2).mean()
             self.latent_batches += 1
             self.latent_moment += (moment - self.latent_moment) / min(self.latent_batches, 100)
         return loss, {"reconstruction": rec, "kl": kl}
@@ -155,9 +175,12 @@ class DiffusionTask(Task):
         if text_source:
             self.text_encoder = build.load_component("text_encoder", text_source)
         else:
-            self.text_encoder = build.build_text_encoder(model, self.tokenizer)
             if not config.diffusion.train_text_encoder:
-                log.warning("the text encoder is built from scratch but frozen; set diffusion.train_text_encoder=true")
+                raise UserError(
+                    "diffusion.train_text_encoder: a text encoder built from scratch must be trained; set it to "
+                    "true, or load one with model.text_encoder or model.pretrained"
+                )
+            self.text_encoder = build.build_text_encoder(model, self.tokenizer)
         unet_source = build.component_source(model, "unet")
         if unet_source:
             self.unet = build.load_component("unet", unet_source)
@@ -181,15 +204,14 @@ class DiffusionTask(Task):
 
     def _tokenizer(self):
         model = self.config.model
-        source = model.tokenizer or model.pretrained or self.run_dir
-        return build.load_tokenizer(source, model.max_text_length)
+        return build.load_tokenizer(build.tokenizer_source(model) or self.run_dir, model.max_text_length)
 
     @staticmethod
     def prepare(config: RunConfig, run_dir: Path) -> None:
         """Train the run's tokenizer on the captions when no tokenizer is given (main rank only)."""
         model = config.model
         saved = run_dir / "tokenizer"
-        if model.tokenizer or model.pretrained or (saved / "vocab.json").is_file():
+        if build.tokenizer_source(model) or (saved / "vocab.json").is_file():
             return
         from sdtrain.data.pipeline import read_captions
 
@@ -211,18 +233,20 @@ class DiffusionTask(Task):
 
     def loss(self, batch, generator):
         pixels = batch["pixel_values"].to(self.device, non_blocking=True)
-        with torch.no_grad():
+        # Latents, noise and their mix stay in fp32 under bf16 autocast: in bf16 the noise coefficient
+        # of the lowest timesteps rounds to zero and the target is quantised.
+        with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
             posterior = self.vae.encode(pixels).latent_dist
             latents = posterior.sample(generator) if self.config.diffusion.sample_latents else posterior.mode()
-            latents = latents * self.vae.config.scaling_factor
-        noise = torch.randn(latents.shape, generator=generator, device=self.device, dtype=latents.dtype)
-        steps = self.noise_scheduler.config.num_train_timesteps
-        timesteps = torch.randint(0, steps, (latents.shape[0],), generator=generator, device=self.device)
-        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
-        if self.noise_scheduler.config.prediction_type == "v_prediction":
-            target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
-        else:
-            target = noise
+            latents = latents.float() * self.vae.config.scaling_factor
+            noise = torch.randn(latents.shape, generator=generator, device=self.device, dtype=latents.dtype)
+            steps = self.noise_scheduler.config.num_train_timesteps
+            timesteps = torch.randint(0, steps, (latents.shape[0],), generator=generator, device=self.device)
+            noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+            if self.noise_scheduler.config.prediction_type == "v_prediction":
+                target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
+            else:
+                target = noise
         with torch.set_grad_enabled(self.config.diffusion.train_text_encoder):
             context = self.encode_text(batch["input_ids"])
         prediction = self.unet(noisy, timesteps, context).sample

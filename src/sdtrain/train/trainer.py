@@ -121,7 +121,7 @@ class Trainer:
         barrier()
         self.task = make_task(config, self.device, self.run_dir)
         self.data = TrainBatches(config.data, self.task.tokenizer, config.seed, self.topology.rank,
-                                 self.topology.world_size)
+                                 self.topology.world_size, pin_memory=self.device.type == "cuda")
         self.parallel = DataParallel(config.parallel, self.topology, self.device)
         self.parallel.apply(self.task)
         self.optimizer = build_optimizer(self.task.parameters(), config.optim)
@@ -142,6 +142,7 @@ class Trainer:
         resume = self.checkpointer.resume_path()
         if resume is not None:
             self.checkpointer.load(resume, self.state)
+            self._apply_optimizer_config()
         log.info("run %s: %s stage, %d trainable parameters, %d samples in %d shards", self.run_dir,
                  self.config.stage, sum(p.numel() for p in self.task.parameters()), self.data.num_samples,
                  len(self.data.shards))
@@ -151,7 +152,8 @@ class Trainer:
                 while self.state.step < self.config.train.max_steps:
                     metrics = self.train_step()
                     self.state.step += 1
-                    self.report(metrics)
+                    # A checkpoint step also checks the loss, so a NaN is never saved over good weights.
+                    self.report(metrics, force=self.checkpointer.due(self.state.step))
                     if self.checkpointer.due(self.state.step):
                         self.save()
                     if any_rank(self.stop_signal is not None, self.device):
@@ -162,6 +164,16 @@ class Trainer:
         finally:
             self.logger.close()
         return final
+
+    def _apply_optimizer_config(self) -> None:
+        """A resumed optimizer carries the old run's hyperparameters; this start's config decides them."""
+        optim = self.config.optim
+        schedule = self.lr_schedule
+        schedule.base_lrs = [optim.lr for _ in schedule.base_lrs]
+        for group, factor in zip(self.optimizer.param_groups, schedule.lr_lambdas):
+            group.update(betas=(optim.betas[0], optim.betas[1]), weight_decay=optim.weight_decay, eps=optim.eps,
+                         initial_lr=optim.lr, lr=optim.lr * factor(schedule.last_epoch))
+        schedule._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     @contextlib.contextmanager
     def _stop_on_signals(self) -> Iterator[None]:
@@ -208,11 +220,11 @@ class Trainer:
             self.ema.update()
         return totals
 
-    def report(self, metrics: dict[str, torch.Tensor]) -> None:
+    def report(self, metrics: dict[str, torch.Tensor], force: bool = False) -> None:
         step = self.state.step
         final = step == self.config.train.max_steps
         self.logger.advance(step)
-        if not (final or step % self.config.logging.every == 0):
+        if not (force or final or step % self.config.logging.every == 0):
             return
         values = mean_over_ranks({key: float(value) for key, value in metrics.items()}, self.device)
         if not math.isfinite(values["loss"]):
