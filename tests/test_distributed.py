@@ -52,14 +52,16 @@ def test_sigterm_saves_stops_and_the_rerun_ends_equal_to_an_uninterrupted_run(tm
                                                                               autoencoder_run):
     config = str(config_path("diffusion.yaml"))
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    steps = ["train.max_steps=40"]
+    steps = ["train.max_steps=40", "data.num_workers=2"]
     assert main(["train", config, *_overrides(straight, shapes_dir, autoencoder_run, *steps)]) == 0
     command = [sys.executable, "-m", "sdtrain", "train", config,
                *_overrides(stopped, shapes_dir, autoencoder_run, *steps)]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "2"})
     for line in process.stderr:  # the first log line of the training loop
         if "diffusion stage" in line:
-            process.send_signal(signal.SIGTERM)
+            # As launchers do: the whole process group, loader workers included.
+            os.killpg(process.pid, signal.SIGTERM)
             break
     err = process.stderr.read()
     assert process.wait(timeout=300) == 75, err
@@ -70,6 +72,18 @@ def test_sigterm_saves_stops_and_the_rerun_ends_equal_to_an_uninterrupted_run(tm
     a = load_file(str(straight / "checkpoints" / "step_00000040" / "model.safetensors"))
     b = load_file(str(stopped / "checkpoints" / "step_00000040" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.dist
+def test_torchrun_ddp_trains_the_autoencoder(tmp_path, shapes_dir):
+    run = tmp_path / "ae"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "sdtrain", "train", str(config_path("autoencoder.yaml")), f"run_dir={run}",
+               f"data.shards={shapes_dir}", *TINY, "train.max_steps=2"]
+    result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (run / "checkpoints" / "step_00000002" / "meta.json").is_file()
 
 
 def test_launcher_environments_are_recognised():

@@ -139,6 +139,10 @@ class Trainer:
         self.stop_signal: int | None = None
 
     def train(self) -> Path:
+        with self._stop_on_signals():
+            return self._train()
+
+    def _train(self) -> Path:
         resume = self.checkpointer.resume_path()
         if resume is not None:
             self.checkpointer.load(resume, self.state)
@@ -148,19 +152,18 @@ class Trainer:
                  len(self.data.shards))
         self.logger.start(self.state.step, self.state.samples)
         try:
-            with self._stop_on_signals():
-                while self.state.step < self.config.train.max_steps:
-                    metrics = self.train_step()
-                    self.state.step += 1
-                    # A checkpoint step also checks the loss, so a NaN is never saved over good weights.
-                    self.report(metrics, force=self.checkpointer.due(self.state.step))
-                    if self.checkpointer.due(self.state.step):
-                        self.save()
-                    if any_rank(self.stop_signal is not None, self.device):
-                        self.save()
-                        raise Preempted(f"stopped by a signal at step {self.state.step} after saving; "
-                                        "run the same command to resume")
-                final = self.save()
+            while self.state.step < self.config.train.max_steps:
+                metrics = self.train_step()
+                self.state.step += 1
+                # A checkpoint step also checks the loss, so a NaN is never saved over good weights.
+                self.report(metrics, force=self.checkpointer.due(self.state.step))
+                if self.checkpointer.due(self.state.step):
+                    self.save()
+                if any_rank(self.stop_signal is not None, self.device):
+                    self.save()
+                    raise Preempted(f"stopped by a signal at step {self.state.step} after saving; "
+                                    "run the same command to resume")
+            final = self.save()
         finally:
             self.logger.close()
         return final
