@@ -66,3 +66,24 @@ def test_export_never_deletes_the_run_or_an_unrelated_folder(tmp_path, autoencod
     assert (precious / "thesis.txt").is_file() and (autoencoder_run / "checkpoints").is_dir()
     first = export_run(autoencoder_run, tmp_path / "vae")
     assert export_run(autoencoder_run, first) == first  # an earlier export may be replaced
+
+
+def test_frozen_autoencoder_stays_the_one_the_run_trained_with(tmp_path, shapes_dir):
+    import torch
+
+    from sdtrain.checkpoint import load_run_modules
+
+    from .conftest import train
+
+    ae, sd = tmp_path / "ae", tmp_path / "sd"
+    train("autoencoder.yaml", ae, f"data.shards={shapes_dir}", "train.max_steps=2")
+    used = load_run_modules(ae)["vae"]
+    train("diffusion.yaml", sd, f"data.shards={shapes_dir}", f"model.vae={ae}", "train.max_steps=1",
+          "validation.prompts=[]")
+    train("autoencoder.yaml", ae, f"data.shards={shapes_dir}", "train.max_steps=4")  # the autoencoder trains on
+    exported = export_run(sd, tmp_path / "pipe")
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(exported / "vae")
+    assert all(torch.equal(a, b) for a, b in zip(vae.state_dict().values(), used.state_dict().values()))
+    assert vae.config.scaling_factor == used.config.scaling_factor

@@ -105,12 +105,18 @@ def test_fine_tune_from_a_pipeline_folder(tmp_path, shapes_dir, diffusion_run):
     from sdtrain.export import export_run
 
     pipeline = export_run(diffusion_run, tmp_path / "base")
+    scheduler_config = pipeline / "scheduler" / "scheduler_config.json"
+    scheduler = json.loads(scheduler_config.read_text())
+    scheduler_config.write_text(json.dumps({**scheduler, "prediction_type": "v_prediction"}))
     run = tmp_path / "finetune"
     train("diffusion.yaml", run, f"data.shards={shapes_dir}", f"model.pretrained={pipeline}", "model.vae=null",
-          "diffusion.train_text_encoder=false", "train.max_steps=2", "validation.prompts=[]")
+          "diffusion.train_text_encoder=false", "diffusion.prediction_type=null", "train.max_steps=2",
+          "validation.prompts=[]")
     assert not (run / "tokenizer").exists()  # the pipeline's own tokenizer was used
     tuned = export_run(run, tmp_path / "tuned")
     assert (tuned / "text_encoder").is_dir() and (tuned / "unet").is_dir()
+    # The objective is the pretrained model's own unless the config names one.
+    assert json.loads((tuned / "scheduler" / "scheduler_config.json").read_text())["prediction_type"] == "v_prediction"
 
 
 def test_wandb_offline_logs_without_network_or_key(tmp_path, shapes_dir, monkeypatch):

@@ -102,6 +102,7 @@ class Checkpointer:
             "stage": state.stage,
             "ema": state.ema is not None,
             "modules": {name: _module_spec(m) for name, m in state.modules.items()},
+            "sources": state.task.sources,
         }
         # meta.json last: its presence is what marks a checkpoint folder complete.
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
@@ -160,6 +161,16 @@ class Checkpointer:
         log.info("resumed from %s at step %d", path, state.step)
 
 
+def pinned_sources(checkpoint: Path | None) -> dict[str, str]:
+    """The exact folders the frozen components of a checkpoint's run were loaded from."""
+    if checkpoint is None:
+        return {}
+    try:
+        return dict(json.loads((checkpoint / "meta.json").read_text()).get("sources", {}))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{checkpoint}/meta.json: unreadable ({exc}); delete this checkpoint folder") from exc
+
+
 def _fsync_tree(folder: Path) -> None:
     for item in folder.iterdir():
         with open(item, "rb") as f:
@@ -186,7 +197,10 @@ def load_run_modules(
     path = checkpoint or latest_checkpoint(run_dir)
     if path is None:
         raise UserError(f"{run_dir}: no complete checkpoint yet; train the run first")
-    meta = json.loads((path / "meta.json").read_text())
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}/meta.json: unreadable ({exc}); delete this checkpoint folder") from exc
     use_ema = ema and meta.get("ema", False)
     weights = load_file(str(path / ("ema.safetensors" if use_ema else "model.safetensors")))
     modules = {}

@@ -79,8 +79,9 @@ class ModelConfig:
 
 @dataclass
 class DiffusionConfig:
-    prediction_type: str = "epsilon"
-    """What the UNet predicts: ``epsilon`` or ``v_prediction``."""
+    prediction_type: str | None = None
+    """What the UNet predicts: ``epsilon`` or ``v_prediction``. Unset: what the pretrained pipeline's
+    scheduler says (SD 2.x 768 px models predict v), else epsilon."""
     num_train_timesteps: int = 1000
     """Length of the noise schedule."""
     beta_schedule: str = "scaled_linear"
@@ -295,7 +296,7 @@ def validate(config: RunConfig) -> None:
     _check(config.model.preset in ("tiny", "small", "sd2"), "model.preset", "must be tiny, small or sd2")
     _check(config.model.max_text_length >= 4, "model.max_text_length", "must be at least 4")
     _check(
-        config.diffusion.prediction_type in ("epsilon", "v_prediction"),
+        config.diffusion.prediction_type in (None, "epsilon", "v_prediction"),
         "diffusion.prediction_type",
         "must be epsilon or v_prediction",
     )

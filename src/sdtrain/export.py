@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from sdtrain.checkpoint import latest_checkpoint, load_run_modules
+from sdtrain.checkpoint import latest_checkpoint, load_run_modules, pinned_sources
 from sdtrain.config import RunConfig, load_config
 from sdtrain.errors import UserError
 from sdtrain.models import build
@@ -31,25 +31,22 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
     config = run_config(run_dir)
     if config.stage != "diffusion":
         raise UserError(f"{run_dir}: a {config.stage} run has no pipeline; export it to get its {config.stage} folder")
+    checkpoint = checkpoint or latest_checkpoint(run_dir)
     trained = load_run_modules(run_dir, ema=ema, checkpoint=checkpoint)
+    pinned = pinned_sources(checkpoint)
     model = config.model
 
     def component(name: str) -> Any:
         if name in trained:
             return trained[name]
-        source = build.component_source(model, name)
+        source = pinned.get(name) or build.component_source(model, name)
         if source is None:
             raise UserError(f"{run_dir}: the {name} was neither trained nor loaded from a folder")
         return build.load_component(name, source)
 
     tokenizer_source = build.tokenizer_source(model) or run_dir
     tokenizer = build.load_tokenizer(tokenizer_source, model.max_text_length)
-    noise = build.build_noise_scheduler(config.diffusion)
-    if model.pretrained and (Path(model.pretrained) / "scheduler").is_dir():
-        from diffusers import DDPMScheduler
-
-        noise = DDPMScheduler.from_pretrained(Path(model.pretrained) / "scheduler",
-                                              prediction_type=config.diffusion.prediction_type)
+    noise = build.build_noise_scheduler(config.diffusion, model.pretrained)
     return assemble_pipeline(component("vae"), component("text_encoder"), tokenizer, component("unet"),
                              sampler_from(noise, "euler"))
 

@@ -117,13 +117,17 @@ def build_unet(config: ModelConfig, latent_channels: int, latent_size: int, cros
     return _construct(UNet2DConditionModel, "unet_overrides", kwargs)
 
 
-def build_noise_scheduler(config: DiffusionConfig) -> DDPMScheduler:
+def build_noise_scheduler(config: DiffusionConfig, pretrained: str | None = None) -> DDPMScheduler:
+    """The training noise schedule: a pretrained pipeline's own when there is one, else from config."""
+    if pretrained and (Path(pretrained) / "scheduler").is_dir():
+        overrides = {"prediction_type": config.prediction_type} if config.prediction_type else {}
+        return DDPMScheduler.from_pretrained(Path(pretrained) / "scheduler", **overrides)
     return DDPMScheduler(
         num_train_timesteps=config.num_train_timesteps,
         beta_schedule=config.beta_schedule,
         beta_start=config.beta_start,
         beta_end=config.beta_end,
-        prediction_type=config.prediction_type,
+        prediction_type=config.prediction_type or "epsilon",
         clip_sample=False,
         steps_offset=1,
     )
@@ -134,6 +138,8 @@ def source_kind(path: str | Path) -> str:
     path = Path(path)
     if (path / "model_index.json").is_file():
         return "pipeline"
+    if (path / "meta.json").is_file() and (path / "model.safetensors").is_file():
+        return "checkpoint"
     if (path / "config.json").is_file():
         return "component"
     if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():
@@ -148,10 +154,12 @@ def load_component(name: str, source: str | Path) -> Any:
     """Load component `name` ('vae', 'unet', 'text_encoder') from a local source folder."""
     kind = source_kind(source)
     cls = COMPONENT_CLASSES[name]
-    if kind == "run":
+    if kind in ("run", "checkpoint"):
         from sdtrain.checkpoint import load_run_modules
 
-        modules = load_run_modules(Path(source), names=[name])
+        checkpoint = Path(source) if kind == "checkpoint" else None
+        run = Path(source).parent.parent if checkpoint else Path(source)
+        modules = load_run_modules(run, names=[name], checkpoint=checkpoint)
         if name not in modules:
             raise UserError(f"{source}: this run did not train a {name}; point model.{name} at a run that did")
         return modules[name]
@@ -180,6 +188,20 @@ def tokenizer_source(config: ModelConfig) -> str | None:
     if text_encoder and (Path(text_encoder) / "tokenizer").is_dir():
         return text_encoder
     return config.pretrained
+
+
+def pin_source(source: str | Path) -> str:
+    """An absolute path that keeps meaning the same weights: a run is pinned to its newest checkpoint, so a
+    resumed or exported run keeps the autoencoder it trained with even after that run trains on."""
+    path = Path(source).resolve()
+    if source_kind(path) == "run":
+        from sdtrain.checkpoint import latest_checkpoint
+
+        newest = latest_checkpoint(path)
+        if newest is None:
+            raise UserError(f"{source}: this run has no complete checkpoint yet; train it first")
+        return str(newest)
+    return str(path)
 
 
 def component_source(config: ModelConfig, name: str) -> str | None:

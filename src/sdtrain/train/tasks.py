@@ -31,10 +31,21 @@ class Task:
     trainable: dict[str, nn.Module]
     tokenizer: Any = None
 
-    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path):
+    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, pinned: dict[str, str] | None = None):
         self.config = config
         self.device = device
         self.run_dir = run_dir
+        self.pinned = dict(pinned or {})
+        self.sources: dict[str, str] = {}
+
+    def load_source(self, name: str) -> Any | None:
+        """Load component `name` from its configured source, pinned at the run's first start; None when the
+        config names no source."""
+        source = self.pinned.get(name) or build.component_source(self.config.model, name)
+        if source is None:
+            return None
+        self.sources[name] = build.pin_source(source)
+        return build.load_component(name, self.sources[name])
 
     def parallel_modules(self) -> dict[str, nn.Module]:
         """The attributes the loss calls the trained modules through, for a data-parallel wrapper."""
@@ -96,10 +107,9 @@ class Reconstruct(nn.Module):
 class AutoencoderTask(Task):
     """Reconstruction plus a small KL term, as in the latent diffusion paper's autoencoder (without the GAN)."""
 
-    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path):
-        super().__init__(config, device, run_dir)
-        source = build.component_source(config.model, "vae")
-        vae = build.load_component("vae", source) if source else build.build_vae(config.model)
+    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, pinned: dict[str, str] | None = None):
+        super().__init__(config, device, run_dir, pinned)
+        vae = self.load_source("vae") or build.build_vae(config.model)
         self._check_resolution(vae)
         vae.to(device).train()
         self._enable_checkpointing(vae)
@@ -159,37 +169,33 @@ class DiffusionTask(Task):
 
     needs_captions = True
 
-    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path):
-        super().__init__(config, device, run_dir)
+    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, pinned: dict[str, str] | None = None):
+        super().__init__(config, device, run_dir, pinned)
         model = config.model
         self.tokenizer = self._tokenizer()
-        vae_source = build.component_source(model, "vae")
-        if vae_source is None:
+        vae = self.load_source("vae")
+        if vae is None:
             raise UserError(
                 "model.vae: the diffusion stage needs a trained autoencoder; set model.vae to an autoencoder run "
                 "or a diffusers folder, or model.pretrained to a pipeline"
             )
-        self.vae = build.load_component("vae", vae_source).to(device).eval().requires_grad_(False)
+        self.vae = vae.to(device).eval().requires_grad_(False)
         scale = self._check_resolution(self.vae)
-        text_source = build.component_source(model, "text_encoder")
-        if text_source:
-            self.text_encoder = build.load_component("text_encoder", text_source)
-        else:
+        self.text_encoder = self.load_source("text_encoder")
+        if self.text_encoder is None:
             if not config.diffusion.train_text_encoder:
                 raise UserError(
                     "diffusion.train_text_encoder: a text encoder built from scratch must be trained; set it to "
                     "true, or load one with model.text_encoder or model.pretrained"
                 )
             self.text_encoder = build.build_text_encoder(model, self.tokenizer)
-        unet_source = build.component_source(model, "unet")
-        if unet_source:
-            self.unet = build.load_component("unet", unet_source)
-        else:
+        self.unet = self.load_source("unet")
+        if self.unet is None:
             self.unet = build.build_unet(
                 model, self.vae.config.latent_channels, config.data.resolution // scale,
                 self.text_encoder.config.hidden_size,
             )
-        self.noise_scheduler = self._noise_scheduler()
+        self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model.pretrained)
         self.unet.to(device).train()
         self._enable_checkpointing(self.unet)
         self.trainable = {"unet": self.unet}
@@ -218,15 +224,6 @@ class DiffusionTask(Task):
         captions = read_captions(config.data.shards, config.data.caption_key)
         log.info("training a %d-token BPE tokenizer on %d captions", model.tokenizer_vocab_size, len(captions))
         train_clip_tokenizer(captions, saved, model.tokenizer_vocab_size, model.max_text_length)
-
-    def _noise_scheduler(self):
-        from diffusers import DDPMScheduler
-
-        if self.config.model.pretrained:
-            folder = Path(self.config.model.pretrained) / "scheduler"
-            if folder.is_dir():
-                return DDPMScheduler.from_pretrained(folder, prediction_type=self.config.diffusion.prediction_type)
-        return build.build_noise_scheduler(self.config.diffusion)
 
     def encode_text(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.text_encoder(input_ids.to(self.device, non_blocking=True))[0]
@@ -284,5 +281,5 @@ def prepare_task(config: RunConfig, run_dir: Path) -> None:
     TASKS[config.stage].prepare(config, run_dir)
 
 
-def make_task(config: RunConfig, device: torch.device, run_dir: Path) -> Task:
-    return TASKS[config.stage](config, device, run_dir)
+def make_task(config: RunConfig, device: torch.device, run_dir: Path, pinned: dict[str, str] | None = None) -> Task:
+    return TASKS[config.stage](config, device, run_dir, pinned)

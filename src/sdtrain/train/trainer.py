@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdtrain.checkpoint import Checkpointer
+from sdtrain.checkpoint import Checkpointer, pinned_sources
 from sdtrain.config import RunConfig, to_dict
 from sdtrain.data.pipeline import TrainBatches
 from sdtrain.distributed import any_rank, barrier, detect_topology, gather_objects, init_distributed, mean_over_ranks
@@ -119,7 +119,9 @@ class Trainer:
             prepare_run_dir(config)
             prepare_task(config, self.run_dir)
         barrier()
-        self.task = make_task(config, self.device, self.run_dir)
+        self.checkpointer = Checkpointer(self.run_dir, config.checkpoint)
+        self.resume_from = self.checkpointer.resume_path()
+        self.task = make_task(config, self.device, self.run_dir, pinned_sources(self.resume_from))
         self.data = TrainBatches(config.data, self.task.tokenizer, config.seed, self.topology.rank,
                                  self.topology.world_size, pin_memory=self.device.type == "cuda")
         self.parallel = DataParallel(config.parallel, self.topology, self.device)
@@ -130,7 +132,6 @@ class Trainer:
         self.noise = torch.Generator(self.device)
         self.state = TrainState(config.stage, self.task.trainable, self.ema, self.optimizer, self.lr_schedule,
                                 self.data, self.task, self.topology.rank)
-        self.checkpointer = Checkpointer(self.run_dir, config.checkpoint)
         self.logger = RunLogger(config.logging, self.run_dir, config.train.max_steps, to_dict(config),
                                 enabled=self.is_main)
         self.bf16 = config.train.mixed_precision == "bf16"
@@ -143,7 +144,7 @@ class Trainer:
             return self._train()
 
     def _train(self) -> Path:
-        resume = self.checkpointer.resume_path()
+        resume = self.resume_from
         if resume is not None:
             self.checkpointer.load(resume, self.state)
             self._apply_optimizer_config()
