@@ -18,6 +18,7 @@ import os
 import pickle
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from sdtrain.config import CheckpointConfig
 from sdtrain.errors import UserError
@@ -34,21 +36,37 @@ log = logging.getLogger(__name__)
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
-def _module_spec(module: nn.Module) -> dict[str, Any]:
+@dataclass
+class Snapshot:
+    """Full (unsharded) CPU copies of the weights, EMA and optimizer state, taken on every rank."""
+
+    model: dict[str, torch.Tensor]
+    ema: dict[str, torch.Tensor] | None
+    optimizer: dict[str, Any]
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def capture(modules: dict[str, nn.Module], ema: Any, optimizer: torch.optim.Optimizer) -> Snapshot:
+    """Every rank must call this: gathering sharded parameters is a collective. The optimizer state is
+    keyed by parameter name, so it loads under any parallel strategy and number of ranks."""
+    model, optim = get_state_dict(nn.ModuleDict(modules), optimizer, options=_FULL)
+    return Snapshot({k: v.contiguous() for k, v in model.items()}, ema.full_state() if ema else None, optim)
+
+
+def _class_name(module: nn.Module) -> str:
+    # FSDP2 swaps in a subclass named FSDP<class>; checkpoints name the model's own class.
+    return type(module).__name__.removeprefix("FSDP")
+
+
+def module_spec(module: nn.Module) -> dict[str, Any]:
     if hasattr(module, "config") and hasattr(module.config, "to_dict"):  # transformers
-        return {"class": type(module).__name__, "config": module.config.to_dict()}
+        return {"class": _class_name(module), "config": module.config.to_dict()}
     # diffusers resets keys listed in _use_default_values on load, which would undo values set after
     # construction (the autoencoder's measured scaling_factor).
     config = {k: v for k, v in dict(module.config).items() if k != "_use_default_values"}
-    return {"class": type(module).__name__, "config": config}  # diffusers
-
-
-def _flat_state(modules: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
-    return {
-        f"{prefix}.{key}": value.detach().contiguous().cpu()
-        for prefix, module in modules.items()
-        for key, value in module.state_dict().items()
-    }
+    return {"class": _class_name(module), "config": config}  # diffusers
 
 
 def _split_state(flat: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -83,25 +101,24 @@ class Checkpointer:
     def path_for(self, step: int) -> Path:
         return self.folder / f"step_{step:08d}"
 
-    def save(self, state: Any, ranks: list[dict[str, Any]]) -> Path:
-        """Write the checkpoint; `ranks` holds every rank's own state (data position, RNG)."""
+    def save(self, state: Any, ranks: list[dict[str, Any]], snapshot: Snapshot) -> Path:
+        """Write the checkpoint (main rank); `ranks` holds every rank's own state (data position, RNG)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         final = self.path_for(state.step)
         tmp = self.folder / f".{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_file(_flat_state(state.modules), str(tmp / "model.safetensors"))
-        if state.ema is not None:
-            save_file({k: v.contiguous().cpu() for k, v in state.ema.state_dict().items()},
-                      str(tmp / "ema.safetensors"))
-        torch.save(state.optimizer.state_dict(), tmp / "optimizer.pt")
+        save_file(snapshot.model, str(tmp / "model.safetensors"))
+        if snapshot.ema is not None:
+            save_file(snapshot.ema, str(tmp / "ema.safetensors"))
+        torch.save(snapshot.optimizer, tmp / "optimizer.pt")
         torch.save(state.trainer_state(ranks), tmp / "trainer.pt")
         meta = {
             "step": state.step,
             "samples": state.samples,
             "stage": state.stage,
             "ema": state.ema is not None,
-            "modules": {name: _module_spec(m) for name, m in state.modules.items()},
+            "modules": {name: module_spec(m) for name, m in state.modules.items()},
             "sources": state.task.sources,
         }
         # meta.json last: its presence is what marks a checkpoint folder complete.
@@ -146,12 +163,13 @@ class Checkpointer:
     def load(self, path: Path, state: Any) -> None:
         try:
             model = load_file(str(path / "model.safetensors"))
-            for name, module in state.modules.items():
-                module.load_state_dict(_split_state(model, name))
+            optimizer = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
+            # Every rank holds the full state and keeps its own shard of it.
+            set_state_dict(nn.ModuleDict(state.modules), state.optimizer, model_state_dict=model,
+                           optim_state_dict=optimizer, options=StateDictOptions(full_state_dict=True))
             trainer = torch.load(path / "trainer.pt", weights_only=True, map_location="cpu")
             if state.ema is not None:
                 state.ema.load_state_dict(load_file(str(path / "ema.safetensors")), trainer["ema_updates"])
-            state.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
             state.load_trainer_state(trainer)
         except (OSError, RuntimeError, KeyError, ValueError, SafetensorError, pickle.UnpicklingError) as exc:
             raise UserError(
@@ -177,7 +195,7 @@ def _fsync_tree(folder: Path) -> None:
             os.fsync(f.fileno())
 
 
-def _instantiate(spec: dict[str, Any]) -> nn.Module:
+def instantiate(spec: dict[str, Any]) -> nn.Module:
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
@@ -207,7 +225,7 @@ def load_run_modules(
     for name, spec in meta["modules"].items():
         if names is not None and name not in names:
             continue
-        module = _instantiate(spec)
+        module = instantiate(spec)
         state = _split_state(weights, name)
         if use_ema:
             # The EMA holds trained parameters only; buffers come from the raw weights.

@@ -11,12 +11,14 @@ dropout draw from an RNG keyed by the sample's place in the epoch, so they repla
 
 from __future__ import annotations
 
+import atexit
 import glob
 import io
 import logging
 import os
 import signal
 import tarfile
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -365,9 +367,17 @@ class TrainBatches:
         )
         return iter(loader)
 
+    def close(self) -> None:
+        """Stop the loader workers. They ignore SIGTERM (see _single_thread_worker), so they must be told."""
+        shutdown = getattr(self._iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self._iterator = None
+
     def next(self) -> dict[str, Any]:
         if self._iterator is None:
             self._iterator = self._make_iterator()
+            _open_loaders.add(self)
         empty_passes = 0
         while True:
             try:
@@ -390,7 +400,18 @@ class TrainBatches:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position.load_state_dict(state)
-        self._iterator = None
+        self.close()
+
+
+# multiprocessing's exit handler stops leftover workers with SIGTERM, which ours ignore; stopping them
+# properly first keeps interpreter exit from waiting on them forever.
+_open_loaders: weakref.WeakSet[TrainBatches] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_loaders() -> None:
+    for loader in list(_open_loaders):
+        loader.close()
 
 
 def _single_thread_worker(_: int) -> None:

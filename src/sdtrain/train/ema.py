@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from sdtrain.config import EMAConfig
 
@@ -45,18 +46,18 @@ class EMA:
         torch._foreach_lerp_(shadows, current, 1.0 - decay)
         self.updates += 1
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.shadow)
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Unsharded CPU copies; a collective when parameters are sharded, so every rank calls it."""
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().contiguous()
+                for k, v in self.shadow.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor], updates: int) -> None:
         missing = set(self.shadow) - set(state)
         if missing:
             raise KeyError(f"EMA state lacks {sorted(missing)[0]}")
-        for name in self.shadow:
-            self.shadow[name].copy_(state[name])
+        for name, shadow in self.shadow.items():
+            full = state[name].to(shadow.device)
+            if isinstance(shadow, DTensor):  # keep this rank's shard of the full tensor
+                full = distribute_tensor(full, shadow.device_mesh, shadow.placements, src_data_rank=None)
+            shadow.copy_(full)
         self.updates = updates
-
-    def module_state(self, prefix: str) -> dict[str, torch.Tensor]:
-        """The averaged weights of one module, under that module's own keys."""
-        cut = len(prefix) + 1
-        return {k[cut:]: v for k, v in self.shadow.items() if k.startswith(prefix + ".")}

@@ -12,11 +12,12 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from sdtrain.config import ParallelConfig
 from sdtrain.distributed import Topology
-from sdtrain.errors import UserError
 
 
 class DataParallel:
@@ -25,27 +26,53 @@ class DataParallel:
         self.topology = topology
         self.device = device
         self.wrapped: list[DistributedDataParallel] = []
+        self.sharded: list[nn.Module] = []
 
-    def apply(self, task) -> None:
+    def apply(self, task, bf16: bool = False) -> None:
         if not self.topology.distributed:
             return
-        if self.config.strategy != "ddp":
-            raise UserError(f"parallel.strategy: {self.config.strategy} is not available yet; use ddp")
+        if self.config.strategy == "fsdp":
+            self._shard(task, bf16)
+            return
         for name, module in task.parallel_modules().items():
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             wrapped = DistributedDataParallel(module, device_ids=device_ids)
             setattr(task, name, wrapped)
             self.wrapped.append(wrapped)
 
+    def _shard(self, task, bf16: bool) -> None:
+        """FSDP2: each block of the model is its own shard unit, then the whole module; parameters are
+        gathered in bf16 and gradients reduced in fp32 when training in bf16."""
+        mesh = init_device_mesh(self.device.type, (self.topology.world_size,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+            else MixedPrecisionPolicy()
+        for module in task.parallel_modules().values():
+            for block in shard_units(module):
+                fully_shard(block, mesh=mesh, mp_policy=policy)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+            self.sharded.append(module)
+
     @contextlib.contextmanager
     def no_sync(self, skip: bool) -> Iterator[None]:
-        """Skip the gradient all-reduce on micro-steps that are not the last of an accumulation."""
+        """Skip the gradient reduction on micro-steps that are not the last of an accumulation."""
+        for module in self.sharded:
+            module.set_requires_gradient_sync(not skip)
         with contextlib.ExitStack() as stack:
             if skip:
                 for module in self.wrapped:
                     stack.enter_context(module.no_sync())
             yield
 
-    @staticmethod
-    def unwrap(module: nn.Module) -> nn.Module:
-        return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+# Containers whose elements are a model's repeated blocks: UNet and VAE down/up blocks, CLIP layers.
+_BLOCK_LISTS = ("down_blocks", "up_blocks", "layers")
+
+
+def shard_units(root: nn.Module) -> list[nn.Module]:
+    units = []
+    for name, module in root.named_modules():
+        parts = name.split(".")
+        if parts[-1] == "mid_block" or (len(parts) > 1 and parts[-1].isdigit() and parts[-2] in _BLOCK_LISTS):
+            units.append(module)
+    return units

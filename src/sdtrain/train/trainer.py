@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import logging
 import math
@@ -17,8 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from sdtrain.checkpoint import Checkpointer, pinned_sources
+from sdtrain.checkpoint import Checkpointer, Snapshot, capture, instantiate, module_spec, pinned_sources
 from sdtrain.config import RunConfig, to_dict
 from sdtrain.data.pipeline import TrainBatches
 from sdtrain.distributed import any_rank, barrier, detect_topology, gather_objects, init_distributed, mean_over_ranks
@@ -125,7 +125,7 @@ class Trainer:
         self.data = TrainBatches(config.data, self.task.tokenizer, config.seed, self.topology.rank,
                                  self.topology.world_size, pin_memory=self.device.type == "cuda")
         self.parallel = DataParallel(config.parallel, self.topology, self.device)
-        self.parallel.apply(self.task)
+        self.parallel.apply(self.task, bf16=config.train.mixed_precision == "bf16")
         self.optimizer = build_optimizer(self.task.parameters(), config.optim)
         self.lr_schedule = build_lr_schedule(self.optimizer, config.optim, config.train.max_steps)
         self.ema = EMA(self.task.trainable, config.ema) if config.ema.enabled else None
@@ -166,6 +166,7 @@ class Trainer:
                                     "run the same command to resume")
             final = self.save()
         finally:
+            self.data.close()
             self.logger.close()
         return final
 
@@ -230,7 +231,8 @@ class Trainer:
         self.logger.advance(step)
         if not (force or final or step % self.config.logging.every == 0):
             return
-        values = mean_over_ranks({key: float(value) for key, value in metrics.items()}, self.device)
+        local = {key: float(v.full_tensor() if isinstance(v, DTensor) else v) for key, v in metrics.items()}
+        values = mean_over_ranks(local, self.device)
         if not math.isfinite(values["loss"]):
             raise UserError(f"step {step}: loss is {values['loss']}; lower optim.lr or enable optim.grad_clip")
         values["lr"] = self.lr_schedule.get_last_lr()[0]
@@ -244,35 +246,32 @@ class Trainer:
         self.task.before_save()
         # Every rank enters: each contributes its data position and RNG states.
         ranks = gather_objects(self.state.rank_state())
+        snapshot = capture(self.task.trainable, self.ema, self.optimizer)
         path = self.checkpointer.path_for(self.state.step)
         if self.is_main:
-            self.checkpointer.save(self.state, ranks)
-            self.validate()
+            self.checkpointer.save(self.state, ranks, snapshot)
+            self.validate(snapshot)
         barrier()
         self.saved = (self.state.step, path)
         return path
 
-    def averaged_modules(self) -> dict[str, nn.Module]:
-        """The trained modules with EMA weights (copies), or the live ones without EMA."""
-        if self.ema is None:
-            return dict(self.task.trainable)
-        averaged = {}
+    def averaged_modules(self, snapshot: Snapshot) -> dict[str, nn.Module]:
+        """Plain copies of the trained modules with the EMA weights (raw ones without EMA), whatever the
+        parallel wrapping of the live modules."""
+        copies = {}
         for name, module in self.task.trainable.items():
-            clone = copy.deepcopy(module)
-            clone.load_state_dict(self.ema.module_state(name), strict=False)
-            averaged[name] = clone.eval()
-        return averaged
+            prefix = name + "."
+            weights = {k[len(prefix):]: v for k, v in snapshot.model.items() if k.startswith(prefix)}
+            if snapshot.ema is not None:
+                weights |= {k[len(prefix):]: v for k, v in snapshot.ema.items() if k.startswith(prefix)}
+            clone = instantiate(module_spec(module))
+            clone.load_state_dict(weights)
+            copies[name] = clone.to(self.device).eval()
+        return copies
 
-    def validate(self) -> None:
+    def validate(self, snapshot: Snapshot) -> None:
         out = self.run_dir / "samples" / f"step_{self.state.step:08d}.png"
-        modules = self.averaged_modules()
-        for module in modules.values():
-            module.eval()
-        try:
-            path = self.task.validate(modules, out, self.last_batch)
-        finally:
-            for module in self.task.trainable.values():
-                module.train()
+        path = self.task.validate(self.averaged_modules(snapshot), out, self.last_batch)
         if path is not None:
             log.info("validation images: %s", path)
             self.logger.image("validation", path, self.state.step)
