@@ -331,6 +331,3 @@ def to_yaml(config: RunConfig) -> str:
 def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
-
-def as_omegaconf(config: RunConfig) -> DictConfig:
-    return OmegaConf.structured(config)

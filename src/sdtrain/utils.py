@@ -6,7 +6,6 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
@@ -52,6 +51,3 @@ def save_grid(images, path: Path, rows: int = 1, labels: Sequence[str] | None = 
     pil = to_pil(images)
     return save_image_atomic(make_grid(pil, rows=min(rows, len(pil)), labels=labels), path)
 
-
-def image_difference(a: Image.Image, b: Image.Image) -> float:
-    return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).mean())
