@@ -125,7 +125,8 @@ class Trainer:
         self.data = TrainBatches(config.data, self.task.tokenizer, config.seed, self.topology.rank,
                                  self.topology.world_size, pin_memory=self.device.type == "cuda")
         self.parallel = DataParallel(config.parallel, self.topology, self.device)
-        self.parallel.apply(self.task, bf16=config.train.mixed_precision == "bf16")
+        self.bf16 = config.train.mixed_precision == "bf16"
+        self.parallel.apply(self.task, bf16=self.bf16)
         self.optimizer = build_optimizer(self.task.parameters(), config.optim)
         self.lr_schedule = build_lr_schedule(self.optimizer, config.optim, config.train.max_steps)
         self.ema = EMA(self.task.trainable, config.ema) if config.ema.enabled else None
@@ -134,7 +135,6 @@ class Trainer:
                                 self.data, self.task, self.topology.rank)
         self.logger = RunLogger(config.logging, self.run_dir, config.train.max_steps, to_dict(config),
                                 enabled=self.is_main)
-        self.bf16 = config.train.mixed_precision == "bf16"
         self.last_batch: dict[str, Any] | None = None
         self.saved: tuple[int, Path] | None = None
         self.stop_signal: int | None = None
