@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -55,3 +58,31 @@ def diffusion_run(tmp_path_factory, shapes_dir, autoencoder_run) -> Path:
           "train.max_steps=4", "checkpoint.every=2", "validation.prompts=[a red circle,a blue square]",
           "validation.steps=2")
     return run
+
+
+def pytest_unconfigure(config) -> None:
+    """If the interpreter does not exit soon after the session, say what holds it, then leave.
+
+    Everything a test starts must end with it; a thread or child process that does not would make
+    CI wait until its time limit with no word of why. This prints the culprits and ends with the
+    session's own status, so the report shows in the log of a run whose tests passed.
+    """
+    status = getattr(config, "_sdtrain_exit_status", 0)
+
+    def report_and_exit() -> None:
+        import multiprocessing
+
+        print("\n[conftest] interpreter exit stalled; still alive:", file=sys.stderr)
+        print(f"  threads: {[t.name for t in threading.enumerate()]}", file=sys.stderr)
+        print(f"  children: {multiprocessing.active_children()}", file=sys.stderr)
+        faulthandler.dump_traceback(all_threads=True)
+        sys.stderr.flush()
+        os._exit(status)
+
+    timer = threading.Timer(120, report_and_exit)
+    timer.daemon = True
+    timer.start()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    session.config._sdtrain_exit_status = int(exitstatus)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -119,14 +122,17 @@ def test_fine_tune_from_a_pipeline_folder(tmp_path, shapes_dir, diffusion_run):
     assert json.loads((tuned / "scheduler" / "scheduler_config.json").read_text())["prediction_type"] == "v_prediction"
 
 
-def test_wandb_offline_logs_without_network_or_key(tmp_path, shapes_dir, monkeypatch):
+def test_wandb_offline_logs_without_network_or_key(tmp_path, shapes_dir):
     pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    # Its own process: wandb starts a service that outlives the run, and the test session must not wait on it.
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="2")
     run = tmp_path / "ae"
-    train("autoencoder.yaml", run, f"data.shards={shapes_dir}", "train.max_steps=2", "logging.wandb=true",
-          "logging.every=1")
+    subprocess.run(
+        [sys.executable, "-m", "sdtrain", "train", str(config_path("autoencoder.yaml")), f"run_dir={run}",
+         f"data.shards={shapes_dir}", *TINY, "train.max_steps=2", "logging.wandb=true", "logging.every=1"],
+        env=env, check=True, timeout=600,
+    )
     assert list((run / "wandb").glob("offline-run-*/run-*.wandb"))
 
 

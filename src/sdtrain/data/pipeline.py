@@ -370,8 +370,15 @@ class TrainBatches:
     def close(self) -> None:
         """Stop the loader workers. They ignore SIGTERM (see _single_thread_worker), so they must be told."""
         shutdown = getattr(self._iterator, "_shutdown_workers", None)
+        workers = list(getattr(self._iterator, "_workers", []))
         if shutdown is not None:
             shutdown()
+        # The loader's own fallback for a worker that does not stop in time is SIGTERM, which ours
+        # ignore; one left alive would hold interpreter exit forever.
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join(timeout=10)
         self._iterator = None
 
     def next(self) -> dict[str, Any]:
