@@ -39,9 +39,10 @@ def shapes_copy(shapes: Path, tmp_path: Path) -> Path:
 
 
 def data_config(shards: Path | str, workers: int = 0, **kwargs) -> DataConfig:
-    return DataConfig(
-        shards=str(shards), resolution=32, batch_size=4, num_workers=workers, caption_dropout=0.0, **kwargs
-    )
+    return DataConfig(**{
+        "shards": str(shards), "resolution": 32, "batch_size": 4, "num_workers": workers, "caption_dropout": 0.0,
+        **kwargs,
+    })
 
 
 def take(tb: TrainBatches, n: int) -> list[dict]:
@@ -105,7 +106,7 @@ def test_resume_is_exact(shapes: Path, workers: int) -> None:
     state = json.loads(json.dumps(first.state_dict()))  # as stored in a checkpoint
     del first
     resumed = TrainBatches(config, None, seed=5)
-    resumed.load_state_dict(state)
+    resumed.load_state_dict([state])
     tail = take(resumed, 16)
 
     assert keys_of(head + tail) == keys_of(straight)
@@ -116,13 +117,58 @@ def test_resume_is_exact(shapes: Path, workers: int) -> None:
     assert resumed.position.epoch == 2
 
 
-def test_resume_with_other_num_workers_is_refused(shapes: Path) -> None:
-    tb = TrainBatches(data_config(shapes, 0), None, seed=0)
-    take(tb, 2)
-    other = TrainBatches(data_config(shapes, 2), None, seed=0)
-    with pytest.raises(UserError, match="data.num_workers") as info:
-        other.load_state_dict(tb.state_dict())
-    assert "\n" not in str(info.value)
+def epoch_zero_keys(loaders: list[TrainBatches], batches_per_rank: int | None) -> list[str]:
+    """Keys of epoch 0 read by these ranks: `batches_per_rank` each, or until every slot finished the epoch."""
+    keys = []
+    for tb in loaders:
+        taken = 0
+        while (taken < batches_per_rank) if batches_per_rank is not None else tb.position.epoch == 0:
+            batch = tb.next()
+            taken += 1
+            if batch["position"]["epoch"] == 0:  # one sample per batch: the batch's epoch is the sample's
+                keys += batch["keys"]
+    return keys
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_ranks_read_disjoint_samples_that_cover_the_epoch(shapes: Path, workers: int) -> None:
+    config = data_config(shapes, workers, batch_size=1)
+    ranks = [TrainBatches(config, None, seed=0, rank=r, world_size=2) for r in range(2)]
+    per_rank = [epoch_zero_keys([tb], None) for tb in ranks]
+    assert not set(per_rank[0]) & set(per_rank[1])
+    assert sorted(per_rank[0] + per_rank[1]) == KEYS
+    assert abs(len(per_rank[0]) - len(per_rank[1])) <= max(1, workers)
+
+
+@pytest.mark.parametrize("layouts", [
+    [(2, 0, 7), (1, 0, None)],  # a 2-rank job resumed on one process
+    [(1, 2, 5), (3, 0, 4), (2, 2, None)],  # more ranks, then fewer ranks with workers, mid-epoch each time
+])
+def test_resume_on_other_ranks_and_workers_reads_the_rest_of_the_epoch_once(shapes: Path, layouts) -> None:
+    seen: list[str] = []
+    states = None
+    for world, workers, batches in layouts:
+        config = data_config(shapes, workers, batch_size=1)
+        ranks = [TrainBatches(config, None, seed=0, rank=r, world_size=world) for r in range(world)]
+        if states is not None:
+            for tb in ranks:
+                tb.load_state_dict(states)
+        seen += epoch_zero_keys(ranks, batches)
+        states = [json.loads(json.dumps(tb.state_dict())) for tb in ranks]  # as stored in a checkpoint
+        for tb in ranks:
+            tb.close()
+    assert len(seen) == len(set(seen)), "a sample was read twice in one epoch"
+    assert sorted(seen) == KEYS
+
+
+def test_resume_on_the_same_layout_ignores_other_ranks_positions(shapes: Path) -> None:
+    config = data_config(shapes, 0)
+    ranks = [TrainBatches(config, None, seed=0, rank=r, world_size=2) for r in range(2)]
+    take(ranks[0], 1), take(ranks[1], 3)
+    states = [tb.state_dict() for tb in ranks]
+    resumed = TrainBatches(config, None, seed=0, rank=1, world_size=2)
+    resumed.load_state_dict(states)
+    assert resumed.next()["keys"] == ranks[1].next()["keys"]
 
 
 def write_damaged(out: Path) -> None:

@@ -94,6 +94,49 @@ def test_torchrun_ddp_trains_the_autoencoder(tmp_path, shapes_dir):
     assert (run / "checkpoints" / "step_00000002" / "meta.json").is_file()
 
 
+def _torchrun(run: Path, shapes_dir: Path, autoencoder_run: Path, *extra: str, torchrun_args: tuple[str, ...] = (),
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               *torchrun_args, "-m", "sdtrain", "train", str(config_path("diffusion.yaml")),
+               *_overrides(run, shapes_dir, autoencoder_run, *extra)]
+    return subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.dist
+def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path, shapes_dir, autoencoder_run):
+    steps = ("train.max_steps=4", "checkpoint.every=2", "checkpoint.keep_last=5")
+    straight = _torchrun(tmp_path / "straight", shapes_dir, autoencoder_run, *steps)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    # Rank 1 dies without warning after step 3, past the step-2 checkpoint, as a lost node would.
+    killed = _torchrun(tmp_path / "killed", shapes_dir, autoencoder_run, *steps, torchrun_args=("--max-restarts", "1"),
+                       env={"SDTRAIN_KILL_AT_STEP": "3:1"})
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert "SDTRAIN_KILL_AT_STEP: killing this process after step 3" in killed.stderr
+    assert "resumed from" in killed.stderr
+    names = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir())
+    assert names == ["step_00000002", "step_00000004"]
+    a = load_file(str(tmp_path / "straight" / "checkpoints" / "step_00000004" / "model.safetensors"))
+    b = load_file(str(tmp_path / "killed" / "checkpoints" / "step_00000004" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the restart repeated step 3 exactly
+
+
+@pytest.mark.dist
+def test_a_two_rank_run_resumes_on_one_process(tmp_path, shapes_dir, autoencoder_run, caplog):
+    run = tmp_path / "run"
+    first = _torchrun(run, shapes_dir, autoencoder_run, "train.max_steps=2", "data.caption_dropout=0")
+    assert first.returncode == 0, first.stderr[-3000:]
+    # One process, two micro-batches per step: the same global batch as two ranks.
+    assert main(["train", str(config_path("diffusion.yaml")),
+                 *_overrides(run, shapes_dir, autoencoder_run, "train.max_steps=4", "train.grad_accum=2",
+                             "data.caption_dropout=0")]) == 0
+    assert "resuming 1 ranks x 1 workers from a run of 2 x 1" in caplog.text
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4] and records[-1]["samples"] == 4 * 2 * 4
+    state = torch.load(run / "checkpoints" / "step_00000004" / "trainer.pt", weights_only=True)
+    assert len(state["ranks"]) == 1
+
+
 def test_launcher_environments_are_recognised():
     torchrun = detect_topology({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "n0",
                                 "MASTER_PORT": "1234"})

@@ -93,6 +93,50 @@ def test_bf16_checkpointing_accumulation_and_v_prediction_train(tmp_path, shapes
     assert pipeline_from_run(run).scheduler.config.prediction_type == "v_prediction"
 
 
+@pytest.mark.parametrize("config", ["autoencoder.yaml", "diffusion.yaml"])
+def test_gradient_checkpointing_recomputes_without_changing_training(tmp_path, shapes_dir, autoencoder_run,
+                                                                     config):
+    from safetensors.torch import load_file
+
+    runs = {}
+    for checkpointing in (False, True):
+        run = runs[checkpointing] = tmp_path / f"ckpt-{checkpointing}"
+        train(config, run, f"data.shards={shapes_dir}", f"model.vae={autoencoder_run}", "train.max_steps=2",
+              f"train.gradient_checkpointing={str(checkpointing).lower()}", "validation.prompts=[]",
+              "logging.every=1")
+    plain, recomputed = (load_file(str(runs[c] / "checkpoints" / "step_00000002" / "model.safetensors"))
+                         for c in (False, True))
+    assert plain.keys() == recomputed.keys()  # names as the plain model's: checkpoints stay interchangeable
+    for key in plain:
+        torch.testing.assert_close(recomputed[key], plain[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_checkpointing_wraps_each_block_outside_the_model():
+    from sdtrain.config import ParallelConfig
+    from sdtrain.distributed import Topology
+    from sdtrain.models import build
+    from sdtrain.train.parallel import DataParallel, shard_units
+
+    class Task:
+        unet = build.build_unet(load_config(config_path("diffusion.yaml"), ["run_dir=x", "data.shards=x"]).model,
+                                latent_channels=4, latent_size=8, cross_attention_dim=64)
+
+        def parallel_modules(self):
+            return {"unet": self.unet}
+
+    task = Task()
+    DataParallel(ParallelConfig(), Topology(), torch.device("cpu")).apply(task, checkpointing=True)
+    blocks = shard_units(task.unet)
+    assert len(blocks) == 7  # 3 down, mid, 3 up
+    assert all("forward" in vars(block) for block in blocks)  # the instance's, not the class's
+    assert "forward" not in vars(task.unet)
+    calls = []
+    blocks[0].resnets[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    out = task.unet(torch.randn(1, 4, 8, 8), torch.tensor([10]), encoder_hidden_states=torch.randn(1, 3, 64)).sample
+    out.sum().backward()
+    assert len(calls) == 2  # run in forward, run again in backward
+
+
 def test_training_runs_on_through_damaged_shards(tmp_path):
     from .test_data import write_damaged
 

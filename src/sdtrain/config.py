@@ -147,7 +147,11 @@ class TrainConfig:
     mixed_precision: str = "no"
     """``no`` (fp32) or ``bf16`` autocast. fp16 is not offered: it needs loss scaling and is slow on CPUs."""
     gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory."""
+    """Recompute each block's activations in backward instead of storing them: less memory, about a
+    third more compute. Applied per UNet/VAE block and text-encoder layer of the trained modules."""
+    compile: bool = False
+    """Compile each block of the trained modules with torch.compile. The first steps are slow while
+    it compiles (minutes on CPU); worth it on GPUs for long runs."""
     device: str = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``."""
     threads: int = 0

@@ -109,9 +109,25 @@ def init_distributed(topology: Topology, device: torch.device, backend: str = "a
     if device.type == "cuda":
         torch.cuda.set_device(device)  # object collectives stage on the current device
     chosen = choose_backend(backend, device)
-    dist.init_process_group(chosen, timeout=timedelta(minutes=timeout_minutes),
+    timeout = timedelta(minutes=timeout_minutes)
+    dist.init_process_group(chosen, timeout=timeout, store=_attempt_store(topology, timeout),
+                            rank=topology.rank, world_size=topology.world_size,
                             device_id=device if device.type == "cuda" else None)
     log.info("rank %d of %d (%s, backend %s)", topology.rank, topology.world_size, topology.launcher, chosen)
+
+
+def _attempt_store(topology: Topology, timeout: timedelta) -> dist.Store:
+    """The rendezvous store, under a prefix of its own for each torchrun restart.
+
+    torchrun keeps one store across `--max-restarts` attempts; without a prefix, the restarted
+    ranks read the addresses their dead predecessors published and fail to connect.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), topology.world_size,
+                          is_master=not agent_hosts_store and topology.rank == 0, timeout=timeout,
+                          multi_tenant=True)
+    return dist.PrefixStore(f"sdtrain/attempt_{attempt}", store)
 
 
 def destroy() -> None:

@@ -23,11 +23,13 @@ def run(args: argparse.Namespace) -> int:
     from sdtrain.train.trainer import Preempted, Trainer
 
     try:
-        final = Trainer(config).train()
+        trainer = Trainer(config)
+        final = trainer.train()
     except Preempted as stop:
         print(f"sdtrain train: {stop}", file=sys.stderr)
         return Preempted.exit_code
     finally:
         destroy()
-    print(f"finished: {config.run_dir} (checkpoint {final})")
+    if trainer.is_main:
+        print(f"finished: {config.run_dir} (checkpoint {final})")
     return 0

@@ -7,6 +7,10 @@ read once and every slot reads only about its share of shards. A slot's whole po
 (epoch, offset into its range); batches carry it, the trainer records the position of each
 batch it consumes, and a resumed run restarts every slot exactly there. Augmentation and caption
 dropout draw from an RNG keyed by the sample's place in the epoch, so they replay identically.
+
+A run resumed with another number of ranks or workers cannot replay the old order; instead the
+samples each unfinished epoch still owes are dealt out again, in contiguous pieces, to the new
+slots (an epoch *plan*), so the epoch still sees every sample once.
 """
 
 from __future__ import annotations
@@ -115,6 +119,48 @@ def slot_range(total: int, slot: int, slots: int) -> tuple[int, int]:
     return total * slot // slots, total * (slot + 1) // slots
 
 
+Intervals = list[tuple[int, int]]
+"""Half-open ranges of places in an epoch's global order."""
+
+
+def slot_intervals(total: int, slot: int, slots: int, plans: dict[int, list[Intervals]], epoch: int) -> Intervals:
+    """What a slot reads in an epoch: its planned pieces after a re-layout, else its equal share."""
+    if epoch in plans:
+        return plans[epoch][slot]
+    return [slot_range(total, slot, slots)]
+
+
+def _drop_prefix(intervals: Intervals, count: int) -> Intervals:
+    rest = []
+    for start, end in intervals:
+        taken = min(count, end - start)
+        count -= taken
+        if start + taken < end:
+            rest.append((start + taken, end))
+    return rest
+
+
+def _deal(intervals: Intervals, slots: int) -> list[Intervals]:
+    """Cut the places in `intervals` (in order) into `slots` contiguous pieces of near-equal size."""
+    total = sum(end - start for start, end in intervals)
+    pieces = []
+    for slot in range(slots):
+        first, last = slot_range(total, slot, slots)
+        pieces.append(_take(_drop_prefix(intervals, first), last - first))
+    return pieces
+
+
+def _take(intervals: Intervals, count: int) -> Intervals:
+    taken = []
+    for start, end in intervals:
+        if count <= 0:
+            break
+        stop = min(end, start + count)
+        taken.append((start, stop))
+        count -= stop - start
+    return taken
+
+
 class SampleDecoder:
     """Turns a raw WebDataset sample into tensors; returns None for samples that cannot be used."""
 
@@ -179,6 +225,7 @@ class ShardStream(IterableDataset):
         cursors: dict[int, SlotCursor] | None = None,
         skipped: dict[int, int] | None = None,
         rotation: int = 0,
+        plans: dict[int, list[Intervals]] | None = None,
     ):
         self.shards = shards
         self.config = config
@@ -190,6 +237,7 @@ class ShardStream(IterableDataset):
         self.cursors = cursors or {}
         self.skipped = skipped or {}
         self.rotation = rotation
+        self.plans = plans or {}
         self.decoder = SampleDecoder(config, tokenizer, seed)
         self.total = sum(s.samples for s in shards)
         self.offsets = np.cumsum([0] + [s.samples for s in shards])
@@ -229,31 +277,32 @@ class ShardStream(IterableDataset):
                 yield {"empty": True, "position": {"slot": slot, "epoch": epoch, "offset": 0, "skipped": skipped}}
 
     def _epoch_samples(self, slot: int, epoch: int, offset: int) -> Iterator[tuple[int, int, Any]]:
-        """(epoch, offset after this sample, decoded sample or None) from `offset` to the range end."""
-        start, end = slot_range(self.total, slot, self.slots)
+        """(epoch, this slot's offset after the sample, decoded sample or None) from `offset` to its share's end."""
         order = _epoch_order(self.shards, self.seed, epoch)
-        sizes = [self.shards[i].samples for i in order]
-        bounds = np.cumsum([0] + sizes)
-        position = start + offset
-        while position < end:
-            j = int(np.searchsorted(bounds, position, side="right") - 1)
-            shard_index = order[j]
-            first, last = position - bounds[j], min(end, bounds[j + 1]) - bounds[j]
-            raw = self._read_shard(shard_index)
-            perm = _within_shard_order(self.shards[shard_index].samples, self.seed, epoch, shard_index)
-            for k in range(first, last):
-                index = int(perm[k])
-                sample = None
-                if index < len(raw):
-                    sample = self.decoder(raw[index], (epoch, shard_index, index))
-                    if sample is None:
-                        log.warning("skipped undecodable sample %s in %s", raw[index].get("__key__"),
-                                    self.shards[shard_index].url)
-                position += 1
-                yield epoch, position - start, sample
-            if len(raw) < self.shards[shard_index].samples:
-                log.warning("%s: %d of %d samples readable (truncated or corrupt tar)",
-                            self.shards[shard_index].url, len(raw), self.shards[shard_index].samples)
+        bounds = np.cumsum([0] + [self.shards[i].samples for i in order])
+        done = offset
+        for start, end in _drop_prefix(slot_intervals(self.total, slot, self.slots, self.plans, epoch), offset):
+            position = start
+            while position < end:
+                j = int(np.searchsorted(bounds, position, side="right") - 1)
+                shard_index = order[j]
+                first, last = position - bounds[j], min(end, bounds[j + 1]) - bounds[j]
+                raw = self._read_shard(shard_index)
+                perm = _within_shard_order(self.shards[shard_index].samples, self.seed, epoch, shard_index)
+                for k in range(first, last):
+                    index = int(perm[k])
+                    sample = None
+                    if index < len(raw):
+                        sample = self.decoder(raw[index], (epoch, shard_index, index))
+                        if sample is None:
+                            log.warning("skipped undecodable sample %s in %s", raw[index].get("__key__"),
+                                        self.shards[shard_index].url)
+                    position += 1
+                    done += 1
+                    yield epoch, done, sample
+                if len(raw) < self.shards[shard_index].samples:
+                    log.warning("%s: %d of %d samples readable (truncated or corrupt tar)",
+                                self.shards[shard_index].url, len(raw), self.shards[shard_index].samples)
 
     def _read_shard(self, shard_index: int) -> list[dict[str, Any]]:
         url = self.shards[shard_index].url
@@ -289,14 +338,21 @@ class DataPosition:
     def __init__(self, workers: int):
         self.workers = workers
         self.batches = 0
+        # Batches consumed when the current slot layout began; the loader's round-robin restarts there.
+        self.layout_start = 0
         self.cursors: dict[int, SlotCursor] = {}
         self.skipped: dict[int, int] = {}
+        self.plans: dict[int, list[Intervals]] = {}
 
     def advance(self, batch: dict[str, Any]) -> None:
         pos = batch["position"]
         self.cursors[pos["slot"]] = SlotCursor(pos["epoch"], pos["offset"])
         self.skipped[pos["slot"]] = pos["skipped"]
         self.batches += 1
+
+    @property
+    def rotation(self) -> int:
+        return (self.batches - self.layout_start) % self.workers
 
     @property
     def epoch(self) -> int:
@@ -310,19 +366,64 @@ class DataPosition:
         return {
             "workers": self.workers,
             "batches": self.batches,
+            "layout_start": self.layout_start,
             "cursors": {str(k): [c.epoch, c.offset] for k, c in self.cursors.items()},
             "skipped": {str(k): v for k, v in self.skipped.items()},
+            # Plans of epochs every slot has finished are no longer needed.
+            "plans": {str(e): [[list(iv) for iv in slot] for slot in plan]
+                      for e, plan in self.plans.items() if e >= self.epoch},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if int(state["workers"]) != self.workers:
-            raise UserError(
-                f"data.num_workers: this run was started with {state['workers']} workers; "
-                f"resume with data.num_workers={state['workers']} so the data position stays exact"
-            )
         self.batches = int(state["batches"])
+        self.layout_start = int(state.get("layout_start", 0))
         self.cursors = {int(k): SlotCursor(int(v[0]), int(v[1])) for k, v in state["cursors"].items()}
         self.skipped = {int(k): int(v) for k, v in state["skipped"].items()}
+        self.plans = self._plans_from(state)
+
+    @staticmethod
+    def _plans_from(state: dict[str, Any]) -> dict[int, list[Intervals]]:
+        return {int(e): [[(int(a), int(b)) for a, b in slot] for slot in plan]
+                for e, plan in state.get("plans", {}).items()}
+
+
+def relayout(states: list[dict[str, Any]], total: int, slots: int) -> dict[str, Any]:
+    """One global data position for a new number of slots, from every old rank's position.
+
+    Each epoch some old slot has not finished is dealt out again: the places the old slots have not
+    yet read, in their epoch order, cut into contiguous pieces for the new slots. Every new slot
+    starts at the oldest unfinished epoch; epochs after the planned ones use the usual equal shares.
+    """
+    old_workers = int(states[0]["workers"])
+    old_slots = len(states) * old_workers
+    old = DataPosition(old_workers)
+    old.load_state_dict({**states[0], "cursors": {}, "skipped": {}, "plans": {}})
+    for state in states:
+        # Every rank holds the same plans, but each drops an epoch once its own slots are past it.
+        for epoch, plan in DataPosition._plans_from(state).items():
+            old.plans.setdefault(epoch, plan)
+        for key, (epoch, offset) in state["cursors"].items():
+            old.cursors[int(key)] = SlotCursor(int(epoch), int(offset))
+        for key, count in state["skipped"].items():
+            old.skipped[int(key)] = int(count)
+    cursors = [old.cursors.get(slot, SlotCursor()) for slot in range(old_slots)]
+    first = min(c.epoch for c in cursors)
+    plans = {}
+    for epoch in range(first, max(c.epoch for c in cursors) + 1):
+        owed: Intervals = []
+        for slot, cursor in enumerate(cursors):
+            if cursor.epoch <= epoch:
+                share = slot_intervals(total, slot, old_slots, old.plans, epoch)
+                owed += _drop_prefix(share, cursor.offset if cursor.epoch == epoch else 0)
+        plans[str(epoch)] = [[list(iv) for iv in piece] for piece in _deal(sorted(owed), slots)]
+    return {
+        "workers": None,  # filled in by the loader that takes it
+        "batches": old.batches,
+        "layout_start": old.batches,
+        "cursors": {str(slot): [first, 0] for slot in range(slots)},
+        "skipped": {"0": old.total_skipped},
+        "plans": plans,
+    }
 
 
 class TrainBatches:
@@ -354,7 +455,7 @@ class TrainBatches:
         stream = ShardStream(
             self.shards, self.config, self.tokenizer, self.seed, self.rank, self.world_size,
             cursors=dict(self.position.cursors), skipped=dict(self.position.skipped),
-            rotation=self.position.batches % self.position.workers,
+            rotation=self.position.rotation, plans=dict(self.position.plans),
         )
         workers = self.config.num_workers
         loader = DataLoader(
@@ -405,7 +506,27 @@ class TrainBatches:
     def state_dict(self) -> dict[str, Any]:
         return self.position.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, rank_states: list[dict[str, Any]]) -> None:
+        """Resume from the positions of every rank of the run that saved them.
+
+        With the same ranks and workers this rank continues exactly where it stopped; with others,
+        the unfinished epochs are dealt out again over the new slots (see `relayout`).
+        """
+        workers = self.position.workers
+        same_layout = len(rank_states) == self.world_size and all(int(s["workers"]) == workers for s in rank_states)
+        if same_layout:
+            state = rank_states[self.rank]
+        else:
+            state = {**relayout(rank_states, self.num_samples, self.world_size * workers), "workers": workers}
+            # Each rank keeps only its own slots, so that a later re-layout finds one owner per slot.
+            mine = {str(slot) for slot in range(self.rank * workers, (self.rank + 1) * workers)}
+            state["cursors"] = {k: v for k, v in state["cursors"].items() if k in mine}
+            state["skipped"] = {k: v for k, v in state["skipped"].items() if k in mine}
+            if self.rank == 0:
+                log.warning(
+                    "data: resuming %d ranks x %d workers from a run of %d x %s: every sample of the unfinished "
+                    "epoch is still read once, in a different order than the original layout would have read it",
+                    self.world_size, workers, len(rank_states), rank_states[0]["workers"])
         self.position.load_state_dict(state)
         self.close()
 

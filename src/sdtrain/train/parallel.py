@@ -1,4 +1,5 @@
-"""Data parallelism applied to a task's trained modules from outside the model code.
+"""Activation checkpointing, compilation and data parallelism, applied to a task's trained modules
+from outside the model code, in that order (as torchtitan's parallelize step does).
 
 A task names the attributes its loss calls the trained modules through (``task.parallel_modules()``,
 e.g. ``unet``); wrapping replaces those attributes with the parallel wrapper while ``task.trainable``
@@ -8,13 +9,15 @@ keeps the plain modules, whose weights the checkpoint and the EMA read.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from sdtrain.config import ParallelConfig
 from sdtrain.distributed import Topology
@@ -28,7 +31,13 @@ class DataParallel:
         self.wrapped: list[DistributedDataParallel] = []
         self.sharded: list[nn.Module] = []
 
-    def apply(self, task, bf16: bool = False) -> None:
+    def apply(self, task, bf16: bool = False, checkpointing: bool = False, compile: bool = False) -> None:
+        for module in task.parallel_modules().values():
+            for block in shard_units(module):
+                if compile:
+                    block.forward = torch.compile(block.forward)
+                if checkpointing:
+                    block.forward = _checkpointed(block.forward)
         if not self.topology.distributed:
             return
         if self.config.strategy == "fsdp":
@@ -76,3 +85,18 @@ def shard_units(root: nn.Module) -> list[nn.Module]:
         if parts[-1] == "mid_block" or (len(parts) > 1 and parts[-1].isdigit() and parts[-2] in _BLOCK_LISTS):
             units.append(module)
     return units
+
+
+def _checkpointed(forward: Callable) -> Callable:
+    """The block's forward, keeping only its inputs for backward and running it again there.
+
+    Set on the instance rather than wrapping the module, so parameter names (and with them
+    checkpoints, EMA and export) stay those of the plain model; parallel wrappers' hooks, which run
+    around the module call, stay outside the recomputed part.
+    """
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run

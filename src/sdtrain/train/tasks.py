@@ -83,13 +83,6 @@ class Task:
             )
         return scale
 
-    def _enable_checkpointing(self, module: nn.Module) -> None:
-        if self.config.train.gradient_checkpointing:
-            if hasattr(module, "enable_gradient_checkpointing"):
-                module.enable_gradient_checkpointing()
-            else:
-                module.gradient_checkpointing_enable()
-
 
 class Reconstruct(nn.Module):
     """Encode and decode in one forward, so a data-parallel wrapper sees the whole autoencoder step."""
@@ -112,7 +105,6 @@ class AutoencoderTask(Task):
         vae = self.load_source("vae") or build.build_vae(config.model)
         self._check_resolution(vae)
         vae.to(device).train()
-        self._enable_checkpointing(vae)
         self.vae = vae
         self.trainable = {"vae": vae}
         self.reconstruct = Reconstruct(vae)
@@ -197,12 +189,10 @@ class DiffusionTask(Task):
             )
         self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model.pretrained)
         self.unet.to(device).train()
-        self._enable_checkpointing(self.unet)
         self.trainable = {"unet": self.unet}
         self.text_encoder.to(device)
         if config.diffusion.train_text_encoder:
             self.text_encoder.train()
-            self._enable_checkpointing(self.text_encoder)
             self.trainable["text_encoder"] = self.text_encoder
         else:
             self.text_encoder.eval().requires_grad_(False)

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -23,6 +22,7 @@ from sdtrain.config import RunConfig, to_dict
 from sdtrain.data.pipeline import TrainBatches
 from sdtrain.distributed import any_rank, barrier, detect_topology, gather_objects, init_distributed, mean_over_ranks
 from sdtrain.errors import UserError
+from sdtrain.faults import FaultInjector
 from sdtrain.run import prepare_run_dir, resolve_device
 from sdtrain.train.ema import EMA
 from sdtrain.train.logger import RunLogger
@@ -85,18 +85,13 @@ class TrainState:
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         ranks = state["ranks"]
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if len(ranks) != world:
-            raise UserError(
-                f"this checkpoint was written by {len(ranks)} ranks and this job has {world}; "
-                f"resume with {len(ranks)} ranks"
-            )
         self.step, self.samples = int(state["step"]), int(state["samples"])
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         self.task.load_extra_state(state["task"])
-        mine = ranks[self.rank]
-        self.data.load_state_dict(mine["data"])
-        rng = mine["rng"]
+        self.data.load_state_dict([r["data"] for r in ranks])
+        # A job with more ranks than the one that saved gives the extra ranks the last saved streams;
+        # training noise does not depend on them (see noise_seed).
+        rng = ranks[min(self.rank, len(ranks) - 1)]["rng"]
         random.setstate(rng["python"])
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] and torch.cuda.is_available():
@@ -126,7 +121,8 @@ class Trainer:
                                  self.topology.world_size, pin_memory=self.device.type == "cuda")
         self.parallel = DataParallel(config.parallel, self.topology, self.device)
         self.bf16 = config.train.mixed_precision == "bf16"
-        self.parallel.apply(self.task, bf16=self.bf16)
+        self.parallel.apply(self.task, bf16=self.bf16, checkpointing=config.train.gradient_checkpointing,
+                            compile=config.train.compile)
         self.optimizer = build_optimizer(self.task.parameters(), config.optim)
         self.lr_schedule = build_lr_schedule(self.optimizer, config.optim, config.train.max_steps)
         self.ema = EMA(self.task.trainable, config.ema) if config.ema.enabled else None
@@ -148,6 +144,7 @@ class Trainer:
         if resume is not None:
             self.checkpointer.load(resume, self.state)
             self._apply_optimizer_config()
+        self.faults = FaultInjector(self.topology.rank, resumed=resume is not None)
         log.info("run %s: %s stage, %d trainable parameters, %d samples in %d shards", self.run_dir,
                  self.config.stage, sum(p.numel() for p in self.task.parameters()), self.data.num_samples,
                  len(self.data.shards))
@@ -160,6 +157,7 @@ class Trainer:
                 self.report(metrics, force=self.checkpointer.due(self.state.step))
                 if self.checkpointer.due(self.state.step):
                     self.save()
+                self.faults.after_step(self.state.step)
                 if any_rank(self.stop_signal is not None, self.device):
                     self.save()
                     raise Preempted(f"stopped by a signal at step {self.state.step} after saving; "
