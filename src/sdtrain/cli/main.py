@@ -9,10 +9,10 @@ import sys
 import warnings
 
 from sdtrain import __version__
-from sdtrain.cli import demo, export, generate, launch, prepare, train
+from sdtrain.cli import benchmark, demo, export, generate, launch, prepare, train
 from sdtrain.errors import UserError
 
-COMMANDS = (prepare, train, generate, export, launch, demo)
+COMMANDS = (prepare, train, generate, export, launch, benchmark, demo)
 
 
 def _quiet_libraries() -> None:

@@ -112,13 +112,12 @@ class Trainer:
         self.run_dir = Path(config.run_dir)
         if self.is_main:
             prepare_run_dir(config)
-            prepare_task(config, self.run_dir)
+            self._prepare()
         barrier()
         self.checkpointer = Checkpointer(self.run_dir, config.checkpoint)
         self.resume_from = self.checkpointer.resume_path()
         self.task = make_task(config, self.device, self.run_dir, pinned_sources(self.resume_from))
-        self.data = TrainBatches(config.data, self.task.tokenizer, config.seed, self.topology.rank,
-                                 self.topology.world_size, pin_memory=self.device.type == "cuda")
+        self.data = self._make_data()
         self.parallel = DataParallel(config.parallel, self.topology, self.device)
         self.bf16 = config.train.mixed_precision == "bf16"
         self.parallel.apply(self.task, bf16=self.bf16, checkpointing=config.train.gradient_checkpointing,
@@ -167,6 +166,14 @@ class Trainer:
             self.data.close()
             self.logger.close()
         return final
+
+    def _prepare(self) -> None:
+        """One-time work on the main rank before the others build the task (say, a tokenizer)."""
+        prepare_task(self.config, self.run_dir)
+
+    def _make_data(self) -> TrainBatches:
+        return TrainBatches(self.config.data, self.task.tokenizer, self.config.seed, self.topology.rank,
+                            self.topology.world_size, pin_memory=self.device.type == "cuda")
 
     def _apply_optimizer_config(self) -> None:
         """A resumed optimizer carries the old run's hyperparameters; this start's config decides them."""

@@ -1,0 +1,208 @@
+"""Training speed of a config on synthetic batches: images/s, step time, all-reduce time, peak memory.
+
+The benchmark is the real trainer (same model building, parallel wrapping, precision and step) fed
+fixed random batches, so what it measures is the model step alone: no loader, no checkpoints, no
+validation. Under torchrun every rank takes part; the main rank reports.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sdtrain.config import DataConfig, RunConfig
+from sdtrain.errors import UserError
+from sdtrain.models import build
+from sdtrain.models.tokenizer import train_clip_tokenizer
+from sdtrain.train.trainer import Trainer
+from sdtrain.utils import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+SYNTHETIC = "synthetic"
+"""The `data.shards` value the benchmark fills in when a config leaves it open."""
+RANDOM_VAE = "random-vae"
+"""Where in its run folder the benchmark puts an untrained VAE of the preset, when a config names none."""
+
+
+class SyntheticBatches:
+    """One fixed random batch per rank, served forever: the data side of the step costs nothing."""
+
+    def __init__(self, config: DataConfig, tokenizer: Any | None, seed: int, rank: int):
+        generator = torch.Generator().manual_seed(seed * 1000 + rank)
+        size, count = config.resolution, config.batch_size
+        self.batch: dict[str, Any] = {
+            "pixel_values": torch.rand(count, 3, size, size, generator=generator) * 2 - 1,
+            "captions": ["synthetic"] * count,
+            "keys": [f"synthetic-{i}" for i in range(count)],
+        }
+        if tokenizer is not None:
+            length = tokenizer.model_max_length
+            self.batch["input_ids"] = torch.randint(0, len(tokenizer), (count, length), generator=generator)
+        self.shards: list = []
+        self.num_samples = 0
+
+    def next(self) -> dict[str, Any]:
+        return self.batch
+
+    def close(self) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+class Benchmark(Trainer):
+    def _prepare(self) -> None:
+        model = self.config.model
+        if model.vae == str(self.run_dir / RANDOM_VAE):
+            build.build_vae(model).save_pretrained(model.vae)
+        if self.config.stage == "diffusion" and self.config.model.tokenizer is None \
+                and self.config.model.pretrained is None:
+            # No captions to learn from: a tokenizer of the configured size on generic text will do,
+            # since only its length and vocabulary size shape the step.
+            words = [f"token{i} word{i % 97} thing{i % 13}" for i in range(self.config.model.tokenizer_vocab_size)]
+            train_clip_tokenizer(words, self.run_dir / "tokenizer", self.config.model.tokenizer_vocab_size,
+                                 self.config.model.max_text_length)
+
+    def _make_data(self) -> SyntheticBatches:
+        return SyntheticBatches(self.config.data, self.task.tokenizer, self.config.seed, self.topology.rank)
+
+    def measure(self, steps: int, warmup: int) -> dict[str, Any]:
+        times = []
+        for step in range(warmup + steps):
+            start = time.perf_counter()
+            self.train_step()
+            self._synchronize()
+            if step >= warmup:
+                times.append(time.perf_counter() - start)
+        step_s = statistics.median(times)
+        world = self.topology.world_size
+        global_batch = self.config.data.batch_size * self.config.train.grad_accum * world
+        params = sum(p.numel() for p in self.task.parameters())
+        result = {
+            "stage": self.config.stage,
+            "device": self.device.type,
+            "world_size": world,
+            "strategy": self.config.parallel.strategy if world > 1 else "single",
+            "mixed_precision": self.config.train.mixed_precision,
+            "resolution": self.config.data.resolution,
+            "global_batch": global_batch,
+            "trainable_parameters": params,
+            "steps_timed": steps,
+            "step_ms": 1000 * step_s,
+            "step_ms_mean": 1000 * statistics.fmean(times),
+            "images_per_s": global_batch / step_s,
+            "peak_memory_gib": self._peak_memory_gib(),
+        }
+        result |= self._allreduce(params)
+        return result
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _peak_memory_gib(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+    def _allreduce(self, params: int, repeats: int = 5) -> dict[str, float]:
+        """Time one all-reduce of a gradient-sized fp32 buffer: what DDP reduces every step, here
+        without overlap with backward, so it bounds the communication cost of a step."""
+        if not dist.is_initialized():
+            return {}
+        buffer = torch.zeros(params, dtype=torch.float32, device=self.device)
+        times = []
+        for attempt in range(repeats + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(buffer)
+            self._synchronize()
+            if attempt:
+                times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        world = self.topology.world_size
+        # The bus bandwidth convention of nccl-tests: comparable across world sizes.
+        bus_bytes = buffer.numel() * 4 * 2 * (world - 1) / world
+        return {"allreduce_ms": 1000 * seconds, "allreduce_bus_gb_per_s": bus_bytes / seconds / 1e9}
+
+
+def run_benchmark(config: RunConfig, steps: int, warmup: int) -> dict[str, Any] | None:
+    """Time the config's training step in this process (and its torchrun peers); the main rank's result."""
+    benchmark = Benchmark(config)
+    try:
+        result = benchmark.measure(steps, warmup)
+    finally:
+        benchmark.logger.close()
+    return result if benchmark.is_main else None
+
+
+def benchmark_overrides(config_path: Path, overrides: list[str], run_dir: str | None) -> list[str]:
+    """The user's overrides plus what a benchmark needs: synthetic data where the config names none,
+    a throwaway run folder, an untrained VAE of the preset where the config leaves it open, and no
+    logging, checkpoints or validation."""
+    from omegaconf import OmegaConf
+
+    given = OmegaConf.merge(OmegaConf.load(config_path), OmegaConf.from_dotlist(overrides))
+    filled = []
+    for key, value in (("data.shards", SYNTHETIC), ("model.vae", "${run_dir}/" + RANDOM_VAE), ("run_dir", run_dir)):
+        if OmegaConf.select(given, key, default=None) is None or OmegaConf.is_missing(given, key):
+            if value is None:
+                raise UserError("run_dir: under a multi-process launcher give run_dir=FOLDER, a folder every rank "
+                                "shares, for the benchmark's scratch files")
+            filled.append(f"{key}={value}")
+    quiet = ["logging.progress=false", "logging.tensorboard=false", "logging.wandb=false", "validation.prompts=[]",
+             "checkpoint.every=0", "checkpoint.resume=never"]
+    return [*filled, *overrides, *quiet]
+
+
+def compare_processes(config_path: Path, overrides: list[str], counts: list[int], steps: int,
+                      warmup: int) -> list[dict[str, Any]]:
+    """Run the benchmark under torchrun with each number of processes on this machine, one after another."""
+    cores = os.cpu_count() or 1
+    results = []
+    with tempfile.TemporaryDirectory(prefix="sdtrain-benchmark-") as scratch:
+        for count in counts:
+            out = Path(scratch) / f"{count}.json"
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(count),
+                       "-m", "sdtrain", "benchmark", "train", str(config_path), *overrides,
+                       f"run_dir={Path(scratch) / f'run{count}'}", "--steps", str(steps), "--warmup", str(warmup),
+                       "--out", str(out)]
+            # Processes sharing the cores share the threads: oversubscribing them is far slower.
+            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, cores // count)))}
+            log.info("benchmarking %d process%s", count, "es" if count > 1 else "")
+            done = subprocess.run(command, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+                raise UserError(f"the {count}-process benchmark failed (exit {done.returncode}):\n{tail}")
+            results.append(json.loads(out.read_text()))
+    return results
+
+
+def write_result(path: Path, result: Any) -> None:
+    atomic_write_text(path, json.dumps(result, indent=2) + "\n")
+
+
+def format_results(results: list[dict[str, Any]]) -> str:
+    base = results[0]["images_per_s"] / results[0]["world_size"]
+    lines = [f"{'procs':>5} {'strategy':>8} {'img/s':>9} {'step ms':>9} {'allreduce ms':>13} {'scaling':>8} "
+             f"{'peak GiB':>9}"]
+    for r in results:
+        allreduce = f"{r['allreduce_ms']:.1f}" if "allreduce_ms" in r else "-"
+        scaling = r["images_per_s"] / (base * r["world_size"])
+        lines.append(f"{r['world_size']:>5} {r['strategy']:>8} {r['images_per_s']:>9.1f} {r['step_ms']:>9.1f} "
+                     f"{allreduce:>13} {scaling:>7.0%} {r['peak_memory_gib']:>9.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,48 @@
+"""`sdtrain benchmark train`: the real training step timed on synthetic batches."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sdtrain.cli.main import main
+
+from .conftest import config_path
+
+SMALL = ["data.resolution=32", "data.batch_size=2"]
+FEW = ["--steps", "2", "--warmup", "1"]
+
+
+def test_benchmark_times_a_config_that_names_no_data_or_vae(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "result.json"
+    # The demo config leaves run_dir, data.shards and model.vae open: the benchmark fills them itself.
+    assert main(["benchmark", "train", str(config_path("diffusion.yaml")), *SMALL, *FEW, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 1 and result["global_batch"] == 2 and result["steps_timed"] == 2
+    assert result["images_per_s"] > 0 and result["step_ms"] > 0 and result["peak_memory_gib"] > 0
+    assert result["trainable_parameters"] > 1_000_000  # UNet and text encoder
+    assert "img/s" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # scratch files are gone
+
+
+def test_benchmark_keeps_the_users_settings(tmp_path):
+    out = tmp_path / "result.json"
+    assert main(["benchmark", "train", str(config_path("autoencoder.yaml")), *SMALL, "train.grad_accum=3", *FEW,
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["stage"] == "autoencoder" and result["global_batch"] == 6
+
+
+@pytest.mark.dist
+def test_benchmark_compares_process_counts_with_allreduce_time(tmp_path, capsys):
+    out = tmp_path / "scaling.json"
+    assert main(["benchmark", "train", str(config_path("diffusion.yaml")), *SMALL, *FEW, "--nproc", "1,2",
+                 "--out", str(out)]) == 0
+    single, double = json.loads(out.read_text())
+    assert (single["world_size"], double["world_size"]) == (1, 2)
+    assert double["strategy"] == "ddp" and double["global_batch"] == 4
+    assert "allreduce_ms" not in single and double["allreduce_ms"] > 0
+    table = capsys.readouterr().out
+    assert "scaling" in table and "allreduce ms" in table
