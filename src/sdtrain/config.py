@@ -47,6 +47,10 @@ class DataConfig:
     """Sample fields tried in order for the image."""
     caption_key: str = "txt"
     """Sample field holding the caption."""
+    use_encoded: bool = True
+    """Read the latents (and, with a frozen text encoder, the text embeddings) that shards from
+    ``sdtrain prepare encode`` carry, instead of encoding images every step. Those shards are
+    centre-cropped at one resolution: set false to train on their images with augmentation."""
 
 
 @dataclass

@@ -34,6 +34,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from sdtrain.config import DataConfig
+from sdtrain.data.encoded import EMPTY_CAPTION, LATENT_MEAN, LATENT_STD, TEXT_EMB, dataset_encoding, load_npy
 from sdtrain.data.shards import read_manifest
 from sdtrain.errors import UserError
 
@@ -115,6 +116,20 @@ def _within_shard_order(samples: int, seed: int, epoch: int, shard_index: int) -
     return np.random.default_rng([seed, epoch, shard_index, 0x1D]).permutation(samples)
 
 
+def read_shard(url: str) -> list[dict[str, Any]]:
+    """Every sample of a tar that can be read; a damaged tar yields what precedes the damage."""
+    errors: list[Exception] = []
+
+    def keep_going(exc: Exception) -> bool:
+        errors.append(exc)
+        return True
+
+    samples = list(wds.tariterators.tarfile_samples([{"url": url}], handler=keep_going))
+    if errors:
+        log.warning("%s: %s", url, str(errors[0]).splitlines()[0] if str(errors[0]) else type(errors[0]))
+    return samples
+
+
 def slot_range(total: int, slot: int, slots: int) -> tuple[int, int]:
     return total * slot // slots, total * (slot + 1) // slots
 
@@ -164,13 +179,16 @@ def _take(intervals: Intervals, count: int) -> Intervals:
 class SampleDecoder:
     """Turns a raw WebDataset sample into tensors; returns None for samples that cannot be used."""
 
-    def __init__(self, config: DataConfig, tokenizer: Any | None, seed: int):
+    def __init__(self, config: DataConfig, tokenizer: Any | None, seed: int, encoded: bool = False):
         self.config = config
         self.tokenizer = tokenizer
         self.seed = seed
+        self.encoded = encoded
         self.image_keys = [k.strip() for k in config.image_key.split(";") if k.strip()]
 
     def __call__(self, raw: dict[str, Any], place: tuple[int, int, int]) -> dict[str, Any] | None:
+        if self.encoded:
+            return self._encoded(raw, place)
         image_bytes = next((raw[k] for k in self.image_keys if k in raw), None)
         if image_bytes is None:
             return None
@@ -186,6 +204,23 @@ class SampleDecoder:
         drop = rng.random() < self.config.caption_dropout
         sample = {"pixel_values": pixels, "caption": "" if drop else caption.strip(), "key": raw["__key__"]}
         return sample
+
+    def _encoded(self, raw: dict[str, Any], place: tuple[int, int, int]) -> dict[str, Any] | None:
+        """A pre-encoded sample: the latent distribution (and text embedding) instead of pixels."""
+        if LATENT_MEAN not in raw or LATENT_STD not in raw:
+            return None
+        rng = np.random.default_rng([self.seed, *place, 0xDA7A])
+        try:
+            sample = {"latent_mean": torch.from_numpy(load_npy(raw[LATENT_MEAN]).astype(np.float32)),
+                      "latent_std": torch.from_numpy(load_npy(raw[LATENT_STD]).astype(np.float32))}
+            if TEXT_EMB in raw:
+                sample["text_emb"] = torch.from_numpy(load_npy(raw[TEXT_EMB]).astype(np.float32))
+        except (OSError, ValueError):
+            return None
+        caption = raw.get(self.config.caption_key, b"")
+        caption = caption.decode("utf-8", "replace") if isinstance(caption, bytes) else str(caption)
+        drop = bool(rng.random() < self.config.caption_dropout)
+        return {**sample, "caption": "" if drop else caption.strip(), "dropped": drop, "key": raw["__key__"]}
 
     def _transform(self, img: Image.Image, rng: np.random.Generator) -> torch.Tensor:
         size = self.config.resolution
@@ -226,6 +261,7 @@ class ShardStream(IterableDataset):
         skipped: dict[int, int] | None = None,
         rotation: int = 0,
         plans: dict[int, list[Intervals]] | None = None,
+        empty_caption: torch.Tensor | None = None,
     ):
         self.shards = shards
         self.config = config
@@ -238,7 +274,9 @@ class ShardStream(IterableDataset):
         self.skipped = skipped or {}
         self.rotation = rotation
         self.plans = plans or {}
-        self.decoder = SampleDecoder(config, tokenizer, seed)
+        # Pre-encoded shards: caption dropout swaps in the empty caption's embedding.
+        self.empty_caption = empty_caption
+        self.decoder = SampleDecoder(config, tokenizer, seed, encoded=empty_caption is not None)
         self.total = sum(s.samples for s in shards)
         self.offsets = np.cumsum([0] + [s.samples for s in shards])
 
@@ -305,26 +343,22 @@ class ShardStream(IterableDataset):
                                 self.shards[shard_index].url, len(raw), self.shards[shard_index].samples)
 
     def _read_shard(self, shard_index: int) -> list[dict[str, Any]]:
-        url = self.shards[shard_index].url
-        errors: list[Exception] = []
-
-        def keep_going(exc: Exception) -> bool:
-            errors.append(exc)
-            return True
-
-        samples = list(wds.tariterators.tarfile_samples([{"url": url}], handler=keep_going))
-        if errors:
-            log.warning("%s: %s", url, str(errors[0]).splitlines()[0] if str(errors[0]) else type(errors[0]))
-        return samples
+        return read_shard(self.shards[shard_index].url)
 
     def _collate(self, batch: list[dict[str, Any]], slot: int, epoch: int, offset: int, skipped: int) -> dict:
         captions = [s["caption"] for s in batch]
         out: dict[str, Any] = {
-            "pixel_values": torch.stack([s["pixel_values"] for s in batch]),
             "captions": captions,
             "keys": [s["key"] for s in batch],
             "position": {"slot": slot, "epoch": epoch, "offset": offset, "skipped": skipped},
         }
+        if "pixel_values" in batch[0]:
+            out["pixel_values"] = torch.stack([s["pixel_values"] for s in batch])
+        else:
+            out["latent_mean"] = torch.stack([s["latent_mean"] for s in batch])
+            out["latent_std"] = torch.stack([s["latent_std"] for s in batch])
+            if all("text_emb" in s for s in batch) and self.empty_caption.numel():
+                out["text_emb"] = torch.stack([self.empty_caption if s["dropped"] else s["text_emb"] for s in batch])
         if self.tokenizer is not None:
             tokens = self.tokenizer(captions, padding="max_length", truncation=True,
                                     max_length=self.tokenizer.model_max_length, return_tensors="pt")
@@ -430,7 +464,7 @@ class TrainBatches:
     """Iterates training batches from a DataLoader over a ShardStream, tracking the data position."""
 
     def __init__(self, config: DataConfig, tokenizer: Any | None, seed: int, rank: int = 0, world_size: int = 1,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, encoded: bool = False):
         self.config = config
         self.pin_memory = pin_memory
         self.tokenizer = tokenizer
@@ -446,6 +480,19 @@ class TrainBatches:
                 f"({world_size} ranks x {self.position.workers} workers); lower data.num_workers or add data"
             )
         self._iterator: Iterator[dict[str, Any]] | None = None
+        self.encoding: dict[str, Any] | None = None
+        self.empty_caption: torch.Tensor | None = None
+        found = dataset_encoding(config.shards) if encoded else None
+        if found is not None:
+            self.encoding, folder = found
+            if self.encoding["resolution"] != config.resolution:
+                raise UserError(
+                    f"data.resolution: the shards in {folder} were encoded at {self.encoding['resolution']} px; "
+                    f"set data.resolution={self.encoding['resolution']} or encode them again"
+                )
+            empty = folder / EMPTY_CAPTION
+            self.empty_caption = torch.from_numpy(load_npy(empty.read_bytes()).astype(np.float32)) \
+                if empty.is_file() else torch.empty(0)
 
     @property
     def num_samples(self) -> int:
@@ -455,7 +502,7 @@ class TrainBatches:
         stream = ShardStream(
             self.shards, self.config, self.tokenizer, self.seed, self.rank, self.world_size,
             cursors=dict(self.position.cursors), skipped=dict(self.position.skipped),
-            rotation=self.position.rotation, plans=dict(self.position.plans),
+            rotation=self.position.rotation, plans=dict(self.position.plans), empty_caption=self.empty_caption,
         )
         workers = self.config.num_workers
         loader = DataLoader(

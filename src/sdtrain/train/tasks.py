@@ -28,6 +28,8 @@ class Task:
     """Base: subclasses set ``trainable`` (name -> module) and implement ``loss``."""
 
     needs_captions = False
+    reads_encoded = False
+    """Whether the loss can take pre-encoded samples (latents, text embeddings) instead of pixels."""
     trainable: dict[str, nn.Module]
     tokenizer: Any = None
 
@@ -60,6 +62,9 @@ class Task:
     @staticmethod
     def prepare(config: RunConfig, run_dir: Path) -> None:
         """One-off work before every rank builds the task, done once by the main rank."""
+
+    def use_encoded(self, encoding: dict[str, Any] | None) -> None:
+        """Told what the pre-encoded shards hold (None: plain images)."""
 
     def extra_state(self) -> dict[str, Any]:
         return {}
@@ -160,6 +165,8 @@ class DiffusionTask(Task):
     """Denoising loss of a UNet conditioned on text, in the latent space of a frozen autoencoder."""
 
     needs_captions = True
+    reads_encoded = True
+    text_embeddings = False
 
     def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, pinned: dict[str, str] | None = None):
         super().__init__(config, device, run_dir, pinned)
@@ -218,14 +225,38 @@ class DiffusionTask(Task):
     def encode_text(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.text_encoder(input_ids.to(self.device, non_blocking=True))[0]
 
+    def use_encoded(self, encoding: dict[str, Any] | None) -> None:
+        """Check pre-encoded shards against this task's frozen weights; text embeddings are used only
+        when the text encoder is frozen and is the one that produced them."""
+        self.text_embeddings = False
+        if encoding is None:
+            return
+        if encoding["vae"] != self.sources.get("vae"):
+            raise UserError(
+                f"data.shards: the latents were encoded with the VAE {encoding['vae']} but model.vae is "
+                f"{self.sources.get('vae')}; point model.vae there, encode again, or set data.use_encoded=false"
+            )
+        frozen_text = not self.config.diffusion.train_text_encoder
+        self.text_embeddings = frozen_text and encoding.get("text_encoder") == self.sources.get("text_encoder")
+        log.info("pre-encoded shards: VAE encoder skipped%s", ", text encoder skipped" if self.text_embeddings else "")
+
+    def _latents(self, batch, generator) -> torch.Tensor:
+        sample = self.config.diffusion.sample_latents
+        if "latent_mean" in batch:
+            latents = batch["latent_mean"].to(self.device, non_blocking=True)
+            if sample:
+                std = batch["latent_std"].to(self.device, non_blocking=True)
+                latents = latents + std * torch.randn(latents.shape, generator=generator, device=self.device)
+        else:
+            posterior = self.vae.encode(batch["pixel_values"].to(self.device, non_blocking=True)).latent_dist
+            latents = posterior.sample(generator) if sample else posterior.mode()
+        return latents.float() * self.vae.config.scaling_factor
+
     def loss(self, batch, generator):
-        pixels = batch["pixel_values"].to(self.device, non_blocking=True)
         # Latents, noise and their mix stay in fp32 under bf16 autocast: in bf16 the noise coefficient
         # of the lowest timesteps rounds to zero and the target is quantised.
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
-            posterior = self.vae.encode(pixels).latent_dist
-            latents = posterior.sample(generator) if self.config.diffusion.sample_latents else posterior.mode()
-            latents = latents.float() * self.vae.config.scaling_factor
+            latents = self._latents(batch, generator)
             noise = torch.randn(latents.shape, generator=generator, device=self.device, dtype=latents.dtype)
             steps = self.noise_scheduler.config.num_train_timesteps
             timesteps = torch.randint(0, steps, (latents.shape[0],), generator=generator, device=self.device)
@@ -234,8 +265,11 @@ class DiffusionTask(Task):
                 target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
             else:
                 target = noise
-        with torch.set_grad_enabled(self.config.diffusion.train_text_encoder):
-            context = self.encode_text(batch["input_ids"])
+        if self.text_embeddings and "text_emb" in batch:
+            context = batch["text_emb"].to(self.device, non_blocking=True)
+        else:
+            with torch.set_grad_enabled(self.config.diffusion.train_text_encoder):
+                context = self.encode_text(batch["input_ids"])
         prediction = self.unet(noisy, timesteps, context).sample
         loss = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
         gamma = self.config.diffusion.snr_gamma

@@ -172,8 +172,11 @@ class Trainer:
         prepare_task(self.config, self.run_dir)
 
     def _make_data(self) -> TrainBatches:
-        return TrainBatches(self.config.data, self.task.tokenizer, self.config.seed, self.topology.rank,
-                            self.topology.world_size, pin_memory=self.device.type == "cuda")
+        data = TrainBatches(self.config.data, self.task.tokenizer, self.config.seed, self.topology.rank,
+                            self.topology.world_size, pin_memory=self.device.type == "cuda",
+                            encoded=self.task.reads_encoded and self.config.data.use_encoded)
+        self.task.use_encoded(data.encoding)
+        return data
 
     def _apply_optimizer_config(self) -> None:
         """A resumed optimizer carries the old run's hyperparameters; this start's config decides them."""
@@ -219,7 +222,7 @@ class Trainer:
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                     loss, metrics = self.task.loss(batch, self.noise)
                 (loss / accum).backward()
-            self.state.samples += batch["pixel_values"].shape[0] * world
+            self.state.samples += len(batch["keys"]) * world
             for key, value in {"loss": loss, **metrics}.items():
                 totals[key] = totals.get(key, 0) + value.detach().float() / accum
         if self.config.optim.grad_clip > 0:

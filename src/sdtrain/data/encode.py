@@ -1,0 +1,148 @@
+"""Pre-encoded shards: each sample also carries its VAE latent distribution and text embedding.
+
+Training on them skips the VAE encoder (and, with a frozen text encoder, the text encoder) in every
+step. Each input shard becomes one output shard with the same samples in the same order plus
+``latent_mean.npy`` and ``latent_std.npy`` (the posterior, unscaled, so training can sample from
+it) and ``text_emb.npy``; ``empty_caption.npy`` beside the manifest is the embedding caption dropout
+substitutes. The manifest's ``encoding`` entry says which weights and resolution produced them.
+
+Several processes (any launcher: sdtrain reads rank and world size from the environment) share the
+shards round-robin without talking to each other; a finished shard is skipped on a rerun, and the
+process that finds every shard finished writes the manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from sdtrain.config import DataConfig
+from sdtrain.data.encoded import DTYPES, EMPTY_CAPTION, LATENT_MEAN, LATENT_STD, TEXT_EMB, npy_bytes
+from sdtrain.data.pipeline import SampleDecoder, count_samples, read_shard, resolve_shards
+from sdtrain.data.shards import ShardInfo, ShardWriter, read_manifest, sha256_file, write_manifest
+from sdtrain.errors import UserError
+from sdtrain.models import build
+
+log = logging.getLogger(__name__)
+
+def output_name(index: int) -> str:
+    return f"encoded-{index:06d}.tar"
+
+
+class Encoder:
+    """The frozen VAE (and text encoder) that turn decoded samples into what training consumes."""
+
+    def __init__(self, vae_source: str, text_source: str | None, resolution: int, device: torch.device,
+                 dtype: str = "float16"):
+        self.device = device
+        self.dtype = DTYPES[dtype]
+        self.vae_source = build.pin_source(vae_source)
+        self.vae = build.load_component("vae", self.vae_source).to(device).eval()
+        scale = build.vae_scale(self.vae.config.block_out_channels)
+        if resolution % scale:
+            raise UserError(f"--resolution {resolution}: not a multiple of the VAE's downsampling factor {scale}")
+        self.text_source = build.pin_source(text_source) if text_source else None
+        self.text_encoder = self.tokenizer = None
+        if self.text_source:
+            self.text_encoder = build.load_component("text_encoder", self.text_source).to(device).eval()
+            self.tokenizer = build.load_tokenizer(self.text_source)
+        self.resolution = resolution
+
+    @torch.no_grad()
+    def latents(self, pixels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        posterior = self.vae.encode(pixels.to(self.device)).latent_dist
+        return posterior.mean.float().cpu().numpy(), posterior.std.float().cpu().numpy()
+
+    @torch.no_grad()
+    def text(self, captions: list[str]) -> np.ndarray:
+        tokens = self.tokenizer(captions, padding="max_length", truncation=True,
+                                max_length=self.tokenizer.model_max_length, return_tensors="pt")
+        return self.text_encoder(tokens.input_ids.to(self.device))[0].float().cpu().numpy()
+
+    def description(self) -> dict[str, Any]:
+        return {
+            "vae": self.vae_source,
+            "text_encoder": self.text_source,
+            "resolution": self.resolution,
+            "latent_channels": self.vae.config.latent_channels,
+            "scaling_factor": float(self.vae.config.scaling_factor),
+            "max_text_length": self.tokenizer.model_max_length if self.tokenizer else None,
+            "dtype": np.dtype(self.dtype).name,
+        }
+
+
+def encode_dataset(src: str, out: Path, encoder: Encoder, batch_size: int = 32, rank: int = 0,
+                   world_size: int = 1, caption_key: str = "txt", image_key: str = "jpg;jpeg;png;webp") -> dict | None:
+    """Encode this process's share of the shards of `src` into `out`; returns the manifest once complete."""
+    shards = resolve_shards(src)
+    out.mkdir(parents=True, exist_ok=True)
+    config = DataConfig(shards=src, resolution=encoder.resolution, center_crop=True, random_flip=False,
+                        caption_dropout=0.0, image_key=image_key, caption_key=caption_key)
+    decoder = SampleDecoder(config, None, seed=0)
+    for index in range(rank, len(shards), world_size):
+        if (out / output_name(index)).exists():
+            log.info("%s: already encoded, skipped", output_name(index))
+            continue
+        written, dropped = _encode_shard(shards[index].url, decoder, encoder, index, out, batch_size)
+        log.info("%s -> %s: %d samples%s", shards[index].url, output_name(index), written,
+                 f", {dropped} undecodable dropped" if dropped else "")
+    if encoder.text_encoder is not None:
+        _write_atomic(out / EMPTY_CAPTION, npy_bytes(encoder.text([""])[0].astype(encoder.dtype)))
+    missing = [output_name(i) for i in range(len(shards)) if not (out / output_name(i)).exists()]
+    if missing:
+        log.info("%d shards still being encoded by other processes; the last to finish writes the manifest",
+                 len(missing))
+        return None
+    infos = []
+    for index in range(len(shards)):
+        path = out / output_name(index)
+        infos.append(ShardInfo(path.name, _count(path), sha256_file(path)))
+    write_manifest(out, infos, extra={"source": src, "encoding": encoder.description()})
+    return read_manifest(out)
+
+
+def _encode_shard(url: str, decoder: SampleDecoder, encoder: Encoder, index: int, out: Path,
+                  batch_size: int) -> tuple[int, int]:
+    raw = read_shard(url)
+    written = dropped = 0
+    with ShardWriter(out, samples_per_shard=max(1, len(raw)), prefix="encoded", start_index=index,
+                     manifest=False) as writer:
+        for start in range(0, len(raw), batch_size):
+            chunk = raw[start:start + batch_size]
+            decoded = [(sample, decoder(sample, (0, index, start + i))) for i, sample in enumerate(chunk)]
+            usable = [(sample, d) for sample, d in decoded if d is not None]
+            dropped += len(decoded) - len(usable)
+            if not usable:
+                continue
+            mean, std = encoder.latents(torch.stack([d["pixel_values"] for _, d in usable]))
+            embeddings = encoder.text([d["caption"] for _, d in usable]) if encoder.text_encoder else None
+            for i, (sample, _) in enumerate(usable):
+                fields = {k: v for k, v in sample.items() if not k.startswith("__")}
+                fields[LATENT_MEAN] = npy_bytes(mean[i].astype(encoder.dtype))
+                fields[LATENT_STD] = npy_bytes(std[i].astype(encoder.dtype))
+                if embeddings is not None:
+                    fields[TEXT_EMB] = npy_bytes(embeddings[i].astype(encoder.dtype))
+                writer.write({"__key__": sample["__key__"], **fields})
+                written += 1
+    if not written:  # still a finished shard: reruns skip it and the manifest counts it
+        tmp = out / f".{output_name(index)}.tmp"
+        with tarfile.open(tmp, "w"):
+            pass
+        os.replace(tmp, out / output_name(index))
+    return written, dropped
+
+
+def _count(path: Path) -> int:
+    return count_samples(str(path))
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
