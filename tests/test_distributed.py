@@ -68,7 +68,9 @@ def test_sigterm_saves_stops_and_the_rerun_ends_equal_to_an_uninterrupted_run(tm
                                env={**os.environ, "OMP_NUM_THREADS": "2"})
     for line in process.stderr:  # the first log line of the training loop
         if "diffusion stage" in line:
-            # As launchers do: the whole process group, loader workers included.
+            # As launchers do: the whole process group, loader workers included, and twice, as a rank
+            # under torchrun in a Slurm step hears it (from Slurm and again from torchrun).
+            os.killpg(process.pid, signal.SIGTERM)
             os.killpg(process.pid, signal.SIGTERM)
             break
     err = process.stderr.read()

@@ -10,7 +10,6 @@ import torch
 
 from sdtrain.data.encode import Encoder, encode_dataset
 from sdtrain.data.shards import read_manifest
-from sdtrain.errors import UserError
 
 from .conftest import train
 

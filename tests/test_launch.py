@@ -29,6 +29,10 @@ def test_slurm_script_runs_torchrun_per_node_and_requeues(tmp_path):
     assert "--container-image='nvcr.io#nvidia/pytorch:24.01'" in text
     assert f"-m sdtrain train {CONFIG.resolve()} run_dir=/shared/runs/a" in text
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text
+    # The time-limit warning reaches the ranks as USR1 through srun (a TERM to srun would abort the step
+    # before the ranks save), and torchrun ignores it rather than die of it (tests/test_slurm.py).
+    assert 'kill -USR1 "$step_pid"' in text and "kill -TERM" not in text
+    assert """bash -c 'trap "" USR1; exec "$@"' torchrun python -m torch.distributed.run""" in text
     subprocess.run(["bash", "-n", str(out)], check=True)
 
 

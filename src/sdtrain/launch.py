@@ -70,15 +70,20 @@ head_addr=$(srun --nodes=1 --ntasks=1 --nodelist="$head_node" hostname --ip-addr
 export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{threads}}}
 
 stop_requested=0
+step_pid=""
 on_time_limit() {{
     echo "time limit near: asking sdtrain to save and stop"
     stop_requested=1
-    kill -TERM "$step_pid" 2>/dev/null
+    # srun passes USR1 on to every process of the step, once: each rank saves and stops. (TERM would
+    # make srun abort the step and kill the ranks before they save.)
+    if [ -n "$step_pid" ]; then kill -USR1 "$step_pid" 2>/dev/null; fi
 }}
 trap on_time_limit USR1
 
+# torchrun ignores USR1 (its default action would kill it, and with it the step); the ranks it
+# starts set their own handler.
 srun --kill-on-bad-exit=1 {container_flags} \\
-    python -m torch.distributed.run \\
+    bash -c 'trap "" USR1; exec "$@"' torchrun python -m torch.distributed.run \\
         --nnodes="$SLURM_NNODES" --nproc_per_node={job.procs_per_node} \\
         --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$head_addr:{RDZV_PORT}" \\
         -m sdtrain {job.train_args()} &

@@ -6,7 +6,6 @@ import contextlib
 import hashlib
 import logging
 import math
-import os
 import random
 import signal
 from collections.abc import Iterator
@@ -194,10 +193,11 @@ class Trainer:
         limit) finish the current step, save on every rank together, then stop."""
 
         def handler(signum: int, _frame: Any) -> None:
-            if self.stop_signal is not None:  # asked twice: stop now, without saving
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-            self.stop_signal = signum
+            # Repeats are expected, not an escalation: Slurm signals every process of a step, torchrun
+            # passes the same signal on, so a rank hears it twice. The launchers follow with SIGKILL
+            # after their grace period if the save takes too long.
+            if self.stop_signal is None:
+                self.stop_signal = signum
 
         signals = [signal.SIGTERM, signal.SIGUSR1]
         previous = {s: signal.signal(s, handler) for s in signals}
