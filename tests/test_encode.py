@@ -99,3 +99,16 @@ def test_latents_of_another_vae_or_resolution_are_one_clear_error(tmp_path, enco
     assert "encoded with the VAE" in err and "\n" not in err
     assert main([*base, f"model.vae={autoencoder_run}", "data.resolution=64", f"run_dir={tmp_path / 'run2'}"]) == 2
     assert "encoded at 32 px" in capsys.readouterr().err
+
+
+def test_prepare_encode_from_the_cli(tmp_path, shapes_dir, autoencoder_run, encoded, capsys):
+    from sdtrain.cli.main import main
+
+    out = tmp_path / "enc"
+    assert main(["prepare", "encode", str(shapes_dir), "--model", str(autoencoder_run), "--out", str(out),
+                 "--resolution", "32", "--dtype", "float32", "--batch-size", "8"]) == 0
+    assert "encoded 48 samples (latents) in 3 shards" in capsys.readouterr().out
+    assert read_manifest(out)["shards"] == read_manifest(encoded)["shards"]
+    assert main(["prepare", "verify", str(out)]) == 0
+    assert main(["prepare", "encode", str(shapes_dir), "--out", str(out), "--resolution", "32"]) == 2
+    assert "--model" in capsys.readouterr().err

@@ -38,19 +38,33 @@ RANDOM_VAE = "random-vae"
 
 
 class SyntheticBatches:
-    """One fixed random batch per rank, served forever: the data side of the step costs nothing."""
+    """One fixed random batch per rank, served forever: the data side of the step costs nothing.
 
-    def __init__(self, config: DataConfig, tokenizer: Any | None, seed: int, rank: int):
+    `encoded` batches look like pre-encoded shards: latents (and, for a frozen text encoder, text
+    embeddings) instead of pixels, so the step skips the encoders as it would on such shards.
+    """
+
+    def __init__(self, config: DataConfig, task: Any, seed: int, rank: int, encoded: bool = False):
         generator = torch.Generator().manual_seed(seed * 1000 + rank)
         size, count = config.resolution, config.batch_size
         self.batch: dict[str, Any] = {
-            "pixel_values": torch.rand(count, 3, size, size, generator=generator) * 2 - 1,
             "captions": ["synthetic"] * count,
             "keys": [f"synthetic-{i}" for i in range(count)],
         }
+        tokenizer = task.tokenizer
         if tokenizer is not None:
             length = tokenizer.model_max_length
             self.batch["input_ids"] = torch.randint(0, len(tokenizer), (count, length), generator=generator)
+        if not encoded:
+            self.batch["pixel_values"] = torch.rand(count, 3, size, size, generator=generator) * 2 - 1
+            return
+        vae = task.vae.config
+        side = size // build.vae_scale(vae.block_out_channels)
+        self.batch["latent_mean"] = torch.randn(count, vae.latent_channels, side, side, generator=generator)
+        self.batch["latent_std"] = torch.full_like(self.batch["latent_mean"], 0.1)
+        if task.text_embeddings:
+            hidden = task.text_encoder.config.hidden_size
+            self.batch["text_emb"] = torch.randn(count, tokenizer.model_max_length, hidden, generator=generator)
         self.shards: list = []
         self.num_samples = 0
 
@@ -65,6 +79,10 @@ class SyntheticBatches:
 
 
 class Benchmark(Trainer):
+    def __init__(self, config: RunConfig, encoded: bool = False):
+        self.encoded = encoded
+        super().__init__(config)
+
     def _prepare(self) -> None:
         model = self.config.model
         if model.vae == str(self.run_dir / RANDOM_VAE):
@@ -78,7 +96,11 @@ class Benchmark(Trainer):
                                  self.config.model.max_text_length)
 
     def _make_data(self) -> SyntheticBatches:
-        return SyntheticBatches(self.config.data, self.task.tokenizer, self.config.seed, self.topology.rank)
+        if self.encoded and not self.task.reads_encoded:
+            raise UserError(f"--encoded: the {self.config.stage} stage trains on images, not pre-encoded latents")
+        if self.encoded:
+            self.task.text_embeddings = not self.config.diffusion.train_text_encoder
+        return SyntheticBatches(self.config.data, self.task, self.config.seed, self.topology.rank, self.encoded)
 
     def measure(self, steps: int, warmup: int) -> dict[str, Any]:
         times = []
@@ -94,6 +116,7 @@ class Benchmark(Trainer):
         params = sum(p.numel() for p in self.task.parameters())
         result = {
             "stage": self.config.stage,
+            "encoded": self.encoded,
             "device": self.device.type,
             "world_size": world,
             "strategy": self.config.parallel.strategy if world > 1 else "single",
@@ -140,9 +163,9 @@ class Benchmark(Trainer):
         return {"allreduce_ms": 1000 * seconds, "allreduce_bus_gb_per_s": bus_bytes / seconds / 1e9}
 
 
-def run_benchmark(config: RunConfig, steps: int, warmup: int) -> dict[str, Any] | None:
+def run_benchmark(config: RunConfig, steps: int, warmup: int, encoded: bool = False) -> dict[str, Any] | None:
     """Time the config's training step in this process (and its torchrun peers); the main rank's result."""
-    benchmark = Benchmark(config)
+    benchmark = Benchmark(config, encoded)
     try:
         result = benchmark.measure(steps, warmup)
     finally:
@@ -170,7 +193,7 @@ def benchmark_overrides(config_path: Path, overrides: list[str], run_dir: str | 
 
 
 def compare_processes(config_path: Path, overrides: list[str], counts: list[int], steps: int,
-                      warmup: int) -> list[dict[str, Any]]:
+                      warmup: int, encoded: bool = False) -> list[dict[str, Any]]:
     """Run the benchmark under torchrun with each number of processes on this machine, one after another."""
     cores = os.cpu_count() or 1
     results = []
@@ -180,7 +203,7 @@ def compare_processes(config_path: Path, overrides: list[str], counts: list[int]
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(count),
                        "-m", "sdtrain", "benchmark", "train", str(config_path), *overrides,
                        f"run_dir={Path(scratch) / f'run{count}'}", "--steps", str(steps), "--warmup", str(warmup),
-                       "--out", str(out)]
+                       "--out", str(out), *(["--encoded"] if encoded else [])]
             # Processes sharing the cores share the threads: oversubscribing them is far slower.
             env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, cores // count)))}
             log.info("benchmarking %d process%s", count, "es" if count > 1 else "")

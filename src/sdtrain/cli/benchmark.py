@@ -23,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     train.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     train.add_argument("--nproc", help="comma-separated process counts to compare under torchrun, e.g. 1,2")
+    train.add_argument("--encoded", action="store_true",
+                       help="batches as pre-encoded shards give them: latents (and text embeddings for a frozen text "
+                            "encoder) instead of pixels")
     train.add_argument("--out", type=Path, help="also write the result as JSON here")
     train.set_defaults(run=run)
 
@@ -41,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--nproc {args.nproc}: expected process counts such as 1,2") from None
         overrides = benchmark.benchmark_overrides(args.config, args.overrides, run_dir="unused")
         results = benchmark.compare_processes(args.config, [o for o in overrides if not o.startswith("run_dir=")],
-                                              counts, args.steps, args.warmup)
+                                              counts, args.steps, args.warmup, args.encoded)
         print(benchmark.format_results(results))
         if args.out:
             benchmark.write_result(args.out, results)
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir = scratch.name
     config = load_config(args.config, benchmark.benchmark_overrides(args.config, args.overrides, run_dir))
     try:
-        result = benchmark.run_benchmark(config, args.steps, args.warmup)
+        result = benchmark.run_benchmark(config, args.steps, args.warmup, args.encoded)
     finally:
         destroy()
         if scratch is not None:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import tarfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
@@ -239,3 +240,49 @@ class ShardWriter:
             self._file.close()
             self._paths()[1].unlink(missing_ok=True)
             self._tar, self._file = None, None
+
+
+def count_tar_samples(path: str | Path) -> int:
+    """Number of distinct sample keys in a local tar (WebDataset's key = name up to the first dot).
+
+    Raises ``tarfile.TarError``/``OSError`` when the tar can't be read to its end.
+    """
+    keys = set()
+    with tarfile.open(path, "r:") as tar:  # sdtrain shards are plain tars
+        for member in tar:
+            if member.isreg():
+                key = wds.tariterators.base_plus_ext(member.name)[0]
+                if key is not None:
+                    keys.add(key)
+    return len(keys)
+
+
+def verify_shards(out_dir: str | Path) -> list[str]:
+    """Check a dataset folder against its manifest; return one line per problem (empty: all good).
+
+    Every listed shard must exist, match its sha256 and hold the listed number of samples. Raises UserError
+    when there is no manifest or it is malformed.
+    """
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        raise UserError(f"{out_dir}: not a folder; point verify at a dataset folder holding {MANIFEST_NAME}")
+    manifest = read_manifest(out_dir)
+    if manifest is None:
+        raise UserError(f"{out_dir / MANIFEST_NAME}: no shard manifest; write the dataset with `sdtrain prepare`")
+    problems = []
+    for entry in manifest["shards"]:
+        name, path = entry["name"], out_dir / entry["name"]
+        if not path.is_file():
+            problems.append(f"{name}: missing (listed in the manifest)")
+            continue
+        digest = sha256_file(path)
+        if digest != entry["sha256"]:
+            problems.append(f"{name}: sha256 is {digest[:12]}..., manifest says {entry['sha256'][:12]}...")
+        try:
+            samples = count_tar_samples(path)
+        except (tarfile.TarError, OSError) as e:
+            problems.append(f"{name}: unreadable tar ({' '.join(str(e).split()) or type(e).__name__})")
+            continue
+        if samples != entry["samples"]:
+            problems.append(f"{name}: holds {samples} samples, manifest says {entry['samples']}")
+    return problems

@@ -1,0 +1,511 @@
+"""Turning image folders and foreign shards into checked, evenly sized sdtrain shards.
+
+``prepare_folder`` reads a folder of images with captions beside them (``a.jpg`` + ``a.txt``), or a
+``metadata.jsonl`` / ``metadata.csv`` at its root (Hugging Face imagefolder style: ``file_name`` relative to
+the folder, a ``text`` or ``caption`` column, any other columns). ``reshard`` re-tars existing WebDataset
+shards (img2dataset output, say) into shards of an even size. Both
+
+- keep the image bytes as they are (the tar member is named after the format PIL detects: jpg, png, webp),
+- check every image: the size is read from the header and images over ``max_pixels`` are rejected before
+  anything is decoded; the rest is decoded fully, and files PIL can't read are skipped,
+- skip samples without a caption (or keep them with ``""``), duplicate keys (the first one written wins) and
+  samples rejected by the filters (``sdtrain.data.filters``), counting every skip by reason,
+- write through ``ShardWriter`` (temporary names, renamed when complete) and finish by deleting shards of an
+  earlier run that this run did not write, then writing the manifest. An interrupted run leaves no manifest;
+  running it again redoes the work and ends with a folder whose manifest lists exactly the shards in it.
+
+Sample keys in ``prepare_folder`` come from the relative path without its extension (``sub/a.jpg`` ->
+``sub/a``); characters other than letters, digits, ``_``, ``-`` and ``/`` become ``_`` and such keys get a
+short hash of the original path appended, so keys stay unique, free of dots and the same on every run.
+Inputs are read in sorted order of their relative paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import glob
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import warnings
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import webdataset as wds
+from PIL import Image
+
+from sdtrain.data.filters import Filters
+from sdtrain.data.shards import MANIFEST_NAME, ShardInfo, ShardWriter, read_manifest, write_manifest
+from sdtrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
+IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
+# PIL's format name -> tar member extension. Camera JPEGs often open as MPO (JPEG with extra frames).
+FORMAT_EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp"}
+# PIL's own DecompressionBombWarning threshold (Image.MAX_IMAGE_PIXELS): about 9459 x 9459.
+DEFAULT_MAX_PIXELS = 89_478_485
+MISSING_CAPTION = ("skip", "empty")
+METADATA_FILES = ("metadata.jsonl", "metadata.csv")
+CAPTION_COLUMNS = ("text", "caption")
+SHARD_PREFIX = "shard"
+REMOTE_PREFIXES = ("pipe:", "http://", "https://", "s3://", "gs://")
+PROGRESS_EVERY = 10_000
+
+SKIP_REASONS = {
+    "corrupt": "corrupt, empty or truncated image",
+    "format": "not a JPEG, PNG or WebP image",
+    "too_large": "image over the pixel limit",
+    "no_image": "sample without an image",
+    "no_file": "image file listed in the metadata not found",
+    "no_caption": "missing or empty caption",
+    "duplicate": "duplicate key",
+}
+
+_KEY_BAD = re.compile(r"[^A-Za-z0-9_\-/]")
+_OUR_SHARD = re.compile(rf"^{SHARD_PREFIX}-\d{{6}}\.tar$")
+_OUR_TEMP = re.compile(rf"^\.({SHARD_PREFIX}-\d{{6}}\.tar|{re.escape(MANIFEST_NAME)})\.tmp$")
+
+
+def sample_key(name: str) -> str:
+    """A WebDataset key for a relative path without extension: stable, unique and free of dots."""
+    name = name.replace("\\", "/")
+    clean = _KEY_BAD.sub("_", name)
+    if clean != name:
+        clean += "_" + hashlib.sha1(name.encode("utf-8", "surrogateescape")).hexdigest()[:10]
+    return clean
+
+
+@dataclass
+class Report:
+    """What a prepare run did: the shards written and every skipped sample counted by reason."""
+
+    out_dir: Path
+    shards: list[ShardInfo]
+    max_pixels: int
+    filters: Filters
+    skipped: Counter = field(default_factory=Counter)
+    filtered: Counter = field(default_factory=Counter)
+    read_errors: list[str] = field(default_factory=list)
+
+    @property
+    def written(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    def filtered_in_order(self) -> list[tuple[str, int]]:
+        """Filter counts in the filters' order, a filter's own rejections before its missing/non-numeric ones."""
+        names = self.filters.names
+
+        def order(reason: str) -> tuple[int, bool, str]:
+            name = reason.split(": ", 1)[0]
+            return (names.index(name) if name in names else len(names), name != reason, reason)
+
+        return sorted(self.filtered.items(), key=lambda item: order(item[0]))
+
+    def lines(self) -> list[str]:
+        """The summary: one line for what was written, one per reason anything was left out."""
+        lines = [f"written: {self.written} samples in {len(self.shards)} shards to {self.out_dir}"]
+        for reason, text in SKIP_REASONS.items():
+            if self.skipped[reason]:
+                if reason == "too_large":
+                    text = f"image over {self.max_pixels} pixels"
+                lines.append(f"skipped ({text}): {self.skipped[reason]}")
+        for reason, count in self.filtered_in_order():
+            lines.append(f"filtered ({self.filters.describe(reason)}): {count}")
+        if self.read_errors:
+            lines.append(f"unreadable tar data (the readable samples were kept): {len(self.read_errors)} shards: "
+                         + ", ".join(self.read_errors))
+        return lines
+
+
+@contextlib.contextmanager
+def _own_pixel_limit() -> Iterator[None]:
+    """Turn off PIL's bomb check while we apply our own (``max_pixels``) to the header size before decoding."""
+    old = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = old
+
+
+class _Job:
+    """The part both commands share: checks, counting and writing through ShardWriter."""
+
+    def __init__(self, out_dir: Path, samples_per_shard: int, missing_caption: str, max_pixels: int,
+                 filters: Filters | None, extra: dict[str, Any]) -> None:
+        if samples_per_shard < 1:
+            raise UserError(f"--samples-per-shard: must be at least 1, got {samples_per_shard}")
+        if missing_caption not in MISSING_CAPTION:
+            raise UserError(f"--missing-caption: {missing_caption!r} is not one of {', '.join(MISSING_CAPTION)}")
+        if max_pixels < 1:
+            raise UserError(f"--max-pixels: must be at least 1, got {max_pixels}")
+        if out_dir.exists() and not out_dir.is_dir():
+            raise UserError(f"--out: {out_dir} is a file; choose a folder")
+        self.out_dir = out_dir
+        self.missing_caption = missing_caption
+        self.max_pixels = max_pixels
+        self.filters = filters or Filters()
+        self.extra = extra
+        self.report = Report(out_dir, [], max_pixels, self.filters)
+        self.keys: set[str] = set()
+        self.seen = 0
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        # An earlier run's manifest would describe shards this run is about to overwrite.
+        (self.out_dir / MANIFEST_NAME).unlink(missing_ok=True)
+        self.writer = ShardWriter(out_dir, samples_per_shard, SHARD_PREFIX, manifest=False)
+
+    def skip(self, reason: str) -> None:
+        self.report.skipped[reason] += 1
+
+    def caption(self, caption: str | None) -> str | None:
+        """The caption to write, or None (counted) when the sample is skipped for lack of one."""
+        caption = (caption or "").strip()
+        if not caption and self.missing_caption == "skip":
+            self.skip("no_caption")
+            return None
+        return caption
+
+    def image(self, data: bytes, meta: dict[str, Any], caption: str, fill_size: bool) -> str | None:
+        """Check an image and the filters; return its extension, or None (counted) when it is skipped.
+
+        The size is read from the header; ``meta`` gets ``width``/``height`` (overwriting any given when
+        ``fill_size``, else only where missing) before the filters see it, and nothing is decoded unless
+        the image passes the pixel limit and the filters.
+        """
+        if not data:
+            self.skip("corrupt")
+            return None
+        try:
+            img = Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError:
+            self.skip("too_large")
+            return None
+        except Exception:  # PIL raises many kinds on malformed headers; none may stop a long run.
+            self.skip("corrupt")
+            return None
+        with img:
+            ext = FORMAT_EXTENSIONS.get(img.format or "")
+            if ext is None:
+                self.skip("format")
+                return None
+            width, height = img.size
+            if width * height > self.max_pixels:
+                self.skip("too_large")
+                return None
+            if fill_size:
+                meta["width"], meta["height"] = width, height
+            else:
+                meta.setdefault("width", width)
+                meta.setdefault("height", height)
+            reason = self.filters.check(meta, caption)
+            if reason is not None:
+                self.report.filtered[reason] += 1
+                return None
+            try:
+                img.load()
+            except Exception:
+                self.skip("corrupt")
+                return None
+        return ext
+
+    def write(self, sample: dict[str, Any]) -> None:
+        self.keys.add(sample["__key__"])
+        self.writer.write(sample)
+
+    def progress(self) -> None:
+        self.seen += 1
+        if self.seen % PROGRESS_EVERY == 0:
+            log.info("%d inputs read, %d samples written", self.seen, len(self.keys))
+
+    def finish(self) -> Report:
+        """Close the last shard, delete what an earlier run left that this one did not write, write the manifest."""
+        self.writer.close()
+        self.report.shards = list(self.writer.shards)
+        ours = {s.name for s in self.report.shards}
+        for path in self.out_dir.iterdir():
+            stale_shard = _OUR_SHARD.match(path.name) and path.name not in ours
+            if (stale_shard or _OUR_TEMP.match(path.name)) and path.is_file():
+                log.info("removing %s left by an earlier run", path)
+                path.unlink()
+        extra = dict(self.extra)
+        extra["skipped"] = {k: v for k, v in self.report.skipped.items() if v}
+        extra["filtered"] = dict(self.report.filtered_in_order())
+        extra["filters"] = {f.name: f.describe() for f in self.filters.filters}
+        write_manifest(self.out_dir, self.report.shards, extra)
+        return self.report
+
+
+# ----------------------------------------------------------------------------------------------------- folder
+
+
+@dataclass
+class _Entry:
+    rel: str  # path relative to the source folder, with forward slashes
+    caption: str | None  # None: read it from the caption file beside the image
+    columns: dict[str, Any]
+    line: int = 0
+
+
+def _read_caption_file(path: Path) -> str | None:
+    try:
+        return path.read_bytes().decode("utf-8-sig", "replace")
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+
+
+def _walk_images(src: Path) -> list[_Entry]:
+    entries = []
+    for root, dirs, files in os.walk(src):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # .git, .ipynb_checkpoints, ...
+        for name in files:
+            if not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS):
+                rel = Path(root, name).relative_to(src).as_posix()
+                entries.append(_Entry(rel, None, {}))
+    entries.sort(key=lambda e: e.rel)
+    return entries
+
+
+def _file_name(path: Path, where: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise UserError(f"{path}: {where}: needs a 'file_name' (the image path relative to {path.parent})")
+    rel = PurePosixPath(value.strip().replace("\\", "/"))
+    if rel.is_absolute() or ".." in rel.parts:
+        raise UserError(f"{path}: {where}: file_name {value!r} must be a path inside {path.parent}")
+    return rel.as_posix()
+
+
+def _caption_of(row: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """The caption (``text``, else ``caption``) and the remaining columns for the json."""
+    columns = {k: v for k, v in row.items() if k != "file_name"}
+    for name in CAPTION_COLUMNS:
+        if name in columns:
+            value = columns.pop(name)
+            return (None if value is None else str(value)), columns
+    return None, columns
+
+
+def _read_metadata(path: Path, missing_caption: str) -> list[_Entry]:
+    entries = []
+    try:
+        if path.suffix == ".jsonl":
+            with open(path, encoding="utf-8-sig") as f:
+                for number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise UserError(f"{path}: line {number}: not valid JSON ({e}); fix or remove the line") from e
+                    if not isinstance(row, dict):
+                        raise UserError(f"{path}: line {number}: expected a JSON object with file_name and text")
+                    caption, columns = _caption_of(row)
+                    entries.append(_Entry(_file_name(path, f"line {number}", row.get("file_name")),
+                                          caption, columns, number))
+        else:
+            with open(path, encoding="utf-8-sig", newline="") as f:
+                reader = csv.DictReader(f)
+                header = reader.fieldnames or []
+                if "file_name" not in header:
+                    raise UserError(f"{path}: no 'file_name' column (columns: {', '.join(header) or 'none'}); "
+                                    "add one with each image's path relative to the folder")
+                if missing_caption == "skip" and not any(c in header for c in CAPTION_COLUMNS):
+                    raise UserError(f"{path}: no 'text' or 'caption' column; add one, or pass "
+                                    "--missing-caption empty to keep images without captions")
+                for row in reader:
+                    number = reader.line_num
+                    row.pop(None, None)  # values beyond the header
+                    caption, columns = _caption_of({k: v for k, v in row.items() if v is not None})
+                    entries.append(_Entry(_file_name(path, f"line {number}", row.get("file_name")),
+                                          caption, columns, number))
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e}); save it as UTF-8") from e
+    except csv.Error as e:
+        raise UserError(f"{path}: malformed CSV ({e})") from e
+    entries.sort(key=lambda e: (e.rel, e.line))  # stable: for a file listed twice, the first line wins
+    return entries
+
+
+def prepare_folder(
+    src: str | Path,
+    out_dir: str | Path,
+    *,
+    samples_per_shard: int = 1000,
+    caption_ext: str = "txt",
+    missing_caption: str = "skip",
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    filters: Filters | None = None,
+) -> Report:
+    """Write the images of ``src`` (and their captions) as shards in ``out_dir``; see the module docstring.
+
+    Each sample holds the image bytes (``jpg``/``png``/``webp``), ``txt`` (the caption) and ``json``: the
+    metadata columns, if any, then ``width``, ``height`` (as read from the image) and ``file_name`` (the
+    image's path relative to ``src``).
+    """
+    src, out_dir = Path(src), Path(out_dir)
+    if not src.is_dir():
+        raise UserError(f"{src}: not a folder; point prepare folder at a folder of images")
+    caption_ext = caption_ext.lstrip(".")
+    if not caption_ext:
+        raise UserError("--caption-ext: must not be empty (e.g. txt)")
+    found = [src / name for name in METADATA_FILES if (src / name).is_file()]
+    if len(found) > 1:
+        raise UserError(f"{src}: has both {METADATA_FILES[0]} and {METADATA_FILES[1]}; keep one")
+    metadata = found[0] if found else None
+    entries = _read_metadata(metadata, missing_caption) if metadata else _walk_images(src)
+    if not entries:
+        what = f"{metadata} lists no images" if metadata else f"{src}: no {'/'.join(IMAGE_EXTENSIONS)} images found"
+        raise UserError(f"{what}; nothing to prepare")
+    log.info("%s: %d images listed%s", src, len(entries), f" in {metadata.name}" if metadata else "")
+
+    extra = {"source": "folder", "input": str(src.resolve()),
+             "captions": metadata.name if metadata else f"*.{caption_ext}"}
+    job = _Job(out_dir, samples_per_shard, missing_caption, max_pixels, filters, extra)
+    with _own_pixel_limit(), job.writer:
+        for entry in entries:
+            job.progress()
+            stem = entry.rel.rsplit(".", 1)[0] if "." in PurePosixPath(entry.rel).name else entry.rel
+            key = sample_key(stem)
+            if key in job.keys:
+                job.skip("duplicate")
+                continue
+            raw_caption = entry.caption if metadata else _read_caption_file(src / f"{stem}.{caption_ext}")
+            caption = job.caption(raw_caption)
+            if caption is None:
+                continue
+            try:
+                data = (src / entry.rel).read_bytes()
+            except (FileNotFoundError, NotADirectoryError):
+                job.skip("no_file")
+                continue
+            except OSError as e:
+                log.warning("%s: unreadable (%s); skipped", src / entry.rel, e)
+                job.skip("corrupt")
+                continue
+            meta = dict(entry.columns)
+            ext = job.image(data, meta, caption, fill_size=True)
+            if ext is None:
+                continue
+            meta.pop("file_name", None)
+            meta["file_name"] = entry.rel
+            body = json.dumps(meta, ensure_ascii=False, default=str).encode("utf-8")
+            job.write({"__key__": key, ext: data, "txt": caption, "json": body})
+    return job.finish()
+
+
+# ---------------------------------------------------------------------------------------------------- reshard
+
+
+def _is_remote(url: str) -> bool:
+    return url.startswith(REMOTE_PREFIXES)
+
+
+def resolve_inputs(specs: list[str]) -> list[str]:
+    """Shard paths from folders (the manifest's shards, else every ``*.tar``), globs and brace lists.
+
+    Only ``.tar`` files count in folders and globs, so img2dataset's ``.parquet``/``_stats.json`` beside the
+    shards are ignored.
+    """
+    urls: list[str] = []
+    for spec in specs:
+        if _is_remote(spec):
+            found = list(wds.shardlists.expand_urls(spec))
+        elif os.path.isdir(spec):
+            manifest = read_manifest(spec)
+            if manifest is not None:
+                found = [os.path.join(spec, s["name"]) for s in manifest["shards"]]
+            else:
+                found = sorted(glob.glob(os.path.join(glob.escape(spec), "*.tar")))
+        elif any(ch in spec for ch in "*?["):
+            found = sorted(p for p in glob.glob(spec) if p.endswith(".tar") and os.path.isfile(p))
+        else:
+            found = list(wds.shardlists.expand_urls(spec))
+        if not found:
+            raise UserError(f"{spec}: no .tar shards found; point reshard at a folder, glob or brace list of shards")
+        for url in found:
+            if not _is_remote(url) and not os.path.isfile(url):
+                raise UserError(f"{url}: no such shard; fix the path or pattern")
+        urls.extend(found)
+    return list(dict.fromkeys(urls))
+
+
+def _reshard_key(key: str) -> str:
+    key = key.removeprefix("./")
+    return sample_key(key) if "." in key else key
+
+
+def reshard(
+    sources: list[str],
+    out_dir: str | Path,
+    *,
+    samples_per_shard: int,
+    missing_caption: str = "skip",
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    filters: Filters | None = None,
+) -> Report:
+    """Re-tar the samples of existing shards into shards of ``samples_per_shard`` in ``out_dir``.
+
+    Every field of a kept sample is copied byte for byte (``txt`` is added as ``""`` for a sample without a
+    caption under ``missing_caption="empty"``). A sample needs an image field (jpg, jpeg, png or webp) that
+    passes the checks; filters see its ``json`` with ``width``/``height`` from the image where the json has
+    none. A tar that breaks off or is corrupt part-way keeps the samples read before the damage.
+    """
+    out_dir = Path(out_dir)
+    urls = resolve_inputs(list(sources))
+    out_resolved = out_dir.resolve()
+    for url in urls:
+        if not _is_remote(url) and Path(url).resolve().parent == out_resolved:
+            raise UserError(f"--out: {out_dir} holds the input shard {url}; write to another folder")
+    log.info("resharding %d shards", len(urls))
+    job = _Job(out_dir, samples_per_shard, missing_caption, max_pixels, filters,
+               {"source": "reshard", "input": [url if _is_remote(url) else str(Path(url).resolve()) for url in urls]})
+    with _own_pixel_limit(), job.writer:
+        for url in urls:
+            errors: list[Exception] = []
+
+            def keep_going(exc: Exception, errors: list[Exception] = errors) -> bool:
+                errors.append(exc)
+                return True
+
+            for raw in wds.tariterators.tarfile_samples([{"url": url}], handler=keep_going):
+                job.progress()
+                _reshard_sample(job, raw)
+            if errors:
+                first = str(errors[0]).splitlines()[0] if str(errors[0]) else type(errors[0]).__name__
+                log.warning("%s: %s; kept the samples read before it", url, first)
+                job.report.read_errors.append(os.path.basename(url))
+    return job.finish()
+
+
+def _reshard_sample(job: _Job, raw: dict[str, Any]) -> None:
+    fields = {k: v for k, v in raw.items() if not k.startswith("_") and isinstance(v, bytes)}
+    key = _reshard_key(raw["__key__"])
+    if key in job.keys:
+        job.skip("duplicate")
+        return
+    image_field = next((f for f in IMAGE_FIELDS if f in fields), None)
+    if image_field is None:
+        job.skip("no_image")
+        return
+    caption = job.caption(fields["txt"].decode("utf-8", "replace") if "txt" in fields else None)
+    if caption is None:
+        return
+    fields.setdefault("txt", b"")
+    meta: dict[str, Any] = {}
+    if "json" in fields:
+        with contextlib.suppress(ValueError):
+            loaded = json.loads(fields["json"])
+            meta = dict(loaded) if isinstance(loaded, Mapping) else {}
+    if job.image(fields[image_field], meta, caption, fill_size=False) is None:
+        return
+    job.write({"__key__": key, **fields})
