@@ -277,3 +277,56 @@ def test_one_unreadable_shard_does_not_stop_the_others(tmp_path: Path) -> None:
     tb = TrainBatches(data_config(tmp_path, workers=2), None, seed=0)
     keys = keys_of(take(tb, 6))
     assert keys and all(k >= "s010" for k in keys)
+
+
+def test_training_filters_skip_samples_count_them_and_resume_exactly(shapes: Path) -> None:
+    # Shapes captions of one shape ("a red circle") are short; two shapes make long ones.
+    config = data_config(shapes, 2, batch_size=1, filters={"min_caption_length": 20})
+    captions = {}
+    tb = TrainBatches(config, None, seed=0)
+    first_epoch = []
+    while tb.position.epoch == 0:
+        batch = tb.next()
+        if batch["position"]["epoch"] == 0:
+            first_epoch += batch["captions"]
+    import webdataset as wds
+
+    for sample in wds.WebDataset(sorted(str(p) for p in shapes.glob("*.tar")), shardshuffle=False):
+        captions[sample["__key__"]] = sample["txt"].decode()
+    long = [c for c in captions.values() if len(c) >= 20]
+    assert 0 < len(long) < NUM
+    assert sorted(first_epoch) == sorted(long)
+    assert tb.position.total_filtered >= NUM - len(long)
+
+    state = json.loads(json.dumps(tb.state_dict()))
+    expected = keys_of(take(tb, 5))
+    resumed = TrainBatches(config, None, seed=0)
+    resumed.load_state_dict([state])
+    assert keys_of(take(resumed, 5)) == expected
+    assert resumed.position.total_filtered >= NUM - len(long)
+
+
+def test_a_bad_training_filter_is_one_clear_error(shapes: Path, tmp_path: Path) -> None:
+    from sdtrain.config import load_config
+
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text(f"stage: autoencoder\nrun_dir: {tmp_path}\ndata:\n  shards: {shapes}\n  filters:\n"
+                    "    pwatermark: '<=lots'\n")
+    with pytest.raises(UserError, match="data.filters") as info:
+        load_config(yaml)
+    assert "\n" not in str(info.value)
+
+
+def test_class_datasets_take_captions_from_the_class_prompts(tmp_path: Path) -> None:
+    out = tmp_path / "classes"
+    with ShardWriter(out, samples_per_shard=4) as writer:
+        for i in range(8):
+            writer.write({"__key__": f"c{i}", "png": png(i), "cls": str(i % 3)})
+    prompts = tmp_path / "idx_to_prompt.json"
+    prompts.write_text(json.dumps({"0": "a photo of a tench", "1": ["a goldfish", "a photo of a goldfish"],
+                                   "2": "a great white shark"}))
+    config = data_config(out, 0, batch_size=8, class_key="cls", class_prompts=str(prompts))
+    batch = TrainBatches(config, None, seed=0).next()
+    by_key = dict(zip(batch["keys"], batch["captions"], strict=True))
+    assert by_key["c0"] == "a photo of a tench" and by_key["c2"] == "a great white shark"
+    assert by_key["c1"] in ("a goldfish", "a photo of a goldfish")

@@ -101,8 +101,15 @@ def _torchrun(run: Path, shapes_dir: Path, autoencoder_run: Path, *extra: str, t
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                *torchrun_args, "-m", "sdtrain", "train", str(config_path("diffusion.yaml")),
                *_overrides(run, shapes_dir, autoencoder_run, *extra)]
-    return subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True,
-                          text=True, timeout=600)
+    # Its own session, so a hung job is killed with every rank, not just torchrun.
+    process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 @pytest.mark.dist

@@ -111,6 +111,18 @@ def test_gradient_checkpointing_recomputes_without_changing_training(tmp_path, s
         torch.testing.assert_close(recomputed[key], plain[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+@pytest.mark.slow
+def test_compiled_blocks_train_like_eager_ones(tmp_path, shapes_dir, autoencoder_run):
+    runs = {}
+    for compiled in (False, True):
+        run = runs[compiled] = tmp_path / f"compile-{compiled}"
+        train("diffusion.yaml", run, f"data.shards={shapes_dir}", f"model.vae={autoencoder_run}", "train.max_steps=2",
+              f"train.compile={str(compiled).lower()}", "validation.prompts=[]", "logging.every=1")
+    eager, compiled = ([json.loads(line)["loss"] for line in (runs[c] / "metrics.jsonl").read_text().splitlines()]
+                       for c in (False, True))
+    assert compiled == pytest.approx(eager, rel=1e-3)
+
+
 def test_checkpointing_wraps_each_block_outside_the_model():
     from sdtrain.config import ParallelConfig
     from sdtrain.distributed import Topology

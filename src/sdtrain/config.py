@@ -47,6 +47,16 @@ class DataConfig:
     """Sample fields tried in order for the image."""
     caption_key: str = "txt"
     """Sample field holding the caption."""
+    filters: dict[str, Any] = field(default_factory=dict)
+    """Keep only samples whose json metadata passes these conditions, e.g. ``{pwatermark: "<=0.5",
+    original_width: ">=512", min_aspect: 0.5}`` (the forms of ``sdtrain prepare --filter``); a sample
+    missing a field is filtered. Filtered samples are counted (``filtered_samples`` in the metrics)."""
+    class_key: str | None = None
+    """Class-conditional data (ImageNet style): the sample field holding a class index, e.g. ``cls``.
+    Captions then come from ``class_prompts`` instead of ``caption_key``."""
+    class_prompts: str | None = None
+    """JSON file mapping each class index to a prompt, or to a list of prompts one of which is drawn
+    per sample (open-diffusion's ``idx_to_prompt``)."""
     use_encoded: bool = True
     """Read the latents (and, with a frozen text encoder, the text embeddings) that shards from
     ``sdtrain prepare encode`` carry, instead of encoding images every step. Those shards are
@@ -301,6 +311,14 @@ def validate(config: RunConfig) -> None:
     _check(config.data.batch_size >= 1, "data.batch_size", "must be at least 1")
     _check(config.data.num_workers >= 0, "data.num_workers", "must be 0 or more")
     _check(0.0 <= config.data.caption_dropout < 1.0, "data.caption_dropout", "must be in [0, 1)")
+    from sdtrain.data.filters import parse_filters
+
+    try:
+        parse_filters(config.data.filters)
+    except UserError as exc:
+        raise UserError(f"data.filters: {exc}") from None
+    _check((config.data.class_key is None) == (config.data.class_prompts is None), "data.class_prompts",
+           "class_key and class_prompts go together: set both (e.g. cls and a JSON of index -> prompt) or neither")
     _check(config.model.preset in ("tiny", "small", "sd2"), "model.preset", "must be tiny, small or sd2")
     _check(config.model.max_text_length >= 4, "model.max_text_length", "must be at least 4")
     _check(

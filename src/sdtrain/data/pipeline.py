@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import glob
 import io
+import json
 import logging
 import os
 import signal
@@ -25,6 +26,7 @@ import tarfile
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,6 +37,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from sdtrain.config import DataConfig
 from sdtrain.data.encoded import EMPTY_CAPTION, LATENT_MEAN, LATENT_STD, TEXT_EMB, dataset_encoding, load_npy
+from sdtrain.data.filters import parse_filters
 from sdtrain.data.shards import read_manifest
 from sdtrain.errors import UserError
 
@@ -116,6 +119,24 @@ def _within_shard_order(samples: int, seed: int, epoch: int, shard_index: int) -
     return np.random.default_rng([seed, epoch, shard_index, 0x1D]).permutation(samples)
 
 
+def load_class_prompts(path: str) -> dict[str, list[str]]:
+    """``data.class_prompts``: class index -> prompt or list of prompts, as lists."""
+    try:
+        mapping = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"data.class_prompts: cannot read {path} ({exc}); give a JSON object of index -> prompt") from None
+    if not isinstance(mapping, dict) or not mapping:
+        raise UserError(f"data.class_prompts: {path} is not a JSON object of class index -> prompt")
+    prompts = {}
+    for key, value in mapping.items():
+        values = [value] if isinstance(value, str) else value
+        if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
+            raise UserError(f"data.class_prompts: {path}: class {key} needs a prompt or a list of prompts")
+        prompts[str(key)] = values
+    return prompts
+
+
 def read_shard(url: str) -> list[dict[str, Any]]:
     """Every sample of a tar that can be read; a damaged tar yields what precedes the damage."""
     errors: list[Exception] = []
@@ -176,8 +197,16 @@ def _take(intervals: Intervals, count: int) -> Intervals:
     return taken
 
 
+@dataclass(frozen=True)
+class Filtered:
+    """A sample that data.filters rejected, and why."""
+
+    reason: str
+
+
 class SampleDecoder:
-    """Turns a raw WebDataset sample into tensors; returns None for samples that cannot be used."""
+    """Turns a raw WebDataset sample into tensors; returns None for samples that cannot be used and
+    `Filtered` for samples the configured filters reject."""
 
     def __init__(self, config: DataConfig, tokenizer: Any | None, seed: int, encoded: bool = False):
         self.config = config
@@ -185,31 +214,55 @@ class SampleDecoder:
         self.seed = seed
         self.encoded = encoded
         self.image_keys = [k.strip() for k in config.image_key.split(";") if k.strip()]
+        self.filters = parse_filters(config.filters)
+        self.class_prompts = load_class_prompts(config.class_prompts) if config.class_prompts else None
 
-    def __call__(self, raw: dict[str, Any], place: tuple[int, int, int]) -> dict[str, Any] | None:
+    def _caption(self, raw: dict[str, Any], rng: np.random.Generator) -> str | Filtered | None:
+        """The sample's caption, None when it has none to offer, Filtered when a filter rejects it."""
+        if self.class_prompts is not None:
+            value = raw.get(self.config.class_key)
+            try:
+                prompts = self.class_prompts[str(int(value.decode() if isinstance(value, bytes) else value))]
+            except (TypeError, ValueError, KeyError, UnicodeDecodeError):
+                return None
+            caption = prompts[int(rng.integers(len(prompts)))]
+        else:
+            caption = raw.get(self.config.caption_key, b"")
+            caption = caption.decode("utf-8", "replace") if isinstance(caption, bytes) else str(caption)
+            caption = caption.strip()
+        if self.filters:
+            try:
+                meta = json.loads(raw.get("json", b"{}"))
+            except ValueError:
+                meta = {}
+            reason = self.filters.check(meta if isinstance(meta, dict) else {}, caption)
+            if reason is not None:
+                return Filtered(reason)
+        return caption
+
+    def __call__(self, raw: dict[str, Any], place: tuple[int, int, int]) -> dict[str, Any] | Filtered | None:
+        rng = np.random.default_rng([self.seed, *place, 0xDA7A])
+        caption = self._caption(raw, rng)
+        if caption is None or isinstance(caption, Filtered):
+            return caption
         if self.encoded:
-            return self._encoded(raw, place)
+            return self._encoded(raw, rng, caption)
         image_bytes = next((raw[k] for k in self.image_keys if k in raw), None)
         if image_bytes is None:
             return None
-        rng = np.random.default_rng([self.seed, *place, 0xDA7A])
         try:
             with Image.open(io.BytesIO(image_bytes)) as img:
                 img.load()
                 pixels = self._transform(img.convert("RGB"), rng)
         except (OSError, ValueError, Image.DecompressionBombError, SyntaxError):
             return None
-        caption = raw.get(self.config.caption_key, b"")
-        caption = caption.decode("utf-8", "replace") if isinstance(caption, bytes) else str(caption)
         drop = rng.random() < self.config.caption_dropout
-        sample = {"pixel_values": pixels, "caption": "" if drop else caption.strip(), "key": raw["__key__"]}
-        return sample
+        return {"pixel_values": pixels, "caption": "" if drop else caption, "key": raw["__key__"]}
 
-    def _encoded(self, raw: dict[str, Any], place: tuple[int, int, int]) -> dict[str, Any] | None:
+    def _encoded(self, raw: dict[str, Any], rng: np.random.Generator, caption: str) -> dict[str, Any] | None:
         """A pre-encoded sample: the latent distribution (and text embedding) instead of pixels."""
         if LATENT_MEAN not in raw or LATENT_STD not in raw:
             return None
-        rng = np.random.default_rng([self.seed, *place, 0xDA7A])
         try:
             sample = {"latent_mean": torch.from_numpy(load_npy(raw[LATENT_MEAN]).astype(np.float32)),
                       "latent_std": torch.from_numpy(load_npy(raw[LATENT_STD]).astype(np.float32))}
@@ -217,10 +270,8 @@ class SampleDecoder:
                 sample["text_emb"] = torch.from_numpy(load_npy(raw[TEXT_EMB]).astype(np.float32))
         except (OSError, ValueError):
             return None
-        caption = raw.get(self.config.caption_key, b"")
-        caption = caption.decode("utf-8", "replace") if isinstance(caption, bytes) else str(caption)
         drop = bool(rng.random() < self.config.caption_dropout)
-        return {**sample, "caption": "" if drop else caption.strip(), "dropped": drop, "key": raw["__key__"]}
+        return {**sample, "caption": "" if drop else caption, "dropped": drop, "key": raw["__key__"]}
 
     def _transform(self, img: Image.Image, rng: np.random.Generator) -> torch.Tensor:
         size = self.config.resolution
@@ -260,6 +311,7 @@ class ShardStream(IterableDataset):
         cursors: dict[int, SlotCursor] | None = None,
         skipped: dict[int, int] | None = None,
         rotation: int = 0,
+        filtered: dict[int, int] | None = None,
         plans: dict[int, list[Intervals]] | None = None,
         empty_caption: torch.Tensor | None = None,
     ):
@@ -272,6 +324,7 @@ class ShardStream(IterableDataset):
         self.workers = max(1, config.num_workers)
         self.cursors = cursors or {}
         self.skipped = skipped or {}
+        self.filtered = filtered or {}
         self.rotation = rotation
         self.plans = plans or {}
         # Pre-encoded shards: caption dropout swaps in the empty caption's embedding.
@@ -296,6 +349,7 @@ class ShardStream(IterableDataset):
         cursor = self.cursors.get(slot, SlotCursor())
         epoch, offset = cursor.epoch, cursor.offset
         skipped = self.skipped.get(slot, 0)
+        filtered = self.filtered.get(slot, 0)
         batch: list[dict[str, Any]] = []
         while True:
             usable = False
@@ -303,16 +357,20 @@ class ShardStream(IterableDataset):
                 if sample is None:
                     skipped += 1
                     continue
+                if isinstance(sample, Filtered):
+                    filtered += 1
+                    continue
                 usable = True
                 batch.append(sample)
                 if len(batch) == self.config.batch_size:
-                    yield self._collate(batch, slot, at_epoch, at_offset, skipped)
+                    yield self._collate(batch, slot, at_epoch, at_offset, skipped, filtered)
                     batch = []
             epoch, offset = epoch + 1, 0
             if not usable:
                 # This slot's whole share yielded nothing (say, one unreadable shard). It must still take
                 # its turn in the loader's round-robin, or the other slots would wait for it forever.
-                yield {"empty": True, "position": {"slot": slot, "epoch": epoch, "offset": 0, "skipped": skipped}}
+                yield {"empty": True, "position": {"slot": slot, "epoch": epoch, "offset": 0, "skipped": skipped,
+                                                   "filtered": filtered}}
 
     def _epoch_samples(self, slot: int, epoch: int, offset: int) -> Iterator[tuple[int, int, Any]]:
         """(epoch, this slot's offset after the sample, decoded sample or None) from `offset` to its share's end."""
@@ -345,12 +403,13 @@ class ShardStream(IterableDataset):
     def _read_shard(self, shard_index: int) -> list[dict[str, Any]]:
         return read_shard(self.shards[shard_index].url)
 
-    def _collate(self, batch: list[dict[str, Any]], slot: int, epoch: int, offset: int, skipped: int) -> dict:
+    def _collate(self, batch: list[dict[str, Any]], slot: int, epoch: int, offset: int, skipped: int,
+                 filtered: int) -> dict:
         captions = [s["caption"] for s in batch]
         out: dict[str, Any] = {
             "captions": captions,
             "keys": [s["key"] for s in batch],
-            "position": {"slot": slot, "epoch": epoch, "offset": offset, "skipped": skipped},
+            "position": {"slot": slot, "epoch": epoch, "offset": offset, "skipped": skipped, "filtered": filtered},
         }
         if "pixel_values" in batch[0]:
             out["pixel_values"] = torch.stack([s["pixel_values"] for s in batch])
@@ -376,12 +435,14 @@ class DataPosition:
         self.layout_start = 0
         self.cursors: dict[int, SlotCursor] = {}
         self.skipped: dict[int, int] = {}
+        self.filtered: dict[int, int] = {}
         self.plans: dict[int, list[Intervals]] = {}
 
     def advance(self, batch: dict[str, Any]) -> None:
         pos = batch["position"]
         self.cursors[pos["slot"]] = SlotCursor(pos["epoch"], pos["offset"])
         self.skipped[pos["slot"]] = pos["skipped"]
+        self.filtered[pos["slot"]] = pos.get("filtered", 0)
         self.batches += 1
 
     @property
@@ -396,6 +457,10 @@ class DataPosition:
     def total_skipped(self) -> int:
         return sum(self.skipped.values())
 
+    @property
+    def total_filtered(self) -> int:
+        return sum(self.filtered.values())
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "workers": self.workers,
@@ -403,6 +468,7 @@ class DataPosition:
             "layout_start": self.layout_start,
             "cursors": {str(k): [c.epoch, c.offset] for k, c in self.cursors.items()},
             "skipped": {str(k): v for k, v in self.skipped.items()},
+            "filtered": {str(k): v for k, v in self.filtered.items()},
             # Plans of epochs every slot has finished are no longer needed.
             "plans": {str(e): [[list(iv) for iv in slot] for slot in plan]
                       for e, plan in self.plans.items() if e >= self.epoch},
@@ -413,6 +479,7 @@ class DataPosition:
         self.layout_start = int(state.get("layout_start", 0))
         self.cursors = {int(k): SlotCursor(int(v[0]), int(v[1])) for k, v in state["cursors"].items()}
         self.skipped = {int(k): int(v) for k, v in state["skipped"].items()}
+        self.filtered = {int(k): int(v) for k, v in state.get("filtered", {}).items()}
         self.plans = self._plans_from(state)
 
     @staticmethod
@@ -431,7 +498,7 @@ def relayout(states: list[dict[str, Any]], total: int, slots: int) -> dict[str, 
     old_workers = int(states[0]["workers"])
     old_slots = len(states) * old_workers
     old = DataPosition(old_workers)
-    old.load_state_dict({**states[0], "cursors": {}, "skipped": {}, "plans": {}})
+    old.load_state_dict({**states[0], "cursors": {}, "skipped": {}, "filtered": {}, "plans": {}})
     for state in states:
         # Every rank holds the same plans, but each drops an epoch once its own slots are past it.
         for epoch, plan in DataPosition._plans_from(state).items():
@@ -440,6 +507,8 @@ def relayout(states: list[dict[str, Any]], total: int, slots: int) -> dict[str, 
             old.cursors[int(key)] = SlotCursor(int(epoch), int(offset))
         for key, count in state["skipped"].items():
             old.skipped[int(key)] = int(count)
+        for key, count in state.get("filtered", {}).items():
+            old.filtered[int(key)] = int(count)
     cursors = [old.cursors.get(slot, SlotCursor()) for slot in range(old_slots)]
     first = min(c.epoch for c in cursors)
     plans = {}
@@ -456,6 +525,7 @@ def relayout(states: list[dict[str, Any]], total: int, slots: int) -> dict[str, 
         "layout_start": old.batches,
         "cursors": {str(slot): [first, 0] for slot in range(slots)},
         "skipped": {"0": old.total_skipped},
+        "filtered": {"0": old.total_filtered},
         "plans": plans,
     }
 
@@ -502,6 +572,7 @@ class TrainBatches:
         stream = ShardStream(
             self.shards, self.config, self.tokenizer, self.seed, self.rank, self.world_size,
             cursors=dict(self.position.cursors), skipped=dict(self.position.skipped),
+            filtered=dict(self.position.filtered),
             rotation=self.position.rotation, plans=dict(self.position.plans), empty_caption=self.empty_caption,
         )
         workers = self.config.num_workers
@@ -569,6 +640,7 @@ class TrainBatches:
             mine = {str(slot) for slot in range(self.rank * workers, (self.rank + 1) * workers)}
             state["cursors"] = {k: v for k, v in state["cursors"].items() if k in mine}
             state["skipped"] = {k: v for k, v in state["skipped"].items() if k in mine}
+            state["filtered"] = {k: v for k, v in state["filtered"].items() if k in mine}
             if self.rank == 0:
                 log.warning(
                     "data: resuming %d ranks x %d workers from a run of %d x %s: every sample of the unfinished "

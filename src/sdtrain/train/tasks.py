@@ -218,7 +218,12 @@ class DiffusionTask(Task):
             return
         from sdtrain.data.pipeline import read_captions
 
-        captions = read_captions(config.data.shards, config.data.caption_key)
+        if config.data.class_prompts:
+            from sdtrain.data.pipeline import load_class_prompts
+
+            captions = [p for ps in load_class_prompts(config.data.class_prompts).values() for p in ps]
+        else:
+            captions = read_captions(config.data.shards, config.data.caption_key)
         log.info("training a %d-token BPE tokenizer on %d captions", model.tokenizer_vocab_size, len(captions))
         train_clip_tokenizer(captions, saved, model.tokenizer_vocab_size, model.max_text_length)
 

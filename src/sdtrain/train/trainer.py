@@ -246,6 +246,7 @@ class Trainer:
         values["lr"] = self.lr_schedule.get_last_lr()[0]
         values["epoch"] = self.data.position.epoch
         values["skipped_samples"] = self.data.position.total_skipped
+        values["filtered_samples"] = self.data.position.total_filtered
         self.logger.log(step, self.state.samples, values)
 
     def save(self) -> Path:
