@@ -330,3 +330,42 @@ def test_class_datasets_take_captions_from_the_class_prompts(tmp_path: Path) -> 
     by_key = dict(zip(batch["keys"], batch["captions"], strict=True))
     assert by_key["c0"] == "a photo of a tench" and by_key["c2"] == "a great white shark"
     assert by_key["c1"] in ("a goldfish", "a photo of a goldfish")
+
+
+@pytest.fixture
+def http_server(shapes: Path):
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(shapes))
+    handler.log_message = lambda *_: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_shards_stream_over_http_with_their_manifest(shapes: Path, http_server: str) -> None:
+    names = sorted(p.name for p in shapes.glob("*.tar"))
+    first, last = names[0].split("-")[1][:6], names[-1].split("-")[1][:6]
+    spec = f"{http_server}/shard-{{{first}..{last}}}.tar"
+    tb = TrainBatches(data_config(spec, 2, batch_size=1), None, seed=0)
+    assert tb.num_samples == NUM and all(s.url.startswith("http://") for s in tb.shards)
+    keys = []
+    while tb.position.epoch == 0:
+        batch = tb.next()
+        if batch["position"]["epoch"] == 0:
+            keys += batch["keys"]
+    tb.close()
+    assert sorted(keys) == KEYS
+
+
+def test_pipe_shards_without_a_manifest_are_counted_by_reading_them(shapes: Path) -> None:
+    names = sorted(p.name for p in shapes.glob("*.tar"))
+    spec = "pipe:cat " + str(shapes) + "/shard-{" + names[0][6:12] + ".." + names[-1][6:12] + "}.tar"
+    tb = TrainBatches(data_config(spec, 0, batch_size=NUM), None, seed=0)
+    assert tb.num_samples == NUM
+    assert sorted(tb.next()["keys"]) == KEYS

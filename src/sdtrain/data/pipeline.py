@@ -38,22 +38,16 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from sdtrain.config import DataConfig
 from sdtrain.data.encoded import EMPTY_CAPTION, LATENT_MEAN, LATENT_STD, TEXT_EMB, dataset_encoding, load_npy
 from sdtrain.data.filters import parse_filters
-from sdtrain.data.shards import read_manifest
+from sdtrain.data.shards import MANIFEST_NAME, read_manifest
+from sdtrain.data.sources import is_remote, open_url, read_json
 from sdtrain.errors import UserError
 
 log = logging.getLogger(__name__)
-
-REMOTE_PREFIXES = ("pipe:", "http://", "https://", "s3://", "gs://")
-
 
 @dataclass(frozen=True)
 class Shard:
     url: str
     samples: int
-
-
-def _is_remote(url: str) -> bool:
-    return url.startswith(REMOTE_PREFIXES)
 
 
 def count_samples(path: str) -> int:
@@ -75,7 +69,7 @@ def resolve_shards(spec: str) -> list[Shard]:
     Counts come from the folder's manifest.json when there is one (``sdtrain prepare`` writes it);
     local shards without one are counted by scanning their headers.
     """
-    if _is_remote(spec):
+    if is_remote(spec):
         urls = list(wds.shardlists.expand_urls(spec))
     elif os.path.isdir(spec):
         manifest = read_manifest(spec)
@@ -92,16 +86,22 @@ def resolve_shards(spec: str) -> list[Shard]:
     if not urls:
         raise UserError(f"data.shards: no shards match '{spec}'; point it at a folder of .tar files or a pattern")
     counts: dict[str, int] = {}
-    for folder in {os.path.dirname(u) for u in urls if not _is_remote(u)}:
+    for folder in {os.path.dirname(u) for u in urls if not is_remote(u)}:
         manifest = read_manifest(folder) if os.path.isdir(folder) else None
         for entry in (manifest or {}).get("shards", []):
             counts[os.path.join(folder, entry["name"])] = int(entry["samples"])
+    for folder in {u.rsplit("/", 1)[0] for u in urls if is_remote(u) and not u.startswith("pipe:")}:
+        manifest = read_json(f"{folder}/{MANIFEST_NAME}")
+        for entry in (manifest or {}).get("shards", []):
+            counts[f"{folder}/{entry['name']}"] = int(entry["samples"])
     shards = []
     for url in urls:
         if url in counts:
             shards.append(Shard(url, counts[url]))
-        elif _is_remote(url):
-            raise UserError(f"{url}: remote shard without a manifest.json beside it; run `sdtrain prepare` first")
+        elif is_remote(url):
+            # Without a manifest the only way to know a stream's size is to read it once.
+            log.warning("%s: no manifest.json beside it; reading it once to count its samples", url)
+            shards.append(Shard(url, len(read_shard(url))))
         elif not os.path.isfile(url):
             raise UserError(f"data.shards: {url} does not exist; fix the path or pattern")
         else:
@@ -145,7 +145,14 @@ def read_shard(url: str) -> list[dict[str, Any]]:
         errors.append(exc)
         return True
 
-    samples = list(wds.tariterators.tarfile_samples([{"url": url}], handler=keep_going))
+    try:
+        stream = open_url(url)
+    except OSError as exc:
+        log.warning("%s: cannot open (%s)", url, exc)
+        return []
+    with stream:
+        files = wds.tariterators.tar_file_expander([{"url": url, "stream": stream}], handler=keep_going)
+        samples = list(wds.tariterators.group_by_keys(files, handler=keep_going))
     if errors:
         log.warning("%s: %s", url, str(errors[0]).splitlines()[0] if str(errors[0]) else type(errors[0]))
     return samples

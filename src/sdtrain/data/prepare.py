@@ -43,6 +43,7 @@ from PIL import Image
 
 from sdtrain.data.filters import Filters
 from sdtrain.data.shards import MANIFEST_NAME, ShardInfo, ShardWriter, read_manifest, write_manifest
+from sdtrain.data.sources import is_remote
 from sdtrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,6 @@ MISSING_CAPTION = ("skip", "empty")
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 CAPTION_COLUMNS = ("text", "caption")
 SHARD_PREFIX = "shard"
-REMOTE_PREFIXES = ("pipe:", "http://", "https://", "s3://", "gs://")
 PROGRESS_EVERY = 10_000
 
 SKIP_REASONS = {
@@ -406,10 +406,6 @@ def prepare_folder(
 # ---------------------------------------------------------------------------------------------------- reshard
 
 
-def _is_remote(url: str) -> bool:
-    return url.startswith(REMOTE_PREFIXES)
-
-
 def resolve_inputs(specs: list[str]) -> list[str]:
     """Shard paths from folders (the manifest's shards, else every ``*.tar``), globs and brace lists.
 
@@ -418,7 +414,7 @@ def resolve_inputs(specs: list[str]) -> list[str]:
     """
     urls: list[str] = []
     for spec in specs:
-        if _is_remote(spec):
+        if is_remote(spec):
             found = list(wds.shardlists.expand_urls(spec))
         elif os.path.isdir(spec):
             manifest = read_manifest(spec)
@@ -433,7 +429,7 @@ def resolve_inputs(specs: list[str]) -> list[str]:
         if not found:
             raise UserError(f"{spec}: no .tar shards found; point reshard at a folder, glob or brace list of shards")
         for url in found:
-            if not _is_remote(url) and not os.path.isfile(url):
+            if not is_remote(url) and not os.path.isfile(url):
                 raise UserError(f"{url}: no such shard; fix the path or pattern")
         urls.extend(found)
     return list(dict.fromkeys(urls))
@@ -464,11 +460,11 @@ def reshard(
     urls = resolve_inputs(list(sources))
     out_resolved = out_dir.resolve()
     for url in urls:
-        if not _is_remote(url) and Path(url).resolve().parent == out_resolved:
+        if not is_remote(url) and Path(url).resolve().parent == out_resolved:
             raise UserError(f"--out: {out_dir} holds the input shard {url}; write to another folder")
     log.info("resharding %d shards", len(urls))
     job = _Job(out_dir, samples_per_shard, missing_caption, max_pixels, filters,
-               {"source": "reshard", "input": [url if _is_remote(url) else str(Path(url).resolve()) for url in urls]})
+               {"source": "reshard", "input": [url if is_remote(url) else str(Path(url).resolve()) for url in urls]})
     with _own_pixel_limit(), job.writer:
         for url in urls:
             errors: list[Exception] = []

@@ -35,7 +35,8 @@ class DataParallel:
         for module in task.parallel_modules().values():
             for block in shard_units(module):
                 if compile:
-                    block.forward = torch.compile(block.forward)
+                    # Static shapes: training shapes are fixed, and dynamic-shape graphs hit inductor bugs here.
+                    block.forward = torch.compile(block.forward, dynamic=False)
                 if checkpointing:
                     block.forward = _checkpointed(block.forward)
         if not self.topology.distributed:
