@@ -46,3 +46,13 @@ def test_benchmark_compares_process_counts_with_allreduce_time(tmp_path, capsys)
     assert "allreduce_ms" not in single and double["allreduce_ms"] > 0
     table = capsys.readouterr().out
     assert "scaling" in table and "allreduce ms" in table
+
+
+def test_benchmark_data_reports_loader_rate_beside_training(tmp_path, shapes_dir, capsys):
+    out = tmp_path / "data.json"
+    assert main(["benchmark", "data", str(config_path("diffusion.yaml")), f"data.shards={shapes_dir}", *SMALL,
+                 "--workers", "0", "--batches", "3", "--train-steps", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["workers"] for r in result["loader"]] == [0]
+    assert result["loader"][0]["samples_per_s"] > 0 and result["train_images_per_s"] > 0
+    assert "x training" in capsys.readouterr().out

@@ -229,3 +229,58 @@ def format_results(results: list[dict[str, Any]]) -> str:
         lines.append(f"{r['world_size']:>5} {r['strategy']:>8} {r['images_per_s']:>9.1f} {r['step_ms']:>9.1f} "
                      f"{allreduce:>13} {scaling:>7.0%} {r['peak_memory_gib']:>9.2f}")
     return "\n".join(lines)
+
+
+def loader_rate(config: RunConfig, tokenizer: Any | None, batches: int, warmup: int, encoded: bool) -> dict[str, Any]:
+    """Samples per second the configured loader delivers on its own (this rank of one)."""
+    from sdtrain.data.pipeline import TrainBatches
+
+    data = TrainBatches(config.data, tokenizer, config.seed, encoded=encoded)
+    try:
+        for _ in range(warmup):
+            data.next()
+        start = time.perf_counter()
+        samples = sum(len(data.next()["keys"]) for _ in range(batches))
+        seconds = time.perf_counter() - start
+    finally:
+        data.close()
+    return {"workers": config.data.num_workers, "samples_per_s": samples / seconds,
+            "encoded": data.encoding is not None, "skipped": data.position.total_skipped,
+            "filtered": data.position.total_filtered}
+
+
+def benchmark_data(config: RunConfig, worker_counts: list[int], batches: int, train_steps: int) -> dict[str, Any]:
+    """The loader's rate for each worker count beside the training step's consumption rate."""
+    import dataclasses
+
+    trainer = Benchmark(config)
+    try:
+        encoded = trainer.task.reads_encoded and config.data.use_encoded
+        rates = []
+        for workers in worker_counts:
+            variant = dataclasses.replace(config, data=dataclasses.replace(config.data, num_workers=workers))
+            log.info("loader with %d workers", workers)
+            rates.append(loader_rate(variant, trainer.task.tokenizer, batches, warmup=max(1, workers), encoded=encoded))
+    finally:
+        trainer.logger.close()
+    consumption = None
+    if train_steps:
+        is_encoded = any(r["encoded"] for r in rates)
+        step = Benchmark(config, encoded=is_encoded)
+        try:
+            consumption = step.measure(train_steps, warmup=2)["images_per_s"]
+        finally:
+            step.logger.close()
+    return {"loader": rates, "train_images_per_s": consumption, "batch_size": config.data.batch_size,
+            "resolution": config.data.resolution}
+
+
+def format_data_results(result: dict[str, Any]) -> str:
+    lines = [f"{'workers':>7} {'samples/s':>10} {'x training':>11}"]
+    train = result["train_images_per_s"]
+    for r in result["loader"]:
+        ratio = f"{r['samples_per_s'] / train:.1f}x" if train else "-"
+        lines.append(f"{r['workers']:>7} {r['samples_per_s']:>10.1f} {ratio:>11}")
+    if train:
+        lines.append(f"training consumes {train:.1f} img/s (batch {result['batch_size']}, {result['resolution']} px)")
+    return "\n".join(lines)

@@ -29,6 +29,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--out", type=Path, help="also write the result as JSON here")
     train.set_defaults(run=run)
 
+    data = kinds.add_parser(
+        "data", help="the loader's samples/s for a config, beside the training step's consumption rate",
+        description="Reads the config's shards through the training loader (decode, crop, tokenize) with each "
+                    "worker count, then times the training step, so the two rates can be compared. The loader "
+                    "should deliver several times what training consumes.")
+    data.add_argument("config", type=Path, help="the training YAML config (data.shards must name real data)")
+    data.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    data.add_argument("--workers", default="0,2", help="comma-separated loader worker counts (default 0,2)")
+    data.add_argument("--batches", type=int, default=50, help="batches timed per worker count (default 50)")
+    data.add_argument("--train-steps", type=int, default=10, help="training steps timed; 0 skips (default 10)")
+    data.add_argument("--out", type=Path, help="also write the result as JSON here")
+    data.set_defaults(run=run_data)
+
 
 def run(args: argparse.Namespace) -> int:
     from sdtrain import benchmark
@@ -69,3 +82,22 @@ def run(args: argparse.Namespace) -> int:
         if args.out:
             benchmark.write_result(args.out, result)
     return 0 if result is not None or os.environ.get("RANK", "0") != "0" else 1
+
+
+def run_data(args: argparse.Namespace) -> int:
+    from sdtrain import benchmark
+    from sdtrain.config import load_config
+
+    try:
+        workers = [int(n) for n in args.workers.split(",")]
+    except ValueError:
+        raise UserError(f"--workers {args.workers}: expected worker counts such as 0,2") from None
+    if args.batches < 1 or args.train_steps < 0:
+        raise UserError("--batches must be at least 1 and --train-steps at least 0")
+    with tempfile.TemporaryDirectory(prefix="sdtrain-benchmark-") as scratch:
+        config = load_config(args.config, benchmark.benchmark_overrides(args.config, args.overrides, scratch))
+        result = benchmark.benchmark_data(config, workers, args.batches, args.train_steps)
+    print(benchmark.format_data_results(result))
+    if args.out:
+        benchmark.write_result(args.out, result)
+    return 0

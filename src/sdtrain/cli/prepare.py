@@ -233,5 +233,8 @@ def run_urls(args: argparse.Namespace) -> int:
                            image_size=args.image_size, resize_mode=args.resize_mode,
                            min_image_size=args.min_image_size, processes=args.processes, threads=args.threads,
                            samples_per_shard=args.samples_per_shard)
-    print(json.dumps({k: v for k, v in summary.items() if k != "manifest"}, indent=1))
+    print(f"downloaded {summary['succeeded']} of {summary['total']} images into {summary['shards']} shards "
+          f"in {args.out}")
+    for reason, count in sorted(summary["failed_by_reason"].items(), key=lambda item: -item[1]):
+        print(f"  failed ({reason}): {count}")
     return 0
