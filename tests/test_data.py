@@ -369,3 +369,84 @@ def test_pipe_shards_without_a_manifest_are_counted_by_reading_them(shapes: Path
     tb = TrainBatches(data_config(spec, 0, batch_size=NUM), None, seed=0)
     assert tb.num_samples == NUM
     assert sorted(tb.next()["keys"]) == KEYS
+
+
+def test_buckets_keep_about_the_same_pixel_count_within_the_aspect_limit() -> None:
+    from sdtrain.data.pipeline import make_buckets
+
+    buckets = make_buckets(DataConfig(shards="x", resolution=256, bucket_step=64, max_aspect=2.0))
+    assert (256, 256) in buckets and len(buckets) >= 3
+    for width, height in buckets:
+        assert width % 64 == 0 and height % 64 == 0
+        assert 0.5 <= width / height <= 2.0
+        assert 0.7 * 256**2 <= width * height <= 256**2
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wide, tall and square images, their shape in the key."""
+    out = tmp_path_factory.mktemp("mixed")
+    sizes = {"wide": (120, 64), "tall": (64, 120), "square": (80, 80)}
+    with ShardWriter(out, samples_per_shard=7) as writer:
+        for i in range(30):
+            shape = list(sizes)[i % 3]
+            writer.write({"__key__": f"{shape}{i:02d}", "png": png(i, sizes[shape]), "txt": f"caption {i}"})
+    return out
+
+
+def bucket_config(shards: Path, workers: int, **kwargs) -> DataConfig:
+    return data_config(shards, workers, resolution=64, aspect_buckets=True, bucket_step=16, batch_size=3,
+                       random_flip=True, center_crop=False, **kwargs)
+
+
+def test_each_batch_comes_from_one_bucket_that_fits_its_images(mixed: Path) -> None:
+    tb = TrainBatches(bucket_config(mixed, 0), None, seed=0)
+    shapes = set()
+    for batch in take(tb, 12):
+        height, width = batch["pixel_values"].shape[2:]
+        kinds = {key.rstrip("0123456789") for key in batch["keys"]}
+        assert len(kinds) == 1  # one bucket: one kind of shape
+        kind = kinds.pop()
+        assert (width > height) if kind == "wide" else (width < height) if kind == "tall" else (width == height)
+        assert abs(width * height - 64 * 64) <= 0.3 * 64 * 64
+        shapes.add((width, height))
+    assert len(shapes) == 3
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_bucketed_filtered_loader_resumes_exactly(mixed: Path, workers: int) -> None:
+    config = bucket_config(mixed, workers, filters={"max_caption_length": 9})  # drops "caption 10".."caption 29"
+    straight = take(TrainBatches(config, None, seed=2), 12)
+    first = TrainBatches(config, None, seed=2)
+    head = take(first, 5)
+    state = json.loads(json.dumps(first.state_dict()))
+    assert any(cursor[2] for cursor in state["cursors"].values())  # samples were waiting in buckets
+    first.close()
+    resumed = TrainBatches(config, None, seed=2)
+    resumed.load_state_dict([state])
+    tail = take(resumed, 7)
+    assert keys_of(head + tail) == keys_of(straight)
+    for a, b in zip(straight[5:], tail, strict=True):
+        assert torch.equal(a["pixel_values"], b["pixel_values"])
+    assert resumed.position.total_filtered > 0
+
+
+def test_a_bucketed_loader_resumed_on_other_ranks_reads_each_sample_once_per_epoch(mixed: Path) -> None:
+    seen: list[tuple[int, str]] = []
+    states = None
+    for world, workers, batches in [(2, 0, 3), (1, 2, None)]:
+        ranks = [TrainBatches(bucket_config(mixed, workers), None, seed=1, rank=r, world_size=world)
+                 for r in range(world)]
+        for tb in ranks:
+            if states is not None:
+                tb.load_state_dict(states)
+            taken = 0
+            while (taken < batches) if batches is not None else tb.position.epoch == 0:
+                batch = tb.next()
+                taken += 1
+                seen += [(e, key) for (e, _), key in zip(batch["places"], batch["keys"], strict=True)]
+        states = [json.loads(json.dumps(tb.state_dict())) for tb in ranks]
+        for tb in ranks:
+            tb.close()
+    first_epoch = [key for epoch, key in seen if epoch == 0]
+    assert len(first_epoch) == len(set(first_epoch)) == 30

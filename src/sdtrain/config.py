@@ -47,6 +47,14 @@ class DataConfig:
     """Sample fields tried in order for the image."""
     caption_key: str = "txt"
     """Sample field holding the caption."""
+    aspect_buckets: bool = False
+    """Group images into aspect-ratio buckets of about resolution^2 pixels each (sides multiples of
+    ``bucket_step``, aspects up to ``max_aspect``); every batch comes from one bucket, so mixed-size
+    images train at their own shape instead of a square crop."""
+    bucket_step: int = 64
+    """Bucket sides are multiples of this (a multiple of the VAE's downsampling factor)."""
+    max_aspect: float = 2.0
+    """The widest (and, inverted, the tallest) bucket's width/height."""
     filters: dict[str, Any] = field(default_factory=dict)
     """Keep only samples whose json metadata passes these conditions, e.g. ``{pwatermark: "<=0.5",
     original_width: ">=512", min_aspect: 0.5}`` (the forms of ``sdtrain prepare --filter``); a sample
@@ -311,6 +319,9 @@ def validate(config: RunConfig) -> None:
     _check(config.data.batch_size >= 1, "data.batch_size", "must be at least 1")
     _check(config.data.num_workers >= 0, "data.num_workers", "must be 0 or more")
     _check(0.0 <= config.data.caption_dropout < 1.0, "data.caption_dropout", "must be in [0, 1)")
+    _check(config.data.bucket_step >= 8 and config.data.bucket_step <= config.data.resolution, "data.bucket_step",
+           "must be between 8 and data.resolution")
+    _check(config.data.max_aspect >= 1.0, "data.max_aspect", "must be at least 1")
     from sdtrain.data.filters import parse_filters
 
     try:

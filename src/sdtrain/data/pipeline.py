@@ -20,6 +20,8 @@ import glob
 import io
 import json
 import logging
+import math
+import multiprocessing.util  # noqa: F401 - registers its exit handler before ours, see below
 import os
 import signal
 import tarfile
@@ -137,6 +139,22 @@ def load_class_prompts(path: str) -> dict[str, list[str]]:
     return prompts
 
 
+def make_buckets(config: DataConfig) -> list[tuple[int, int]]:
+    """Aspect-ratio buckets: (width, height) pairs with sides multiples of `bucket_step`, about
+    resolution^2 pixels each, aspects from 1/max_aspect to max_aspect, widest first."""
+    step, area = config.bucket_step, config.resolution**2
+    buckets = set()
+    width = step
+    while width <= area // step:
+        height = int(area / width) // step * step
+        if height >= step and 1 / config.max_aspect <= width / height <= config.max_aspect:
+            buckets.add((width, height))
+        width += step
+    side = config.resolution // step * step
+    buckets.add((side, side))
+    return sorted(buckets, key=lambda wh: -wh[0] / wh[1])
+
+
 def read_shard(url: str) -> list[dict[str, Any]]:
     """Every sample of a tar that can be read; a damaged tar yields what precedes the damage."""
     errors: list[Exception] = []
@@ -222,6 +240,7 @@ class SampleDecoder:
         self.encoded = encoded
         self.image_keys = [k.strip() for k in config.image_key.split(";") if k.strip()]
         self.filters = parse_filters(config.filters)
+        self.buckets = make_buckets(config) if config.aspect_buckets else []
         self.class_prompts = load_class_prompts(config.class_prompts) if config.class_prompts else None
 
     def _caption(self, raw: dict[str, Any], rng: np.random.Generator) -> str | Filtered | None:
@@ -260,11 +279,21 @@ class SampleDecoder:
         try:
             with Image.open(io.BytesIO(image_bytes)) as img:
                 img.load()
-                pixels = self._transform(img.convert("RGB"), rng)
+                bucket = self._bucket(img.size)
+                target = self.buckets[bucket] if self.buckets else (self.config.resolution,) * 2
+                pixels = self._transform(img.convert("RGB"), rng, target)
         except (OSError, ValueError, Image.DecompressionBombError, SyntaxError):
             return None
         drop = rng.random() < self.config.caption_dropout
-        return {"pixel_values": pixels, "caption": "" if drop else caption, "key": raw["__key__"]}
+        return {"pixel_values": pixels, "caption": "" if drop else caption, "key": raw["__key__"], "bucket": bucket}
+
+    def _bucket(self, size: tuple[int, int]) -> int:
+        """The bucket whose aspect ratio is nearest the image's (0 without buckets)."""
+        if not self.buckets:
+            return 0
+        aspect = math.log(size[0] / size[1])
+        return min(range(len(self.buckets)), key=lambda b: abs(math.log(self.buckets[b][0] / self.buckets[b][1])
+                                                              - aspect))
 
     def _encoded(self, raw: dict[str, Any], rng: np.random.Generator, caption: str) -> dict[str, Any] | None:
         """A pre-encoded sample: the latent distribution (and text embedding) instead of pixels."""
@@ -278,20 +307,20 @@ class SampleDecoder:
         except (OSError, ValueError):
             return None
         drop = bool(rng.random() < self.config.caption_dropout)
-        return {**sample, "caption": "" if drop else caption, "dropped": drop, "key": raw["__key__"]}
+        return {**sample, "caption": "" if drop else caption, "dropped": drop, "key": raw["__key__"], "bucket": 0}
 
-    def _transform(self, img: Image.Image, rng: np.random.Generator) -> torch.Tensor:
-        size = self.config.resolution
-        scale = size / min(img.size)
+    def _transform(self, img: Image.Image, rng: np.random.Generator, target: tuple[int, int]) -> torch.Tensor:
+        width, height = target
+        scale = max(width / img.width, height / img.height)
         if scale != 1.0 and (self.config.resize or scale > 1.0):
-            new_size = (max(size, round(img.width * scale)), max(size, round(img.height * scale)))
+            new_size = (max(width, round(img.width * scale)), max(height, round(img.height * scale)))
             img = img.resize(new_size, Image.Resampling.BICUBIC)
         if self.config.center_crop:
-            left, top = (img.width - size) // 2, (img.height - size) // 2
+            left, top = (img.width - width) // 2, (img.height - height) // 2
         else:
-            left = int(rng.integers(0, img.width - size + 1))
-            top = int(rng.integers(0, img.height - size + 1))
-        img = img.crop((left, top, left + size, top + size))
+            left = int(rng.integers(0, img.width - width + 1))
+            top = int(rng.integers(0, img.height - height + 1))
+        img = img.crop((left, top, left + width, top + height))
         if self.config.random_flip and rng.random() < 0.5:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         array = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
@@ -302,6 +331,8 @@ class SampleDecoder:
 class SlotCursor:
     epoch: int = 0
     offset: int = 0
+    pending: tuple[tuple[int, int], ...] = ()
+    """(epoch, place in the epoch's order) of samples read but still waiting in a part-filled bucket."""
 
 
 class ShardStream(IterableDataset):
@@ -357,10 +388,16 @@ class ShardStream(IterableDataset):
         epoch, offset = cursor.epoch, cursor.offset
         skipped = self.skipped.get(slot, 0)
         filtered = self.filtered.get(slot, 0)
-        batch: list[dict[str, Any]] = []
+        # Samples wait per bucket until a bucket holds a batch (without buckets there is one bucket and
+        # nothing waits between batches); a resumed slot first reads its waiting samples again.
+        waiting: dict[int, list[tuple[int, int, dict[str, Any]]]] = {}
+        for at_epoch, place in cursor.pending:
+            sample = self._sample_at(at_epoch, place)
+            if isinstance(sample, dict):
+                waiting.setdefault(sample["bucket"], []).append((at_epoch, place, sample))
         while True:
             usable = False
-            for at_epoch, at_offset, sample in self._epoch_samples(slot, epoch, offset):
+            for at_epoch, at_offset, place, sample in self._epoch_samples(slot, epoch, offset):
                 if sample is None:
                     skipped += 1
                     continue
@@ -368,19 +405,41 @@ class ShardStream(IterableDataset):
                     filtered += 1
                     continue
                 usable = True
-                batch.append(sample)
-                if len(batch) == self.config.batch_size:
-                    yield self._collate(batch, slot, at_epoch, at_offset, skipped, filtered)
-                    batch = []
+                bucket = waiting.setdefault(sample["bucket"], [])
+                bucket.append((at_epoch, place, sample))
+                if len(bucket) == self.config.batch_size:
+                    batch = [entry[2] for entry in bucket]
+                    places = [[e, p] for e, p, _ in bucket]
+                    bucket.clear()
+                    pending = [[e, p] for entries in waiting.values() for e, p, _ in entries]
+                    position = {"slot": slot, "epoch": at_epoch, "offset": at_offset, "skipped": skipped,
+                                "filtered": filtered, "pending": pending}
+                    yield {**self._collate(batch, position), "places": places}
             epoch, offset = epoch + 1, 0
             if not usable:
                 # This slot's whole share yielded nothing (say, one unreadable shard). It must still take
                 # its turn in the loader's round-robin, or the other slots would wait for it forever.
+                pending = [[e, p] for entries in waiting.values() for e, p, _ in entries]
                 yield {"empty": True, "position": {"slot": slot, "epoch": epoch, "offset": 0, "skipped": skipped,
-                                                   "filtered": filtered}}
+                                                   "filtered": filtered, "pending": pending}}
 
-    def _epoch_samples(self, slot: int, epoch: int, offset: int) -> Iterator[tuple[int, int, Any]]:
-        """(epoch, this slot's offset after the sample, decoded sample or None) from `offset` to its share's end."""
+    def _locate(self, epoch: int, place: int) -> tuple[int, int]:
+        """(shard index, sample index in the shard) at `place` in the epoch's global order."""
+        order = _epoch_order(self.shards, self.seed, epoch)
+        bounds = np.cumsum([0] + [self.shards[i].samples for i in order])
+        j = int(np.searchsorted(bounds, place, side="right") - 1)
+        shard_index = order[j]
+        perm = _within_shard_order(self.shards[shard_index].samples, self.seed, epoch, shard_index)
+        return shard_index, int(perm[place - bounds[j]])
+
+    def _sample_at(self, epoch: int, place: int) -> Any:
+        shard_index, index = self._locate(epoch, place)
+        raw = self._read_shard(shard_index)
+        return self.decoder(raw[index], (epoch, shard_index, index)) if index < len(raw) else None
+
+    def _epoch_samples(self, slot: int, epoch: int, offset: int) -> Iterator[tuple[int, int, int, Any]]:
+        """(epoch, this slot's offset after the sample, the sample's place in the epoch order, decoded sample or
+        None) from `offset` to the end of the slot's share."""
         order = _epoch_order(self.shards, self.seed, epoch)
         bounds = np.cumsum([0] + [self.shards[i].samples for i in order])
         done = offset
@@ -402,7 +461,7 @@ class ShardStream(IterableDataset):
                                         self.shards[shard_index].url)
                     position += 1
                     done += 1
-                    yield epoch, done, sample
+                    yield epoch, done, position - 1, sample
                 if len(raw) < self.shards[shard_index].samples:
                     log.warning("%s: %d of %d samples readable (truncated or corrupt tar)",
                                 self.shards[shard_index].url, len(raw), self.shards[shard_index].samples)
@@ -410,14 +469,9 @@ class ShardStream(IterableDataset):
     def _read_shard(self, shard_index: int) -> list[dict[str, Any]]:
         return read_shard(self.shards[shard_index].url)
 
-    def _collate(self, batch: list[dict[str, Any]], slot: int, epoch: int, offset: int, skipped: int,
-                 filtered: int) -> dict:
+    def _collate(self, batch: list[dict[str, Any]], position: dict[str, Any]) -> dict:
         captions = [s["caption"] for s in batch]
-        out: dict[str, Any] = {
-            "captions": captions,
-            "keys": [s["key"] for s in batch],
-            "position": {"slot": slot, "epoch": epoch, "offset": offset, "skipped": skipped, "filtered": filtered},
-        }
+        out: dict[str, Any] = {"captions": captions, "keys": [s["key"] for s in batch], "position": position}
         if "pixel_values" in batch[0]:
             out["pixel_values"] = torch.stack([s["pixel_values"] for s in batch])
         else:
@@ -447,7 +501,8 @@ class DataPosition:
 
     def advance(self, batch: dict[str, Any]) -> None:
         pos = batch["position"]
-        self.cursors[pos["slot"]] = SlotCursor(pos["epoch"], pos["offset"])
+        self.cursors[pos["slot"]] = SlotCursor(pos["epoch"], pos["offset"],
+                                               tuple((int(e), int(p)) for e, p in pos.get("pending", ())))
         self.skipped[pos["slot"]] = pos["skipped"]
         self.filtered[pos["slot"]] = pos.get("filtered", 0)
         self.batches += 1
@@ -458,7 +513,8 @@ class DataPosition:
 
     @property
     def epoch(self) -> int:
-        return min((c.epoch for c in self.cursors.values()), default=0)
+        """The oldest epoch a slot still reads from (waiting samples included)."""
+        return min((min([c.epoch, *(e for e, _ in c.pending)]) for c in self.cursors.values()), default=0)
 
     @property
     def total_skipped(self) -> int:
@@ -473,7 +529,7 @@ class DataPosition:
             "workers": self.workers,
             "batches": self.batches,
             "layout_start": self.layout_start,
-            "cursors": {str(k): [c.epoch, c.offset] for k, c in self.cursors.items()},
+            "cursors": {str(k): [c.epoch, c.offset, [list(p) for p in c.pending]] for k, c in self.cursors.items()},
             "skipped": {str(k): v for k, v in self.skipped.items()},
             "filtered": {str(k): v for k, v in self.filtered.items()},
             # Plans of epochs every slot has finished are no longer needed.
@@ -484,7 +540,7 @@ class DataPosition:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.batches = int(state["batches"])
         self.layout_start = int(state.get("layout_start", 0))
-        self.cursors = {int(k): SlotCursor(int(v[0]), int(v[1])) for k, v in state["cursors"].items()}
+        self.cursors = {int(k): _cursor(v) for k, v in state["cursors"].items()}
         self.skipped = {int(k): int(v) for k, v in state["skipped"].items()}
         self.filtered = {int(k): int(v) for k, v in state.get("filtered", {}).items()}
         self.plans = self._plans_from(state)
@@ -493,6 +549,11 @@ class DataPosition:
     def _plans_from(state: dict[str, Any]) -> dict[int, list[Intervals]]:
         return {int(e): [[(int(a), int(b)) for a, b in slot] for slot in plan]
                 for e, plan in state.get("plans", {}).items()}
+
+
+def _cursor(saved: list) -> SlotCursor:
+    pending = tuple((int(e), int(p)) for e, p in saved[2]) if len(saved) > 2 else ()
+    return SlotCursor(int(saved[0]), int(saved[1]), pending)
 
 
 def relayout(states: list[dict[str, Any]], total: int, slots: int) -> dict[str, Any]:
@@ -510,14 +571,14 @@ def relayout(states: list[dict[str, Any]], total: int, slots: int) -> dict[str, 
         # Every rank holds the same plans, but each drops an epoch once its own slots are past it.
         for epoch, plan in DataPosition._plans_from(state).items():
             old.plans.setdefault(epoch, plan)
-        for key, (epoch, offset) in state["cursors"].items():
-            old.cursors[int(key)] = SlotCursor(int(epoch), int(offset))
+        for key, saved in state["cursors"].items():
+            old.cursors[int(key)] = _cursor(saved)
         for key, count in state["skipped"].items():
             old.skipped[int(key)] = int(count)
         for key, count in state.get("filtered", {}).items():
             old.filtered[int(key)] = int(count)
     cursors = [old.cursors.get(slot, SlotCursor()) for slot in range(old_slots)]
-    first = min(c.epoch for c in cursors)
+    first = min(min([c.epoch, *(e for e, _ in c.pending)]) for c in cursors)
     plans = {}
     for epoch in range(first, max(c.epoch for c in cursors) + 1):
         owed: Intervals = []
@@ -525,6 +586,8 @@ def relayout(states: list[dict[str, Any]], total: int, slots: int) -> dict[str, 
             if cursor.epoch <= epoch:
                 share = slot_intervals(total, slot, old_slots, old.plans, epoch)
                 owed += _drop_prefix(share, cursor.offset if cursor.epoch == epoch else 0)
+            # Read but never batched: still owed.
+            owed += [(place, place + 1) for e, place in cursor.pending if e == epoch]
         plans[str(epoch)] = [[list(iv) for iv in piece] for piece in _deal(sorted(owed), slots)]
     return {
         "workers": None,  # filled in by the loader that takes it
@@ -607,10 +670,17 @@ class TrainBatches:
                 worker.join(timeout=10)
         self._iterator = None
 
+    def __del__(self) -> None:
+        # Promptly, while the workers still answer: a loader iterator left to the cycle collector
+        # is shut down late, at interpreter exit, when its workers wait out every timeout.
+        if getattr(self, "_iterator", None) is not None:
+            self.close()
+
     def next(self) -> dict[str, Any]:
         if self._iterator is None:
             self._iterator = self._make_iterator()
             _open_loaders.add(self)
+            _track_workers(self._iterator)
         empty_passes = 0
         while True:
             try:
@@ -657,13 +727,26 @@ class TrainBatches:
         self.close()
 
 
-# multiprocessing's exit handler stops leftover workers with SIGTERM, which ours ignore; stopping them
-# properly first keeps interpreter exit from waiting on them forever.
+# multiprocessing's exit handler stops leftover workers with SIGTERM, which ours ignore, then waits for
+# them forever. A loader's workers are left over when its iterator sits in a reference cycle that no
+# garbage collection reached before exit, so every worker started here is tracked and stopped first.
+# Exit handlers run last-registered first: multiprocessing's is registered (by importing its util
+# module) before ours.
 _open_loaders: weakref.WeakSet[TrainBatches] = weakref.WeakSet()
+_loader_workers: list[Any] = []
+
+
+def _track_workers(iterator: Any) -> None:
+    _loader_workers[:] = [w for w in _loader_workers if w.is_alive()] + list(getattr(iterator, "_workers", []))
 
 
 @atexit.register
-def _close_open_loaders() -> None:
+def _stop_loader_workers() -> None:
+    # At exit nothing waits for another batch: stop the workers outright (they only read shards).
+    for worker in _loader_workers:
+        if worker.is_alive():
+            worker.kill()
+            worker.join(timeout=10)
     for loader in list(_open_loaders):
         loader.close()
 
