@@ -198,3 +198,19 @@ def test_wandb_online_without_a_key_is_one_clear_error(tmp_path, shapes_dir, mon
     code = main(["train", str(config_path("autoencoder.yaml")), f"run_dir={tmp_path / 'ae'}",
                  f"data.shards={shapes_dir}", *TINY, "train.max_steps=1", "logging.wandb=true"])
     assert code == 2
+
+
+def test_the_autoencoder_trains_on_aspect_buckets(tmp_path):
+    from sdtrain.data.shards import ShardWriter
+
+    from .test_data import png
+
+    data = tmp_path / "mixed"
+    with ShardWriter(data, samples_per_shard=8) as writer:
+        for i, size in enumerate([(96, 48), (48, 96), (64, 64)] * 4):
+            writer.write({"__key__": f"s{i:02d}", "png": png(i, size), "txt": f"caption {i}"})
+    run = tmp_path / "ae"
+    train("autoencoder.yaml", run, f"data.shards={data}", "data.resolution=64", "data.aspect_buckets=true",
+          "data.bucket_step=16", "data.batch_size=2", "train.max_steps=4", "logging.every=1")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records)

@@ -319,9 +319,10 @@ def validate(config: RunConfig) -> None:
     _check(config.data.batch_size >= 1, "data.batch_size", "must be at least 1")
     _check(config.data.num_workers >= 0, "data.num_workers", "must be 0 or more")
     _check(0.0 <= config.data.caption_dropout < 1.0, "data.caption_dropout", "must be in [0, 1)")
-    _check(config.data.bucket_step >= 8 and config.data.bucket_step <= config.data.resolution, "data.bucket_step",
-           "must be between 8 and data.resolution")
-    _check(config.data.max_aspect >= 1.0, "data.max_aspect", "must be at least 1")
+    if config.data.aspect_buckets:
+        _check(8 <= config.data.bucket_step <= config.data.resolution, "data.bucket_step",
+               "must be between 8 and data.resolution")
+        _check(config.data.max_aspect >= 1.0, "data.max_aspect", "must be at least 1")
     from sdtrain.data.filters import parse_filters
 
     try:

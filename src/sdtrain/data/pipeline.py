@@ -625,6 +625,9 @@ class TrainBatches:
         found = dataset_encoding(config.shards) if encoded else None
         if found is not None:
             self.encoding, folder = found
+            if config.aspect_buckets:
+                raise UserError(f"data.aspect_buckets: the shards in {folder} are encoded at one size; train on "
+                                "their images with data.use_encoded=false, or turn buckets off")
             if self.encoding["resolution"] != config.resolution:
                 raise UserError(
                     f"data.resolution: the shards in {folder} were encoded at {self.encoding['resolution']} px; "
