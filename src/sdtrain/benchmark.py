@@ -35,6 +35,8 @@ SYNTHETIC = "synthetic"
 """The `data.shards` value the benchmark fills in when a config leaves it open."""
 RANDOM_VAE = "random-vae"
 """Where in its run folder the benchmark puts an untrained VAE of the preset, when a config names none."""
+RANDOM_TEXT_ENCODER = "random-text-encoder"
+"""The same for a frozen text encoder a config does not name."""
 
 
 class SyntheticBatches:
@@ -92,8 +94,10 @@ class Benchmark(Trainer):
             # No captions to learn from: a tokenizer of the configured size on generic text will do,
             # since only its length and vocabulary size shape the step.
             words = [f"token{i} word{i % 97} thing{i % 13}" for i in range(self.config.model.tokenizer_vocab_size)]
-            train_clip_tokenizer(words, self.run_dir / "tokenizer", self.config.model.tokenizer_vocab_size,
-                                 self.config.model.max_text_length)
+            tokenizer = train_clip_tokenizer(words, self.run_dir / "tokenizer", self.config.model.tokenizer_vocab_size,
+                                             self.config.model.max_text_length)
+            if model.text_encoder == str(self.run_dir / RANDOM_TEXT_ENCODER):
+                build.build_text_encoder(model, tokenizer).save_pretrained(model.text_encoder)
 
     def _make_data(self) -> SyntheticBatches:
         if self.encoded and not self.task.reads_encoded:
@@ -175,7 +179,8 @@ def run_benchmark(config: RunConfig, steps: int, warmup: int, encoded: bool = Fa
 
 def benchmark_overrides(config_path: Path, overrides: list[str], run_dir: str | None) -> list[str]:
     """The user's overrides plus what a benchmark needs: synthetic data where the config names none,
-    a throwaway run folder, an untrained VAE of the preset where the config leaves it open, and no
+    a throwaway run folder, untrained VAE and frozen text encoder of the preset where the config leaves
+    them open, and no
     logging, checkpoints or validation."""
     from omegaconf import OmegaConf
 
@@ -187,6 +192,10 @@ def benchmark_overrides(config_path: Path, overrides: list[str], run_dir: str | 
                 raise UserError("run_dir: under a multi-process launcher give run_dir=FOLDER, a folder every rank "
                                 "shares, for the benchmark's scratch files")
             filled.append(f"{key}={value}")
+    frozen_text = not OmegaConf.select(given, "diffusion.train_text_encoder", default=False)
+    if frozen_text and all(OmegaConf.select(given, k, default=None) is None for k in ("model.text_encoder",
+                                                                                       "model.pretrained")):
+        filled.append("model.text_encoder=${run_dir}/" + RANDOM_TEXT_ENCODER)
     quiet = ["logging.progress=false", "logging.tensorboard=false", "logging.wandb=false", "validation.prompts=[]",
              "checkpoint.every=0", "checkpoint.resume=never"]
     return [*filled, *overrides, *quiet]
@@ -226,7 +235,7 @@ def format_results(results: list[dict[str, Any]]) -> str:
     for r in results:
         allreduce = f"{r['allreduce_ms']:.1f}" if "allreduce_ms" in r else "-"
         scaling = r["images_per_s"] / (base * r["world_size"])
-        lines.append(f"{r['world_size']:>5} {r['strategy']:>8} {r['images_per_s']:>9.1f} {r['step_ms']:>9.1f} "
+        lines.append(f"{r['world_size']:>5} {r['strategy']:>8} {r['images_per_s']:>9.3g} {r['step_ms']:>9.1f} "
                      f"{allreduce:>13} {scaling:>7.0%} {r['peak_memory_gib']:>9.2f}")
     return "\n".join(lines)
 

@@ -16,7 +16,6 @@ slots (an epoch *plan*), so the epoch still sees every sample once.
 from __future__ import annotations
 
 import atexit
-import glob
 import io
 import json
 import logging
@@ -41,7 +40,7 @@ from sdtrain.config import DataConfig
 from sdtrain.data.encoded import EMPTY_CAPTION, LATENT_MEAN, LATENT_STD, TEXT_EMB, dataset_encoding, load_npy
 from sdtrain.data.filters import parse_filters
 from sdtrain.data.shards import MANIFEST_NAME, read_manifest
-from sdtrain.data.sources import is_remote, open_url, read_json
+from sdtrain.data.sources import expand_spec, is_remote, open_url, read_json
 from sdtrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -71,20 +70,7 @@ def resolve_shards(spec: str) -> list[Shard]:
     Counts come from the folder's manifest.json when there is one (``sdtrain prepare`` writes it);
     local shards without one are counted by scanning their headers.
     """
-    if is_remote(spec):
-        urls = list(wds.shardlists.expand_urls(spec))
-    elif os.path.isdir(spec):
-        manifest = read_manifest(spec)
-        if manifest is not None:
-            # The manifest, not the folder listing, says what the dataset is: stale shards of an
-            # earlier run may still lie beside it.
-            urls = [os.path.join(spec, entry["name"]) for entry in manifest["shards"]]
-        else:
-            urls = sorted(glob.glob(os.path.join(spec, "*.tar")))
-    elif any(ch in spec for ch in "*?["):
-        urls = sorted(glob.glob(spec))
-    else:
-        urls = list(wds.shardlists.expand_urls(spec))
+    urls = expand_spec(spec)
     if not urls:
         raise UserError(f"data.shards: no shards match '{spec}'; point it at a folder of .tar files or a pattern")
     counts: dict[str, int] = {}

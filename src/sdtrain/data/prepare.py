@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import glob
 import hashlib
 import io
 import json
@@ -42,8 +41,8 @@ import webdataset as wds
 from PIL import Image
 
 from sdtrain.data.filters import Filters
-from sdtrain.data.shards import MANIFEST_NAME, ShardInfo, ShardWriter, read_manifest, write_manifest
-from sdtrain.data.sources import is_remote
+from sdtrain.data.shards import MANIFEST_NAME, ShardInfo, ShardWriter, write_manifest
+from sdtrain.data.sources import expand_spec, is_remote
 from sdtrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -414,18 +413,7 @@ def resolve_inputs(specs: list[str]) -> list[str]:
     """
     urls: list[str] = []
     for spec in specs:
-        if is_remote(spec):
-            found = list(wds.shardlists.expand_urls(spec))
-        elif os.path.isdir(spec):
-            manifest = read_manifest(spec)
-            if manifest is not None:
-                found = [os.path.join(spec, s["name"]) for s in manifest["shards"]]
-            else:
-                found = sorted(glob.glob(os.path.join(glob.escape(spec), "*.tar")))
-        elif any(ch in spec for ch in "*?["):
-            found = sorted(p for p in glob.glob(spec) if p.endswith(".tar") and os.path.isfile(p))
-        else:
-            found = list(wds.shardlists.expand_urls(spec))
+        found = expand_spec(spec)
         if not found:
             raise UserError(f"{spec}: no .tar shards found; point reshard at a folder, glob or brace list of shards")
         for url in found:

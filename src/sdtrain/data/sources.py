@@ -7,13 +7,18 @@ libraries' own (environment, instance roles, config files), never sdtrain's conf
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import subprocess
 import urllib.error
 import urllib.request
 from typing import IO, Any
 from urllib.parse import urlparse
 
+import webdataset as wds
+
+from sdtrain.data.shards import read_manifest
 from sdtrain.errors import UserError
 
 REMOTE_PREFIXES = ("pipe:", "http://", "https://", "s3://", "gs://", "gcs://", "az://", "abfs://", "hf://")
@@ -62,3 +67,21 @@ def read_json(url: str) -> Any | None:
         raise UserError(f"{url}: cannot read ({exc}); check the address and your access") from exc
     except ValueError as exc:
         raise UserError(f"{url}: not valid JSON ({exc})") from exc
+
+
+def expand_spec(spec: str) -> list[str]:
+    """The shard URLs a spec names: a folder (its manifest's shards, else every .tar in it), a glob (its
+    .tar files) or a brace pattern, local or remote."""
+    if is_remote(spec):
+        return list(wds.shardlists.expand_urls(spec))
+    if os.path.isdir(spec):
+        manifest = read_manifest(spec)
+        if manifest is not None:
+            # The manifest, not the folder listing, says what the dataset is: stale shards of an
+            # earlier run may still lie beside it.
+            return [os.path.join(spec, entry["name"]) for entry in manifest["shards"]]
+        return sorted(glob.glob(os.path.join(glob.escape(spec), "*.tar")))
+    if any(ch in spec for ch in "*?["):
+        # Only tars: img2dataset leaves .parquet and _stats.json files beside its shards.
+        return sorted(p for p in glob.glob(spec) if p.endswith(".tar") and os.path.isfile(p))
+    return list(wds.shardlists.expand_urls(spec))
