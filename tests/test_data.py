@@ -450,3 +450,19 @@ def test_a_bucketed_loader_resumed_on_other_ranks_reads_each_sample_once_per_epo
             tb.close()
     first_epoch = [key for epoch, key in seen if epoch == 0]
     assert len(first_epoch) == len(set(first_epoch)) == 30
+
+
+def test_shards_from_an_fsspec_filesystem(shapes: Path) -> None:
+    fsspec = pytest.importorskip("fsspec")
+    # fsspec's in-memory filesystem stands in for s3:// or gs://, which take the same path.
+    memory = fsspec.filesystem("memory")
+    for path in sorted(shapes.iterdir()):
+        memory.pipe(f"/sdtrain-test/{path.name}", path.read_bytes())
+    names = sorted(p.name for p in shapes.glob("*.tar"))
+    spec = "memory://sdtrain-test/shard-{" + names[0][6:12] + ".." + names[-1][6:12] + "}.tar"
+    try:
+        tb = TrainBatches(data_config(spec, 0, batch_size=NUM), None, seed=0)
+        assert tb.num_samples == NUM  # counts from the manifest beside the shards
+        assert sorted(tb.next()["keys"]) == KEYS
+    finally:
+        memory.rm("/sdtrain-test", recursive=True)

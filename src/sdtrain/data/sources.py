@@ -26,7 +26,8 @@ TIMEOUT_S = 60
 
 
 def is_remote(url: str) -> bool:
-    return url.startswith(REMOTE_PREFIXES)
+    """Anything but a local path: `pipe:` or a URL scheme (http, s3, gs, fsspec's memory, ...)."""
+    return url.startswith(REMOTE_PREFIXES) or ("://" in url and not url.startswith("file://"))
 
 
 def open_url(url: str) -> IO[bytes]:
