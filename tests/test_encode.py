@@ -105,8 +105,9 @@ def test_prepare_encode_from_the_cli(tmp_path, shapes_dir, autoencoder_run, enco
     from sdtrain.cli.main import main
 
     out = tmp_path / "enc"
+    # No --resolution: the VAE's own sample_size (32 for this one).
     assert main(["prepare", "encode", str(shapes_dir), "--model", str(autoencoder_run), "--out", str(out),
-                 "--resolution", "32", "--dtype", "float32", "--batch-size", "8"]) == 0
+                 "--dtype", "float32", "--batch-size", "8"]) == 0
     assert "encoded 48 samples (latents) in 3 shards" in capsys.readouterr().out
     assert read_manifest(out)["shards"] == read_manifest(encoded)["shards"]
     assert main(["prepare", "verify", str(out)]) == 0

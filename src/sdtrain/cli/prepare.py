@@ -76,7 +76,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     encode.add_argument("--text-encoder", help="the text encoder (and tokenizer) from here instead")
     encode.add_argument("--no-text", action="store_true", help="latents only (for a text encoder still in training)")
     encode.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
-    encode.add_argument("--resolution", type=int, required=True, help="image side the latents are taken at")
+    encode.add_argument("--resolution", type=int,
+                        help="image side the latents are taken at (default: the VAE's sample_size); training's "
+                             "data.resolution must match it")
     encode.add_argument("--batch-size", type=int, default=32)
     encode.add_argument("--dtype", choices=("float16", "float32"), default="float16",
                         help="storage type of latents and embeddings (default float16)")

@@ -38,13 +38,17 @@ def output_name(index: int) -> str:
 class Encoder:
     """The frozen VAE (and text encoder) that turn decoded samples into what training consumes."""
 
-    def __init__(self, vae_source: str, text_source: str | None, resolution: int, device: torch.device,
+    def __init__(self, vae_source: str, text_source: str | None, resolution: int | None, device: torch.device,
                  dtype: str = "float16"):
         self.device = device
         self.dtype = DTYPES[dtype]
         self.vae_source = build.pin_source(vae_source)
         self.vae = build.load_component("vae", self.vae_source).to(device).eval()
         scale = build.vae_scale(self.vae.config.block_out_channels)
+        if resolution is None:
+            # What the VAE was made for, as diffusers records it.
+            resolution = int(self.vae.config.sample_size)
+            log.info("encoding at %d px, the VAE's sample_size (--resolution sets another)", resolution)
         if resolution % scale:
             raise UserError(f"--resolution {resolution}: not a multiple of the VAE's downsampling factor {scale}")
         self.text_source = build.pin_source(text_source) if text_source else None
