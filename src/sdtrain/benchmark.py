@@ -262,24 +262,22 @@ def benchmark_data(config: RunConfig, worker_counts: list[int], batches: int, tr
     """The loader's rate for each worker count beside the training step's consumption rate."""
     import dataclasses
 
-    trainer = Benchmark(config)
+    from sdtrain.data.encoded import dataset_encoding
+
+    stage_reads_encoded = config.stage == "diffusion" and config.data.use_encoded
+    encoded = stage_reads_encoded and dataset_encoding(config.data.shards) is not None
+    # One model build serves both: its tokenizer for the loader, its step for the consumption rate.
+    trainer = Benchmark(config, encoded=encoded)
     try:
-        encoded = trainer.task.reads_encoded and config.data.use_encoded
         rates = []
         for workers in worker_counts:
             variant = dataclasses.replace(config, data=dataclasses.replace(config.data, num_workers=workers))
             log.info("loader with %d workers", workers)
-            rates.append(loader_rate(variant, trainer.task.tokenizer, batches, warmup=max(1, workers), encoded=encoded))
+            rates.append(loader_rate(variant, trainer.task.tokenizer, batches, warmup=max(1, workers),
+                                     encoded=stage_reads_encoded))
+        consumption = trainer.measure(train_steps, warmup=2)["images_per_s"] if train_steps else None
     finally:
         trainer.logger.close()
-    consumption = None
-    if train_steps:
-        is_encoded = any(r["encoded"] for r in rates)
-        step = Benchmark(config, encoded=is_encoded)
-        try:
-            consumption = step.measure(train_steps, warmup=2)["images_per_s"]
-        finally:
-            step.logger.close()
     return {"loader": rates, "train_images_per_s": consumption, "batch_size": config.data.batch_size,
             "resolution": config.data.resolution}
 
