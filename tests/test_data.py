@@ -376,6 +376,7 @@ def test_buckets_keep_about_the_same_pixel_count_within_the_aspect_limit() -> No
 
     buckets = make_buckets(DataConfig(shards="x", resolution=256, bucket_step=64, max_aspect=2.0))
     assert (256, 256) in buckets and len(buckets) >= 3
+    assert all((height, width) in buckets for width, height in buckets)
     for width, height in buckets:
         assert width % 64 == 0 and height % 64 == 0
         assert 0.5 <= width / height <= 2.0

@@ -200,6 +200,26 @@ def test_wandb_online_without_a_key_is_one_clear_error(tmp_path, shapes_dir, mon
     assert code == 2
 
 
+def test_the_diffusion_stage_trains_on_aspect_buckets(tmp_path, autoencoder_run, capsys):
+    from sdtrain.data.shards import ShardWriter
+
+    from .test_data import png
+
+    data = tmp_path / "mixed"
+    with ShardWriter(data, samples_per_shard=8) as writer:
+        for i, size in enumerate([(120, 40), (40, 120), (64, 64)] * 4):
+            writer.write({"__key__": f"s{i:02d}", "png": png(i, size), "txt": f"a shape {i % 3}"})
+    common = [f"data.shards={data}", f"model.vae={autoencoder_run}", "data.resolution=64",
+              "data.aspect_buckets=true", "data.max_aspect=3", "data.batch_size=2", "validation.prompts=[]"]
+    run = tmp_path / "sd"
+    train("diffusion.yaml", run, *common, "data.bucket_step=32", "train.max_steps=3", "logging.every=1")
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
+    # 8x VAE and a 3-level UNet: sides must be multiples of 32.
+    assert main(["train", str(config_path("diffusion.yaml")), f"run_dir={tmp_path / 'bad'}", *TINY, *common,
+                 "data.bucket_step=16"]) == 2
+    assert "data.bucket_step: 16 is not a multiple of 32" in capsys.readouterr().err
+
+
 def test_the_autoencoder_trains_on_aspect_buckets(tmp_path):
     from sdtrain.data.shards import ShardWriter
 

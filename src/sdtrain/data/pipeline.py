@@ -134,7 +134,7 @@ def make_buckets(config: DataConfig) -> list[tuple[int, int]]:
     while width <= area // step:
         height = int(area / width) // step * step
         if height >= step and 1 / config.max_aspect <= width / height <= config.max_aspect:
-            buckets.add((width, height))
+            buckets.update({(width, height), (height, width)})  # a tall bucket for every wide one
         width += step
     side = config.resolution // step * step
     buckets.add((side, side))

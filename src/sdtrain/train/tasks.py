@@ -89,6 +89,14 @@ class Task:
         return scale
 
 
+    def _check_buckets(self, factor: int) -> None:
+        """Every bucket side must survive the model's downsampling: a multiple of `factor`."""
+        data = self.config.data
+        if data.aspect_buckets and data.bucket_step % factor:
+            raise UserError(f"data.bucket_step: {data.bucket_step} is not a multiple of {factor}, the VAE and UNet's "
+                            f"combined downsampling; use {factor} or a multiple of it")
+
+
 class Reconstruct(nn.Module):
     """Encode and decode in one forward, so a data-parallel wrapper sees the whole autoencoder step."""
 
@@ -194,6 +202,7 @@ class DiffusionTask(Task):
                 model, self.vae.config.latent_channels, config.data.resolution // scale,
                 self.text_encoder.config.hidden_size,
             )
+        self._check_buckets(scale * 2 ** (len(self.unet.config.block_out_channels) - 1))
         self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model.pretrained)
         self.unet.to(device).train()
         self.trainable = {"unet": self.unet}
