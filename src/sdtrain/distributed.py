@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -128,6 +129,23 @@ def _attempt_store(topology: Topology, timeout: timedelta) -> dist.Store:
                           is_master=not agent_hosts_store and topology.rank == 0, timeout=timeout,
                           multi_tenant=True)
     return dist.PrefixStore(f"sdtrain/attempt_{attempt}", store)
+
+
+def is_distributed() -> bool:
+    return dist.is_initialized()
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """End a finished multi-process run without tearing torch down.
+
+    Destroying a gloo process group joins its worker threads while holding the GIL; a worker still
+    releasing a finished collective's tensors waits for the GIL, and the process hangs at exit
+    (seen here after a torchrun restart). Once the run has saved and passed its final barrier,
+    nothing is left to tear down that the operating system does not reclaim.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def destroy() -> None:

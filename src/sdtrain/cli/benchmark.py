@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
 
@@ -46,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from sdtrain import benchmark
     from sdtrain.config import load_config
-    from sdtrain.distributed import destroy, detect_topology
+    from sdtrain.distributed import barrier, destroy, detect_topology, exit_without_teardown, is_distributed
 
     if args.steps < 1 or args.warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
@@ -72,8 +71,10 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, benchmark.benchmark_overrides(args.config, args.overrides, run_dir))
     try:
         result = benchmark.run_benchmark(config, args.steps, args.warmup, args.encoded)
-    finally:
+    except BaseException:
         destroy()
+        raise
+    finally:
         if scratch is not None:
             scratch.cleanup()
     if result is not None:
@@ -81,7 +82,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         if args.out:
             benchmark.write_result(args.out, result)
-    return 0 if result is not None or os.environ.get("RANK", "0") != "0" else 1
+    if is_distributed():
+        barrier()  # the main rank has written its result
+        exit_without_teardown(0)
+    return 0
 
 
 def run_data(args: argparse.Namespace) -> int:

@@ -19,17 +19,21 @@ def run(args: argparse.Namespace) -> int:
 
     # Validate before the heavy imports, so a typo is reported at once.
     config = load_config(args.config, args.overrides)
-    from sdtrain.distributed import destroy
+    from sdtrain.distributed import destroy, exit_without_teardown, is_distributed
     from sdtrain.train.trainer import Preempted, Trainer
 
     try:
         trainer = Trainer(config)
         final = trainer.train()
+        code, message = 0, f"finished: {config.run_dir} (checkpoint {final})" if trainer.is_main else None
     except Preempted as stop:
-        print(f"sdtrain train: {stop}", file=sys.stderr)
-        return Preempted.exit_code
-    finally:
+        code, message = Preempted.exit_code, f"sdtrain train: {stop}"
+    except BaseException:
         destroy()
-    if trainer.is_main:
-        print(f"finished: {config.run_dir} (checkpoint {final})")
-    return 0
+        raise
+    if message:
+        print(message, file=sys.stderr if code else sys.stdout)
+    if is_distributed():
+        # Everything is saved and every rank has passed the final barrier.
+        exit_without_teardown(code)
+    return code
