@@ -24,12 +24,20 @@ import torch
 
 from sdtrain.config import DataConfig
 from sdtrain.data.encoded import DTYPES, EMPTY_CAPTION, LATENT_MEAN, LATENT_STD, TEXT_EMB, npy_bytes
-from sdtrain.data.pipeline import SampleDecoder, count_samples, read_shard, resolve_shards
-from sdtrain.data.shards import ShardInfo, ShardWriter, read_manifest, sha256_file, write_manifest
+from sdtrain.data.pipeline import SampleDecoder, read_shard, resolve_shards
+from sdtrain.data.shards import (
+    ShardInfo,
+    ShardWriter,
+    count_tar_samples,
+    read_manifest,
+    sha256_file,
+    write_manifest,
+)
 from sdtrain.errors import UserError
 from sdtrain.models import build
 
 log = logging.getLogger(__name__)
+
 
 def output_name(index: int) -> str:
     return f"encoded-{index:06d}.tar"
@@ -106,7 +114,7 @@ def encode_dataset(src: str, out: Path, encoder: Encoder, batch_size: int = 32, 
     infos = []
     for index in range(len(shards)):
         path = out / output_name(index)
-        infos.append(ShardInfo(path.name, _count(path), sha256_file(path)))
+        infos.append(ShardInfo(path.name, count_tar_samples(path), sha256_file(path)))
     write_manifest(out, infos, extra={"source": src, "encoding": encoder.description()})
     return read_manifest(out)
 
@@ -140,10 +148,6 @@ def _encode_shard(url: str, decoder: SampleDecoder, encoder: Encoder, index: int
             pass
         os.replace(tmp, out / output_name(index))
     return written, dropped
-
-
-def _count(path: Path) -> int:
-    return count_samples(str(path))
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

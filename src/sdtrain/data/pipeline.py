@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from sdtrain.config import DataConfig
 from sdtrain.data.encoded import EMPTY_CAPTION, LATENT_MEAN, LATENT_STD, TEXT_EMB, dataset_encoding, load_npy
 from sdtrain.data.filters import parse_filters
-from sdtrain.data.shards import MANIFEST_NAME, read_manifest
+from sdtrain.data.shards import MANIFEST_NAME, read_manifest, tar_keys
 from sdtrain.data.sources import expand_spec, is_remote, open_url, read_json
 from sdtrain.errors import UserError
 
@@ -52,13 +52,10 @@ class Shard:
 
 
 def count_samples(path: str) -> int:
-    """Number of distinct keys in a local tar; tarfile seeks over member data, so this is cheap."""
+    """Number of distinct keys in a local tar, counting what precedes any damage."""
     keys = set()
     try:
-        with tarfile.open(path) as tar:
-            for member in tar:
-                if member.isreg():
-                    keys.add(wds.tariterators.base_plus_ext(member.name)[0])
+        keys.update(tar_keys(path))
     except (tarfile.TarError, OSError) as exc:
         log.warning("%s: unreadable past %d samples (%s); the rest is skipped", path, len(keys), exc)
     return len(keys)
@@ -355,7 +352,6 @@ class ShardStream(IterableDataset):
         self.empty_caption = empty_caption
         self.decoder = SampleDecoder(config, tokenizer, seed, encoded=empty_caption is not None)
         self.total = sum(s.samples for s in shards)
-        self.offsets = np.cumsum([0] + [s.samples for s in shards])
 
     @property
     def slots(self) -> int:
@@ -409,10 +405,14 @@ class ShardStream(IterableDataset):
                 yield {"empty": True, "position": {"slot": slot, "epoch": epoch, "offset": 0, "skipped": skipped,
                                                    "filtered": filtered, "pending": pending}}
 
+    def _epoch_layout(self, epoch: int) -> tuple[list[int], np.ndarray]:
+        """The epoch's shard order and where each shard starts in the epoch's global order."""
+        order = _epoch_order(self.shards, self.seed, epoch)
+        return order, np.cumsum([0] + [self.shards[i].samples for i in order])
+
     def _locate(self, epoch: int, place: int) -> tuple[int, int]:
         """(shard index, sample index in the shard) at `place` in the epoch's global order."""
-        order = _epoch_order(self.shards, self.seed, epoch)
-        bounds = np.cumsum([0] + [self.shards[i].samples for i in order])
+        order, bounds = self._epoch_layout(epoch)
         j = int(np.searchsorted(bounds, place, side="right") - 1)
         shard_index = order[j]
         perm = _within_shard_order(self.shards[shard_index].samples, self.seed, epoch, shard_index)
@@ -426,8 +426,7 @@ class ShardStream(IterableDataset):
     def _epoch_samples(self, slot: int, epoch: int, offset: int) -> Iterator[tuple[int, int, int, Any]]:
         """(epoch, this slot's offset after the sample, the sample's place in the epoch order, decoded sample or
         None) from `offset` to the end of the slot's share."""
-        order = _epoch_order(self.shards, self.seed, epoch)
-        bounds = np.cumsum([0] + [self.shards[i].samples for i in order])
+        order, bounds = self._epoch_layout(epoch)
         done = offset
         for start, end in _drop_prefix(slot_intervals(self.total, slot, self.slots, self.plans, epoch), offset):
             position = start

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import tarfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
@@ -242,19 +243,23 @@ class ShardWriter:
             self._tar, self._file = None, None
 
 
-def count_tar_samples(path: str | Path) -> int:
-    """Number of distinct sample keys in a local tar (WebDataset's key = name up to the first dot).
+def tar_keys(path: str | Path) -> Iterator[str]:
+    """The sample key (WebDataset's: the name up to the first dot) of each file in a local tar, in order.
+    Reading headers only, tarfile seeks over member data, so this is cheap.
 
-    Raises ``tarfile.TarError``/``OSError`` when the tar can't be read to its end.
+    Raises ``tarfile.TarError``/``OSError`` where the tar can't be read on.
     """
-    keys = set()
-    with tarfile.open(path, "r:") as tar:  # sdtrain shards are plain tars
+    with tarfile.open(path) as tar:
         for member in tar:
             if member.isreg():
                 key = wds.tariterators.base_plus_ext(member.name)[0]
                 if key is not None:
-                    keys.add(key)
-    return len(keys)
+                    yield key
+
+
+def count_tar_samples(path: str | Path) -> int:
+    """Number of distinct sample keys in a local tar; raises as `tar_keys` does."""
+    return len(set(tar_keys(path)))
 
 
 def verify_shards(out_dir: str | Path) -> list[str]:

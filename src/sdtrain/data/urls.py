@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from sdtrain.data.shards import MANIFEST_NAME, ShardInfo, sha256_file, write_manifest
+from sdtrain.data.shards import MANIFEST_NAME, ShardInfo, count_tar_samples, sha256_file, write_manifest
 from sdtrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -199,18 +199,6 @@ def _drop_unfinished(out: Path) -> None:
             p.unlink()
 
 
-def _count_tar_samples(path: Path) -> int:
-    """Distinct keys (the basename up to its first dot) among the tar's files."""
-    keys = set()
-    with tarfile.open(path) as tar:
-        for member in tar:
-            if member.isreg():
-                base = member.name.rsplit("/", 1)[-1]
-                prefix = member.name[: len(member.name) - len(base)]
-                keys.add(prefix + base.split(".", 1)[0])
-    return len(keys)
-
-
 def _check_params(out: Path, params: dict[str, Any]) -> None:
     """Refuse to mix runs with different settings (or foreign files) in one output folder; then record ours."""
     if out.exists() and not out.is_dir():
@@ -377,7 +365,7 @@ def prepare_urls(
     for shard_id in sorted(stats):
         tar = out / f"{_shard_name(shard_id)}.tar"
         try:
-            samples = _count_tar_samples(tar)
+            samples = count_tar_samples(tar)
         except (tarfile.TarError, OSError) as e:
             # Finished by img2dataset's account but unreadable: drop its stats so a rerun downloads it again.
             log.warning("%s: unreadable shard (%s); rerun the same command to download it again", tar, e)
