@@ -49,6 +49,8 @@ class SyntheticBatches:
     def __init__(self, config: DataConfig, task: Any, seed: int, rank: int, encoded: bool = False):
         generator = torch.Generator().manual_seed(seed * 1000 + rank)
         size, count = config.resolution, config.batch_size
+        self.shards: list = []
+        self.num_samples = 0
         self.batch: dict[str, Any] = {
             "captions": ["synthetic"] * count,
             "keys": [f"synthetic-{i}" for i in range(count)],
@@ -67,8 +69,6 @@ class SyntheticBatches:
         if task.text_embeddings:
             hidden = task.text_encoder.config.hidden_size
             self.batch["text_emb"] = torch.randn(count, tokenizer.model_max_length, hidden, generator=generator)
-        self.shards: list = []
-        self.num_samples = 0
 
     def next(self) -> dict[str, Any]:
         return self.batch
@@ -263,8 +263,9 @@ def benchmark_data(config: RunConfig, worker_counts: list[int], batches: int, tr
     import dataclasses
 
     from sdtrain.data.encoded import dataset_encoding
+    from sdtrain.train.tasks import TASKS
 
-    stage_reads_encoded = config.stage == "diffusion" and config.data.use_encoded
+    stage_reads_encoded = TASKS[config.stage].reads_encoded and config.data.use_encoded
     encoded = stage_reads_encoded and dataset_encoding(config.data.shards) is not None
     # One model build serves both: its tokenizer for the loader, its step for the consumption rate.
     trainer = Benchmark(config, encoded=encoded)

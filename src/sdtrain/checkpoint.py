@@ -179,14 +179,19 @@ class Checkpointer:
         log.info("resumed from %s at step %d", path, state.step)
 
 
+def read_meta(checkpoint: Path) -> dict[str, Any]:
+    """A checkpoint's meta.json; an unreadable one is a UserError naming it."""
+    try:
+        return json.loads((checkpoint / "meta.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{checkpoint}/meta.json: unreadable ({exc}); delete this checkpoint folder") from exc
+
+
 def pinned_sources(checkpoint: Path | None) -> dict[str, str]:
     """The exact folders the frozen components of a checkpoint's run were loaded from."""
     if checkpoint is None:
         return {}
-    try:
-        return dict(json.loads((checkpoint / "meta.json").read_text()).get("sources", {}))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{checkpoint}/meta.json: unreadable ({exc}); delete this checkpoint folder") from exc
+    return dict(read_meta(checkpoint).get("sources", {}))
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -215,10 +220,7 @@ def load_run_modules(
     path = checkpoint or latest_checkpoint(run_dir)
     if path is None:
         raise UserError(f"{run_dir}: no complete checkpoint yet; train the run first")
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{path}/meta.json: unreadable ({exc}); delete this checkpoint folder") from exc
+    meta = read_meta(path)
     use_ema = ema and meta.get("ema", False)
     weights = load_file(str(path / ("ema.safetensors" if use_ema else "model.safetensors")))
     modules = {}

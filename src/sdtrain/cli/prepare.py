@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 FILTER_HELP = (
@@ -220,11 +219,11 @@ def _text_encoder_of(model: str | None) -> str | None:
     if kind == "pipeline":
         return model if (Path(model) / "text_encoder").is_dir() else None
     if kind in ("run", "checkpoint"):
-        from sdtrain.checkpoint import latest_checkpoint
+        from sdtrain.checkpoint import latest_checkpoint, read_meta
 
         checkpoint = Path(model) if kind == "checkpoint" else latest_checkpoint(Path(model))
-        meta = json.loads((checkpoint / "meta.json").read_text()) if checkpoint else {}
-        return model if "text_encoder" in meta.get("modules", {}) else None
+        trained = read_meta(checkpoint)["modules"] if checkpoint else {}
+        return model if "text_encoder" in trained else None
     return None
 
 
