@@ -87,3 +87,17 @@ def test_frozen_autoencoder_stays_the_one_the_run_trained_with(tmp_path, shapes_
     vae = AutoencoderKL.from_pretrained(exported / "vae")
     assert all(torch.equal(a, b) for a, b in zip(vae.state_dict().values(), used.state_dict().values()))
     assert vae.config.scaling_factor == used.config.scaling_factor
+
+
+def test_grid_labels_wrap_so_long_prompts_are_shown_whole():
+    from PIL import Image
+
+    from sdtrain.utils import make_grid
+
+    tiles = [Image.new("RGB", (64, 64), "red")] * 2
+    short = make_grid(tiles, rows=1, labels=["a red circle", "a blue square"])
+    long = make_grid(tiles, rows=1, labels=["a red square and a blue circle", "a blue square"])
+    # 128 px tiles fit about 20 characters a line: the two-shape prompt takes a second line, not a cut.
+    assert long.height == short.height + 12
+    text_rows = np.asarray(long.convert("L"))[short.height - 2:, :128] < 128
+    assert text_rows.any()

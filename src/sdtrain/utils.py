@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,17 +34,22 @@ def to_pil(images: torch.Tensor | Sequence[Image.Image]) -> list[Image.Image]:
 
 
 def make_grid(images: list[Image.Image], rows: int, labels: Sequence[str] | None = None, scale: int = 2) -> Image.Image:
-    """Tile images row-major; small images are upscaled so a person can see them, labels go underneath."""
+    """Tile images row-major; small images are upscaled so a person can see them, labels go underneath.
+
+    Labels wrap rather than being cut, so a two-shape prompt stays readable under a 128 px tile.
+    """
     cols = max(1, -(-len(images) // rows))
     w, h = images[0].width * scale, images[0].height * scale
-    label_h = 14 if labels else 0
+    # PIL's default bitmap font is about 6 px wide and 11 px high per character.
+    lines = [textwrap.wrap(str(label), width=max(4, (w - 4) // 6)) or [""] for label in labels or []]
+    label_h = 12 * max((len(wrapped) for wrapped in lines), default=0) + (2 if lines else 0)
     grid = Image.new("RGB", (cols * w, rows * (h + label_h)), "white")
     draw = ImageDraw.Draw(grid)
     for i, img in enumerate(images):
         x, y = (i % cols) * w, (i // cols) * (h + label_h)
         grid.paste(img.convert("RGB").resize((w, h), Image.Resampling.NEAREST), (x, y))
-        if labels:
-            draw.text((x + 2, y + h + 1), str(labels[i])[: max(4, w // 6)], fill="black")
+        for line_number, line in enumerate(lines[i] if lines else []):
+            draw.text((x + 2, y + h + 1 + 12 * line_number), line, fill="black")
     return grid
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,10 @@ class RunLogger:
         if self.config.wandb:
             self.wandb = self._start_wandb()
         if self.config.progress:
-            self.bar = tqdm(total=self.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+            # Redirected to a file (a batch job, `make demo | tee`), every redraw would be kept: every 30 s is plenty.
+            redraw_every = 0.1 if sys.stderr.isatty() else 30.0
+            self.bar = tqdm(total=self.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
+                            mininterval=redraw_every)
 
     def _start_wandb(self) -> Any:
         try:
