@@ -351,7 +351,7 @@ def test_rerun_after_interrupted_prepare_ends_consistent(tmp_path: Path, capsys,
     assert not any(name.startswith(".") for name in folder_files(out))
     # A hard kill could also leave a temporary shard and a temporary manifest behind.
     put(out / ".shard-000002.tar.tmp", b"partial")
-    put(out / ".manifest.json.tmp", b"{")
+    put(out / ".manifest.json.tmp-4242", b"{")
     put(out / "keep-me.txt", "not ours")
 
     capsys.readouterr()

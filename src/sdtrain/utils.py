@@ -11,10 +11,22 @@ import torch
 from PIL import Image, ImageDraw
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write through a temporary name and rename into place, so readers never see half a file.
+
+    The temporary name carries the pid: processes finishing at the same moment (the last encoders of a
+    dataset, say) each rename a whole file instead of writing into one shared temporary.
+    """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def save_image_atomic(image: Image.Image, path: Path) -> Path:

@@ -35,6 +35,7 @@ from sdtrain.data.shards import (
 )
 from sdtrain.errors import UserError
 from sdtrain.models import build
+from sdtrain.utils import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def encode_dataset(src: str, out: Path, encoder: Encoder, batch_size: int = 32, 
         log.info("%s -> %s: %d samples%s", shards[index].url, output_name(index), written,
                  f", {dropped} undecodable dropped" if dropped else "")
     if encoder.text_encoder is not None:
-        _write_atomic(out / EMPTY_CAPTION, npy_bytes(encoder.text([""])[0].astype(encoder.dtype)))
+        atomic_write_bytes(out / EMPTY_CAPTION, npy_bytes(encoder.text([""])[0].astype(encoder.dtype)))
     missing = [output_name(i) for i in range(len(shards)) if not (out / output_name(i)).exists()]
     if missing:
         log.info("%d shards still being encoded by other processes; the last to finish writes the manifest",
@@ -148,9 +149,3 @@ def _encode_shard(url: str, decoder: SampleDecoder, encoder: Encoder, index: int
             pass
         os.replace(tmp, out / output_name(index))
     return written, dropped
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)

@@ -71,7 +71,8 @@ SKIP_REASONS = {
 
 _KEY_BAD = re.compile(r"[^A-Za-z0-9_\-/]")
 _OUR_SHARD = re.compile(rf"^{SHARD_PREFIX}-\d{{6}}\.tar$")
-_OUR_TEMP = re.compile(rf"^\.({SHARD_PREFIX}-\d{{6}}\.tar|{re.escape(MANIFEST_NAME)})\.tmp$")
+# A shard's temporary name, or the manifest's (per-process, see utils.atomic_write_bytes).
+_OUR_TEMP = re.compile(rf"^\.({SHARD_PREFIX}-\d{{6}}\.tar\.tmp|{re.escape(MANIFEST_NAME)}\.tmp-\d+)$")
 
 
 def sample_key(name: str) -> str:

@@ -23,6 +23,7 @@ from typing import Any, BinaryIO, Self
 import webdataset as wds
 
 from sdtrain.errors import UserError
+from sdtrain.utils import atomic_write_text
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "sdtrain-shards/1"
@@ -47,15 +48,6 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_manifest(out_dir: str | Path, shards: list[ShardInfo], extra: dict | None = None) -> Path:
     """Write ``manifest.json`` atomically and return its path.
 
@@ -73,7 +65,7 @@ def write_manifest(out_dir: str | Path, shards: list[ShardInfo], extra: dict | N
         **extra,
     }
     path = Path(out_dir) / MANIFEST_NAME
-    _atomic_write_bytes(path, (json.dumps(manifest, indent=1) + "\n").encode("utf-8"))
+    atomic_write_text(path, json.dumps(manifest, indent=1) + "\n")
     return path
 
 
