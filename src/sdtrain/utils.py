@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import textwrap
 from collections.abc import Sequence
@@ -31,9 +32,9 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def save_image_atomic(image: Image.Image, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    image.save(tmp)
-    os.replace(tmp, path)
+    encoded = io.BytesIO()
+    image.save(encoded, format=Image.registered_extensions()[path.suffix.lower()])
+    atomic_write_bytes(path, encoded.getvalue())
     return path
 
 

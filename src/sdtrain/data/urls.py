@@ -29,6 +29,7 @@ from typing import Any
 
 from sdtrain.data.shards import MANIFEST_NAME, ShardInfo, count_tar_samples, sha256_file, write_manifest
 from sdtrain.errors import UserError
+from sdtrain.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -220,9 +221,7 @@ def _check_params(out: Path, params: dict[str, Any]) -> None:
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out}: folder is not empty and was not made by `sdtrain prepare urls`; use an empty --out")
     out.mkdir(parents=True, exist_ok=True)
-    tmp = ppath.with_name(ppath.name + ".tmp")
-    tmp.write_text(json.dumps(params, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, ppath)
+    atomic_write_text(ppath, json.dumps(params, indent=1) + "\n")
 
 
 def _import_img2dataset():
