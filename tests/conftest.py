@@ -5,6 +5,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Measured precisions are cached per machine; the tests keep theirs apart from the user's.
+os.environ["SDTRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="sdtrain-test-cache-")
 # Two cores: tests that run training must not oversubscribe them with a full thread pool each.
 torch.set_num_threads(2)
 
@@ -21,6 +24,9 @@ TINY = [
     "data.num_workers=0",
     "logging.progress=false",
     "logging.tensorboard=false",
+    # Fixed, so runs the tests compare train alike whatever the machine measures (autotune has its own tests).
+    "train.mixed_precision=fp32",
+    "train.gradient_checkpointing=false",
 ]
 
 

@@ -11,7 +11,7 @@ from sdtrain.cli.main import main
 from .conftest import config_path
 
 SMALL = ["data.resolution=32", "data.batch_size=2"]
-FEW = ["--steps", "2", "--warmup", "1"]
+FEW = ["--steps", "2", "--warmup", "1", "--peak-seconds", "0.2"]
 
 
 def test_benchmark_times_a_config_that_names_no_data_or_vae(tmp_path, capsys, monkeypatch):
@@ -23,8 +23,17 @@ def test_benchmark_times_a_config_that_names_no_data_or_vae(tmp_path, capsys, mo
     assert result["world_size"] == 1 and result["global_batch"] == 2 and result["steps_timed"] == 2
     assert result["images_per_s"] > 0 and result["step_ms"] > 0 and result["peak_memory_gib"] > 0
     assert result["trainable_parameters"] > 1_000_000  # UNet and text encoder
-    assert "img/s" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "img/s" in table and "MFU" in table
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # scratch files are gone
+    # MFU: the step's counted model FLOPs against this machine's peak, measured before and after.
+    assert result["model_gflop_per_image"] > 0 and len(result["peak_gflops_runs"]) == 2
+    assert 0 < result["mfu"] == pytest.approx(
+        result["model_gflop_per_image"] * 1e9 * result["global_batch"] / (result["step_ms"] / 1000)
+        / (result["peak_gflops"] * 1e9))
+    assert result["first_step_ms"] > 0 and result["mixed_precision"] in ("fp32", "bf16")
+    # A checkpoint save, timed, with the peak memory it reaches.
+    assert result["save_s"] > 0 and result["save_peak_memory_gib"] >= result["peak_memory_gib"]
 
 
 def test_benchmark_keeps_the_users_settings(tmp_path):
@@ -56,3 +65,17 @@ def test_benchmark_data_reports_loader_rate_beside_training(tmp_path, shapes_dir
     assert [r["workers"] for r in result["loader"]] == [0]
     assert result["loader"][0]["samples_per_s"] > 0 and result["train_images_per_s"] > 0
     assert "x training" in capsys.readouterr().out
+
+
+def test_benchmark_sweep_prints_one_row_per_combination(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    assert main(["benchmark", "train", str(config_path("diffusion.yaml")), *SMALL, *FEW,
+                 "--sweep", "ema.enabled=true,false", "--sweep", "ema.every=2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["ema"], r["ema_every"], r["sweep"]["ema.every"]) for r in rows] == [(True, 2, "2"), (False, 2, "2")]
+    table = capsys.readouterr().out.splitlines()
+    assert "EMA" in table[0] and "every" in table[0] and len([line for line in table if "single" in line]) == 2
+
+
+def test_benchmark_sweep_needs_values():
+    assert main(["benchmark", "train", str(config_path("diffusion.yaml")), "--sweep", "ema.enabled"]) == 2

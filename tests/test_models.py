@@ -23,7 +23,8 @@ def test_sd2_256_config_loads():
     root = config_path("diffusion.yaml").parents[1]
     config = load_config(root / "sd2-256.yaml", ["run_dir=/tmp/x", "data.shards=/tmp/y"])
     assert config.model.preset == "sd2" and config.data.resolution == 256
-    assert config.train.mixed_precision == "bf16"
+    # Neither assumed: measured on the machine it runs on.
+    assert config.train.mixed_precision == "auto" and config.train.gradient_checkpointing == "auto"
 
 
 def test_unet_overrides_replace_preset_values():

@@ -22,10 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sdtrain.config import DataConfig, RunConfig
+from sdtrain import flops
+from sdtrain.config import RunConfig
+from sdtrain.data.synthetic import SyntheticBatches
 from sdtrain.errors import UserError
 from sdtrain.models import build
 from sdtrain.models.tokenizer import train_clip_tokenizer
+from sdtrain.train.parallel import no_recompute
 from sdtrain.train.trainer import Trainer
 from sdtrain.utils import atomic_write_text
 
@@ -37,47 +40,6 @@ RANDOM_VAE = "random-vae"
 """Where in its run folder the benchmark puts an untrained VAE of the preset, when a config names none."""
 RANDOM_TEXT_ENCODER = "random-text-encoder"
 """The same for a frozen text encoder a config does not name."""
-
-
-class SyntheticBatches:
-    """One fixed random batch per rank, served forever: the data side of the step costs nothing.
-
-    `encoded` batches look like pre-encoded shards: latents (and, for a frozen text encoder, text
-    embeddings) instead of pixels, so the step skips the encoders as it would on such shards.
-    """
-
-    def __init__(self, config: DataConfig, task: Any, seed: int, rank: int, encoded: bool = False):
-        generator = torch.Generator().manual_seed(seed * 1000 + rank)
-        size, count = config.resolution, config.batch_size
-        self.shards: list = []
-        self.num_samples = 0
-        self.batch: dict[str, Any] = {
-            "captions": ["synthetic"] * count,
-            "keys": [f"synthetic-{i}" for i in range(count)],
-        }
-        tokenizer = task.tokenizer
-        if tokenizer is not None:
-            length = tokenizer.model_max_length
-            self.batch["input_ids"] = torch.randint(0, len(tokenizer), (count, length), generator=generator)
-        if not encoded:
-            self.batch["pixel_values"] = torch.rand(count, 3, size, size, generator=generator) * 2 - 1
-            return
-        vae = task.vae.config
-        side = size // build.vae_scale(vae.block_out_channels)
-        self.batch["latent_mean"] = torch.randn(count, vae.latent_channels, side, side, generator=generator)
-        self.batch["latent_std"] = torch.full_like(self.batch["latent_mean"], 0.1)
-        if task.text_embeddings:
-            hidden = task.text_encoder.config.hidden_size
-            self.batch["text_emb"] = torch.randn(count, tokenizer.model_max_length, hidden, generator=generator)
-
-    def next(self) -> dict[str, Any]:
-        return self.batch
-
-    def close(self) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
 
 
 class Benchmark(Trainer):
@@ -106,36 +68,72 @@ class Benchmark(Trainer):
             self.task.text_embeddings = not self.config.diffusion.train_text_encoder
         return SyntheticBatches(self.config.data, self.task, self.config.seed, self.topology.rank, self.encoded)
 
-    def measure(self, steps: int, warmup: int) -> dict[str, Any]:
-        times = []
-        for step in range(warmup + steps):
-            start = time.perf_counter()
+    def measure(self, steps: int, warmup: int, peak_seconds: float = 2.0, save: bool = True) -> dict[str, Any]:
+        """Time the first step on its own, then `steps` steady steps after `warmup` more; count the step's
+        model FLOPs and measure this machine's peak for the step's dtype, before and after, for MFU; then
+        time a checkpoint save and the memory it adds."""
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        threads = torch.get_num_threads()
+        peaks = [flops.measure_peak_flops(dtype, self.device, threads, peak_seconds)["peak_gflops"]]
+        first = self._timed_step()
+        for _ in range(max(warmup - 1, 0)):
             self.train_step()
-            self._synchronize()
-            if step >= warmup:
-                times.append(time.perf_counter() - start)
+        with no_recompute():  # model FLOPs: a checkpointed block's second forward is not the model's work
+            step_flops = flops.count_flops(self.train_step)
+        times = [self._timed_step() for _ in range(steps)]
+        training_peak = self._peak_memory_gib()
+        peaks.append(flops.measure_peak_flops(dtype, self.device, threads, peak_seconds)["peak_gflops"])
         step_s = statistics.median(times)
         world = self.topology.world_size
         global_batch = self.config.data.batch_size * self.config.train.grad_accum * world
         params = sum(p.numel() for p in self.task.parameters())
+        per_image = step_flops * world / global_batch  # every rank counted its own share of the batch
+        peak = max(peaks)
         result = {
             "stage": self.config.stage,
             "encoded": self.encoded,
             "device": self.device.type,
+            "cpu": flops.cpu_flags() if self.device.type == "cpu" else {},
+            "threads": threads,
             "world_size": world,
             "strategy": self.config.parallel.strategy if world > 1 else "single",
-            "mixed_precision": self.config.train.mixed_precision,
+            "mixed_precision": self.tuning.precision,
+            "precision_choice": self.tuning.as_dict(),
+            "gradient_checkpointing": self.tuning.checkpointing,
+            "ema": self.ema is not None,
+            "ema_every": self.config.ema.every,
+            "optimizer_in_backward": self.config.optim.in_backward,
             "resolution": self.config.data.resolution,
+            "batch_size": self.config.data.batch_size,
             "global_batch": global_batch,
             "trainable_parameters": params,
             "steps_timed": steps,
+            "first_step_ms": 1000 * first,
             "step_ms": 1000 * step_s,
             "step_ms_mean": 1000 * statistics.fmean(times),
+            "first_step_ratio": first / step_s,
             "images_per_s": global_batch / step_s,
-            "peak_memory_gib": self._peak_memory_gib(),
+            "model_gflop_per_image": per_image / 1e9,
+            "peak_gflops": peak,
+            "peak_gflops_runs": peaks,
+            "achieved_gflops": step_flops / step_s / 1e9,
+            "mfu": flops.mfu(step_flops, step_s, peak),
+            "peak_memory_gib": training_peak,
         }
+        if save:
+            start = time.perf_counter()
+            self.save()
+            result["save_s"] = time.perf_counter() - start
+            result["save_peak_memory_gib"] = self._peak_memory_gib()
+            result["save_peak_ratio"] = result["save_peak_memory_gib"] / training_peak
         result |= self._allreduce(params)
         return result
+
+    def _timed_step(self) -> float:
+        start = time.perf_counter()
+        self.train_step()
+        self._synchronize()
+        return time.perf_counter() - start
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -167,11 +165,12 @@ class Benchmark(Trainer):
         return {"allreduce_ms": 1000 * seconds, "allreduce_bus_gb_per_s": bus_bytes / seconds / 1e9}
 
 
-def run_benchmark(config: RunConfig, steps: int, warmup: int, encoded: bool = False) -> dict[str, Any] | None:
+def run_benchmark(config: RunConfig, steps: int, warmup: int, encoded: bool = False,
+                  peak_seconds: float = 2.0) -> dict[str, Any] | None:
     """Time the config's training step in this process (and its torchrun peers); the main rank's result."""
     benchmark = Benchmark(config, encoded)
     try:
-        result = benchmark.measure(steps, warmup)
+        result = benchmark.measure(steps, warmup, peak_seconds)
     finally:
         benchmark.logger.close()
     return result if benchmark.is_main else None
@@ -202,7 +201,7 @@ def benchmark_overrides(config_path: Path, overrides: list[str], run_dir: str | 
 
 
 def compare_processes(config_path: Path, overrides: list[str], counts: list[int], steps: int,
-                      warmup: int, encoded: bool = False) -> list[dict[str, Any]]:
+                      warmup: int, encoded: bool = False, peak_seconds: float = 2.0) -> list[dict[str, Any]]:
     """Run the benchmark under torchrun with each number of processes on this machine, one after another."""
     cores = os.cpu_count() or 1
     results = []
@@ -212,6 +211,7 @@ def compare_processes(config_path: Path, overrides: list[str], counts: list[int]
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(count),
                        "-m", "sdtrain", "benchmark", "train", str(config_path), *overrides,
                        f"run_dir={Path(scratch) / f'run{count}'}", "--steps", str(steps), "--warmup", str(warmup),
+                       "--peak-seconds", str(peak_seconds),
                        "--out", str(out), *(["--encoded"] if encoded else [])]
             # Processes sharing the cores share the threads: oversubscribing them is far slower.
             env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, cores // count)))}
@@ -228,16 +228,73 @@ def write_result(path: Path, result: Any) -> None:
     atomic_write_text(path, json.dumps(result, indent=2) + "\n")
 
 
-def format_results(results: list[dict[str, Any]]) -> str:
+def format_results(results: list[dict[str, Any]], sweep_keys: list[str] = ()) -> str:
+    """One row per result: the MosaicML benchmark's table (micro-batch, EMA, throughput) with MFU, the first
+    step, memory and the save, and process scaling when several process counts were compared."""
     base = results[0]["images_per_s"] / results[0]["world_size"]
-    lines = [f"{'procs':>5} {'strategy':>8} {'img/s':>9} {'step ms':>9} {'allreduce ms':>13} {'scaling':>8} "
-             f"{'peak GiB':>9}"]
+    extra = [k for k in sweep_keys if k not in ("data.batch_size", "ema.enabled")]
+    head = [f"{'procs':>5}", f"{'strategy':>8}", f"{'micro bs':>8}", f"{'EMA':>3}", f"{'prec':>4}",
+            *(f"{k.split('.')[-1]:>12}" for k in extra), f"{'img/s':>9}", f"{'MFU':>6}", f"{'step ms':>9}",
+            f"{'first':>6}", f"{'allreduce ms':>12}", f"{'scaling':>7}", f"{'peak GiB':>8}", f"{'save s':>7}",
+            f"{'save GiB':>8}"]
+    lines = [" ".join(head)]
     for r in results:
         allreduce = f"{r['allreduce_ms']:.1f}" if "allreduce_ms" in r else "-"
         scaling = r["images_per_s"] / (base * r["world_size"])
-        lines.append(f"{r['world_size']:>5} {r['strategy']:>8} {r['images_per_s']:>9.3g} {r['step_ms']:>9.1f} "
-                     f"{allreduce:>13} {scaling:>7.0%} {r['peak_memory_gib']:>9.2f}")
+        save_s = f"{r['save_s']:.1f}" if "save_s" in r else "-"
+        save_gib = f"{r['save_peak_memory_gib']:.2f}" if "save_peak_memory_gib" in r else "-"
+        row = [f"{r['world_size']:>5}", f"{r['strategy']:>8}", f"{r['batch_size']:>8}",
+               f"{'yes' if r['ema'] else 'no':>3}", f"{r['mixed_precision']:>4}",
+               *(f"{str(r.get('sweep', {}).get(k, '-')):>12}" for k in extra),
+               f"{r['images_per_s']:>9.3g}", f"{r['mfu']:>6.1%}", f"{r['step_ms']:>9.1f}",
+               f"{r['first_step_ratio']:>5.1f}x", f"{allreduce:>12}", f"{scaling:>7.0%}",
+               f"{r['peak_memory_gib']:>8.2f}", f"{save_s:>7}", f"{save_gib:>8}"]
+        lines.append(" ".join(row))
+    first = results[0]
+    cpu = first.get("cpu") or {}
+    if cpu:
+        flags = ", ".join(k for k in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if cpu.get(k))
+        lines.append(f"cpu: {cpu.get('model', '?')} ({flags or 'no avx512/amx'}), {first['threads']} threads")
+    lines.append(f"model FLOPs {first['model_gflop_per_image']:.3g} GFLOP/image (forward + backward); MFU against "
+                 f"the best of {', '.join(f'{p:.0f}' for p in first['peak_gflops_runs'])} GFLOP/s measured here "
+                 f"in {first['mixed_precision']}")
     return "\n".join(lines)
+
+
+def sweep_combinations(sweeps: list[str]) -> tuple[list[str], list[list[str]]]:
+    """`KEY=V1,V2` items -> the keys and one override list per combination (the first key varies slowest)."""
+    import itertools
+
+    keys, choices = [], []
+    for item in sweeps:
+        key, sep, values = item.partition("=")
+        if not sep or not key or not values:
+            raise UserError(f"--sweep {item}: expected KEY=V1,V2,... e.g. data.batch_size=1,2,4")
+        keys.append(key)
+        choices.append([f"{key}={v}" for v in values.split(",")])
+    return keys, [list(combo) for combo in itertools.product(*choices)]
+
+
+def run_sweep(config_path: Path, overrides: list[str], sweeps: list[str], steps: int, warmup: int,
+              encoded: bool = False, peak_seconds: float = 2.0) -> tuple[list[str], list[dict[str, Any]]]:
+    """Each combination in a process of its own, so each peak memory is that combination's alone."""
+    keys, combos = sweep_combinations(sweeps)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="sdtrain-sweep-") as scratch:
+        for i, combo in enumerate(combos):
+            out = Path(scratch) / f"{i}.json"
+            command = [sys.executable, "-m", "sdtrain", "benchmark", "train", str(config_path), *overrides, *combo,
+                       "--steps", str(steps), "--warmup", str(warmup), "--peak-seconds", str(peak_seconds),
+                       "--out", str(out), *(["--encoded"] if encoded else [])]
+            log.info("sweep %d/%d: %s", i + 1, len(combos), " ".join(combo))
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+                raise UserError(f"sweep {' '.join(combo)} failed (exit {done.returncode}):\n{tail}")
+            result = json.loads(out.read_text())
+            result["sweep"] = dict(c.split("=", 1) for c in combo)
+            results.append(result)
+    return keys, results
 
 
 def loader_rate(config: RunConfig, tokenizer: Any | None, batches: int, warmup: int, encoded: bool) -> dict[str, Any]:
@@ -276,7 +333,8 @@ def benchmark_data(config: RunConfig, worker_counts: list[int], batches: int, tr
             log.info("loader with %d workers", workers)
             rates.append(loader_rate(variant, trainer.task.tokenizer, batches, warmup=max(1, workers),
                                      encoded=stage_reads_encoded))
-        consumption = trainer.measure(train_steps, warmup=2)["images_per_s"] if train_steps else None
+        consumption = trainer.measure(train_steps, warmup=2, peak_seconds=0.2, save=False)["images_per_s"] \
+            if train_steps else None
     finally:
         trainer.logger.close()
     return {"loader": rates, "train_images_per_s": consumption, "batch_size": config.data.batch_size,

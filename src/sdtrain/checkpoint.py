@@ -120,6 +120,7 @@ class Checkpointer:
             "ema": state.ema is not None,
             "modules": {name: module_spec(m) for name, m in state.modules.items()},
             "sources": state.task.sources,
+            "tuning": state.tuning.as_dict(),
         }
         # meta.json last: its presence is what marks a checkpoint folder complete.
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
@@ -211,6 +212,19 @@ def instantiate(spec: dict[str, Any]) -> nn.Module:
     if cls_name not in classes:
         raise UserError(f"checkpoint names an unknown module class {cls_name}")
     return classes[cls_name].from_config(config)
+
+
+def instantiate_with(spec: dict[str, Any], weights: dict[str, torch.Tensor]) -> nn.Module:
+    """A module built around `weights` without allocating and initialising its own first (which, for
+    an 866M UNet, costs seconds and 3.5 GB): built on the meta device, then given the tensors."""
+    with torch.device("meta"):
+        module = instantiate(spec)
+    module.load_state_dict(weights, strict=True, assign=True)
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        # Buffers the state dict does not carry (non-persistent ones) need a real construction.
+        module = instantiate(spec)
+        module.load_state_dict(weights)
+    return module
 
 
 def load_run_modules(

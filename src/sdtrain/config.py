@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -19,6 +19,9 @@ from omegaconf.errors import OmegaConfBaseException
 from sdtrain.errors import UserError
 
 STAGES = ("autoencoder", "diffusion")
+PRECISIONS = ("auto", "fp32", "bf16")
+# YAML 1.1 reads a bare `no` as false, which OmegaConf then stores as the string "False".
+_FP32_ALIASES = ("no", "False", "false")
 
 
 @dataclass
@@ -148,6 +151,14 @@ class OptimConfig:
     """After warmup: ``constant`` or ``cosine`` (to zero at max_steps)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this once per optimizer step; 0 disables."""
+    fused: bool = True
+    """AdamW's fused kernels (one multi-tensor kernel for all parameters, on CPU as on CUDA) instead of
+    its per-parameter loop; the same update to float tolerance."""
+    in_backward: bool = False
+    """Apply each parameter's AdamW step inside the backward pass, as soon as its gradient is complete,
+    and free that gradient at once, so full gradients never all exist together (PyTorch's
+    optimizer-in-backward recipe). Needs train.grad_accum: 1 and grad_clip: 0 (both need every gradient
+    at once) and a single process."""
 
 
 @dataclass
@@ -158,6 +169,9 @@ class EMAConfig:
     """Upper bound of the EMA decay."""
     warmup: bool = True
     """Ramp the decay as (1 + step) / (10 + step) so early averages are not dominated by the random init."""
+    every: int = 1
+    """Update the average every this many optimizer steps, with the decay raised to this power so the
+    average spans as many steps as an update per step would. Large models spend less time in EMA."""
 
 
 @dataclass
@@ -166,11 +180,16 @@ class TrainConfig:
     """Optimizer steps to train for."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
-    mixed_precision: str = "no"
-    """``no`` (fp32) or ``bf16`` autocast. fp16 is not offered: it needs loss scaling and is slow on CPUs."""
-    gradient_checkpointing: bool = False
-    """Recompute each block's activations in backward instead of storing them: less memory, about a
-    third more compute. Applied per UNet/VAE block and text-encoder layer of the trained modules."""
+    mixed_precision: str = "auto"
+    """``auto`` times bf16 autocast against fp32 on this machine for the model's own layer shapes at the
+    first start (a few seconds, cached per machine) and trains in the faster; the choice is kept for
+    the life of the run. ``fp32`` (or ``no``) and ``bf16`` force one. fp16 is not offered: it needs loss
+    scaling and is slow on CPUs."""
+    gradient_checkpointing: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
+    """Recompute each block's activations in backward instead of storing them: less memory, a fifth to a
+    third more compute. ``auto`` turns it on only when the estimated training memory would not fit
+    the device (GPU memory, or the machine's RAM on a CPU); true/false force it. Applied per UNet/VAE
+    block and text-encoder layer of the trained modules."""
     compile: bool = False
     """Compile each block of the trained modules with torch.compile. The first steps are slow while
     it compiles (minutes on CPU); worth it on GPUs for long runs."""
@@ -296,6 +315,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     dotlist = OmegaConf.from_dotlist(list(overrides))
     _check_sections(dotlist, "command line: ")
     merged = _merge(merged, dotlist, "command line: ")
+    if OmegaConf.select(merged, "train.mixed_precision") in _FP32_ALIASES:
+        merged.train.mixed_precision = "fp32"
     missing = sorted(OmegaConf.missing_keys(merged))
     if missing:
         raise UserError(f"{missing[0]}: required value missing (???); set it in the YAML or as {missing[0]}=...")
@@ -352,7 +373,15 @@ def validate(config: RunConfig) -> None:
     _check(0.0 < config.ema.decay < 1.0, "ema.decay", "must be in (0, 1)")
     _check(config.train.max_steps >= 1, "train.max_steps", "must be at least 1")
     _check(config.train.grad_accum >= 1, "train.grad_accum", "must be at least 1")
-    _check(config.train.mixed_precision in ("no", "bf16"), "train.mixed_precision", "must be no or bf16")
+    _check(config.train.mixed_precision in PRECISIONS, "train.mixed_precision", "must be auto, fp32 (or no) or bf16")
+    _check(config.train.gradient_checkpointing in (True, False, "auto"), "train.gradient_checkpointing",
+           "must be auto, true or false")
+    _check(config.ema.every >= 1, "ema.every", "must be at least 1")
+    if config.optim.in_backward:
+        _check(config.train.grad_accum == 1, "optim.in_backward",
+               "steps each parameter during backward, so it cannot accumulate: set train.grad_accum=1")
+        _check(config.optim.grad_clip == 0, "optim.in_backward",
+               "clipping needs the norm of every gradient before any step: set optim.grad_clip=0")
     _check(config.train.device in ("auto", "cpu", "cuda"), "train.device", "must be auto, cpu or cuda")
     _check(config.parallel.strategy in ("ddp", "fsdp"), "parallel.strategy", "must be ddp or fsdp")
     _check(config.parallel.backend in ("auto", "nccl", "gloo", "ccl"), "parallel.backend",

@@ -25,6 +25,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--encoded", action="store_true",
                        help="batches as pre-encoded shards give them: latents (and text embeddings for a frozen text "
                             "encoder) instead of pixels")
+    train.add_argument("--sweep", action="append", metavar="KEY=V1,V2",
+                       help="run every combination of these values, each in its own process, one table row each "
+                            "(repeat the flag), e.g. --sweep data.batch_size=1,2,4 --sweep ema.enabled=true,false")
+    train.add_argument("--peak-seconds", type=float, default=2.0,
+                       help="time spent measuring this machine's peak GFLOP/s for MFU, before and after (default 2)")
     train.add_argument("--out", type=Path, help="also write the result as JSON here")
     train.set_defaults(run=run)
 
@@ -49,6 +54,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.steps < 1 or args.warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
+    if args.sweep and args.nproc:
+        raise UserError("--sweep and --nproc: choose one; sweep under torchrun by giving the process count a key")
+    if args.sweep:
+        keys, results = benchmark.run_sweep(args.config, args.overrides, args.sweep, args.steps, args.warmup,
+                                            args.encoded, args.peak_seconds)
+        print(benchmark.format_results(results, keys))
+        if args.out:
+            benchmark.write_result(args.out, results)
+        return 0
     if args.nproc:
         try:
             counts = [int(n) for n in args.nproc.split(",")]
@@ -56,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--nproc {args.nproc}: expected process counts such as 1,2") from None
         overrides = benchmark.benchmark_overrides(args.config, args.overrides, run_dir="unused")
         results = benchmark.compare_processes(args.config, [o for o in overrides if not o.startswith("run_dir=")],
-                                              counts, args.steps, args.warmup, args.encoded)
+                                              counts, args.steps, args.warmup, args.encoded, args.peak_seconds)
         print(benchmark.format_results(results))
         if args.out:
             benchmark.write_result(args.out, results)
@@ -70,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir = scratch.name
     config = load_config(args.config, benchmark.benchmark_overrides(args.config, args.overrides, run_dir))
     try:
-        result = benchmark.run_benchmark(config, args.steps, args.warmup, args.encoded)
+        result = benchmark.run_benchmark(config, args.steps, args.warmup, args.encoded, args.peak_seconds)
     except BaseException:
         destroy()
         raise

@@ -8,11 +8,16 @@ import os
 import sys
 import warnings
 
-from sdtrain import __version__
-from sdtrain.cli import benchmark, demo, export, generate, launch, prepare, train
-from sdtrain.errors import UserError
+from sdtrain.runtime import tune_host_allocator
 
-COMMANDS = (prepare, train, generate, export, launch, benchmark, demo)
+# Before anything imports torch: its allocator reads the setting once, at its first allocation.
+tune_host_allocator()
+
+from sdtrain import __version__  # noqa: E402
+from sdtrain.cli import benchmark, demo, export, generate, launch, params, prepare, train  # noqa: E402
+from sdtrain.errors import UserError  # noqa: E402
+
+COMMANDS = (prepare, train, generate, export, launch, benchmark, params, demo)
 
 
 def _quiet_libraries() -> None:

@@ -30,14 +30,25 @@ class EMA:
                 if param.requires_grad:
                     yield f"{prefix}.{name}", param
 
-    def decay(self) -> float:
+    def decay(self, step: int) -> float:
+        """The decay of one optimizer step: the warmup ramp counts optimizer steps, not updates."""
         if not self.config.warmup:
             return self.config.decay
-        return min(self.config.decay, (1 + self.updates) / (10 + self.updates))
+        return min(self.config.decay, (1 + step) / (10 + step))
+
+    def due(self, step: int) -> bool:
+        """Whether optimizer step `step` (1-based) ends an EMA period."""
+        return step % self.config.every == 0
 
     @torch.no_grad()
-    def update(self) -> None:
-        decay = self.decay()
+    def update(self, step: int) -> None:
+        """Fold in the weights after optimizer step `step`, which ends a period of ``every`` steps.
+
+        The decays of the period's steps are multiplied together: the result is exactly the per-step
+        average of weights held for the whole period at their value now."""
+        decay = 1.0
+        for past in range(step - self.config.every, step):
+            decay *= self.decay(past)
         params = dict(self._named_parameters())
         names = list(self.shadow)
         shadows = [self.shadow[n] for n in names]

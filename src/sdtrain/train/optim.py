@@ -5,21 +5,54 @@ from __future__ import annotations
 import torch
 from diffusers.optimization import get_scheduler
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from sdtrain.config import OptimConfig
 
 
 def build_optimizer(params: list[nn.Parameter], config: OptimConfig) -> torch.optim.Optimizer:
-    # fused kernels exist for CUDA; foreach is the fast path elsewhere.
-    fused = all(p.is_cuda for p in params)
-    return torch.optim.AdamW(
-        params,
+    """AdamW; with ``in_backward`` each parameter gets a group of its own, stepped from its gradient hook."""
+    # Fused kernels exist on CPU as on CUDA (the per-parameter default loop cost 3.4 s a step on the SD2
+    # UNet on a CPU). Sharded DTensor parameters take the foreach path, which every placement supports.
+    sharded = any(isinstance(p, DTensor) for p in params)
+    fused = config.fused and not sharded
+    groups = [{"params": [p]} for p in params] if config.in_backward else params
+    optimizer = torch.optim.AdamW(
+        groups,
         lr=config.lr,
         betas=(config.betas[0], config.betas[1]),
         weight_decay=config.weight_decay,
         eps=config.eps,
         fused=fused or None,
+        foreach=None if fused else True,
     )
+    if config.in_backward:
+        step_in_backward(optimizer)
+    return optimizer
+
+
+def step_in_backward(optimizer: torch.optim.Optimizer) -> None:
+    """Step each parameter the moment backward has accumulated its gradient, then drop the gradient.
+
+    PyTorch's optimizer-in-backward recipe, with one optimizer instead of one per parameter, so the LR
+    schedule and the checkpointed state stay those of a plain AdamW: each parameter has a group of its
+    own, and the hook steps only that group. The optimizer's own ``step()`` afterwards finds no
+    gradients and does nothing.
+    """
+    def hook(param: torch.Tensor, index: int) -> None:
+        # Looked up at each call: loading a checkpoint replaces the optimizer's group dicts.
+        groups = optimizer.param_groups
+        optimizer.param_groups = [groups[index]]
+        try:
+            optimizer.step()
+        finally:
+            optimizer.param_groups = groups
+        param.grad = None
+
+    for index, group in enumerate(optimizer.param_groups):
+        (param,) = group["params"]
+        param.register_post_accumulate_grad_hook(lambda p, i=index: hook(p, i))
+    optimizer.steps_in_backward = True  # type: ignore[attr-defined]
 
 
 def build_lr_schedule(optimizer: torch.optim.Optimizer, config: OptimConfig, max_steps: int):

@@ -88,6 +88,20 @@ def shard_units(root: nn.Module) -> list[nn.Module]:
     return units
 
 
+_recompute = True
+
+
+@contextlib.contextmanager
+def no_recompute() -> Iterator[None]:
+    """Run checkpointed blocks plainly, e.g. to count a step's model FLOPs without the recomputation."""
+    global _recompute
+    previous, _recompute = _recompute, False
+    try:
+        yield
+    finally:
+        _recompute = previous
+
+
 def _checkpointed(forward: Callable) -> Callable:
     """The block's forward, keeping only its inputs for backward and running it again there.
 
@@ -98,6 +112,8 @@ def _checkpointed(forward: Callable) -> Callable:
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
+        if not _recompute:
+            return forward(*args, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run

@@ -75,6 +75,10 @@ class Task:
     def before_save(self) -> None:
         """Called on every rank before a checkpoint is written."""
 
+    def validates(self, batch: dict[str, Any] | None) -> bool:
+        """Whether `validate` would render anything, so the trainer builds its modules only then."""
+        return False
+
     @torch.no_grad()
     def validate(self, modules: dict[str, nn.Module], out: Path, batch: dict[str, Any] | None) -> Path | None:
         return None
@@ -158,6 +162,9 @@ class AutoencoderTask(Task):
     def load_extra_state(self, state):
         self.latent_moment = torch.tensor(state["latent_moment"], device=self.device)
         self.latent_batches = int(state["latent_batches"])
+
+    def validates(self, batch):
+        return batch is not None
 
     @torch.no_grad()
     def validate(self, modules, out, batch):
@@ -294,6 +301,9 @@ class DiffusionTask(Task):
             base = snr + 1 if self.noise_scheduler.config.prediction_type == "v_prediction" else snr
             loss = loss * torch.clamp(snr, max=gamma) / base
         return loss.mean(), {}
+
+    def validates(self, batch):
+        return bool(self.config.validation.prompts)
 
     @torch.no_grad()
     def validate(self, modules, out, batch):

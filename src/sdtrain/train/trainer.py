@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import os
 import random
 import signal
 from collections.abc import Iterator
@@ -16,13 +17,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from sdtrain.checkpoint import Checkpointer, Snapshot, capture, instantiate, module_spec, pinned_sources
+from sdtrain.checkpoint import Checkpointer, Snapshot, capture, instantiate_with, module_spec, pinned_sources, read_meta
 from sdtrain.config import RunConfig, to_dict
 from sdtrain.data.pipeline import TrainBatches
 from sdtrain.distributed import any_rank, barrier, detect_topology, gather_objects, init_distributed, mean_over_ranks
 from sdtrain.errors import UserError
 from sdtrain.faults import FaultInjector
 from sdtrain.run import prepare_run_dir, resolve_device
+from sdtrain.train import autotune
 from sdtrain.train.ema import EMA
 from sdtrain.train.logger import RunLogger
 from sdtrain.train.optim import build_lr_schedule, build_optimizer
@@ -49,8 +51,9 @@ class TrainState:
     """The one registry of everything a resumed run needs to continue exactly."""
 
     def __init__(self, stage: str, modules: dict[str, nn.Module], ema: EMA | None, optimizer, lr_schedule,
-                 data: TrainBatches, task: Task, rank: int):
+                 data: TrainBatches, task: Task, rank: int, tuning: autotune.Tuning):
         self.stage = stage
+        self.tuning = tuning
         self.modules = modules
         self.ema = ema
         self.optimizer = optimizer
@@ -117,16 +120,20 @@ class Trainer:
         self.resume_from = self.checkpointer.resume_path()
         self.task = make_task(config, self.device, self.run_dir, pinned_sources(self.resume_from))
         self.data = self._make_data()
+        self.tuning = self._tune()
+        self.bf16 = self.tuning.precision == "bf16"
         self.parallel = DataParallel(config.parallel, self.topology, self.device)
-        self.bf16 = config.train.mixed_precision == "bf16"
-        self.parallel.apply(self.task, bf16=self.bf16, checkpointing=config.train.gradient_checkpointing,
+        self.parallel.apply(self.task, bf16=self.bf16, checkpointing=self.tuning.checkpointing,
                             compile=config.train.compile)
+        if config.optim.in_backward and self.topology.distributed:
+            raise UserError("optim.in_backward: steps each parameter before the gradients of all ranks are "
+                            "averaged, so it runs in one process only; turn it off under torchrun")
         self.optimizer = build_optimizer(self.task.parameters(), config.optim)
         self.lr_schedule = build_lr_schedule(self.optimizer, config.optim, config.train.max_steps)
         self.ema = EMA(self.task.trainable, config.ema) if config.ema.enabled else None
         self.noise = torch.Generator(self.device)
         self.state = TrainState(config.stage, self.task.trainable, self.ema, self.optimizer, self.lr_schedule,
-                                self.data, self.task, self.topology.rank)
+                                self.data, self.task, self.topology.rank, self.tuning)
         self.logger = RunLogger(config.logging, self.run_dir, config.train.max_steps, to_dict(config),
                                 enabled=self.is_main)
         self.last_batch: dict[str, Any] | None = None
@@ -169,6 +176,13 @@ class Trainer:
     def _prepare(self) -> None:
         """One-time work on the main rank before the others build the task (say, a tokenizer)."""
         prepare_task(self.config, self.run_dir)
+
+    def _tune(self) -> autotune.Tuning:
+        """Precision and activation checkpointing: forced by the config, kept from the run's first start, or
+        measured on this machine."""
+        meta = read_meta(self.resume_from) if self.resume_from is not None else None
+        return autotune.decide(self.config, self.task, self.data.encoding is not None, meta, self.device,
+                               self.is_main, int(os.environ.get("LOCAL_WORLD_SIZE", self.topology.world_size)))
 
     def _make_data(self) -> TrainBatches:
         data = TrainBatches(self.config.data, self.task.tokenizer, self.config.seed, self.topology.rank,
@@ -227,10 +241,12 @@ class Trainer:
                 totals[key] = totals.get(key, 0) + value.detach().float() / accum
         if self.config.optim.grad_clip > 0:
             totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.task.parameters(), self.config.optim.grad_clip)
-        self.optimizer.step()
+        if not self.config.optim.in_backward:  # otherwise each parameter was stepped during backward
+            self.optimizer.step()
         self.lr_schedule.step()
-        if self.ema is not None:
-            self.ema.update()
+        step = self.state.step + 1
+        if self.ema is not None and self.ema.due(step):
+            self.ema.update(step)
         return totals
 
     def report(self, metrics: dict[str, torch.Tensor], force: bool = False) -> None:
@@ -265,20 +281,21 @@ class Trainer:
         return path
 
     def averaged_modules(self, snapshot: Snapshot) -> dict[str, nn.Module]:
-        """Plain copies of the trained modules with the EMA weights (raw ones without EMA), whatever the
-        parallel wrapping of the live modules."""
+        """Modules with the EMA weights (raw ones without EMA), whatever the parallel wrapping of the live
+        modules. They share the snapshot's tensors instead of copying them: an 866M UNet copy is 3.5 GB
+        that a machine training near its memory limit does not have."""
         copies = {}
         for name, module in self.task.trainable.items():
             prefix = name + "."
             weights = {k[len(prefix):]: v for k, v in snapshot.model.items() if k.startswith(prefix)}
             if snapshot.ema is not None:
                 weights |= {k[len(prefix):]: v for k, v in snapshot.ema.items() if k.startswith(prefix)}
-            clone = instantiate(module_spec(module))
-            clone.load_state_dict(weights)
-            copies[name] = clone.to(self.device).eval()
+            copies[name] = instantiate_with(module_spec(module), weights).to(self.device).eval()
         return copies
 
     def validate(self, snapshot: Snapshot) -> None:
+        if not self.task.validates(self.last_batch):
+            return
         out = self.run_dir / "samples" / f"step_{self.state.step:08d}.png"
         path = self.task.validate(self.averaged_modules(snapshot), out, self.last_batch)
         if path is not None:

@@ -1,0 +1,34 @@
+"""`sdtrain params CONFIG [key=value ...]`: parameter counts per component."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("params", help="total and trainable parameters of a config's model, per component",
+                            description="Counts the parameters of the model a training config describes, "
+                                        "building preset components on the meta device (no memory, no weights).")
+    parser.add_argument("config", type=Path, help="a training YAML config")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    from sdtrain.config import load_config
+    from sdtrain.params import count, format_counts
+
+    # Counting needs neither data nor a run folder: fill them when the config leaves them open.
+    given = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(args.overrides)) \
+        if args.config.is_file() else OmegaConf.create()
+    filled = [f"{key}=unused" for key in ("run_dir", "data.shards")
+              if OmegaConf.select(given, key, default=None) is None or OmegaConf.is_missing(given, key)]
+    rows = count(load_config(args.config, [*filled, *args.overrides]))
+    print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else format_counts(rows))
+    return 0

@@ -1,0 +1,362 @@
+"""Settings decided by measuring this machine, not assumed: the compute precision and whether activation
+checkpointing is needed.
+
+Whether bf16 autocast pays differs between CPUs of one family (1.4x faster on one machine, 2x slower on
+another, depending on avx512_bf16/AMX and on what the weight casts cost), so ``auto`` times both on the
+model's own layers: one forward of a synthetic batch of one sample records every distinct layer call
+(convolutions, linear layers, norms and whole attention modules, with their real input shapes), then
+each distinct call is timed forward and backward in fp32 and under bf16 autocast, weighted by how often
+the model makes it. That takes seconds, and the result is cached per machine, thread count and model.
+The same recording gives the activation memory per sample that decides ``gradient_checkpointing: auto``.
+
+Only the main rank measures; every rank takes its decision, so all ranks train alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sdtrain.config import RunConfig
+from sdtrain.distributed import gather_objects
+from sdtrain.utils import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "SDTRAIN_CACHE_DIR"
+# bf16 rounds every matmul input; it has to buy a clear gain, not a tie within timing noise.
+BF16_MIN_GAIN = 1.05
+_LEAVES = (nn.Conv2d, nn.Linear, nn.GroupNorm, nn.LayerNorm)
+
+
+@dataclass
+class Tuning:
+    """What a run trains with, and why; saved in every checkpoint's meta.json."""
+
+    precision: str
+    """fp32 or bf16."""
+    checkpointing: bool
+    precision_source: str
+    """config, measured, cache or checkpoint."""
+    fp32_ms: float | None = None
+    bf16_ms: float | None = None
+    estimated_gib: float | None = None
+    available_gib: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class LayerCall:
+    """One distinct layer call of the model: the module, a copy of its inputs and how often it runs."""
+
+    module: nn.Module
+    args: tuple
+    kwargs: dict[str, Any]
+    calls: int
+    activation_bytes: int
+    """Bytes of the call's tensor inputs per sample, about what autograd keeps for its backward."""
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "sdtrain"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _machine_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{_cpu_model()}:threads={torch.get_num_threads()}"
+
+
+def _tensors_bytes(values: Any) -> int:
+    if isinstance(values, torch.Tensor):
+        return values.numel() * values.element_size()
+    if isinstance(values, (tuple, list)):
+        return sum(_tensors_bytes(v) for v in values)
+    if isinstance(values, dict):
+        return sum(_tensors_bytes(v) for v in values.values())
+    return 0
+
+
+def _copy_inputs(values: Any) -> Any:
+    if isinstance(values, torch.Tensor):
+        return values.detach().clone()
+    if isinstance(values, tuple):
+        return tuple(_copy_inputs(v) for v in values)
+    if isinstance(values, list):
+        return [_copy_inputs(v) for v in values]
+    if isinstance(values, dict):
+        return {k: _copy_inputs(v) for k, v in values.items()}
+    return values
+
+
+def _signature(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str:
+    def describe(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"T{tuple(value.shape)}{value.dtype}"
+        if isinstance(value, (tuple, list)):
+            return "(" + ",".join(describe(v) for v in value) + ")"
+        return type(value).__name__
+    shapes = describe(args) + describe(sorted(kwargs.items()))
+    return f"{type(module).__name__}|{module.extra_repr()}|{sum(p.numel() for p in module.parameters())}|{shapes}"
+
+
+def _is_attention(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("Attention")
+
+
+def record_layer_calls(modules: dict[str, nn.Module], run_forward: Callable[[], Any]) -> dict[str, LayerCall]:
+    """Run `run_forward` once (no gradients) and collect the distinct calls of the modules' layers.
+
+    Attention modules count as one layer: their inner projections run inside them, and the attention
+    product between does not belong to any leaf module."""
+    calls: dict[str, LayerCall] = {}
+    inside_attention: set[int] = set()
+    for module in modules.values():
+        for sub in module.modules():
+            if _is_attention(sub):
+                inside_attention.update(id(m) for m in sub.modules() if m is not sub)
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        key = _signature(module, args, kwargs)
+        if key in calls:
+            calls[key].calls += 1
+            return
+        batch = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 1), 1)
+        calls[key] = LayerCall(module, _copy_inputs(args), _copy_inputs(kwargs), 1,
+                               (_tensors_bytes(args) + _tensors_bytes(kwargs)) // max(batch, 1))
+
+    handles = []
+    for module in modules.values():
+        for sub in module.modules():
+            if id(sub) in inside_attention:
+                continue
+            if isinstance(sub, _LEAVES) or _is_attention(sub):
+                handles.append(sub.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            run_forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        return _first_tensor(output[0])
+    return _first_tensor(output[0] if hasattr(output, "__getitem__") else output.sample)
+
+
+def _with_grad(values: Any) -> Any:
+    if isinstance(values, torch.Tensor):
+        return values.detach().requires_grad_(values.is_floating_point())
+    if isinstance(values, tuple):
+        return tuple(_with_grad(v) for v in values)
+    if isinstance(values, list):
+        return [_with_grad(v) for v in values]
+    return values
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_layer_call(call: LayerCall, bf16: bool, device: torch.device) -> float:
+    """Seconds of one forward and backward of the call, in fp32 or under bf16 autocast."""
+    args = _with_grad(call.args)
+    start = time.perf_counter()
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        out = _first_tensor(call.module(*args, **call.kwargs))
+    out.float().sum().backward()
+    _synchronize(device)
+    return time.perf_counter() - start
+
+
+def time_precisions(calls: dict[str, LayerCall], device: torch.device, repeats: int = 2) -> dict[str, float]:
+    """Milliseconds of one model forward and backward (batch of one) in each precision, summed over the
+    distinct layer calls weighted by their count. The two precisions alternate, so a change in the
+    machine's load affects both; each call's best time is kept."""
+    best = {"fp32": [float("inf")] * len(calls), "bf16": [float("inf")] * len(calls)}
+    params = [p for call in calls.values() for p in call.module.parameters()]
+    try:
+        for attempt in range(repeats + 1):
+            for name in ("fp32", "bf16"):
+                for i, call in enumerate(calls.values()):
+                    seconds = time_layer_call(call, name == "bf16", device)
+                    if attempt:  # the first round only warms caches and allocators
+                        best[name][i] = min(best[name][i], seconds)
+    finally:
+        for p in params:
+            p.grad = None
+    counts = [call.calls for call in calls.values()]
+    return {name: 1000 * sum(t * n for t, n in zip(times, counts)) for name, times in best.items()}
+
+
+def _load_cache(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def measured_precision(calls: dict[str, LayerCall], device: torch.device) -> tuple[dict[str, float], str]:
+    """The fp32 and bf16 timings of these layer calls on this machine, from the cache when it has them."""
+    fingerprint = json.dumps([_machine_key(device), torch.__version__,
+                              sorted((k, c.calls) for k, c in calls.items())])
+    key = hashlib.sha256(fingerprint.encode()).hexdigest()[:24]
+    path = cache_dir() / "precision.json"
+    cached = _load_cache(path).get(key)
+    if cached is not None:
+        return cached, "cache"
+    timings = time_precisions(calls, device)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Re-read: another run may have added its own entry meanwhile.
+        atomic_write_text(path, json.dumps({**_load_cache(path), key: timings}, indent=1))
+    except OSError as exc:
+        log.warning("cannot cache the precision timings in %s (%s)", path, exc.strerror)
+    return timings, "measured"
+
+
+def bf16_supported(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.cuda.is_bf16_supported()
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def training_bytes(trainable: list[nn.Parameter], frozen: list[nn.Parameter], activation_bytes_per_sample: int,
+                   batch_size: int, ema: bool, checkpointing: bool) -> int:
+    """Estimated peak of a training step: fp32 weights, gradients and two Adam moments of the trained
+    parameters (plus their average with EMA), the frozen weights, and the activations autograd keeps.
+    The recorded layer inputs miss the elementwise results between layers (activations, residual sums),
+    hence the factor 1.5; with checkpointing about one block's worth stays, bounded here by a quarter."""
+    state = sum(p.numel() * p.element_size() for p in trainable) * (4 + (1 if ema else 0))
+    state += sum(p.numel() * p.element_size() for p in frozen)
+    activations = 1.5 * activation_bytes_per_sample * batch_size
+    return int(state + (activations / 4 if checkpointing else activations))
+
+
+def decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str, Any] | None, device: torch.device,
+           is_main: bool, processes_per_machine: int = 1) -> Tuning:
+    """Precision and checkpointing for this run; the main rank measures, every rank gets its answer."""
+    tuning = None
+    if is_main:
+        tuning = _decide(config, task, encoded, resumed_meta, device, processes_per_machine)
+        log.info("precision %s (%s%s); gradient checkpointing %s%s", tuning.precision, tuning.precision_source,
+                 f": fp32 {tuning.fp32_ms:.0f} ms, bf16 {tuning.bf16_ms:.0f} ms per sample forward+backward"
+                 if tuning.fp32_ms is not None else "",
+                 "on" if tuning.checkpointing else "off",
+                 f" (estimated {tuning.estimated_gib:.1f} GiB of {tuning.available_gib:.1f} GiB)"
+                 if tuning.estimated_gib is not None else "")
+    return gather_objects(tuning)[0]
+
+
+def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str, Any] | None,
+            device: torch.device, processes_per_machine: int) -> Tuning:
+    requested = config.train.mixed_precision
+    previous = (resumed_meta or {}).get("tuning")
+    if requested == "bf16" and not bf16_supported(device):
+        from sdtrain.errors import UserError
+
+        raise UserError("train.mixed_precision: this GPU has no bf16; use fp32 or auto")
+    measure_precision = requested == "auto" and previous is None and bf16_supported(device)
+    measure_memory = config.train.gradient_checkpointing == "auto"
+    calls = _record(config, task, encoded) if measure_precision or measure_memory else {}
+
+    timings: dict[str, float] = {}
+    if requested != "auto":
+        precision, source = requested, "config"
+        if previous is not None and previous["precision"] != requested:
+            log.warning("train.mixed_precision=%s changes this run's precision from %s, the one it started with",
+                        requested, previous["precision"])
+    elif previous is not None:
+        precision, source = previous["precision"], "checkpoint"
+        timings = {"fp32": previous.get("fp32_ms"), "bf16": previous.get("bf16_ms")}
+    elif not bf16_supported(device):
+        precision, source = "fp32", "measured"
+    else:
+        timings, source = measured_precision(calls, device)
+        precision = "bf16" if timings["bf16"] * BF16_MIN_GAIN < timings["fp32"] else "fp32"
+
+    estimated = available = None
+    checkpointing = config.train.gradient_checkpointing
+    if checkpointing == "auto":
+        trainable = task.parameters()
+        ids = {id(p) for p in trainable}
+        frozen = [p for m in _all_modules(task) for p in m.parameters() if id(p) not in ids]
+        per_sample = sum(c.activation_bytes * c.calls for c in calls.values())
+        batch = config.data.batch_size
+        estimated = processes_per_machine * training_bytes(trainable, frozen, per_sample, batch,
+                                                           config.ema.enabled, checkpointing=False)
+        available = _available_bytes(device) * 0.9
+        checkpointing = estimated > available
+        estimated, available = estimated / 2**30, available / 2**30
+    return Tuning(precision, bool(checkpointing), source, timings.get("fp32"), timings.get("bf16"), estimated,
+                  available)
+
+
+def _all_modules(task: Any) -> list[nn.Module]:
+    seen: dict[int, nn.Module] = {}
+    for name in ("vae", "text_encoder", "unet"):
+        module = getattr(task, name, None)
+        if isinstance(module, nn.Module):
+            seen[id(module)] = module
+    for module in task.trainable.values():
+        seen[id(module)] = module
+    return list(seen.values())
+
+
+def _record(config: RunConfig, task: Any, encoded: bool) -> dict[str, LayerCall]:
+    """The distinct layer calls of the trained modules on one synthetic sample, leaving the task's
+    statistics and the RNG as they were."""
+    from sdtrain.data.synthetic import SyntheticBatches
+
+    one = dataclasses.replace(config.data, batch_size=1)
+    batch = SyntheticBatches(one, task, seed=config.seed, rank=0, encoded=encoded).next()
+    generator = torch.Generator(task.device).manual_seed(0)
+    extra, rng = task.extra_state(), torch.get_rng_state()
+    try:
+        return record_layer_calls(task.trainable, lambda: task.loss(batch, generator))
+    finally:
+        task.load_extra_state(extra)
+        torch.set_rng_state(rng)

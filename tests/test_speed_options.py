@@ -1,0 +1,197 @@
+"""Options that make training faster or lighter must not change what it computes: fused AdamW, the
+optimizer step inside backward, EMA every N steps, the precision and checkpointing chosen by measurement,
+and parameter counts that match the published ones."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from sdtrain.checkpoint import latest_checkpoint, read_meta
+from sdtrain.cli.main import main
+from sdtrain.config import EMAConfig, OptimConfig
+from sdtrain.train import autotune
+from sdtrain.train.ema import EMA
+from sdtrain.train.optim import build_optimizer
+
+from .conftest import TINY, config_path
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+def _train(model: nn.Module, config: OptimConfig, steps: int = 5) -> list[torch.Tensor]:
+    optimizer = build_optimizer(list(model.parameters()), config)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        model(torch.randn(4, 8, generator=generator)).pow(2).mean().backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_fused_adamw_matches_the_default_loop():
+    fused = _train(_model(), OptimConfig(lr=1e-2, fused=True))
+    plain = _train(_model(), OptimConfig(lr=1e-2, fused=False))
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert build_optimizer(list(_model().parameters()), OptimConfig()).defaults["fused"]
+
+
+def test_optimizer_in_backward_matches_a_step_after_backward_and_frees_gradients():
+    model = _model()
+    in_backward = _train(model, OptimConfig(lr=1e-2, in_backward=True, grad_clip=0))
+    after = _train(_model(), OptimConfig(lr=1e-2, grad_clip=0))
+    for a, b in zip(in_backward, after):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert all(p.grad is None for p in model.parameters())  # each gradient was dropped once used
+
+
+def test_ema_every_n_steps_equals_the_per_step_average_of_weights_held_for_n_steps():
+    every, steps = 3, 12
+    param = nn.Parameter(torch.zeros(5))
+    module = nn.Module()
+    module.w = param
+    sparse = EMA({"m": module}, EMAConfig(decay=0.9, warmup=True, every=every))
+    reference = torch.zeros(5)
+    values = [torch.full((5,), float(v)) for v in range(1, steps + 1)]
+    for step, value in enumerate(values, start=1):
+        with torch.no_grad():
+            param.copy_(value)
+        if sparse.due(step):
+            sparse.update(step)
+            # Per-step EMA of the weights as they stand now, applied for each step of the period.
+            for past in range(step - every, step):
+                decay = min(0.9, (1 + past) / (10 + past))
+                reference = decay * reference + (1 - decay) * value
+    torch.testing.assert_close(sparse.shadow["m.w"], reference)
+    assert sparse.updates == steps // every
+
+
+def test_ema_every_one_is_the_ordinary_per_step_average():
+    param = nn.Parameter(torch.zeros(3))
+    module = nn.Module()
+    module.w = param
+    ema = EMA({"m": module}, EMAConfig(decay=0.5, warmup=False))
+    expected = torch.zeros(3)
+    for step in range(1, 5):
+        with torch.no_grad():
+            param.add_(1.0)
+        ema.update(step)
+        expected = 0.5 * expected + 0.5 * param.detach()
+    torch.testing.assert_close(ema.shadow["m.w"], expected)
+
+
+def test_sd2_params_print_the_published_counts(capsys):
+    root = config_path("diffusion.yaml").parents[1]
+    assert main(["params", str(root / "sd2-256.yaml")]) == 0
+    out = capsys.readouterr().out
+    # The MosaicML benchmark script's figures for SD2 base.
+    assert "Model has 1289.952427 M parameters and 865.910724 M trainable_params" in out
+    assert "865,910,724" in out
+
+
+def test_params_counts_what_a_stage_trains(capsys):
+    assert main(["params", str(config_path("autoencoder.yaml")), "--json"]) == 0
+    (vae,) = json.loads(capsys.readouterr().out)
+    assert vae["name"] == "vae" and vae["trainable"] == vae["parameters"] > 0
+
+
+def test_mixed_precision_no_on_the_command_line_means_fp32(tmp_path):
+    from sdtrain.config import load_config
+
+    config = load_config(config_path("diffusion.yaml"), [f"run_dir={tmp_path}", "data.shards=x",
+                                                          "train.mixed_precision=no"])
+    assert config.train.mixed_precision == "fp32"
+
+
+def _slow(precision: str, factor: float = 1000.0):
+    real = autotune.time_precisions
+
+    def timed(calls, device, repeats=2):
+        timings = real(calls, device, repeats)
+        return {**timings, precision: timings[precision] * factor}
+
+    return timed
+
+
+AUTO = [*TINY, "train.mixed_precision=auto", "train.max_steps=2", "checkpoint.every=1", "validation.prompts=[]"]
+
+
+@pytest.mark.parametrize("slow, expected", [("bf16", "fp32"), ("fp32", "bf16")])
+def test_auto_precision_picks_the_faster_and_a_resume_keeps_it(tmp_path, shapes_dir, autoencoder_run, monkeypatch,
+                                                                caplog, slow, expected):
+    monkeypatch.setenv("SDTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(autotune, "time_precisions", _slow(slow))
+    run = tmp_path / "run"
+    args = ["train", str(config_path("diffusion.yaml")), f"run_dir={run}", f"data.shards={shapes_dir}",
+            f"model.vae={autoencoder_run}", *AUTO]
+    with caplog.at_level(logging.INFO, logger="sdtrain.train.autotune"):
+        assert main(args) == 0
+    assert f"precision {expected} (measured: fp32" in caplog.text
+    tuning = read_meta(latest_checkpoint(run))["tuning"]
+    assert tuning["precision"] == expected and tuning["precision_source"] == "measured"
+    assert tuning["fp32_ms"] > 0 and tuning["bf16_ms"] > 0
+    # Resumed on the same machine with the other dtype now the faster: the run keeps its choice.
+    monkeypatch.setattr(autotune, "time_precisions", _slow(expected))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sdtrain.train.autotune"):
+        assert main([*args, "train.max_steps=3"]) == 0
+    assert f"precision {expected} (checkpoint" in caplog.text
+    assert read_meta(latest_checkpoint(run))["tuning"]["precision"] == expected
+
+
+def test_forcing_another_precision_on_resume_says_so(tmp_path, shapes_dir, autoencoder_run, caplog):
+    run = tmp_path / "run"
+    args = ["train", str(config_path("diffusion.yaml")), f"run_dir={run}", f"data.shards={shapes_dir}",
+            f"model.vae={autoencoder_run}", *TINY, "train.max_steps=1", "validation.prompts=[]"]
+    assert main(args) == 0
+    with caplog.at_level(logging.WARNING):
+        assert main([*args, "train.max_steps=2", "train.mixed_precision=bf16"]) == 0
+    assert "changes this run's precision from fp32" in caplog.text
+
+
+def test_measured_precision_is_cached_per_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("SDTRAIN_CACHE_DIR", str(tmp_path))
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.Conv2d(8, 8, 3, padding=1))
+    calls = autotune.record_layer_calls({"m": model}, lambda: model(torch.randn(1, 3, 16, 16)))
+    # Two distinct convolutions and one norm; the layer calls keep their real input shapes.
+    assert sorted(c.calls for c in calls.values()) == [1, 1, 1]
+    first, source = autotune.measured_precision(calls, torch.device("cpu"))
+    assert source == "measured" and first["fp32"] > 0 and first["bf16"] > 0
+    again, source = autotune.measured_precision(calls, torch.device("cpu"))
+    assert source == "cache" and again == first
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_checkpointing_auto_turns_on_only_when_memory_would_not_fit():
+    big = [nn.Parameter(torch.empty(1000))]
+    fits = autotune.training_bytes(big, [], activation_bytes_per_sample=10_000, batch_size=2, ema=True,
+                                   checkpointing=False)
+    assert fits == 1000 * 4 * 5 + 1.5 * 10_000 * 2
+    lighter = autotune.training_bytes(big, [], 10_000, 2, ema=True, checkpointing=True)
+    assert lighter < fits
+
+
+def test_resume_is_bitwise_with_every_speed_option_on(tmp_path, shapes_dir, autoencoder_run):
+    options = ["optim.fused=true", "ema.every=2", "train.mixed_precision=auto", "train.gradient_checkpointing=auto",
+               "optim.in_backward=true", "optim.grad_clip=0", "validation.prompts=[]", "checkpoint.every=3"]
+
+    def run(folder, steps):
+        assert main(["train", str(config_path("diffusion.yaml")), f"run_dir={folder}", f"data.shards={shapes_dir}",
+                     f"model.vae={autoencoder_run}", *TINY, *options, f"train.max_steps={steps}"]) == 0
+
+    run(tmp_path / "straight", 6)
+    run(tmp_path / "stopped", 3)
+    run(tmp_path / "stopped", 6)
+    for name in ("model.safetensors", "ema.safetensors"):
+        a = load_file(str(latest_checkpoint(tmp_path / "straight") / name))
+        b = load_file(str(latest_checkpoint(tmp_path / "stopped") / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
