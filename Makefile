@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; a GPU machine can install its own CUDA build first, pyproject only asks for a range.
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-dev demo test lint clean
+.PHONY: install install-dev demo test lint clean bench-peer
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,15 @@ demo: install
 
 test: install-dev
 	$(BIN)/python -m pytest -q
+
+# sdtrain beside diffusers' examples/text_to_image/train_text_to_image.py from a diffusers checkout:
+#   make bench-peer DIFFUSERS=path/to/diffusers [BENCH_PEER_ARGS="--size sd2 --steps 10 --ema both"]
+BENCH_PEER_ARGS ?= --size tiny --steps 40 --ema both --precision fp32,bf16
+bench-peer: install
+	@test -n "$(DIFFUSERS)" || { echo "usage: make bench-peer DIFFUSERS=path/to/diffusers-checkout" >&2; exit 2; }
+	$(BIN)/pip install --quiet -e '.[bench]'
+	$(BIN)/python benchmarks/peer.py --diffusers $(DIFFUSERS) $(BENCH_PEER_ARGS) --work runs/bench-peer \
+		--out runs/bench-peer/results.json
 
 lint: install-dev
 	$(BIN)/ruff check src tests
