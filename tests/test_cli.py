@@ -55,3 +55,17 @@ def test_demo_runs_end_to_end_at_a_few_steps(tmp_path):
     assert (out / "samples.png").is_file()
     assert (out / "pipeline" / "model_index.json").is_file()
     assert (out / "diffusion" / "checkpoints" / "step_00000002").is_dir()
+
+
+def test_overrides_may_follow_options(capsys):
+    import json
+
+    import pytest
+
+    assert main(["params", str(config_path("diffusion.yaml")), "--json", "model.preset=small"]) == 0
+    small = {r["name"]: r["parameters"] for r in json.loads(capsys.readouterr().out)}
+    assert main(["params", str(config_path("diffusion.yaml")), "--json"]) == 0
+    tiny = {r["name"]: r["parameters"] for r in json.loads(capsys.readouterr().out)}
+    assert small["unet"] > tiny["unet"]  # the override after --json was applied
+    with pytest.raises(SystemExit):
+        main(["params", str(config_path("diffusion.yaml")), "--bogus"])
