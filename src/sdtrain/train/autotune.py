@@ -54,6 +54,8 @@ class Tuning:
     bf16_ms: float | None = None
     estimated_gib: float | None = None
     available_gib: float | None = None
+    seconds: float = 0.0
+    """What recording and timing the layers took at this start (0 when nothing was measured)."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -282,12 +284,13 @@ def decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str, 
     tuning = None
     if is_main:
         tuning = _decide(config, task, encoded, resumed_meta, device, processes_per_machine)
-        log.info("precision %s (%s%s); gradient checkpointing %s%s", tuning.precision, tuning.precision_source,
+        log.info("precision %s (%s%s); gradient checkpointing %s%s%s", tuning.precision, tuning.precision_source,
                  f": fp32 {tuning.fp32_ms:.0f} ms, bf16 {tuning.bf16_ms:.0f} ms per sample forward+backward"
                  if tuning.fp32_ms is not None else "",
                  "on" if tuning.checkpointing else "off",
                  f" (estimated {tuning.estimated_gib:.1f} GiB of {tuning.available_gib:.1f} GiB)"
-                 if tuning.estimated_gib is not None else "")
+                 if tuning.estimated_gib is not None else "",
+                 f"; measured in {tuning.seconds:.1f} s" if tuning.seconds else "")
     return gather_objects(tuning)[0]
 
 
@@ -301,6 +304,7 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
         raise UserError("train.mixed_precision: this GPU has no bf16; use fp32 or auto")
     measure_precision = requested == "auto" and previous is None and bf16_supported(device)
     measure_memory = config.train.gradient_checkpointing == "auto"
+    start = time.perf_counter()
     calls = _record(config, task, encoded) if measure_precision or measure_memory else {}
 
     timings: dict[str, float] = {}
@@ -332,7 +336,7 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
         checkpointing = estimated > available
         estimated, available = estimated / 2**30, available / 2**30
     return Tuning(precision, bool(checkpointing), source, timings.get("fp32"), timings.get("bf16"), estimated,
-                  available)
+                  available, round(time.perf_counter() - start, 2) if calls else 0.0)
 
 
 def _all_modules(task: Any) -> list[nn.Module]:
