@@ -195,3 +195,29 @@ def test_resume_is_bitwise_with_every_speed_option_on(tmp_path, shapes_dir, auto
         a = load_file(str(latest_checkpoint(tmp_path / "straight") / name))
         b = load_file(str(latest_checkpoint(tmp_path / "stopped") / name))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpointing_auto_turns_on_when_the_machine_is_too_small(tmp_path, shapes_dir, autoencoder_run, monkeypatch):
+    monkeypatch.setattr(autotune, "_available_bytes", lambda device: 2**20)  # a 1 MiB machine
+    run = tmp_path / "run"
+    assert main(["train", str(config_path("diffusion.yaml")), f"run_dir={run}", f"data.shards={shapes_dir}",
+                 f"model.vae={autoencoder_run}", *TINY, "train.gradient_checkpointing=auto", "train.max_steps=1",
+                 "validation.prompts=[]"]) == 0
+    tuning = read_meta(latest_checkpoint(run))["tuning"]
+    assert tuning["checkpointing"] is True and tuning["estimated_gib"] > tuning["available_gib"]
+
+
+def test_a_save_without_validation_builds_no_second_model(tmp_path, shapes_dir, autoencoder_run, monkeypatch):
+    import sdtrain.train.trainer as trainer
+
+    built = []
+    real = trainer.instantiate_with
+    monkeypatch.setattr(trainer, "instantiate_with", lambda *a: built.append(a) or real(*a))
+    base = ["train", str(config_path("diffusion.yaml")), f"data.shards={shapes_dir}", f"model.vae={autoencoder_run}",
+            *TINY, "train.max_steps=1"]
+    assert main([*base, f"run_dir={tmp_path / 'quiet'}", "validation.prompts=[]"]) == 0
+    assert built == []
+    assert main([*base, f"run_dir={tmp_path / 'grid'}", "validation.prompts=[a red circle]", "validation.steps=2"]) == 0
+    # One module per trained component (this config trains the text encoder too), sharing the saved tensors.
+    assert sorted(spec["class"] for spec, _ in built) == ["CLIPTextModel", "UNet2DConditionModel"]
+    assert (tmp_path / "grid" / "samples").is_dir()
