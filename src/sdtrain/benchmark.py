@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -74,7 +75,9 @@ class Benchmark(Trainer):
         time a checkpoint save and the memory it adds."""
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         threads = torch.get_num_threads()
-        peaks = [flops.measure_peak_flops(dtype, self.device, threads, peak_seconds)["peak_gflops"]]
+        # Another job on the cores makes steps stall for seconds: the load shows whether figures can be trusted.
+        load_before = os.getloadavg()[0]
+        peaks = [flops.measure_peak_flops(dtype, self.device, threads, peak_seconds)]
         first = self._timed_step()
         for _ in range(max(warmup - 1, 0)):
             self.train_step()
@@ -82,13 +85,13 @@ class Benchmark(Trainer):
             step_flops = flops.count_flops(self.train_step)
         times = [self._timed_step() for _ in range(steps)]
         training_peak = self._peak_memory_gib()
-        peaks.append(flops.measure_peak_flops(dtype, self.device, threads, peak_seconds)["peak_gflops"])
+        peaks.append(flops.measure_peak_flops(dtype, self.device, threads, peak_seconds))
         step_s = statistics.median(times)
         world = self.topology.world_size
         global_batch = self.config.data.batch_size * self.config.train.grad_accum * world
         params = sum(p.numel() for p in self.task.parameters())
         per_image = step_flops * world / global_batch  # every rank counted its own share of the batch
-        peak = max(peaks)
+        peak = max(p["peak_gflops"] for p in peaks)
         result = {
             "stage": self.config.stage,
             "encoded": self.encoded,
@@ -115,17 +118,24 @@ class Benchmark(Trainer):
             "images_per_s": global_batch / step_s,
             "model_gflop_per_image": per_image / 1e9,
             "peak_gflops": peak,
-            "peak_gflops_runs": peaks,
+            "peak_gflops_runs": [p["peak_gflops"] for p in peaks],
+            # GEMMs and convolutions can differ 2x on one CPU (MKL against oneDNN): both, for reading the MFU.
+            "gemm_gflops": max(p["gemm_gflops"] for p in peaks),
+            "conv_gflops": max(p["conv_gflops"] for p in peaks),
             "achieved_gflops": step_flops / step_s / 1e9,
             "mfu": flops.mfu(step_flops, step_s, peak),
             "peak_memory_gib": training_peak,
+            "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],
+            "cpu_count": os.cpu_count(),
         }
         if save:
             start = time.perf_counter()
-            self.save()
+            saved = self.save()
             result["save_s"] = time.perf_counter() - start
             result["save_peak_memory_gib"] = self._peak_memory_gib()
             result["save_peak_ratio"] = result["save_peak_memory_gib"] / training_peak
+            if self.is_main:  # a timing artefact: the next benchmark in the same run_dir starts clean
+                shutil.rmtree(saved, ignore_errors=True)
         result |= self._allreduce(params)
         return result
 
