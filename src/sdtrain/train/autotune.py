@@ -31,6 +31,8 @@ from torch import nn
 
 from sdtrain.config import RunConfig
 from sdtrain.distributed import gather_objects
+from sdtrain.errors import UserError
+from sdtrain.flops import cpu_flags
 from sdtrain.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -80,20 +82,11 @@ def cache_dir() -> Path:
     return Path(base) / "sdtrain"
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _machine_key(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
-    return f"cpu:{_cpu_model()}:threads={torch.get_num_threads()}"
+    model = cpu_flags().get("model") or platform.processor() or platform.machine()
+    return f"cpu:{model}:threads={torch.get_num_threads()}"
 
 
 def _tensors_bytes(values: Any) -> int:
@@ -299,8 +292,6 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
     requested = config.train.mixed_precision
     previous = (resumed_meta or {}).get("tuning")
     if requested == "bf16" and not bf16_supported(device):
-        from sdtrain.errors import UserError
-
         raise UserError("train.mixed_precision: this GPU has no bf16; use fp32 or auto")
     measure_precision = requested == "auto" and previous is None and bf16_supported(device)
     measure_memory = config.train.gradient_checkpointing == "auto"
