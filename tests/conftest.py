@@ -66,6 +66,14 @@ def diffusion_run(tmp_path_factory, shapes_dir, autoencoder_run) -> Path:
     return run
 
 
+@pytest.fixture(scope="session")
+def pretrained(tmp_path_factory, diffusion_run) -> Path:
+    """A tiny pretrained pipeline folder to fine-tune: the diffusion run, exported."""
+    from sdtrain.export import export_run
+
+    return export_run(diffusion_run, tmp_path_factory.mktemp("pretrained") / "pipeline")
+
+
 def pytest_unconfigure(config) -> None:
     """If the interpreter does not exit soon after the session, say what holds it, then leave.
 

@@ -169,3 +169,16 @@ def test_two_changed_restarts_in_one_second_keep_both(
         prepare_run_dir(load_config(good, [f"train.max_steps={steps}"]))
     recorded = sorted(load_config(p).train.max_steps for p in (tmp_path / "run").glob("config.*.yaml"))
     assert recorded == [2000, 3000]
+
+
+@pytest.mark.parametrize("name", ["finetune-full", "lora", "textual-inversion", "textual-inversion-cpu", "dreambooth",
+                                  "sd2-256"])
+def test_every_shipped_recipe_loads_once_its_paths_are_given(name, tmp_path):
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
+    given = [f"run_dir={tmp_path}", "data.shards=data", "model.pretrained=sd",
+             "textual_inversion.initializer_token=toy"]
+    config = load_config(path, given)
+    assert config.mode in ("full", "lora", "textual_inversion", "dreambooth")
+    if name == "textual-inversion":  # the one value a user must choose is asked for by name
+        with pytest.raises(UserError, match="textual_inversion.initializer_token"):
+            load_config(path, given[:3])

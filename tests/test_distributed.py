@@ -159,6 +159,12 @@ def test_launcher_environments_are_recognised():
     assert (mpi.rank, mpi.world_size, mpi.master_addr, mpi.launcher) == (2, 3, "10.0.0.1", "mpi")
     hydra = detect_topology({"PMI_RANK": "1", "PMI_SIZE": "3", "MPI_LOCALRANKID": "0"})
     assert (hydra.rank, hydra.world_size) == (1, 3)
+    # The processes sharing one machine's memory, for the memory estimate, under every launcher.
+    assert detect_topology({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}).local_world_size == 4
+    assert detect_topology({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_TASKS_PER_NODE": "4(x4)"}
+                           ).local_world_size == 4
+    assert detect_topology({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "6",
+                            "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}).local_world_size == 2
     assert not detect_topology({}).distributed
     # A one-task Slurm allocation running torchrun inside is torchrun's, not Slurm's.
     assert detect_topology({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).launcher == "single"

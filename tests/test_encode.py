@@ -113,3 +113,25 @@ def test_prepare_encode_from_the_cli(tmp_path, shapes_dir, autoencoder_run, enco
     assert main(["prepare", "verify", str(out)]) == 0
     assert main(["prepare", "encode", str(shapes_dir), "--out", str(out), "--resolution", "32"]) == 2
     assert "--model" in capsys.readouterr().err
+
+
+def test_encoded_training_frees_the_unread_frozen_weights_and_still_validates(
+        tmp_path, shapes_dir, diffusion_run):
+    from sdtrain.config import load_config
+    from sdtrain.export import export_run
+    from sdtrain.train.trainer import Trainer
+
+    from .conftest import TINY, config_path
+
+    pipeline = export_run(diffusion_run, tmp_path / "pipe")
+    out = tmp_path / "enc"
+    encode_dataset(str(shapes_dir), out, _encoder(pipeline, pipeline), batch_size=16)
+    config = load_config(config_path("diffusion.yaml"), [
+        *TINY, f"run_dir={tmp_path / 'run'}", f"data.shards={out}", f"model.pretrained={pipeline}", "model.vae=null",
+        "diffusion.train_text_encoder=false", "train.max_steps=2", "validation.prompts=[a red square]"])
+    trainer = Trainer(config)
+    # Training never reads them: their memory is released for the whole run.
+    assert all(p.is_meta for p in trainer.task.vae.parameters())
+    assert all(p.is_meta for p in trainer.task.text_encoder.parameters())
+    trainer.train()
+    assert (tmp_path / "run" / "samples" / "step_00000002.png").is_file()

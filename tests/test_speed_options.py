@@ -17,7 +17,7 @@ from sdtrain.cli.main import main
 from sdtrain.config import EMAConfig, OptimConfig
 from sdtrain.train import autotune
 from sdtrain.train.ema import EMA
-from sdtrain.train.optim import build_optimizer
+from sdtrain.train.optim import allocate_state, build_optimizer
 
 from .conftest import TINY, config_path
 
@@ -27,8 +27,13 @@ def _model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
 
 
-def _train(model: nn.Module, config: OptimConfig, steps: int = 5) -> list[torch.Tensor]:
+def _train(model: nn.Module, config: OptimConfig, steps: int = 5, eager: bool = False) -> list[torch.Tensor]:
     optimizer = build_optimizer(list(model.parameters()), config)
+    if eager:
+        before = [p.detach().clone() for p in model.parameters()]
+        allocate_state(optimizer)
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing moved
+        assert all("exp_avg" in optimizer.state[p] for p in model.parameters())
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
@@ -43,6 +48,14 @@ def test_fused_adamw_matches_the_default_loop():
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert build_optimizer(list(_model().parameters()), OptimConfig()).defaults["fused"]
+
+
+@pytest.mark.parametrize("config", [OptimConfig(lr=1e-2, weight_decay=0.1), OptimConfig(lr=1e-2, fused=False),
+                                    OptimConfig(lr=1e-2, in_backward=True, grad_clip=0)])
+def test_optimizer_state_made_before_the_first_step_changes_nothing(config):
+    eager = _train(_model(), config, eager=True)
+    lazy = _train(_model(), config)
+    assert all(torch.equal(a, b) for a, b in zip(eager, lazy))
 
 
 def test_optimizer_in_backward_matches_a_step_after_backward_and_frees_gradients():

@@ -67,6 +67,7 @@ class Benchmark(Trainer):
             raise UserError(f"--encoded: the {self.config.stage} stage trains on images, not pre-encoded latents")
         if self.encoded:
             self.task.text_embeddings = not self.config.diffusion.train_text_encoder
+            self.task.release_unread()
         return SyntheticBatches(self.config.data, self.task, self.config.seed, self.topology.rank, self.encoded)
 
     def measure(self, steps: int, warmup: int, peak_seconds: float = 2.0, save: bool = True) -> dict[str, Any]:

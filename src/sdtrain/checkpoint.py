@@ -45,7 +45,14 @@ class Snapshot:
     optimizer: dict[str, Any]
 
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# Frozen parameters inside a trained module (a LoRA'd UNet's base weights) are not the run's to save:
+# they come back from the module's pinned source, so a checkpoint is the size of what trains.
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+
+
+def is_partial(module: nn.Module) -> bool:
+    """Whether only some of a trained module's parameters train (adapters, new embeddings)."""
+    return any(not p.requires_grad for p in module.parameters())
 
 
 def capture(modules: dict[str, nn.Module], ema: Any, optimizer: torch.optim.Optimizer) -> Snapshot:
@@ -118,8 +125,9 @@ class Checkpointer:
             "samples": state.samples,
             "stage": state.stage,
             "ema": state.ema is not None,
-            "modules": {name: module_spec(m) for name, m in state.modules.items()},
+            "modules": {name: {**module_spec(m), "partial": is_partial(m)} for name, m in state.modules.items()},
             "sources": state.task.sources,
+            "task": state.task.checkpoint_meta(),
             "tuning": state.tuning.as_dict(),
         }
         # meta.json last: its presence is what marks a checkpoint folder complete.
@@ -166,8 +174,11 @@ class Checkpointer:
             model = load_file(str(path / "model.safetensors"))
             optimizer = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
             # Every rank holds the full state and keeps its own shard of it.
+            strict = not any(is_partial(m) for m in state.modules.values())
             set_state_dict(nn.ModuleDict(state.modules), state.optimizer, model_state_dict=model,
-                           optim_state_dict=optimizer, options=StateDictOptions(full_state_dict=True))
+                           optim_state_dict=optimizer, options=StateDictOptions(full_state_dict=True, strict=strict))
+            if not strict:
+                _check_partial(model, state.modules, path)
             trainer = torch.load(path / "trainer.pt", weights_only=True, map_location="cpu")
             if state.ema is not None:
                 state.ema.load_state_dict(load_file(str(path / "ema.safetensors")), trainer["ema_updates"])
@@ -178,6 +189,14 @@ class Checkpointer:
                 "delete it to fall back to the previous one, or set checkpoint.resume=never with a new run_dir"
             ) from exc
         log.info("resumed from %s at step %d", path, state.step)
+
+
+def _check_partial(saved: dict[str, torch.Tensor], modules: dict[str, nn.Module], path: Path) -> None:
+    """A partial load must still restore every trained tensor (adapters of another rank, say, would not)."""
+    trained = {f"{name}.{k}" for name, m in modules.items() for k, p in m.named_parameters() if p.requires_grad}
+    missing = sorted(trained - set(saved))
+    if missing:
+        raise KeyError(f"the checkpoint lacks {missing[0]}: it was saved with other adapter or token settings")
 
 
 def read_meta(checkpoint: Path) -> dict[str, Any]:
@@ -241,13 +260,23 @@ def load_run_modules(
     for name, spec in meta["modules"].items():
         if names is not None and name not in names:
             continue
-        module = instantiate(spec)
         state = _split_state(weights, name)
         if use_ema:
             # The EMA holds trained parameters only; buffers come from the raw weights.
             raw = _split_state(load_file(str(path / "model.safetensors")), name)
             state = {**raw, **state}
-        module.load_state_dict(state)
+        if spec.get("partial"):
+            from sdtrain.train.modes import rebuild_partial
+
+            module = rebuild_partial(name, meta)
+            missing = set(state) - set(module.state_dict())
+            if missing:
+                raise UserError(f"{path}: {name} weights {sorted(missing)[0]} do not fit its base; the run's "
+                                "sources changed since it saved")
+            module.load_state_dict(state, strict=False)
+        else:
+            module = instantiate(spec)
+            module.load_state_dict(state)
         module.eval()
         modules[name] = module
     return modules

@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from sdtrain.errors import UserError
 
 STAGES = ("autoencoder", "diffusion")
+MODES = ("full", "lora", "textual_inversion", "dreambooth")
 PRECISIONS = ("auto", "fp32", "bf16")
 # YAML 1.1 reads a bare `no` as false, which OmegaConf then stores as the string "False".
 _FP32_ALIASES = ("no", "False", "false")
@@ -68,6 +69,10 @@ class DataConfig:
     class_prompts: str | None = None
     """JSON file mapping each class index to a prompt, or to a list of prompts one of which is drawn
     per sample (open-diffusion's ``idx_to_prompt``)."""
+    prompt_templates: list[str] = field(default_factory=list)
+    """Replace each sample's caption with one of these, drawn per sample (seeded by its place in the epoch,
+    so resume is exact); ``{caption}`` in a template stands for the sample's own caption. Textual
+    inversion and DreamBooth fill this from their own settings."""
     use_encoded: bool = True
     """Read the latents (and, with a frozen text encoder, the text embeddings) that shards from
     ``sdtrain prepare encode`` carry, instead of encoding images every step. Those shards are
@@ -80,7 +85,9 @@ class ModelConfig:
     """Architecture for components built from scratch: ``tiny`` (tests, demo), ``small`` or ``sd2``
     (the real Stable Diffusion 2 base UNet, 865.9M parameters)."""
     pretrained: str | None = None
-    """A local diffusers pipeline folder; components not named below load from it."""
+    """A local diffusers pipeline folder, or a single-file checkpoint in the original Stable Diffusion layout
+    (``.safetensors``: SD 1.x or 2.x, sizes and prediction type read from the file; set ``tokenizer`` unless
+    a ``NAME.tokenizer/`` folder lies beside it). Components not named below load from it."""
     vae: str | None = None
     """Autoencoder source: a diffusers ``vae`` folder, a pipeline folder, or an sdtrain autoencoder run."""
     text_encoder: str | None = None
@@ -90,6 +97,9 @@ class ModelConfig:
     the training captions and saved in the run folder."""
     unet: str | None = None
     """UNet source: a UNet2DConditionModel folder, a pipeline folder, or an sdtrain run."""
+    trust_pickle: bool = False
+    """Allow ``.ckpt``/``.pt``/``.bin`` checkpoints (pickle files) as sources. They are still read with
+    ``torch.load(weights_only=True)``, which refuses code, but convert them to safetensors if you can."""
     tokenizer_vocab_size: int = 1024
     """Vocabulary size of a tokenizer trained from captions."""
     max_text_length: int = 77
@@ -123,6 +133,75 @@ class DiffusionConfig:
     which suits an autoencoder trained with ``autoencoder.sample_posterior: false``."""
     train_text_encoder: bool = False
     """Train the text encoder with the UNet (needed from scratch) instead of freezing it."""
+    noise_offset: float = 0.0
+    """Offset noise (Guttenberg, 2023): add this times a per-channel constant to the noise, so the model can
+    learn to change an image's mean brightness (very dark or bright images); 0.05-0.1 is usual, 0 is off."""
+    input_perturbation: float = 0.0
+    """Input perturbation (Ning et al., 2023): noise the latents with noise + this times fresh noise while
+    the target stays the plain noise, which reduces exposure bias; 0.1 is the paper's value, 0 is off."""
+    zero_terminal_snr: bool = False
+    """Rescale the noise schedule so its last timestep is pure noise (Lin et al., 2024); train with
+    v_prediction then, since epsilon carries no information at zero SNR."""
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 4
+    """Rank of each adapter: the width of its down and up projections."""
+    alpha: float = 0.0
+    """Scale numerator: the adapter's output is multiplied by alpha / rank; 0 means alpha = rank (scale 1)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input."""
+    target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    """Module names (or name suffixes) in the UNet that get adapters: by default every attention projection."""
+    text_encoder: bool = False
+    """Also train adapters on the text encoder's attention projections."""
+    text_encoder_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj",
+                                                                            "out_proj"])
+    """Module names in the text encoder that get adapters when ``text_encoder`` is on."""
+    save_merged: bool = False
+    """Also export a full pipeline with the adapters merged into the weights."""
+
+
+@dataclass
+class TextualInversionConfig:
+    placeholder_token: str = "<concept>"
+    """The new token the prompts use for the learned concept; it must not be in the vocabulary already."""
+    initializer_token: str = ""
+    """Required: a single-token word close to the concept (``cat``, ``painting``); the new vectors start
+    as its embedding."""
+    num_vectors: int = 1
+    """Embedding vectors the concept is given; more capture more detail and overfit sooner."""
+    learnable_property: str = "object"
+    """``object`` or ``style``: which set of caption templates trains the token ("a photo of a {}" or "a
+    painting in the style of {}")."""
+    templates: list[str] = field(default_factory=list)
+    """Caption templates of your own instead of the built-in ones; ``{}`` stands for the placeholder."""
+    save_as_full_pipeline: bool = False
+    """Also export the whole pipeline with the new token in its tokenizer and text encoder."""
+
+
+@dataclass
+class DreamBoothConfig:
+    instance_prompt: str = ""
+    """Required: the caption of every instance image, with a rare identifier for the subject, e.g.
+    ``a photo of sks dog``."""
+    class_prompt: str = ""
+    """The subject's class without the identifier (``a photo of a dog``): the prompt of the class images
+    that prior preservation trains on. Empty turns prior preservation off."""
+    class_data: str | None = None
+    """Folder of class images; when it holds fewer than ``num_class_images``, the base model generates the
+    rest into it (once, before training). Unset: ``class_images/`` in the run folder."""
+    num_class_images: int = 100
+    """Class images prior preservation needs."""
+    prior_loss_weight: float = 1.0
+    """Weight of the class images' loss beside the instance images' loss."""
+    class_batch_size: int = 0
+    """Class images per micro-batch; 0 means as many as data.batch_size instance images."""
+    generation_steps: int = 25
+    """Sampling steps when generating class images."""
+    lora: bool = False
+    """Train LoRA adapters (the ``lora`` settings) instead of the whole UNet."""
 
 
 @dataclass
@@ -254,12 +333,18 @@ class RunConfig:
     """What to train: ``autoencoder`` or ``diffusion`` (UNet, optionally with the text encoder)."""
     run_dir: str = MISSING
     """Folder for the resolved config, checkpoints, logs and samples."""
+    mode: str = "full"
+    """What the diffusion stage trains: ``full`` (all UNet weights, optionally the text encoder), ``lora``
+    (low-rank adapters only), ``textual_inversion`` (new token embeddings only) or ``dreambooth``."""
     seed: int = 0
     """Seeds initialisation, data order, augmentation and noise."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     autoencoder: AutoencoderLossConfig = field(default_factory=AutoencoderLossConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    textual_inversion: TextualInversionConfig = field(default_factory=TextualInversionConfig)
+    dreambooth: DreamBoothConfig = field(default_factory=DreamBoothConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -336,6 +421,36 @@ def _check(ok: bool, key: str, message: str) -> None:
 def validate(config: RunConfig) -> None:
     """Checks OmegaConf's types cannot express; each failure names its key."""
     _check(config.stage in STAGES, "stage", f"'{config.stage}' is not one of {', '.join(STAGES)}")
+    _check(config.mode in MODES, "mode", f"'{config.mode}' is not one of {', '.join(MODES)}")
+    _check(config.mode == "full" or config.stage == "diffusion", "mode",
+           f"{config.mode} fine-tunes the diffusion stage; set stage: diffusion")
+    _check(config.lora.rank >= 1, "lora.rank", "must be at least 1")
+    _check(config.lora.alpha >= 0, "lora.alpha", "must be 0 (= rank) or positive")
+    _check(0 <= config.lora.dropout < 1, "lora.dropout", "must be in [0, 1)")
+    _check(bool(config.lora.target_modules), "lora.target_modules", "needs at least one module name")
+    ti = config.textual_inversion
+    _check(ti.num_vectors >= 1, "textual_inversion.num_vectors", "must be at least 1")
+    _check(ti.learnable_property in ("object", "style"), "textual_inversion.learnable_property",
+           "must be object or style")
+    _check(all("{}" in t for t in ti.templates), "textual_inversion.templates",
+           "every template needs {} where the placeholder goes, e.g. 'a photo of {}'")
+    if config.mode == "textual_inversion":
+        _check(bool(ti.placeholder_token.strip()) and " " not in ti.placeholder_token,
+               "textual_inversion.placeholder_token", "must be one word without spaces, e.g. <my-cat>")
+        _check(bool(ti.initializer_token.strip()), "textual_inversion.initializer_token",
+               "required: a word close to the concept, e.g. cat")
+    if config.mode == "dreambooth":
+        db = config.dreambooth
+        _check(bool(db.instance_prompt.strip()), "dreambooth.instance_prompt",
+               "required: the instance images' caption with a rare identifier, e.g. 'a photo of sks dog'")
+        _check(db.num_class_images >= 1, "dreambooth.num_class_images", "must be at least 1")
+        _check(db.prior_loss_weight >= 0, "dreambooth.prior_loss_weight", "must be 0 or positive")
+        _check(db.class_batch_size >= 0, "dreambooth.class_batch_size", "must be 0 (= data.batch_size) or more")
+    if config.mode in ("lora", "textual_inversion") or (config.mode == "dreambooth" and config.dreambooth.lora):
+        _check(config.parallel.strategy == "ddp", "parallel.strategy",
+               f"{config.mode} trains a small part of the model: use ddp (fsdp is for sharding whole models)")
+    _check(config.diffusion.noise_offset >= 0, "diffusion.noise_offset", "must be 0 (off) or positive")
+    _check(config.diffusion.input_perturbation >= 0, "diffusion.input_perturbation", "must be 0 (off) or positive")
     _check(config.data.resolution >= 8, "data.resolution", "must be at least 8 pixels")
     _check(config.data.batch_size >= 1, "data.batch_size", "must be at least 1")
     _check(config.data.num_workers >= 0, "data.num_workers", "must be 0 or more")

@@ -35,6 +35,8 @@ class Topology:
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_PORT
     launcher: str = "single"
+    local_world_size: int = 1
+    """Processes of this job on this machine: they share its memory."""
 
     @property
     def distributed(self) -> bool:
@@ -65,21 +67,25 @@ def detect_topology(env: Mapping[str, str] | None = None) -> Topology:
 
     if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, Kubeflow PyTorchJob
         return Topology(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                        env.get("MASTER_ADDR", "127.0.0.1"), port(), "torchrun")
+                        env.get("MASTER_ADDR", "127.0.0.1"), port(), "torchrun",
+                        int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:  # srun, one task per device
         addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
         # A port derived from the job id lets several jobs share a node without colliding.
         default_port = 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+        # SLURM_TASKS_PER_NODE reads like "2(x3),1": the first node's count is the usual one.
+        per_node = re.match(r"\d+", env.get("SLURM_TASKS_PER_NODE", "")) or re.match(r"\d+", env["SLURM_NTASKS"])
         return Topology(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
-                        addr, int(env.get("MASTER_PORT", default_port)), "slurm")
+                        addr, int(env.get("MASTER_PORT", default_port)), "slurm", int(per_node.group()))
     if "OMPI_COMM_WORLD_RANK" in env:  # Open MPI's mpirun
         return Topology(int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"]),
                         int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)), env.get("MASTER_ADDR", "127.0.0.1"),
-                        port(), "mpi")
+                        port(), "mpi", int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", env["OMPI_COMM_WORLD_SIZE"])))
     if "PMI_RANK" in env and "PMI_SIZE" in env:  # Intel MPI / MPICH hydra
         local = env.get("MPI_LOCALRANKID", env.get("PMI_LOCAL_RANK", "0"))
         return Topology(int(env["PMI_RANK"]), int(env["PMI_SIZE"]), int(local),
-                        env.get("MASTER_ADDR", "127.0.0.1"), port(), "mpi")
+                        env.get("MASTER_ADDR", "127.0.0.1"), port(), "mpi",
+                        int(env.get("MPI_LOCALNRANKS", env["PMI_SIZE"])))
     return Topology()
 
 

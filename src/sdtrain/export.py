@@ -1,4 +1,5 @@
-"""Turning a run into files other tools read: a diffusers pipeline folder (or a VAE folder).
+"""Turning a run into files other tools read: a diffusers pipeline folder (or a VAE folder), or one
+``.safetensors`` file in the original Stable Diffusion layout that A1111/ComfyUI and diffusers' from_single_file read.
 
 Export is not checkpointing: a checkpoint is for resuming a run, an export is for using the model.
 """
@@ -11,11 +12,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from sdtrain.checkpoint import latest_checkpoint, load_run_modules, pinned_sources
+from sdtrain.checkpoint import latest_checkpoint, load_run_modules, pinned_sources, read_meta
 from sdtrain.config import RunConfig, load_config
 from sdtrain.errors import UserError
 from sdtrain.models import build
 from sdtrain.models.pipeline import assemble_pipeline, sampler_from
+from sdtrain.train.modes import merge_partial, save_trained_parts
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +34,10 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
     if config.stage != "diffusion":
         raise UserError(f"{run_dir}: a {config.stage} run has no pipeline; export it to get its {config.stage} folder")
     checkpoint = checkpoint or latest_checkpoint(run_dir)
-    trained = load_run_modules(run_dir, ema=ema, checkpoint=checkpoint)
+    trained = {name: merge_partial(m) for name, m in load_run_modules(run_dir, ema=ema, checkpoint=checkpoint).items()}
     pinned = pinned_sources(checkpoint)
     model = config.model
+    trust = True if model.trust_pickle else None
 
     def component(name: str) -> Any:
         if name in trained:
@@ -42,11 +45,14 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
         source = pinned.get(name) or build.component_source(model, name)
         if source is None:
             raise UserError(f"{run_dir}: the {name} was neither trained nor loaded from a folder")
-        return build.load_component(name, source)
+        return build.load_component(name, source, trust_pickle=trust)
 
     tokenizer_source = build.tokenizer_source(model) or run_dir
     tokenizer = build.load_tokenizer(tokenizer_source, model.max_text_length)
-    noise = build.build_noise_scheduler(config.diffusion, model.pretrained)
+    added_tokens = read_meta(checkpoint).get("task", {}).get("tokens")
+    if added_tokens:  # textual inversion: the merged text encoder's new rows belong to these
+        tokenizer.add_tokens(added_tokens)
+    noise = build.build_noise_scheduler(config.diffusion, model.pretrained, trust)
     return assemble_pipeline(component("vae"), component("text_encoder"), tokenizer, component("unet"),
                              sampler_from(noise, "euler"))
 
@@ -59,17 +65,41 @@ def _check_replaceable(out: Path, run_dir: Path) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"--out: {out} is a file; choose a folder name")
     if out.is_dir() and any(out.iterdir()):
-        is_export = (out / "model_index.json").is_file() or (
+        is_export = (out / "model_index.json").is_file() or any((out / f).is_file() for f in _PART_FILES) or (
             (out / "config.json").is_file() and all(p.name in _VAE_FILES for p in out.iterdir()))
         if not is_export:
             raise UserError(f"--out: {out} is a folder with other contents; choose a new or empty folder")
 
 
 _VAE_FILES = {"config.json", "diffusion_pytorch_model.safetensors"}
+_PART_FILES = ("pytorch_lora_weights.safetensors", "learned_embeds.safetensors")
 
 
-def export_run(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | None = None) -> Path:
-    """Write the run's model to `out`: a pipeline folder for diffusion runs, a VAE folder for autoencoder runs."""
+def is_partial_run(checkpoint: Path) -> bool:
+    """Whether the run trained only parts of its modules (adapters, embeddings)."""
+    return any(spec.get("partial") for spec in read_meta(checkpoint)["modules"].values())
+
+
+def _export_trained_parts(run_dir: Path, config: RunConfig, folder: Path, ema: bool, checkpoint: Path,
+                          full_pipeline: bool | None) -> None:
+    """A fine-tuning run's own files (LoRA adapters, learned embeddings), and the whole pipeline with them
+    merged in under ``pipeline/`` when asked."""
+    folder.mkdir(parents=True)
+    modules = load_run_modules(run_dir, ema=ema, checkpoint=checkpoint)
+    save_trained_parts(modules, read_meta(checkpoint), folder)
+    if full_pipeline is None:
+        full_pipeline = config.textual_inversion.save_as_full_pipeline if config.mode == "textual_inversion" \
+            else config.lora.save_merged
+    if full_pipeline:
+        pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint).save_pretrained(folder / "pipeline",
+                                                                                   safe_serialization=True)
+
+
+def export_run(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | None = None,
+               full_pipeline: bool | None = None) -> Path:
+    """Write the run's model to `out`: a pipeline folder for diffusion runs (the adapter or embedding files
+    for LoRA and textual-inversion runs, plus the merged pipeline when `full_pipeline` or the run's config
+    asks), a VAE folder for autoencoder runs."""
     run_dir, out = Path(run_dir), Path(out)
     if not (run_dir / "config.yaml").is_file():
         raise UserError(f"{run_dir}: not an sdtrain run folder (no config.yaml); pass the run_dir of a training run")
@@ -81,7 +111,10 @@ def export_run(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | No
     config = run_config(run_dir)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    if config.stage == "diffusion":
+    checkpoint = checkpoint or latest_checkpoint(run_dir)
+    if config.stage == "diffusion" and is_partial_run(checkpoint):
+        _export_trained_parts(run_dir, config, tmp, ema, checkpoint, full_pipeline)
+    elif config.stage == "diffusion":
         pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint).save_pretrained(tmp, safe_serialization=True)
     else:
         load_run_modules(run_dir, ["vae"], ema=ema, checkpoint=checkpoint)["vae"].save_pretrained(
@@ -91,5 +124,72 @@ def export_run(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | No
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)
+    log.info("exported %s -> %s", run_dir, out)
+    return out
+
+
+def _check_replaceable_file(out: Path, run_dir: Path) -> None:
+    """A single file may replace only an earlier single-file export, never the run or anything else."""
+    from sdtrain.models import single_file
+
+    if out.resolve().is_relative_to(run_dir.resolve() / "checkpoints"):
+        raise UserError(f"--out: {out} is inside the run's checkpoints; choose a path outside them")
+    if out.suffix.lower() != ".safetensors":
+        raise UserError(f"--out: {out}: a single file is written as .safetensors; name it OUT.safetensors")
+    if out.is_dir():
+        raise UserError(f"--out: {out} is a folder; choose a file name")
+    if out.exists() and not single_file.written_by_sdtrain(out):
+        raise UserError(f"--out: {out} exists and is not an earlier sdtrain single-file export; choose a new name")
+    tokenizer = single_file.tokenizer_folder(out)
+    if tokenizer.exists() and not (tokenizer / "tokenizer_config.json").is_file():
+        raise UserError(f"--out: {tokenizer} exists and is not a tokenizer folder; move it or choose another name")
+
+
+def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """Next to the file, as OUT.tokenizer/: swapped in whole, like every export."""
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save_pretrained(tmp)
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+
+
+def export_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | None = None,
+                       half: bool = False, text_layout: str = "auto") -> Path:
+    """Write the run's model as ONE .safetensors file in the original SD layout (see sdtrain.models.single_file).
+
+    A diffusion run gives UNet (``model.diffusion_model.*``), VAE (``first_stage_model.*``) and text encoder
+    (``cond_stage_model.transformer.*`` CLIP, or ``cond_stage_model.model.*`` OpenCLIP: `text_layout` 'auto'
+    picks OpenCLIP when the text encoder came from an SD 2.x-layout file or is 1024 wide), its tokenizer in
+    OUT.tokenizer/ beside it; an autoencoder run gives a VAE-only file (bare ``encoder.*``/``decoder.*`` keys).
+    EMA weights by default, fp32 unless `half`. The file is written under a temporary name and renamed.
+    """
+    from sdtrain.models import single_file
+
+    run_dir, out = Path(run_dir), Path(out)
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(f"{run_dir}: not an sdtrain run folder (no config.yaml); pass the run_dir of a training run")
+    if checkpoint is not None and not (Path(checkpoint) / "meta.json").is_file():
+        raise UserError(f"--checkpoint: {checkpoint} is not a checkpoint folder (no meta.json)")
+    checkpoint = checkpoint or latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise UserError(f"{run_dir}: no complete checkpoint yet; train the run first")
+    _check_replaceable_file(out, run_dir)
+    config = run_config(run_dir)
+    if config.stage != "diffusion":
+        vae = load_run_modules(run_dir, ["vae"], ema=ema, checkpoint=checkpoint)["vae"]
+        single_file.save_single_file(out, vae=vae, half=half)
+        log.info("exported %s -> %s", run_dir, out)
+        return out
+    pipe = pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint)
+    model = config.model
+    # The training noise schedule (not the pipeline's sampler): its prediction type and betas go in the metadata.
+    noise = build.build_noise_scheduler(config.diffusion, model.pretrained, True if model.trust_pickle else None)
+    text_source = pinned_sources(checkpoint).get("text_encoder") or build.component_source(model, "text_encoder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _save_tokenizer(pipe.tokenizer, single_file.tokenizer_folder(out))
+    single_file.save_single_file(out, unet=pipe.unet, vae=pipe.vae, text_encoder=pipe.text_encoder, scheduler=noise,
+                                 text_layout=text_layout, text_source=text_source, half=half)
     log.info("exported %s -> %s", run_dir, out)
     return out

@@ -17,7 +17,8 @@ from sdtrain.run import resolve_device
 from sdtrain.utils import make_grid, save_image_atomic
 
 
-def load_pipeline(model: str | Path, ema: bool = True, device: str = "auto") -> Any:
+def load_pipeline(model: str | Path, ema: bool = True, device: str = "auto",
+                  tokenizer: str | Path | None = None) -> Any:
     from diffusers import StableDiffusionPipeline
 
     kind = build.source_kind(model)
@@ -25,13 +26,49 @@ def load_pipeline(model: str | Path, ema: bool = True, device: str = "auto") -> 
         from sdtrain.export import pipeline_from_run
 
         pipe = pipeline_from_run(Path(model), ema=ema)
+    elif kind == "single_file":
+        from sdtrain.models.single_file import load_single_file_pipeline
+
+        pipe = load_single_file_pipeline(model, tokenizer=tokenizer)
     elif kind == "pipeline":
         pipe = StableDiffusionPipeline.from_pretrained(
             model, local_files_only=True, safety_checker=None, requires_safety_checker=False
         )
     else:
-        raise UserError(f"--model: {model} is a single component; pass a pipeline folder or a diffusion run")
+        raise UserError(f"--model: {model} is a single component; pass a pipeline folder, a single-file "
+                        "checkpoint or a diffusion run")
     return pipe.to(resolve_device(device))
+
+
+def apply_additions(pipe: Any, loras: Sequence[str | Path] = (), lora_scale: float = 1.0,
+                    embeddings: Sequence[str | Path] = ()) -> None:
+    """LoRA adapters (a folder with pytorch_lora_weights.safetensors, or any LoRA .safetensors file diffusers
+    reads, kohya's included) and textual-inversion embeddings, as diffusers' own loaders apply them."""
+    names = []
+    for i, lora in enumerate(loras):
+        path = Path(lora)
+        if not path.exists():
+            raise UserError(f"--lora: {path} not found; pass the folder `sdtrain export` wrote or a .safetensors file")
+        folder, weight = (path.parent, path.name) if path.is_file() else (path, None)
+        try:
+            pipe.load_lora_weights(folder, weight_name=weight, adapter_name=f"lora{i}", local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise UserError(f"--lora: {path}: not a LoRA diffusers can load ({str(exc).splitlines()[0]})") from exc
+        names.append(f"lora{i}")
+    if names:
+        pipe.set_adapters(names, adapter_weights=[lora_scale] * len(names))
+    for embedding in embeddings:
+        path = Path(embedding)
+        if path.is_dir():
+            path = path / "learned_embeds.safetensors"
+        if not path.is_file():
+            raise UserError(f"--embedding: {path} not found; pass a learned_embeds.safetensors file or its folder")
+        if path.suffix != ".safetensors":
+            raise UserError(f"--embedding: {path}: only .safetensors embeddings are read (pickle files can run code)")
+        try:
+            pipe.load_textual_inversion(str(path), local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise UserError(f"--embedding: {path}: cannot load ({str(exc).splitlines()[0]})") from exc
 
 
 @torch.no_grad()
@@ -54,10 +91,12 @@ def _slug(text: str) -> str:
 
 def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int = 30, guidance: float = 5.0,
              seed: int = 0, scheduler: str = "euler", ema: bool = True, device: str = "auto",
-             negative_prompt: str | None = None) -> list[Path]:
+             negative_prompt: str | None = None, loras: Sequence[str | Path] = (), lora_scale: float = 1.0,
+             embeddings: Sequence[str | Path] = (), tokenizer: str | Path | None = None) -> list[Path]:
     if not prompts:
         raise UserError("no prompts: pass --prompt TEXT or --prompts FILE with one prompt per line")
-    pipe = load_pipeline(model, ema=ema, device=device)
+    pipe = load_pipeline(model, ema=ema, device=device, tokenizer=tokenizer)
+    apply_additions(pipe, loras, lora_scale, embeddings)
     pipe.scheduler = sampler_from(pipe.scheduler, scheduler)
     images = sample_images(pipe, prompts, seed=seed, steps=steps, guidance=guidance,
                            negative_prompt=negative_prompt)

@@ -155,14 +155,16 @@ def mpi_script(job: Job, hosts: Path, threads_per_proc: int = 1) -> str:
 set -euo pipefail
 hostfile={shlex.quote(str(hosts))}
 master_addr=$(head -n 1 "$hostfile" | awk '{{print $1}}')
+# Two jobs on one host need two ports: set MASTER_PORT before running this file.
+master_port=${{MASTER_PORT:-{RDZV_PORT}}}
 args=(-m sdtrain {job.train_args()})
 if mpirun --version 2>&1 | grep -q "Open MPI"; then
     exec mpirun -np {total} --hostfile "$hostfile" --map-by ppr:{job.procs_per_node}:node --bind-to none \\
-        -x MASTER_ADDR="$master_addr" -x MASTER_PORT={RDZV_PORT} -x OMP_NUM_THREADS={threads_per_proc} -x PATH \\
+        -x MASTER_ADDR="$master_addr" -x MASTER_PORT="$master_port" -x OMP_NUM_THREADS={threads_per_proc} -x PATH \\
         python "${{args[@]}}"
 else  # Intel MPI, MPICH
     exec mpirun -n {total} -ppn {job.procs_per_node} -f "$hostfile" \\
-        -genv MASTER_ADDR "$master_addr" -genv MASTER_PORT {RDZV_PORT} -genv OMP_NUM_THREADS {threads_per_proc} \\
+        -genv MASTER_ADDR "$master_addr" -genv MASTER_PORT "$master_port" -genv OMP_NUM_THREADS {threads_per_proc} \\
         python "${{args[@]}}"
 fi
 """

@@ -49,7 +49,7 @@ class _TokenizerShape:
 def _component(config: RunConfig, name: str, built: dict[str, Any]) -> tuple[Any, str]:
     source = build.component_source(config.model, name)
     if source is not None:
-        return build.load_component(name, source), source
+        return build.load_component(name, source, trust_pickle=True if config.model.trust_pickle else None), source
     model = config.model
     with torch.device("meta"):
         if name == "vae":

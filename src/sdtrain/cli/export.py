@@ -1,4 +1,4 @@
-"""`sdtrain export RUN --out DIR`."""
+"""`sdtrain export RUN OUT` (a diffusers folder), or `sdtrain export RUN OUT.safetensors --single-file`."""
 
 from __future__ import annotations
 
@@ -7,17 +7,44 @@ from pathlib import Path
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("export", help="write a run's model as a diffusers folder")
+    parser = sub.add_parser("export", help="write a run's model as a diffusers folder or one .safetensors file")
     parser.add_argument("run_dir", type=Path, help="a training run folder")
-    parser.add_argument("--out", type=Path, required=True, help="output folder (replaced when complete)")
+    parser.add_argument("out_path", nargs="?", type=Path, metavar="OUT",
+                        help="output folder, or OUT.safetensors with --single-file (replaced when complete)")
+    parser.add_argument("--out", type=Path, help="the output, as an option (same as OUT)")
     parser.add_argument("--no-ema", dest="ema", action="store_false", help="export the raw weights, not the EMA")
     parser.add_argument("--checkpoint", type=Path, help="a checkpoint folder other than the newest")
+    parser.add_argument("--full-pipeline", action=argparse.BooleanOptionalAction, default=None,
+                        help="LoRA and textual-inversion runs: also write the whole pipeline with the adapters or "
+                             "tokens merged in, under OUT/pipeline (default: the run's lora.save_merged or "
+                             "textual_inversion.save_as_full_pipeline)")
+    parser.add_argument("--single-file", action="store_true",
+                        help="write ONE .safetensors in the original Stable Diffusion layout (A1111, ComfyUI, "
+                             "diffusers from_single_file), its tokenizer beside it in OUT.tokenizer/")
+    parser.add_argument("--half", action="store_true", help="with --single-file: store fp16 weights (default fp32)")
+    parser.add_argument("--text-layout", choices=["auto", "clip", "openclip"], default="auto",
+                        help="with --single-file: the text encoder's layout; auto is OpenCLIP (SD 2.x) when it came "
+                             "from an SD 2.x file or is 1024 wide, else CLIP (SD 1.x)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from sdtrain.export import export_run
+    from sdtrain.errors import UserError
+    from sdtrain.export import export_run, export_single_file
 
-    out = export_run(args.run_dir, args.out, ema=args.ema, checkpoint=args.checkpoint)
+    if args.out_path and args.out and args.out_path != args.out:
+        raise UserError(f"two outputs given ({args.out_path} and --out {args.out}); pass one")
+    out = args.out_path or args.out
+    if out is None:
+        raise UserError("no output: pass OUT (a folder, or OUT.safetensors with --single-file)")
+    if args.single_file:
+        out = export_single_file(args.run_dir, out, ema=args.ema, checkpoint=args.checkpoint, half=args.half,
+                                 text_layout=args.text_layout)
+    else:
+        if args.half or args.text_layout != "auto":
+            raise UserError("--half and --text-layout apply to --single-file exports only")
+        if out.suffix.lower() == ".safetensors":
+            raise UserError(f"{out} names a file; add --single-file to write one .safetensors, or choose a folder")
+        out = export_run(args.run_dir, out, ema=args.ema, checkpoint=args.checkpoint, full_pipeline=args.full_pipeline)
     print(f"exported to {out}")
     return 0

@@ -10,7 +10,10 @@ from sdtrain.errors import UserError
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("generate", help="images from prompts")
-    parser.add_argument("--model", required=True, help="a diffusers pipeline folder or a diffusion run folder")
+    parser.add_argument("--model", required=True,
+                        help="a diffusers pipeline folder, a single-file .safetensors checkpoint or a diffusion run")
+    parser.add_argument("--tokenizer", type=Path, help="with a single-file --model: its CLIP tokenizer folder "
+                        "(default: NAME.tokenizer/ beside the file)")
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     group.add_argument("--prompts", type=Path, help="a file with one prompt per line")
@@ -22,6 +25,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--negative-prompt", default=None)
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     parser.add_argument("--no-ema", dest="ema", action="store_false", help="with a run: use the raw weights")
+    parser.add_argument("--lora", action="append", default=[], metavar="PATH",
+                        help="LoRA adapters to apply: an exported folder or a .safetensors file (repeatable)")
+    parser.add_argument("--lora-scale", type=float, default=1.0, help="strength of the LoRA adapters")
+    parser.add_argument("--embedding", action="append", default=[], metavar="FILE",
+                        help="a textual-inversion learned_embeds.safetensors (or its folder) to load (repeatable)")
     parser.set_defaults(run=run)
 
 
@@ -38,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--steps: must be at least 1")
     paths = generate(args.model, prompts, args.out, steps=args.steps, guidance=args.guidance, seed=args.seed,
                      scheduler=args.scheduler, ema=args.ema, device=args.device,
-                     negative_prompt=args.negative_prompt)
+                     negative_prompt=args.negative_prompt, loras=args.lora, lora_scale=args.lora_scale,
+                     embeddings=args.embedding, tokenizer=args.tokenizer)
     print(f"wrote {len(paths) - 1} images and {paths[-1]}")
     return 0

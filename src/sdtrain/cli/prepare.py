@@ -218,6 +218,8 @@ def _text_encoder_of(model: str | None) -> str | None:
     kind = build.source_kind(model)
     if kind == "pipeline":
         return model if (Path(model) / "text_encoder").is_dir() else None
+    if kind == "single_file":  # holds all three components; its tokenizer lies beside it
+        return model
     if kind in ("run", "checkpoint"):
         from sdtrain.checkpoint import latest_checkpoint, read_meta
 

@@ -247,6 +247,9 @@ class SampleDecoder:
             reason = self.filters.check(meta if isinstance(meta, dict) else {}, caption)
             if reason is not None:
                 return Filtered(reason)
+        templates = self.config.prompt_templates
+        if templates:
+            caption = templates[int(rng.integers(len(templates)))].replace("{caption}", caption)
         return caption
 
     def __call__(self, raw: dict[str, Any], place: tuple[int, int, int]) -> dict[str, Any] | Filtered | None:

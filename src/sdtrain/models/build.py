@@ -1,9 +1,11 @@
 """Model components, built from a named preset or loaded from a local folder, through one path.
 
 A component source is one of: nothing (build the preset from scratch), a diffusers component
-folder (has config.json), a diffusers pipeline folder (has model_index.json), or an sdtrain run
-folder (its newest checkpoint, EMA weights when it kept them). No function here downloads: every
-load is local, so an offline cluster node behaves exactly like a laptop.
+folder (has config.json), a diffusers pipeline folder (has model_index.json), an sdtrain run
+folder (its newest checkpoint, EMA weights when it kept them), or a single-file checkpoint in the
+original Stable Diffusion layout (``.safetensors``; pickles only when trusted, see
+``sdtrain.models.single_file``). No function here downloads: every load is local, so an offline
+cluster node behaves exactly like a laptop.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from transformers import CLIPTextConfig, CLIPTextModel
 
 from sdtrain.config import DiffusionConfig, ModelConfig
 from sdtrain.errors import UserError
+from sdtrain.models import single_file
 from sdtrain.models.tokenizer import load_clip_tokenizer
 
 # 4x downsampling: 64 px images become 16x16x4 latents. No mid-block attention: on a CPU it costs
@@ -117,10 +120,15 @@ def build_unet(config: ModelConfig, latent_channels: int, latent_size: int, cros
     return _construct(UNet2DConditionModel, "unet_overrides", kwargs)
 
 
-def build_noise_scheduler(config: DiffusionConfig, pretrained: str | None = None) -> DDPMScheduler:
-    """The training noise schedule: a pretrained pipeline's own when there is one, else from config."""
+def build_noise_scheduler(config: DiffusionConfig, pretrained: str | None = None,
+                          trust_pickle: bool | None = None) -> DDPMScheduler:
+    """The training noise schedule: a pretrained pipeline's own when there is one (a single file's from its
+    metadata, else Stable Diffusion's), else from config. ``diffusion.prediction_type`` overrides either."""
+    overrides = {"prediction_type": config.prediction_type} if config.prediction_type else {}
+    if pretrained and single_file.looks_like_single_file(pretrained):
+        settings = single_file.scheduler_config(pretrained, trust_pickle=trust_pickle)
+        return DDPMScheduler.from_config({**settings, **overrides})
     if pretrained and (Path(pretrained) / "scheduler").is_dir():
-        overrides = {"prediction_type": config.prediction_type} if config.prediction_type else {}
         return DDPMScheduler.from_pretrained(Path(pretrained) / "scheduler", **overrides)
     return DDPMScheduler(
         num_train_timesteps=config.num_train_timesteps,
@@ -134,8 +142,12 @@ def build_noise_scheduler(config: DiffusionConfig, pretrained: str | None = None
 
 
 def source_kind(path: str | Path) -> str:
-    """'component', 'pipeline' or 'run'; a UserError names the folder otherwise."""
+    """'component', 'pipeline', 'checkpoint', 'run' or 'single_file'; a UserError names the path otherwise."""
     path = Path(path)
+    if single_file.looks_like_single_file(path):
+        if path.is_file():
+            return "single_file"
+        raise UserError(f"{path}: no such file; fix the path")
     if (path / "model_index.json").is_file():
         return "pipeline"
     if (path / "meta.json").is_file() and (path / "model.safetensors").is_file():
@@ -145,15 +157,21 @@ def source_kind(path: str | Path) -> str:
     if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():
         return "run"
     raise UserError(
-        f"{path}: not a diffusers component folder (config.json), pipeline folder (model_index.json) "
-        "or sdtrain run folder (config.yaml + checkpoints/); fix the path"
+        f"{path}: not a diffusers component folder (config.json), pipeline folder (model_index.json), "
+        "sdtrain run folder (config.yaml + checkpoints/) or single-file checkpoint (.safetensors); fix the path"
     )
 
 
-def load_component(name: str, source: str | Path) -> Any:
-    """Load component `name` ('vae', 'unet', 'text_encoder') from a local source folder."""
+def load_component(name: str, source: str | Path, trust_pickle: bool | None = None) -> Any:
+    """Load component `name` ('vae', 'unet', 'text_encoder') from a local source folder or single file.
+
+    `trust_pickle` lets a pickle single file (.ckpt, .pt...) be read with torch.load(weights_only=True);
+    None: the SDTRAIN_TRUST_PICKLE environment variable decides.
+    """
     kind = source_kind(source)
     cls = COMPONENT_CLASSES[name]
+    if kind == "single_file":
+        return single_file.load_single_file_component(name, source, trust_pickle=trust_pickle)
     if kind in ("run", "checkpoint"):
         from sdtrain.checkpoint import load_run_modules
 
@@ -173,26 +191,37 @@ def load_component(name: str, source: str | Path) -> Any:
 
 
 def load_tokenizer(source: str | Path, max_length: int | None = None) -> Any:
-    """From a tokenizer folder, or the tokenizer/ inside a pipeline or run folder."""
+    """From a tokenizer folder, or the tokenizer/ inside a pipeline or run folder (or beside a single file)."""
     folder = Path(source)
+    if single_file.looks_like_single_file(folder):
+        folder = Path(single_file.tokenizer_for(folder))
     if (folder / "tokenizer").is_dir():
         folder = folder / "tokenizer"
     return load_clip_tokenizer(folder, max_length=max_length)
 
 
 def tokenizer_source(config: ModelConfig) -> str | None:
-    """The tokenizer belongs with the text encoder: loaded from wherever that comes from, unless named."""
+    """The tokenizer belongs with the text encoder: loaded from wherever that comes from, unless named.
+
+    A single file holds no tokenizer: its OUT.tokenizer/ sibling (which ``sdtrain export --single-file``
+    writes) is used, else a UserError asks for model.tokenizer.
+    """
     if config.tokenizer:
         return config.tokenizer
     text_encoder = component_source(config, "text_encoder")
+    if text_encoder and single_file.looks_like_single_file(text_encoder):
+        return single_file.tokenizer_for(text_encoder)
     if text_encoder and (Path(text_encoder) / "tokenizer").is_dir():
         return text_encoder
+    if config.pretrained and single_file.looks_like_single_file(config.pretrained):
+        return single_file.tokenizer_for(config.pretrained)
     return config.pretrained
 
 
 def pin_source(source: str | Path) -> str:
     """An absolute path that keeps meaning the same weights: a run is pinned to its newest checkpoint, so a
-    resumed or exported run keeps the autoencoder it trained with even after that run trains on."""
+    resumed or exported run keeps the autoencoder it trained with even after that run trains on. A single
+    file is pinned to its absolute path."""
     path = Path(source).resolve()
     if source_kind(path) == "run":
         from sdtrain.checkpoint import latest_checkpoint
@@ -205,7 +234,7 @@ def pin_source(source: str | Path) -> str:
 
 
 def component_source(config: ModelConfig, name: str) -> str | None:
-    """The folder a component loads from, or None when it is built from the preset."""
+    """The folder (or single file) a component loads from, or None when it is built from the preset."""
     explicit = getattr(config, name)
     return explicit if explicit is not None else config.pretrained
 

@@ -192,7 +192,8 @@ def time_layer_call(call: LayerCall, bf16: bool, device: torch.device) -> float:
     start = time.perf_counter()
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         out = _first_tensor(call.module(*args, **call.kwargs))
-    out.float().sum().backward()
+    if out.requires_grad:  # not so for a frozen embedding of token ids: nothing flows back through it
+        out.float().sum().backward()
     _synchronize(device)
     return time.perf_counter() - start
 
@@ -318,7 +319,7 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
     if checkpointing == "auto":
         trainable = task.parameters()
         ids = {id(p) for p in trainable}
-        frozen = [p for m in _all_modules(task) for p in m.parameters() if id(p) not in ids]
+        frozen = [p for m in _all_modules(task) for p in m.parameters() if id(p) not in ids and not p.is_meta]
         per_sample = sum(c.activation_bytes * c.calls for c in calls.values())
         batch = config.data.batch_size
         estimated = processes_per_machine * training_bytes(trainable, frozen, per_sample, batch,
@@ -342,7 +343,7 @@ def _all_modules(task: Any) -> list[nn.Module]:
 
 
 def _record(config: RunConfig, task: Any, encoded: bool) -> dict[str, LayerCall]:
-    """The distinct layer calls of the trained modules on one synthetic sample, leaving the task's
+    """The distinct layer calls of the modules backward runs through on one synthetic sample, leaving the task's
     statistics and the RNG as they were."""
     from sdtrain.data.synthetic import SyntheticBatches
 
@@ -351,7 +352,7 @@ def _record(config: RunConfig, task: Any, encoded: bool) -> dict[str, LayerCall]
     generator = torch.Generator(task.device).manual_seed(0)
     extra, rng = task.extra_state(), torch.get_rng_state()
     try:
-        return record_layer_calls(task.trainable, lambda: task.loss(batch, generator))
+        return record_layer_calls(task.backward_modules(), lambda: task.loss(batch, generator))
     finally:
         task.load_extra_state(extra)
         torch.set_rng_state(rng)

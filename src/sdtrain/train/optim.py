@@ -31,6 +31,34 @@ def build_optimizer(params: list[nn.Parameter], config: OptimConfig) -> torch.op
     return optimizer
 
 
+@torch.no_grad()
+def allocate_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state (AdamW's two moments: twice the trained weights) now rather than lazily
+    in the first step, so the first step costs what every step costs and a run that cannot hold its
+    state fails at start-up. One step with zero gradients at learning rate 0 leaves every weight exactly
+    as it was (the update and the decay are both multiplied by 0); the step counters are then reset, so
+    the state equals the one the first real step would have created."""
+    learning_rates = [group["lr"] for group in optimizer.param_groups]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, learning_rates):
+            group["lr"] = lr
+        for p in params:
+            p.grad = None
+    for p in params:
+        step = optimizer.state[p].get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            optimizer.state[p]["step"] = 0
+
+
 def step_in_backward(optimizer: torch.optim.Optimizer) -> None:
     """Step each parameter the moment backward has accumulated its gradient, then drop the gradient.
 

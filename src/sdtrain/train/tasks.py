@@ -8,6 +8,7 @@ New modes (LoRA, textual inversion, DreamBooth) subclass a task and override tho
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sdtrain.config import RunConfig
+from sdtrain.config import DataConfig, RunConfig
 from sdtrain.errors import UserError
 from sdtrain.models import build
 from sdtrain.models.tokenizer import train_clip_tokenizer
@@ -39,6 +40,8 @@ class Task:
         self.run_dir = run_dir
         self.pinned = dict(pinned or {})
         self.sources: dict[str, str] = {}
+        # None leaves it to SDTRAIN_TRUST_PICKLE; False would override the user's environment.
+        self.trust_pickle = True if config.model.trust_pickle else None
 
     def load_source(self, name: str) -> Any | None:
         """Load component `name` from its configured source, pinned at the run's first start; None when the
@@ -47,10 +50,14 @@ class Task:
         if source is None:
             return None
         self.sources[name] = build.pin_source(source)
-        return build.load_component(name, self.sources[name])
+        return build.load_component(name, self.sources[name], trust_pickle=self.trust_pickle)
 
     def parallel_modules(self) -> dict[str, nn.Module]:
         """The attributes the loss calls the trained modules through, for a data-parallel wrapper."""
+        return dict(self.trainable)
+
+    def backward_modules(self) -> dict[str, nn.Module]:
+        """The modules gradients flow through: the trained ones, and frozen ones upstream of them."""
         return dict(self.trainable)
 
     def parameters(self) -> list[nn.Parameter]:
@@ -63,11 +70,27 @@ class Task:
     def prepare(config: RunConfig, run_dir: Path) -> None:
         """One-off work before every rank builds the task, done once by the main rank."""
 
+    def data_config(self) -> DataConfig:
+        """The data settings the loader gets: the run's own, or a copy a mode derives from them (its
+        caption templates, say); the run's config itself is never changed."""
+        return self.config.data
+
+    def make_data(self, batches: Callable[[DataConfig], Any]) -> Any:
+        """The training batches, from `batches(data_config)`; a mode that reads two datasets combines two."""
+        return batches(self.data_config())
+
     def use_encoded(self, encoding: dict[str, Any] | None) -> None:
         """Told what the pre-encoded shards hold (None: plain images)."""
 
+    def release_unread(self) -> None:
+        """Free the weights of frozen components that training on pre-encoded batches never reads."""
+
     def extra_state(self) -> dict[str, Any]:
         return {}
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """What a checkpoint's reader needs to rebuild partly trained modules on their base (meta.json)."""
+        return {"mode": self.config.mode, **({"trust_pickle": True} if self.trust_pickle else {})}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         pass
@@ -210,16 +233,23 @@ class DiffusionTask(Task):
                 self.text_encoder.config.hidden_size,
             )
         self._check_buckets(scale * 2 ** (len(self.unet.config.block_out_channels) - 1))
-        self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model.pretrained)
-        self.unet.to(device).train()
-        self.trainable = {"unet": self.unet}
+        self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model.pretrained, self.trust_pickle)
+        if config.diffusion.zero_terminal_snr and not self.noise_scheduler.config.get("rescale_betas_zero_snr"):
+            self.noise_scheduler = type(self.noise_scheduler).from_config(
+                self.noise_scheduler.config, rescale_betas_zero_snr=True)
+        self.unet.to(device)
         self.text_encoder.to(device)
-        if config.diffusion.train_text_encoder:
-            self.text_encoder.train()
-            self.trainable["text_encoder"] = self.text_encoder
-        else:
-            self.text_encoder.eval().requires_grad_(False)
+        self.trainable = self.make_trainable()
         self.alphas_cumprod = self.noise_scheduler.alphas_cumprod.to(device)
+
+    def make_trainable(self) -> dict[str, nn.Module]:
+        """Set what trains (and freeze the rest); modes that train adapters or embeddings override this."""
+        self.unet.train()
+        if not self.config.diffusion.train_text_encoder:
+            self.text_encoder.eval().requires_grad_(False)
+            return {"unet": self.unet}
+        self.text_encoder.train()
+        return {"unet": self.unet, "text_encoder": self.text_encoder}
 
     def _tokenizer(self):
         model = self.config.model
@@ -244,6 +274,9 @@ class DiffusionTask(Task):
         train_clip_tokenizer(captions, saved, model.tokenizer_vocab_size, model.max_text_length)
 
     def encode_text(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if next(self.text_encoder.parameters()).is_meta:
+            log.warning("a batch without text embeddings: loading the released text encoder back")
+            self.text_encoder = self.frozen("text_encoder")
         return self.text_encoder(input_ids.to(self.device, non_blocking=True))[0]
 
     def use_encoded(self, encoding: dict[str, Any] | None) -> None:
@@ -257,9 +290,27 @@ class DiffusionTask(Task):
                 f"data.shards: the latents were encoded with the VAE {encoding['vae']} but model.vae is "
                 f"{self.sources.get('vae')}; point model.vae there, encode again, or set data.use_encoded=false"
             )
-        frozen_text = not self.config.diffusion.train_text_encoder
+        # Embeddings were made from the shards' own captions; templates write other ones.
+        frozen_text = not self.text_encoder_trains() and not self.data_config().prompt_templates
         self.text_embeddings = frozen_text and encoding.get("text_encoder") == self.sources.get("text_encoder")
         log.info("pre-encoded shards: VAE encoder skipped%s", ", text encoder skipped" if self.text_embeddings else "")
+        self.release_unread()
+
+    def release_unread(self) -> None:
+        """On encoded shards the VAE (and with text embeddings the text encoder) only serve validation: their
+        weights move to the meta device, keeping module and config, and validation loads them again from
+        their pinned sources. For SD2 that is 1.7 GB less for the whole run."""
+        unread = ["vae"] + (["text_encoder"] if self.text_embeddings else [])
+        for name in unread:
+            getattr(self, name).to("meta")
+
+    def frozen(self, name: str) -> nn.Module:
+        """A frozen component with its weights, loaded again from its source if they were released."""
+        module = getattr(self, name)
+        if next(module.parameters()).device.type != "meta":
+            return module
+        module = build.load_component(name, self.sources[name], trust_pickle=self.trust_pickle)
+        return module.to(self.device).eval().requires_grad_(False)
 
     def _latents(self, batch, generator) -> torch.Tensor:
         sample = self.config.diffusion.sample_latents
@@ -274,60 +325,95 @@ class DiffusionTask(Task):
         return latents.float() * self.vae.config.scaling_factor
 
     def loss(self, batch, generator):
+        loss = self.denoising_loss(batch, generator)
+        return loss.mean(), {}
+
+    def denoising_loss(self, batch, generator) -> torch.Tensor:
+        """The per-sample loss of predicting the noise (or velocity) of noised latents."""
+        cfg = self.config.diffusion
         # Latents, noise and their mix stay in fp32 under bf16 autocast: in bf16 the noise coefficient
         # of the lowest timesteps rounds to zero and the target is quantised.
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
             latents = self._latents(batch, generator)
             noise = torch.randn(latents.shape, generator=generator, device=self.device, dtype=latents.dtype)
+            if cfg.noise_offset > 0:
+                # One constant per sample and channel: plain noise has zero mean, so the model never
+                # learns to move an image's overall brightness.
+                offset = torch.randn((*latents.shape[:2], 1, 1), generator=generator, device=self.device)
+                noise = noise + cfg.noise_offset * offset
             steps = self.noise_scheduler.config.num_train_timesteps
             timesteps = torch.randint(0, steps, (latents.shape[0],), generator=generator, device=self.device)
-            noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+            noised_with = noise
+            if cfg.input_perturbation > 0:
+                extra = torch.randn(latents.shape, generator=generator, device=self.device, dtype=latents.dtype)
+                noised_with = noise + cfg.input_perturbation * extra
+            noisy = self.noise_scheduler.add_noise(latents, noised_with, timesteps)
             if self.noise_scheduler.config.prediction_type == "v_prediction":
                 target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
             else:
                 target = noise
-        if self.text_embeddings and "text_emb" in batch:
-            context = batch["text_emb"].to(self.device, non_blocking=True)
-        else:
-            with torch.set_grad_enabled(self.config.diffusion.train_text_encoder):
-                context = self.encode_text(batch["input_ids"])
+        context = self.text_context(batch)
         prediction = self.unet(noisy, timesteps, context).sample
         loss = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+        return loss * self.snr_weight(timesteps) if cfg.snr_gamma > 0 else loss
+
+    def text_context(self, batch) -> torch.Tensor:
+        if self.text_embeddings and "text_emb" in batch:
+            return batch["text_emb"].to(self.device, non_blocking=True)
+        with torch.set_grad_enabled(self.text_encoder_trains()):
+            return self.encode_text(batch["input_ids"])
+
+    def text_encoder_trains(self) -> bool:
+        return self.config.diffusion.train_text_encoder
+
+    def snr_weight(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """Min-SNR-gamma: min(snr, gamma) relative to the loss's own weighting of a timestep, which is snr for
+        epsilon and snr + 1 for v. Written so that snr = 0 (the last step of a zero-terminal-SNR schedule)
+        gives a finite weight: for epsilon min(snr, gamma) / snr is 1 whenever snr <= gamma."""
         gamma = self.config.diffusion.snr_gamma
-        if gamma > 0:
-            alpha = self.alphas_cumprod[timesteps].float()
-            snr = alpha / (1 - alpha)
-            # The epsilon loss weighs a step by snr relative to x0-prediction, the v loss by snr + 1.
-            base = snr + 1 if self.noise_scheduler.config.prediction_type == "v_prediction" else snr
-            loss = loss * torch.clamp(snr, max=gamma) / base
-        return loss.mean(), {}
+        alpha = self.alphas_cumprod[timesteps].float()
+        snr = alpha / (1 - alpha)
+        if self.noise_scheduler.config.prediction_type == "v_prediction":
+            return torch.clamp(snr, max=gamma) / (snr + 1)
+        return torch.where(snr <= gamma, torch.ones_like(snr), gamma / snr.clamp(min=1e-12))
 
     def validates(self, batch):
         return bool(self.config.validation.prompts)
 
-    @torch.no_grad()
     def validate(self, modules, out, batch):
         prompts = self.config.validation.prompts
-        if not prompts:
-            return None
+        return self.render(modules, out, prompts, prompts) if prompts else None
+
+    @torch.no_grad()
+    def render(self, modules: dict[str, nn.Module], out: Path, prompts: list[str], labels: list[str]) -> Path:
+        """A grid of the prompts' images from the given trained modules and this task's frozen ones."""
         from sdtrain.generate import sample_images
         from sdtrain.models.pipeline import assemble_pipeline, sampler_from
 
+        text_encoder = modules["text_encoder"] if "text_encoder" in modules else self.frozen("text_encoder")
         pipe = assemble_pipeline(
-            self.vae, modules.get("text_encoder", self.text_encoder), self.tokenizer, modules["unet"],
+            self.frozen("vae"), text_encoder, self.tokenizer, modules.get("unet", self.unet),
             sampler_from(self.noise_scheduler, "euler"),
         )
         val = self.config.validation
         images = sample_images(pipe, prompts, seed=val.seed, steps=val.steps, guidance=val.guidance)
-        return save_grid(images, out, rows=max(1, len(prompts) // 4), labels=prompts)
+        return save_grid(images, out, rows=max(1, len(prompts) // 4), labels=labels)
 
 
 TASKS: dict[str, type[Task]] = {"autoencoder": AutoencoderTask, "diffusion": DiffusionTask}
 
 
 def prepare_task(config: RunConfig, run_dir: Path) -> None:
-    TASKS[config.stage].prepare(config, run_dir)
+    task_class(config).prepare(config, run_dir)
+
+
+def task_class(config: RunConfig) -> type[Task]:
+    if config.stage == "diffusion" and config.mode != "full":
+        from sdtrain.train.modes import mode_task
+
+        return mode_task(config)
+    return TASKS[config.stage]
 
 
 def make_task(config: RunConfig, device: torch.device, run_dir: Path, pinned: dict[str, str] | None = None) -> Task:
-    return TASKS[config.stage](config, device, run_dir, pinned)
+    return task_class(config)(config, device, run_dir, pinned)

@@ -6,7 +6,6 @@ import contextlib
 import hashlib
 import logging
 import math
-import os
 import random
 import signal
 from collections.abc import Iterator
@@ -17,8 +16,17 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from sdtrain.checkpoint import Checkpointer, Snapshot, capture, instantiate_with, module_spec, pinned_sources, read_meta
-from sdtrain.config import RunConfig, to_dict
+from sdtrain.checkpoint import (
+    Checkpointer,
+    Snapshot,
+    capture,
+    instantiate_with,
+    is_partial,
+    module_spec,
+    pinned_sources,
+    read_meta,
+)
+from sdtrain.config import DataConfig, RunConfig, to_dict
 from sdtrain.data.pipeline import TrainBatches
 from sdtrain.distributed import any_rank, barrier, detect_topology, gather_objects, init_distributed, mean_over_ranks
 from sdtrain.errors import UserError
@@ -27,7 +35,7 @@ from sdtrain.run import prepare_run_dir, resolve_device
 from sdtrain.train import autotune
 from sdtrain.train.ema import EMA
 from sdtrain.train.logger import RunLogger
-from sdtrain.train.optim import build_lr_schedule, build_optimizer
+from sdtrain.train.optim import allocate_state, build_lr_schedule, build_optimizer
 from sdtrain.train.parallel import DataParallel
 from sdtrain.train.tasks import Task, make_task, prepare_task
 
@@ -130,6 +138,8 @@ class Trainer:
                             "averaged, so it runs in one process only; turn it off under torchrun")
         self.optimizer = build_optimizer(self.task.parameters(), config.optim)
         self.lr_schedule = build_lr_schedule(self.optimizer, config.optim, config.train.max_steps)
+        if self.resume_from is None:  # a resumed run's state comes from its checkpoint
+            allocate_state(self.optimizer)
         self.ema = EMA(self.task.trainable, config.ema) if config.ema.enabled else None
         self.noise = torch.Generator(self.device)
         self.state = TrainState(config.stage, self.task.trainable, self.ema, self.optimizer, self.lr_schedule,
@@ -182,12 +192,15 @@ class Trainer:
         measured on this machine."""
         meta = read_meta(self.resume_from) if self.resume_from is not None else None
         return autotune.decide(self.config, self.task, self.data.encoding is not None, meta, self.device,
-                               self.is_main, int(os.environ.get("LOCAL_WORLD_SIZE", self.topology.world_size)))
+                               self.is_main, self.topology.local_world_size)
 
     def _make_data(self) -> TrainBatches:
-        data = TrainBatches(self.config.data, self.task.tokenizer, self.config.seed, self.topology.rank,
-                            self.topology.world_size, pin_memory=self.device.type == "cuda",
-                            encoded=self.task.reads_encoded and self.config.data.use_encoded)
+        def batches(config: DataConfig) -> TrainBatches:
+            return TrainBatches(config, self.task.tokenizer, self.config.seed, self.topology.rank,
+                                self.topology.world_size, pin_memory=self.device.type == "cuda",
+                                encoded=self.task.reads_encoded and config.use_encoded)
+
+        data = self.task.make_data(batches)
         self.task.use_encoded(data.encoding)
         return data
 
@@ -280,24 +293,46 @@ class Trainer:
         self.saved = (self.state.step, path)
         return path
 
-    def averaged_modules(self, snapshot: Snapshot) -> dict[str, nn.Module]:
+    @contextlib.contextmanager
+    def averaged_modules(self, snapshot: Snapshot) -> Iterator[dict[str, nn.Module]]:
         """Modules with the EMA weights (raw ones without EMA), whatever the parallel wrapping of the live
-        modules. They share the snapshot's tensors instead of copying them: an 866M UNet copy is 3.5 GB
-        that a machine training near its memory limit does not have."""
-        copies = {}
-        for name, module in self.task.trainable.items():
-            prefix = name + "."
-            weights = {k[len(prefix):]: v for k, v in snapshot.model.items() if k.startswith(prefix)}
-            if snapshot.ema is not None:
-                weights |= {k[len(prefix):]: v for k, v in snapshot.ema.items() if k.startswith(prefix)}
-            copies[name] = instantiate_with(module_spec(module), weights).to(self.device).eval()
-        return copies
+        modules. A whole trained module is rebuilt around the snapshot's tensors instead of copying them
+        (an 866M UNet copy is 3.5 GB that a machine training near its memory limit does not have); a
+        partly trained one (adapters, new embeddings) is the live module with its averaged tensors swapped
+        in until the block ends."""
+        modules: dict[str, nn.Module] = {}
+        swapped: list[tuple[nn.Module, dict[str, torch.Tensor], bool]] = []
+        try:
+            for name, module in self.task.trainable.items():
+                prefix = name + "."
+                weights = {k[len(prefix):]: v for k, v in snapshot.model.items() if k.startswith(prefix)}
+                if snapshot.ema is not None:
+                    weights |= {k[len(prefix):]: v for k, v in snapshot.ema.items() if k.startswith(prefix)}
+                if not is_partial(module):
+                    modules[name] = instantiate_with(module_spec(module), weights).to(self.device).eval()
+                    continue
+                params = {k: p for k, p in module.named_parameters() if p.requires_grad}
+                with torch.no_grad():
+                    live = {k: params[k].detach().clone() for k in params}
+                    for k, param in params.items():
+                        param.copy_(weights[k])
+                swapped.append((module, live, module.training))
+                modules[name] = module.eval()
+            yield modules
+        finally:
+            with torch.no_grad():
+                for module, live, training in swapped:
+                    for k, param in module.named_parameters():
+                        if k in live:
+                            param.copy_(live[k])
+                    module.train(training)
 
     def validate(self, snapshot: Snapshot) -> None:
         if not self.task.validates(self.last_batch):
             return
         out = self.run_dir / "samples" / f"step_{self.state.step:08d}.png"
-        path = self.task.validate(self.averaged_modules(snapshot), out, self.last_batch)
+        with self.averaged_modules(snapshot) as modules:
+            path = self.task.validate(modules, out, self.last_batch)
         if path is not None:
             log.info("validation images: %s", path)
             self.logger.image("validation", path, self.state.step)

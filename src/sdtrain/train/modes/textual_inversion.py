@@ -1,0 +1,163 @@
+"""Textual inversion (Gal et al., 2022): learn the embedding vectors of a new token from a few images,
+everything else frozen; the result is a small file any Stable Diffusion pipeline of the same text encoder
+loads with ``load_textual_inversion``."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sdtrain.config import DataConfig, TextualInversionConfig
+from sdtrain.errors import UserError
+from sdtrain.models import build
+from sdtrain.train.tasks import DiffusionTask
+
+LEARNED_EMBEDS = "learned_embeds.safetensors"
+
+# Caption templates: the concept in the varied contexts a few photos of it could be described in.
+OBJECT_TEMPLATES = [
+    "a photo of a {}", "a close-up photo of a {}", "a cropped photo of the {}", "a bright photo of a {}",
+    "a dark photo of the {}", "a photo of my {}", "a photo of the small {}", "a photo of one {}",
+    "a clean photo of a {}", "a rendition of the {}", "a good photo of a {}", "a blurry photo of the {}",
+    "a photo of a nice {}", "a photo of the large {}", "an image of a {}", "a picture of the {}",
+]
+STYLE_TEMPLATES = [
+    "a painting in the style of {}", "a rendering in the style of {}", "a picture in the style of {}",
+    "a cropped painting in the style of {}", "the painting in the style of {}", "a clean painting in the style of {}",
+    "a dark painting in the style of {}", "a bright painting in the style of {}", "artwork in the style of {}",
+    "a small painting in the style of {}", "a large painting in the style of {}", "an illustration in the style of {}",
+]
+
+
+def placeholder_tokens(config: TextualInversionConfig) -> list[str]:
+    """diffusers' multi-vector convention: ``<tok>``, ``<tok>_1``, ...; its loader expands ``<tok>`` in a
+    prompt to all of them, as training does here."""
+    token = config.placeholder_token
+    return [token] + [f"{token}_{i}" for i in range(1, config.num_vectors)]
+
+
+class AddedTokens(nn.Module):
+    """A frozen token embedding with trainable rows for tokens appended after its vocabulary. The base
+    table never receives a gradient, so it stays bitwise what it was, and only the new rows are trained,
+    saved and averaged."""
+
+    def __init__(self, base: nn.Embedding, added: torch.Tensor):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.added = nn.Parameter(added)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat([self.base.weight, self.added])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        vocab = self.base.num_embeddings
+        is_new = (ids >= vocab).unsqueeze(-1)
+        old = self.base(ids.clamp(max=vocab - 1))
+        new = F.embedding((ids - vocab).clamp(min=0), self.added)
+        return torch.where(is_new, new.to(old.dtype), old)
+
+
+def add_token_rows(text_encoder: nn.Module, rows: torch.Tensor) -> AddedTokens:
+    embedding = AddedTokens(text_encoder.get_input_embeddings(), rows)
+    text_encoder.set_input_embeddings(embedding)
+    return embedding
+
+
+def merge_token_rows(text_encoder: nn.Module) -> nn.Module:
+    """Back to a plain text encoder whose vocabulary includes the new tokens (for a full pipeline)."""
+    embedding = text_encoder.get_input_embeddings()
+    if not isinstance(embedding, AddedTokens):
+        return text_encoder
+    text_encoder.set_input_embeddings(embedding.base)
+    vocab = embedding.base.num_embeddings
+    text_encoder.resize_token_embeddings(vocab + embedding.added.shape[0])
+    with torch.no_grad():
+        text_encoder.get_input_embeddings().weight[vocab:] = embedding.added.detach()
+    return text_encoder
+
+
+class TextualInversionTask(DiffusionTask):
+    def make_trainable(self) -> dict[str, nn.Module]:
+        cfg = self.config.textual_inversion
+        tokenizer, text_encoder = self.tokenizer, self.text_encoder
+        self.tokens = placeholder_tokens(cfg)
+        taken = [t for t in self.tokens if t in tokenizer.get_vocab()]
+        if taken:
+            raise UserError(f"textual_inversion.placeholder_token: {taken[0]} is already a token of this tokenizer; "
+                            "choose a new word such as <my-concept>")
+        initializer = tokenizer.encode(cfg.initializer_token, add_special_tokens=False)
+        if len(initializer) != 1:
+            raise UserError(f"textual_inversion.initializer_token: '{cfg.initializer_token}' is {len(initializer)} "
+                            "tokens for this tokenizer; choose a word that is one token")
+        table = text_encoder.get_input_embeddings()
+        if table.num_embeddings != len(tokenizer):
+            raise UserError(f"model.tokenizer: {len(tokenizer)} tokens, but the text encoder has "
+                            f"{table.num_embeddings} embeddings; use the tokenizer that came with it")
+        self.vocab = len(tokenizer)
+        tokenizer.add_tokens(self.tokens)
+        self.unet.eval().requires_grad_(False)
+        text_encoder.requires_grad_(False)
+        start = table.weight[initializer[0]].detach().float().clone()
+        add_token_rows(text_encoder, start.repeat(cfg.num_vectors, 1))
+        text_encoder.train()
+        return {"text_encoder": text_encoder}
+
+    def parallel_modules(self) -> dict[str, nn.Module]:
+        return {"text_encoder": self.text_encoder}
+
+    def text_encoder_trains(self) -> bool:
+        return True
+
+    def backward_modules(self) -> dict[str, nn.Module]:
+        # The new vectors' gradient comes back through the whole frozen UNet: most of the step's cost.
+        return {"unet": self.unet, "text_encoder": self.text_encoder}
+
+    @property
+    def phrase(self) -> str:
+        return " ".join(self.tokens)
+
+    def data_config(self) -> DataConfig:
+        cfg = self.config.textual_inversion
+        templates = cfg.templates or (STYLE_TEMPLATES if cfg.learnable_property == "style" else OBJECT_TEMPLATES)
+        # Every caption names the concept: an empty one would teach the new vectors nothing.
+        return dataclasses.replace(self.config.data, prompt_templates=[t.replace("{}", self.phrase) for t in templates],
+                                   caption_dropout=0.0)
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        cfg = self.config.textual_inversion
+        return {**super().checkpoint_meta(), "placeholder_token": cfg.placeholder_token, "tokens": self.tokens,
+                "vocab": self.vocab}
+
+    def validate(self, modules, out, batch):
+        token = self.config.textual_inversion.placeholder_token
+        prompts = [p.replace(token, self.phrase) for p in self.config.validation.prompts]
+        return self.render(modules, out, prompts, labels=self.config.validation.prompts)
+
+
+def rebuild_textual_inversion(name: str, source: str, task_meta: dict[str, Any]) -> nn.Module:
+    module = build.load_component(name, source, trust_pickle=task_meta.get("trust_pickle"))
+    module.requires_grad_(False)
+    width = module.get_input_embeddings().embedding_dim
+    add_token_rows(module, torch.zeros(len(task_meta["tokens"]), width))
+    return module
+
+
+def learned_embeds(text_encoder: nn.Module, placeholder: str) -> dict[str, torch.Tensor]:
+    """diffusers' textual-inversion file: one key, the placeholder, holding all its vectors."""
+    embedding = text_encoder.get_input_embeddings()
+    return {placeholder: embedding.added.detach().float().cpu().contiguous()}
+
+
+def save_learned_embeds(text_encoder: nn.Module, placeholder: str, path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(learned_embeds(text_encoder, placeholder), str(tmp))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,208 @@
+"""Fine-tuning modes on a tiny pretrained pipeline: what trains, what stays frozen, what they save, and
+that plain diffusers loads it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from .conftest import TINY, config_path, train
+
+
+def finetune(run: Path, pretrained: Path, shapes_dir: Path, mode: str, *overrides: str) -> None:
+    train("diffusion.yaml", run, f"data.shards={shapes_dir}", f"model.pretrained={pretrained}", "model.vae=null",
+          f"mode={mode}", "validation.prompts=[]", "logging.every=1", *overrides)
+
+
+def _pipe(pretrained: Path):
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(pretrained, local_files_only=True, safety_checker=None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _image(pipe, prompt: str) -> np.ndarray:
+    return pipe(prompt, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="np").images[0]
+
+
+TI = ["textual_inversion.placeholder_token=<shape>", "textual_inversion.initializer_token=red",
+      "textual_inversion.num_vectors=2", "optim.lr=0.05"]
+
+
+def test_lora_trains_only_adapters_and_diffusers_loads_them(tmp_path, pretrained, shapes_dir):
+    from sdtrain.checkpoint import latest_checkpoint, read_meta
+    from sdtrain.export import export_run
+
+    run = tmp_path / "lora"
+    finetune(run, pretrained, shapes_dir, "lora", "train.max_steps=3", "optim.lr=0.01", "lora.rank=2", "lora.alpha=4")
+    checkpoint = latest_checkpoint(run)
+    saved = load_file(str(checkpoint / "model.safetensors"))
+    assert saved and all("lora_" in key for key in saved)  # adapters only, not the base model
+    assert read_meta(checkpoint)["modules"]["unet"]["partial"]
+    out = export_run(run, tmp_path / "adapter")
+    pipe = _pipe(pretrained)
+    before = _image(pipe, "a red circle")
+    pipe.load_lora_weights(out)
+    adapted = _image(pipe, "a red circle")
+    assert not np.allclose(adapted, before)
+    # The kohya-layout copy (what A1111 and ComfyUI read) is the same adapter to diffusers too.
+    kohya = load_file(str(out / "lora_kohya.safetensors"))
+    assert all(k.startswith("lora_unet_") for k in kohya) and kohya[next(k for k in kohya if k.endswith("alpha"))] == 4
+    pipe = _pipe(pretrained)
+    pipe.load_lora_weights(out, weight_name="lora_kohya.safetensors")
+    np.testing.assert_allclose(_image(pipe, "a red circle"), adapted, atol=1e-5)
+
+
+def test_lora_leaves_the_base_weights_bitwise_unchanged(tmp_path, pretrained, shapes_dir):
+    from diffusers import UNet2DConditionModel
+
+    from sdtrain.config import load_config
+    from sdtrain.train.trainer import Trainer
+
+    config = load_config(config_path("diffusion.yaml"), [
+        *TINY, f"run_dir={tmp_path / 'run'}", f"data.shards={shapes_dir}", f"model.pretrained={pretrained}",
+        "model.vae=null", "mode=lora", "train.max_steps=2", "optim.lr=0.01", "validation.prompts=[a red circle]",
+        "validation.steps=2"])
+    trainer = Trainer(config)
+    trainer.train()
+    base = UNet2DConditionModel.from_pretrained(pretrained / "unet").state_dict()
+    live = trainer.task.unet.state_dict()
+    for key, value in base.items():
+        parts = key.rsplit(".", 1)
+        adapted = f"{parts[0]}.base_layer.{parts[1]}"
+        assert torch.equal(live.get(key, live.get(adapted)), value), key
+    assert (tmp_path / "run" / "samples" / "step_00000002.png").is_file()
+
+
+def test_textual_inversion_learns_only_the_new_vectors_and_diffusers_loads_them(tmp_path, pretrained, shapes_dir):
+    from sdtrain.export import export_run
+
+    run = tmp_path / "ti"
+    finetune(run, pretrained, shapes_dir, "textual_inversion", "train.max_steps=3", *TI)
+    from sdtrain.checkpoint import latest_checkpoint
+
+    saved = load_file(str(latest_checkpoint(run) / "model.safetensors"))
+    assert len(saved) == 1 and next(iter(saved)).endswith("token_embedding.added")
+    out = export_run(run, tmp_path / "embeds")
+    learned = load_file(str(out / "learned_embeds.safetensors"))
+    assert list(learned) == ["<shape>"] and learned["<shape>"].shape[0] == 2
+    pipe = _pipe(pretrained)
+    base_table = pipe.text_encoder.get_input_embeddings().weight.detach().clone()
+    pipe.load_textual_inversion(str(out / "learned_embeds.safetensors"))
+    assert torch.equal(pipe.text_encoder.get_input_embeddings().weight[: len(base_table)], base_table)
+    with_token = _image(pipe, "a <shape>")
+    assert not np.allclose(with_token, _image(pipe, "a red"))
+
+
+@pytest.mark.parametrize("mode,extra", [("lora", ["lora.rank=2", "optim.lr=0.01"]), ("textual_inversion", TI)])
+def test_fine_tuning_resumes_bitwise(tmp_path, pretrained, shapes_dir, mode, extra):
+    from sdtrain.checkpoint import latest_checkpoint
+
+    finetune(tmp_path / "straight", pretrained, shapes_dir, mode, "train.max_steps=4", *extra)
+    finetune(tmp_path / "split", pretrained, shapes_dir, mode, "train.max_steps=2", *extra)
+    finetune(tmp_path / "split", pretrained, shapes_dir, mode, "train.max_steps=4", *extra)
+    for name in ("model.safetensors", "ema.safetensors"):
+        a = load_file(str(latest_checkpoint(tmp_path / "straight") / name))
+        b = load_file(str(latest_checkpoint(tmp_path / "split") / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_generate_applies_a_lora_and_an_embedding_from_the_cli(tmp_path, pretrained, shapes_dir):
+    from PIL import Image
+
+    from sdtrain.cli.main import main
+    from sdtrain.export import export_run
+
+    finetune(tmp_path / "lora", pretrained, shapes_dir, "lora", "train.max_steps=2", "optim.lr=0.01")
+    finetune(tmp_path / "ti", pretrained, shapes_dir, "textual_inversion", "train.max_steps=2", *TI)
+    adapter, embeds = export_run(tmp_path / "lora", tmp_path / "a"), export_run(tmp_path / "ti", tmp_path / "e")
+    base = ["generate", "--model", str(pretrained), "--prompt", "a <shape>", "--steps", "2"]
+    assert main([*base, "--out", str(tmp_path / "plain"), "--embedding", str(embeds)]) == 0
+    assert main([*base, "--out", str(tmp_path / "both"), "--embedding", str(embeds), "--lora", str(adapter)]) == 0
+    plain, both = (np.asarray(Image.open(tmp_path / d / "000-a-shape.png")) for d in ("plain", "both"))
+    assert not np.array_equal(plain, both)
+    assert main([*base, "--out", str(tmp_path / "x"), "--lora", str(tmp_path / "missing")]) == 2
+
+
+def test_a_lora_run_generates_and_exports_a_merged_pipeline(tmp_path, pretrained, shapes_dir):
+    from diffusers import StableDiffusionPipeline
+
+    from sdtrain.export import export_run
+
+    run = tmp_path / "lora"
+    finetune(run, pretrained, shapes_dir, "lora", "train.max_steps=2", "optim.lr=0.01", "lora.save_merged=true")
+    out = export_run(run, tmp_path / "out")
+    merged = StableDiffusionPipeline.from_pretrained(out / "pipeline", local_files_only=True, safety_checker=None)
+    merged.set_progress_bar_config(disable=True)
+    with_adapter = _pipe(pretrained)
+    with_adapter.load_lora_weights(out)
+    np.testing.assert_allclose(_image(merged, "a red circle"), _image(with_adapter, "a red circle"), atol=1e-4)
+
+
+def _task(tmp_path, pretrained, shapes_dir, *overrides):
+    from sdtrain.config import load_config
+    from sdtrain.train.tasks import make_task
+
+    config = load_config(config_path("diffusion.yaml"), [
+        *TINY, f"run_dir={tmp_path}", f"data.shards={shapes_dir}", f"model.pretrained={pretrained}",
+        "model.vae=null", *overrides])
+    return make_task(config, torch.device("cpu"), tmp_path)
+
+
+def test_objectives_change_the_loss_and_min_snr_stays_finite_at_zero_snr(tmp_path, pretrained, shapes_dir):
+    batch = {"pixel_values": torch.rand(4, 3, 32, 32) * 2 - 1, "input_ids": torch.randint(0, 50, (4, 16))}
+
+    def loss(*overrides):
+        torch.manual_seed(0)
+        task = _task(tmp_path, pretrained, shapes_dir, *overrides)
+        return task, task.denoising_loss(batch, torch.Generator().manual_seed(1)).detach()
+
+    _, plain = loss()
+    for option in ("diffusion.noise_offset=0.1", "diffusion.input_perturbation=0.1"):
+        _, changed = loss(option)
+        assert torch.isfinite(changed).all() and not torch.allclose(changed, plain), option
+    task, _ = loss("diffusion.zero_terminal_snr=true", "diffusion.snr_gamma=5", "diffusion.prediction_type=epsilon")
+    last = task.noise_scheduler.config.num_train_timesteps - 1
+    assert task.alphas_cumprod[last] < 1e-4  # the last step is (nearly) pure noise
+    steps = torch.tensor([0, 500, last])
+    weight = task.snr_weight(steps)
+    snr = task.alphas_cumprod[steps] / (1 - task.alphas_cumprod[steps])
+    assert torch.isfinite(weight).all()
+    # min(snr, gamma) / snr, which is 1 wherever snr <= gamma, the zero-SNR step included.
+    assert torch.allclose(weight, torch.where(snr <= 5, 1.0, 5 / snr))
+    task, _ = loss("diffusion.prediction_type=v_prediction", "diffusion.snr_gamma=5")
+    snr = task.alphas_cumprod[steps] / (1 - task.alphas_cumprod[steps])
+    assert torch.allclose(task.snr_weight(steps), torch.minimum(snr, torch.tensor(5.0)) / (snr + 1))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_dreambooth_generates_class_images_and_trains_with_prior_preservation(tmp_path, pretrained, shapes_dir,
+                                                                               lora):
+    import json
+
+    from sdtrain.export import export_run
+
+    run = tmp_path / "db"
+    common = ["dreambooth.instance_prompt=a photo of sks shape", "dreambooth.class_prompt=a photo of a shape",
+              "dreambooth.num_class_images=3", "dreambooth.generation_steps=2", "dreambooth.class_batch_size=2",
+              f"dreambooth.lora={str(lora).lower()}", "optim.lr=0.01"]
+    finetune(run, pretrained, shapes_dir, "dreambooth", "train.max_steps=2", *common)
+    assert len(list((run / "class_images").glob("*.png"))) == 3
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all("prior_loss" in m and "instance_loss" in m for m in metrics if "loss" in m)
+    # Resumes exactly like any run, both data streams included.
+    finetune(tmp_path / "straight", pretrained, shapes_dir, "dreambooth", "train.max_steps=3", *common,
+             f"dreambooth.class_data={run / 'class_images'}")
+    finetune(run, pretrained, shapes_dir, "dreambooth", "train.max_steps=3", *common)
+    from sdtrain.checkpoint import latest_checkpoint
+
+    a = load_file(str(latest_checkpoint(run) / "model.safetensors"))
+    b = load_file(str(latest_checkpoint(tmp_path / "straight") / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    out = export_run(run, tmp_path / "out")
+    assert (out / ("pytorch_lora_weights.safetensors" if lora else "model_index.json")).is_file()
