@@ -206,3 +206,59 @@ def test_dreambooth_generates_class_images_and_trains_with_prior_preservation(tm
     assert all(torch.equal(a[k], b[k]) for k in a)
     out = export_run(run, tmp_path / "out")
     assert (out / ("pytorch_lora_weights.safetensors" if lora else "model_index.json")).is_file()
+
+
+def test_textual_inversion_on_a_prepared_folder_without_captions_freezes_all_else_and_saves_a_full_pipeline(
+        tmp_path, pretrained):
+    """The seed's shape of run: a handful of a user's own images, no captions, `prepare folder`, then TI."""
+    from diffusers import StableDiffusionPipeline
+    from PIL import Image
+
+    from sdtrain.cli.main import main
+    from sdtrain.config import load_config
+    from sdtrain.export import export_run
+    from sdtrain.train.trainer import Trainer
+
+    images = tmp_path / "my_toy"
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(6):
+        Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(images / f"toy{i}.png")
+    assert main(["prepare", "folder", str(images), "--out", str(tmp_path / "shards"),
+                 "--missing-caption", "empty"]) == 0
+    config = load_config(config_path("diffusion.yaml"), [
+        *TINY, f"run_dir={tmp_path / 'run'}", f"data.shards={tmp_path / 'shards'}", f"model.pretrained={pretrained}",
+        "model.vae=null", "mode=textual_inversion", *TI, "train.max_steps=2", "data.batch_size=2",
+        "textual_inversion.save_as_full_pipeline=true", "validation.prompts=[a <shape>]", "validation.steps=2"])
+    trainer = Trainer(config)
+    unet_before = {k: v.clone() for k, v in trainer.task.unet.state_dict().items()}
+    table_before = trainer.task.text_encoder.get_input_embeddings().base.weight.clone()
+    trainer.train()
+    assert all(torch.equal(v, unet_before[k]) for k, v in trainer.task.unet.state_dict().items())
+    assert torch.equal(trainer.task.text_encoder.get_input_embeddings().base.weight, table_before)
+    assert (tmp_path / "run" / "samples" / "step_00000002.png").is_file()  # validation with the new token
+    out = export_run(tmp_path / "run", tmp_path / "out")
+    full = StableDiffusionPipeline.from_pretrained(out / "pipeline", local_files_only=True, safety_checker=None)
+    assert "<shape>_1" in full.tokenizer.get_vocab()
+    full.set_progress_bar_config(disable=True)
+    loaded = _pipe(pretrained)
+    loaded.load_textual_inversion(str(out / "learned_embeds.safetensors"))
+    # Either way diffusers expands "<shape>" in a prompt to both vectors' tokens.
+    np.testing.assert_allclose(_image(full, "a <shape>"), _image(loaded, "a <shape>"), atol=1e-5)
+
+
+def test_lora_on_the_text_encoder_too(tmp_path, pretrained, shapes_dir):
+    from sdtrain.checkpoint import latest_checkpoint
+    from sdtrain.export import export_run
+
+    run = tmp_path / "lora"
+    finetune(run, pretrained, shapes_dir, "lora", "train.max_steps=2", "optim.lr=0.01", "lora.text_encoder=true")
+    saved = load_file(str(latest_checkpoint(run) / "model.safetensors"))
+    assert any(k.startswith("text_encoder.") for k in saved) and all("lora_" in k for k in saved)
+    out = export_run(run, tmp_path / "out")
+    kohya = load_file(str(out / "lora_kohya.safetensors"))
+    assert any(k.startswith("lora_te_text_model_encoder_layers_0_self_attn_q_proj") for k in kohya)
+    pipe = _pipe(pretrained)
+    text_before = pipe.text_encoder(torch.tensor([[0, 5, 1]]))[0]
+    pipe.load_lora_weights(out)
+    assert not torch.allclose(pipe.text_encoder(torch.tensor([[0, 5, 1]]))[0], text_before)

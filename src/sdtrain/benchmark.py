@@ -66,7 +66,7 @@ class Benchmark(Trainer):
         if self.encoded and not self.task.reads_encoded:
             raise UserError(f"--encoded: the {self.config.stage} stage trains on images, not pre-encoded latents")
         if self.encoded:
-            self.task.text_embeddings = not self.config.diffusion.train_text_encoder
+            self.task.text_embeddings = not self.task.text_encoder_trains()
             self.task.release_unread()
         return SyntheticBatches(self.config.data, self.task, self.config.seed, self.topology.rank, self.encoded)
 

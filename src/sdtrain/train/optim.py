@@ -38,20 +38,24 @@ def allocate_state(optimizer: torch.optim.Optimizer) -> None:
     state fails at start-up. One step with zero gradients at learning rate 0 leaves every weight exactly
     as it was (the update and the decay are both multiplied by 0); the step counters are then reset, so
     the state equals the one the first real step would have created."""
-    learning_rates = [group["lr"] for group in optimizer.param_groups]
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    for p in params:
-        p.grad = torch.zeros_like(p)
+    groups = optimizer.param_groups
     try:
-        optimizer.step()
+        # A group at a time, so an optimizer stepped in backward (a group per parameter) never holds more
+        # than one zero gradient, as in its training steps.
+        for group in groups:
+            learning_rate, group["lr"] = group["lr"], 0.0
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+            optimizer.param_groups = [group]
+            try:
+                optimizer.step()
+            finally:
+                group["lr"] = learning_rate
+                for p in group["params"]:
+                    p.grad = None
     finally:
-        for group, lr in zip(optimizer.param_groups, learning_rates):
-            group["lr"] = lr
-        for p in params:
-            p.grad = None
-    for p in params:
+        optimizer.param_groups = groups
+    for p in (p for group in groups for p in group["params"]):
         step = optimizer.state[p].get("step")
         if isinstance(step, torch.Tensor):
             step.zero_()

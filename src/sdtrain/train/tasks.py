@@ -302,7 +302,8 @@ class DiffusionTask(Task):
         their pinned sources. For SD2 that is 1.7 GB less for the whole run."""
         unread = ["vae"] + (["text_encoder"] if self.text_embeddings else [])
         for name in unread:
-            getattr(self, name).to("meta")
+            if name not in self.trainable:
+                getattr(self, name).to("meta")
 
     def frozen(self, name: str) -> nn.Module:
         """A frozen component with its weights, loaded again from its source if they were released."""

@@ -93,6 +93,9 @@ def kohya_state(modules: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
         for path, layer in module.named_modules():
             if not isinstance(layer, LoraLayer) or "default" not in layer.lora_A:
                 continue
+            if name == "text_encoder" and not path.startswith("text_model."):
+                # transformers 5 dropped CLIPTextModel's text_model level; kohya's names keep it.
+                path = "text_model." + path
             key = KOHYA_PREFIXES[name] + path.replace(".", "_")
             state[f"{key}.lora_down.weight"] = layer.lora_A["default"].weight.detach().float().cpu().contiguous()
             state[f"{key}.lora_up.weight"] = layer.lora_B["default"].weight.detach().float().cpu().contiguous()

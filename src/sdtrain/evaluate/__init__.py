@@ -1,0 +1,1 @@
+"""Evaluation of generated images: metrics and the `evaluate` command's work."""
