@@ -14,10 +14,21 @@ from sdtrain.runtime import tune_host_allocator
 tune_host_allocator()
 
 from sdtrain import __version__  # noqa: E402
-from sdtrain.cli import benchmark, demo, export, generate, launch, params, prepare, train  # noqa: E402
+from sdtrain.cli import (  # noqa: E402
+    benchmark,
+    demo,
+    evaluate,
+    export,
+    generate,
+    launch,
+    params,
+    prepare,
+    report,
+    train,
+)
 from sdtrain.errors import UserError  # noqa: E402
 
-COMMANDS = (prepare, train, generate, export, launch, benchmark, params, demo)
+COMMANDS = (prepare, train, generate, evaluate, export, launch, benchmark, params, report, demo)
 
 
 def _quiet_libraries() -> None:

@@ -7,8 +7,8 @@ colours, their kinds and their left-to-right order. :func:`detect_shapes` reads 
   images may add noise, and shapes cover well under half of any border);
 - colour: every pixel is explained as a mix of the background and one palette colour with a coverage in
   [0, 1] (exactly how anti-aliased edges are made), picking the palette colour whose mix line passes
-  closest; pixels at least half covered are foreground, and a shape whose pixels no mix explains well
-  gets the colour ``"other"``;
+  closest; pixels at least half covered are foreground. A shape is then named by the hue of its inside
+  (``"other"`` if grey or far from every palette hue);
 - shapes: 4-connected components of same-colour foreground; specks (tiny, or with no interior, like the
   thin blended seam where two shapes touch) are ignored;
 - kind: from two features of the soft coverages. Lopsidedness, the larger skewness of the mass per row or
@@ -23,6 +23,7 @@ colours, their kinds and their left-to-right order. :func:`detect_shapes` reads 
 
 from __future__ import annotations
 
+import colorsys
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,9 +44,12 @@ _MIN_AREA_FRACTION = 0.005
 _TRIANGLE_MIN_LOPSIDED = 0.25
 # Between the ideal fills of a square (1) and a circle (pi/4), nearer the square's, as blurred circles read high.
 _SQUARE_MIN_FILL = 0.89
-# Yellow and orange, the closest palette pair, are 80 apart: further than that from every mix of background and
-# palette colour (black, grey, brown) is no palette colour at all.
-_MAX_MISFIT = 90.0
+_PALETTE_HUES = {name: colorsys.rgb_to_hsv(*(np.array(rgb) / 255.0))[0] for name, rgb in COLOURS.items()}
+# The palette is vivid (saturation >= 0.8, value >= 0.6) and its hues at least 22 degrees apart; greys, black
+# and hues far from all six (cyan, lime) name no palette colour.
+_MIN_SATURATION = 0.4
+_MIN_VALUE = 0.2
+_MAX_HUE_GAP = 30 / 360
 _BACKGROUND = -1
 OTHER_COLOUR = "other"
 
@@ -95,9 +99,9 @@ def _background(pixels: np.ndarray) -> np.ndarray:
     return np.median(np.concatenate([edge.reshape(-1, 3) for edge in edges]), axis=0)
 
 
-def _unmix(pixels: np.ndarray, background: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per pixel: the palette index it mixes best with (``_BACKGROUND`` if under half covered), the coverage
-    of every palette colour (H x W x colours, clipped to [0, 1]) and the misfit of the best mix (RGB units)."""
+def _unmix(pixels: np.ndarray, background: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per pixel: the palette index it mixes best with (``_BACKGROUND`` if under half covered), and the
+    coverage of every palette colour (H x W x colours, clipped to [0, 1])."""
     offsets = pixels - background  # H x W x 3
     directions = _PALETTE - background  # colours x 3
     lengths_sq = np.maximum((directions**2).sum(axis=1), 1e-6)
@@ -107,8 +111,7 @@ def _unmix(pixels: np.ndarray, background: np.ndarray) -> tuple[np.ndarray, np.n
     best = residual.argmin(axis=-1)
     best_coverage = np.take_along_axis(coverage, best[..., None], axis=-1)[..., 0]
     classes = np.where(best_coverage >= _MIN_COVERAGE, best, _BACKGROUND)
-    misfit = np.sqrt(residual.min(axis=-1))
-    return classes, coverage, misfit
+    return classes, coverage
 
 
 def _label_components(classes: np.ndarray) -> np.ndarray:
@@ -146,12 +149,26 @@ def _neighbourhood(mask: np.ndarray, erode: bool) -> np.ndarray:
     return out
 
 
-def _describe(mask: np.ndarray, colour_index: int, classes: np.ndarray, coverage: np.ndarray) -> dict:
+def _colour_name(rgb: np.ndarray) -> str:
+    """The palette colour of this hue, or ``OTHER_COLOUR``: hue, unlike RGB distance, calls a darker or paler
+    red red and a grey no colour at all."""
+    hue, saturation, value = colorsys.rgb_to_hsv(*(rgb / 255.0))
+    if saturation < _MIN_SATURATION or value < _MIN_VALUE:
+        return OTHER_COLOUR
+    gaps = {name: abs((hue - palette_hue + 0.5) % 1.0 - 0.5) for name, palette_hue in _PALETTE_HUES.items()}
+    nearest = min(gaps, key=gaps.__getitem__)
+    return nearest if gaps[nearest] <= _MAX_HUE_GAP else OTHER_COLOUR
+
+
+def _describe(mask: np.ndarray, core: np.ndarray, colour_index: int, classes: np.ndarray, coverage: np.ndarray) -> dict:
     """Kind, the features it was read from, and the renderer-style sort key of one component."""
     # The faint anti-aliased rim lies just outside the half-covered mask; count it, but not the pixels of a
     # neighbouring shape of another colour.
     rim = _neighbourhood(mask, erode=False) & ((classes == colour_index) | (classes == _BACKGROUND))
-    soft = np.where(rim, coverage[..., colour_index], 0.0)
+    # A shape drawn off-palette (a darker red) covers its own colour's line only partly even inside; rescale
+    # so its inside counts as full, or the fill ratio would grow as its colour drifts.
+    inside = max(float(np.median(coverage[..., colour_index][core])), _MIN_COVERAGE)
+    soft = np.where(rim, np.clip(coverage[..., colour_index] / inside, 0.0, 1.0), 0.0)
     row_mass, column_mass = soft.sum(axis=1), soft.sum(axis=0)
     fill = float(soft.sum() / max(row_mass.max() * column_mass.max(), 1e-6))
     lopsided = max(abs(_skewness(row_mass)), abs(_skewness(column_mass)))
@@ -183,18 +200,20 @@ def detect_shapes(image: Image.Image | np.ndarray) -> list[dict]:
     for the method.
     """
     pixels = _as_pixels(image)
-    classes, coverage, misfit = _unmix(pixels, _background(pixels))
+    classes, coverage = _unmix(pixels, _background(pixels))
     ids = _label_components(classes)
     min_area = _MIN_AREA_FRACTION * ids.size
     labels, counts = np.unique(ids[classes != _BACKGROUND], return_counts=True)
     shapes = []
     for label, count in zip(labels, counts):
-        mask = ids == label
-        if count < min_area or not _neighbourhood(mask, erode=True).any():
+        if count < min_area:
             continue
-        colour_index = int(classes.flat[label])
-        colour = _COLOUR_NAMES[colour_index] if np.median(misfit[mask]) <= _MAX_MISFIT else OTHER_COLOUR
-        shapes.append({"colour": colour, **_describe(mask, colour_index, classes, coverage)})
+        mask = ids == label
+        core = _neighbourhood(mask, erode=True)
+        if not core.any():
+            continue
+        features = _describe(mask, core, int(classes.flat[label]), classes, coverage)
+        shapes.append({"colour": _colour_name(pixels[core].mean(axis=0)), **features})
     return sorted(shapes, key=lambda s: s["order"])
 
 
@@ -259,9 +278,10 @@ def score_images(images: Sequence[Image.Image | np.ndarray], prompts: Sequence[s
 def adherence_prompts(num_single: int = 54, num_double: int = 18, seed: int = 0) -> list[str]:
     """A fixed, seeded prompt set: ``num_single`` one-shape prompts, then ``num_double`` two-shape ones.
 
-    Singles run through every colour x kind (18) in a shuffled order, again and again, so 18 or more cover
-    them all evenly; doubles are distinct ordered pairs of distinct shapes, drawn without repeats. Phrased
-    by :func:`~sdtrain.data.shapes.caption_for`, exactly like the training captions.
+    Both come in blocks of 18, one per colour x kind, so any multiple of 18 is balanced: in a block of
+    singles each colour x kind appears once; in a block of doubles each is the left shape once and the right
+    shape once, never paired with itself. Phrased by :func:`~sdtrain.data.shapes.caption_for`, exactly like
+    the training captions.
     """
     if num_single < 0 or num_double < 0:
         raise ValueError(f"prompt counts must be >= 0, got {num_single} single and {num_double} double")
@@ -270,9 +290,10 @@ def adherence_prompts(num_single: int = 54, num_double: int = 18, seed: int = 0)
     singles: list[str] = []
     while len(singles) < num_single:
         singles += [caption_for([combos[i]]) for i in rng.permutation(len(combos))]
-    pairs = [(a, b) for a in combos for b in combos if a != b]
-    if num_double > len(pairs):
-        raise ValueError(f"at most {len(pairs)} distinct two-shape prompts, asked for {num_double}")
-    picked = rng.choice(len(pairs), size=num_double, replace=False)
-    doubles = [caption_for(list(pairs[i])) for i in picked]
-    return singles[:num_single] + doubles
+    doubles: list[str] = []
+    while len(doubles) < num_double:
+        left, right = rng.permutation(len(combos)), rng.permutation(len(combos))
+        while np.any(left == right):
+            right = rng.permutation(len(combos))
+        doubles += [caption_for([combos[a], combos[b]]) for a, b in zip(left, right)]
+    return singles[:num_single] + doubles[:num_double]

@@ -1,0 +1,156 @@
+"""FID and CLIP score: torchmetrics' formulas on the MLPerf networks, here randomly initialised and saved by
+the test (no weights can be downloaded), checked for the properties a user relies on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sdtrain.errors import UserError
+from sdtrain.evaluate.inception import FIDInception, load_fid_inception
+from sdtrain.evaluate.metrics import (
+    ReferenceStats,
+    clip_metric,
+    fid_between,
+    fid_metric,
+    reference_stats,
+    use_reference,
+)
+
+
+@pytest.fixture(scope="module")
+def inception_file(tmp_path_factory):
+    torch.manual_seed(0)
+    network = FIDInception()
+    # Random BatchNorm statistics: a fresh network's are 0 and 1, which makes every feature alike.
+    for module in network.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.running_mean.normal_(0, 0.1)
+            module.running_var.uniform_(0.5, 1.5)
+    path = tmp_path_factory.mktemp("weights") / "inception.pth"
+    torch.save(network.state_dict(), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def inception(inception_file):
+    return load_fid_inception(inception_file)
+
+
+@pytest.fixture(scope="module")
+def clip_folder(tmp_path_factory):
+    """A tiny random CLIP in transformers' layout, with a tokenizer of the shapes captions."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    from sdtrain.models.tokenizer import train_clip_tokenizer
+
+    tmp_path = tmp_path_factory.mktemp("clip")
+    tokenizer = train_clip_tokenizer(["a red circle", "a blue square", "a green triangle and a yellow circle"] * 10,
+                                     tmp_path / "tok", 600, 16)
+    config = CLIPConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=16, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        projection_dim=16)
+    torch.manual_seed(0)
+    folder = tmp_path / "model"
+    CLIPModel(config).save_pretrained(folder)
+    processor = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
+                                                                 crop_size={"height": 32, "width": 32}),
+                              tokenizer=tokenizer)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def _images(seed: int, count: int = 24, side: int = 64) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.rand(count, 3, 1, 1, generator=generator)  # flat colours with some texture
+    return (base + 0.2 * torch.rand(count, 3, side, side, generator=generator)).clamp(0, 1)
+
+
+def _fid(inception, real: torch.Tensor, fake: torch.Tensor) -> float:
+    metric = fid_metric(inception)
+    metric.update(real, real=True)
+    metric.update(fake, real=False)
+    return float(metric.compute())
+
+
+def test_fid_of_a_set_with_itself_is_zero_and_grows_with_noise(inception):
+    images = _images(0)
+    assert abs(_fid(inception, images, images)) < 1e-3
+    distances = [_fid(inception, images, (images + noise * torch.randn_like(images)).clamp(0, 1))
+                 for noise in (0.05, 0.2, 0.5)]
+    assert 0 < distances[0] < distances[1] < distances[2]
+
+
+def test_fid_from_two_stats_files_equals_the_fid_of_the_image_sets(inception, tmp_path):
+    real, fake = _images(1), _images(2)
+    files = []
+    for name, images in (("real", real), ("fake", fake)):
+        metric = fid_metric(inception)
+        metric.update(images, real=True)
+        files.append(reference_stats(metric).save(tmp_path / f"{name}.npz"))
+    a, b = (ReferenceStats.load(f) for f in files)
+    direct = _fid(inception, real, fake)
+    assert fid_between(a, b) == pytest.approx(direct, rel=1e-4)
+    metric = fid_metric(inception)  # reference statistics instead of reference images
+    use_reference(metric, a)
+    metric.update(fake, real=False)
+    assert float(metric.compute()) == pytest.approx(direct, rel=1e-4)
+
+
+def test_missing_or_wrong_weights_are_one_clear_line(tmp_path):
+    with pytest.raises(UserError, match="pt_inception-2015-12-05"):
+        load_fid_inception(None)
+    torch.save({"conv.weight": torch.zeros(1)}, tmp_path / "other.pth")
+    with pytest.raises(UserError, match="not the FID Inception weights"):
+        load_fid_inception(tmp_path / "other.pth")
+    (tmp_path / "bad.npz").write_bytes(b"nonsense")
+    with pytest.raises(UserError, match="bad.npz"):
+        ReferenceStats.load(tmp_path / "bad.npz")
+
+
+def test_clip_score_is_the_mean_of_the_per_pair_scores(clip_folder):
+    folder = clip_folder
+    images = (_images(3, count=3, side=48) * 255).to(torch.uint8)
+    captions = ["a red circle", "a blue square", "a green triangle"]
+    metric = clip_metric(folder)
+    per_pair = []
+    for image, caption in zip(images, captions):
+        single = clip_metric(folder)
+        single.update(image.unsqueeze(0), [caption])
+        per_pair.append(float(single.compute()))
+    metric.update(images, captions)
+    assert float(metric.compute()) == pytest.approx(np.mean(per_pair), rel=1e-4)
+    with pytest.raises(UserError, match="CLIP"):
+        clip_metric(None)
+
+
+def _evaluate_cli(tmp_path, pretrained, inception_file, clip_folder, prompts, *extra: str) -> list[str]:
+    return ["evaluate", str(pretrained), "--prompts", str(prompts), "--metrics", "fid,clip,adherence",
+            "--reference", str(tmp_path / "stats.npz"), "--inception", str(inception_file), "--clip",
+            str(clip_folder), "--steps", "2", "--batch", "2", *extra]
+
+
+def test_evaluate_from_the_cli_writes_fid_clip_and_adherence(tmp_path, pretrained, shapes_dir, inception_file,
+                                                             clip_folder, capsys):
+    import json
+
+    from sdtrain.cli.main import main
+
+    assert main(["evaluate", "stats", str(shapes_dir), "--out", str(tmp_path / "stats.npz"), "--inception",
+                 str(inception_file), "--resolution", "32"]) == 0
+    assert ReferenceStats.load(tmp_path / "stats.npz").count == 48
+    prompts = tmp_path / "prompts.tsv"
+    prompts.write_text("id\tcaption\n" + "".join(f"{i}\t{c}\n" for i, c in enumerate(
+        ["a red circle", "a blue square", "a green triangle", "a red square and a blue circle"])))
+    out = tmp_path / "result.json"
+    assert main([*_evaluate_cli(tmp_path, pretrained, inception_file, clip_folder, prompts), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["images"] == 4 and result["fid"] > 0 and 0 <= result["clip"] <= 1
+    assert result["adherence"]["num_single"] == 3 and result["adherence"]["num_double"] == 1
+    assert "FID" in capsys.readouterr().out
+    assert main(["evaluate", str(pretrained), "--prompts", str(prompts), "--metrics", "fid"]) == 2  # no reference
