@@ -51,7 +51,9 @@ def test_generate_names_a_missing_model_folder(tmp_path, capsys):
 
 def test_demo_runs_end_to_end_at_a_few_steps(tmp_path):
     out = tmp_path / "demo"
-    assert main(["demo", "--out", str(out), "--num", "32", "--autoencoder-steps", "2", "--diffusion-steps", "2"]) == 0
+    assert main(["demo", "--out", str(out), "--num", "32", "--autoencoder-steps", "2", "--diffusion-steps", "2",
+                 "--adherence-prompts", "4"]) == 0
+    assert (out / "adherence.json").is_file()
     assert (out / "samples.png").is_file()
     assert (out / "pipeline" / "model_index.json").is_file()
     assert (out / "diffusion" / "checkpoints" / "step_00000002").is_dir()

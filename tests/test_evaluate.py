@@ -154,3 +154,40 @@ def test_evaluate_from_the_cli_writes_fid_clip_and_adherence(tmp_path, pretraine
     assert result["adherence"]["num_single"] == 3 and result["adherence"]["num_double"] == 1
     assert "FID" in capsys.readouterr().out
     assert main(["evaluate", str(pretrained), "--prompts", str(prompts), "--metrics", "fid"]) == 2  # no reference
+
+
+IN_LOOP = ["evaluation.every_samples=8", "evaluation.metrics=[adherence]", "evaluation.num=2", "evaluation.steps=2",
+           "evaluation.batch=2", "checkpoint.every=2", "validation.prompts=[]"]
+
+
+def _evaluation_steps(run) -> list[int]:
+    import json
+
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [line["step"] for line in lines if "adherence_overall" in line]
+
+
+def test_in_loop_evaluation_reaches_a_target_and_stops_the_run(tmp_path, shapes_dir, autoencoder_run):
+    import json
+
+    from sdtrain.checkpoint import latest_checkpoint
+
+    from .conftest import train
+
+    run = tmp_path / "run"
+    train("diffusion.yaml", run, f"data.shards={shapes_dir}", f"model.vae={autoencoder_run}", "train.max_steps=8",
+          *IN_LOOP, "evaluation.target.adherence_count_accuracy=0.0")
+    reached = json.loads((run / "target.json").read_text())
+    assert (reached["step"], reached["samples"]) == (2, 8) and reached["seconds"] > 0
+    assert latest_checkpoint(run).name == "step_00000002"  # stopped there, saved
+    assert _evaluation_steps(run) == [2]
+
+
+def test_in_loop_evaluation_survives_a_resume(tmp_path, shapes_dir, autoencoder_run):
+    from .conftest import train
+
+    common = [f"data.shards={shapes_dir}", f"model.vae={autoencoder_run}", *IN_LOOP]
+    train("diffusion.yaml", tmp_path / "straight", *common, "train.max_steps=4")
+    train("diffusion.yaml", tmp_path / "split", *common, "train.max_steps=2")
+    train("diffusion.yaml", tmp_path / "split", *common, "train.max_steps=4")
+    assert _evaluation_steps(tmp_path / "straight") == _evaluation_steps(tmp_path / "split") == [2, 4]

@@ -26,7 +26,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from sdtrain.config import CheckpointConfig
 from sdtrain.errors import UserError
@@ -55,10 +60,14 @@ def is_partial(module: nn.Module) -> bool:
     return any(not p.requires_grad for p in module.parameters())
 
 
-def capture(modules: dict[str, nn.Module], ema: Any, optimizer: torch.optim.Optimizer) -> Snapshot:
+def capture(modules: dict[str, nn.Module], ema: Any, optimizer: torch.optim.Optimizer | None) -> Snapshot:
     """Every rank must call this: gathering sharded parameters is a collective. The optimizer state is
-    keyed by parameter name, so it loads under any parallel strategy and number of ranks."""
-    model, optim = get_state_dict(nn.ModuleDict(modules), optimizer, options=_FULL)
+    keyed by parameter name, so it loads under any parallel strategy and number of ranks; without an
+    optimizer (evaluation needs only the weights) none is gathered."""
+    if optimizer is None:
+        model, optim = get_model_state_dict(nn.ModuleDict(modules), options=_FULL), {}
+    else:
+        model, optim = get_state_dict(nn.ModuleDict(modules), optimizer, options=_FULL)
     return Snapshot({k: v.contiguous() for k, v in model.items()}, ema.full_state() if ema else None, optim)
 
 

@@ -328,6 +328,40 @@ class ValidationConfig:
 
 
 @dataclass
+class EvaluationConfig:
+    every_samples: int = 0
+    """Evaluate the current (EMA) weights every this many training samples, on every rank (MLPerf: 512,000);
+    0 turns it off. Results go to the metrics (metrics.jsonl, TensorBoard, W&B) as fid, clip, adherence_*."""
+    prompts: str | None = None
+    """Prompt file: one per line, or a TSV/CSV with a caption column. Unset with metrics [adherence]: the
+    shapes demo's prompt set."""
+    num: int = 0
+    """Prompts used (the first N); 0 uses all."""
+    metrics: list[str] = field(default_factory=lambda: ["fid", "clip"])
+    """Any of fid, clip, adherence."""
+    steps: int = 50
+    """Sampling steps (MLPerf: DDIM, 50)."""
+    guidance: float = 8.0
+    """Classifier-free guidance scale (MLPerf: 8)."""
+    scheduler: str = "ddim"
+    """Sampler: ddim, euler or dpmpp."""
+    seed: int = 0
+    """Prompt i is generated from seed + i, on whichever rank draws it."""
+    batch: int = 8
+    """Images per metric update."""
+    reference: str | None = None
+    """FID reference: statistics (.npz with mu and sigma, e.g. MLPerf's val2014_512x512_30k_stats.npz) or images."""
+    inception: str | None = None
+    """Path of the FID Inception weights (pt_inception-2015-12-05-6726825d.pth)."""
+    clip: str | None = None
+    """A transformers CLIP model folder for the CLIP score (MLPerf: CLIP-ViT-H-14-laion2B-s32B-b79K)."""
+    target: dict[str, float] = field(default_factory=dict)
+    """Stop training once every metric here meets its target: fid at most, the others at least, e.g. MLPerf's
+    {fid: 90, clip: 0.15} or {adherence_overall: 0.9}. The step, samples and wall time of that point are
+    recorded in target.json and the metrics."""
+
+
+@dataclass
 class RunConfig:
     stage: str = MISSING
     """What to train: ``autoencoder`` or ``diffusion`` (UNet, optionally with the text encoder)."""
@@ -352,6 +386,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
 
 
 def _describe(exc: OmegaConfBaseException) -> str:
@@ -504,6 +539,19 @@ def validate(config: RunConfig) -> None:
     _check(config.checkpoint.every >= 0, "checkpoint.every", "must be 0 (end only) or positive")
     _check(config.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be at least 1")
     _check(config.logging.every >= 1, "logging.every", "must be at least 1")
+    ev = config.evaluation
+    _check(ev.every_samples >= 0, "evaluation.every_samples", "must be 0 (off) or positive")
+    _check(set(ev.metrics) <= {"fid", "clip", "adherence"} and bool(ev.metrics), "evaluation.metrics",
+           "choose from fid, clip, adherence")
+    _check(ev.scheduler in ("ddim", "euler", "dpmpp"), "evaluation.scheduler", "must be ddim, euler or dpmpp")
+    _check(ev.steps >= 1 and ev.batch >= 1 and ev.num >= 0, "evaluation", "steps and batch at least 1, num 0 or more")
+    if ev.every_samples:
+        _check(config.stage == "diffusion", "evaluation.every_samples", "evaluates generated images: diffusion only")
+        _check(ev.prompts is not None or ev.metrics == ["adherence"], "evaluation.prompts",
+               "required for fid and clip: a prompt file (MLPerf: the COCO-2014 captions TSV)")
+    known = {"fid", "clip"} | {f"adherence_{k}" for k in ("colour_accuracy", "shape_accuracy", "two_shape_accuracy",
+                                                          "count_accuracy", "overall")}
+    _check(set(ev.target) <= known, "evaluation.target", f"keys must be among {', '.join(sorted(known))}")
 
 
 def to_yaml(config: RunConfig) -> str:

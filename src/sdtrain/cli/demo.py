@@ -17,6 +17,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--num", type=int, default=4000, help="dataset size")
     parser.add_argument("--autoencoder-steps", type=int, default=None, help="override the config's max_steps")
     parser.add_argument("--diffusion-steps", type=int, default=None, help="override the config's max_steps")
+    parser.add_argument("--adherence-prompts", type=int, default=72,
+                        help="prompts the final adherence score generates (54 single-shape, 18 two-shape)")
     parser.set_defaults(run=run)
 
 
@@ -40,35 +42,41 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     data, ae_run, sd_run = out / "data", out / "autoencoder", out / "diffusion"
     latents, pipeline, samples = out / "latents", out / "pipeline", out / "samples"
-    _step("1/7 write the shapes dataset", ["prepare", "shapes", "--out", str(data), "--num", str(args.num)])
+    _step("1/8 write the shapes dataset", ["prepare", "shapes", "--out", str(data), "--num", str(args.num)])
     ae = ["train", str(config_path("autoencoder.yaml")), f"run_dir={ae_run}", f"data.shards={data}"]
     if args.autoencoder_steps:
         ae.append(f"train.max_steps={args.autoencoder_steps}")
-    _step("2/7 train the autoencoder", ae)
+    _step("2/8 train the autoencoder", ae)
     # Encoding once instead of every step: the diffusion stage's images are centre crops without flips,
     # so the latents are exactly what it would compute. The text encoder trains, so no text embeddings.
-    _step("3/7 encode the dataset with the autoencoder",
+    _step("3/8 encode the dataset with the autoencoder",
           ["prepare", "encode", str(data), "--model", str(ae_run), "--out", str(latents), "--resolution", "64",
            "--dtype", "float32", "--no-text"])
     sd = ["train", str(config_path("diffusion.yaml")), f"run_dir={sd_run}", f"data.shards={latents}",
           f"model.vae={ae_run}"]
     if args.diffusion_steps:
         sd.append(f"train.max_steps={args.diffusion_steps}")
-    _step("4/7 train the text encoder and UNet", sd)
-    _step("5/7 export a diffusers pipeline", ["export", str(sd_run), "--out", str(pipeline)])
+    _step("4/8 train the text encoder and UNet", sd)
+    _step("5/8 export a diffusers pipeline", ["export", str(sd_run), "--out", str(pipeline)])
     prompts = out / "prompts.txt"
     prompts.write_text("\n".join(caption_prompts()) + "\n")
     # Moderate guidance: it sharpens the shapes of a model trained for a few CPU minutes, while a much
     # higher scale starts to shift its colours.
-    _step("6/7 generate from the prompts",
+    _step("6/8 generate from the prompts",
           ["generate", "--model", str(pipeline), "--prompts", str(prompts), "--out", str(samples),
            "--steps", "30", "--guidance", "4", "--seed", "0"])
     grid = out / "samples.png"
     (samples / "grid.png").replace(grid)
-    _step("7/7 write the diffusion run's report", ["report", str(sd_run)])
+    # The same sampler settings as the grid: the score says how often those images show their prompt.
+    adherence = out / "adherence.json"
+    _step("7/8 score prompt adherence (colour, shape, both shapes of a pair)",
+          ["evaluate", str(pipeline), "--metrics", "adherence", "--num", str(args.adherence_prompts),
+           "--steps", "30", "--guidance", "4", "--scheduler", "euler", "--out", str(adherence)])
+    _step("8/8 write the diffusion run's report", ["report", str(sd_run)])
     minutes = (time.perf_counter() - started) / 60
     print(f"\ndemo finished in {minutes:.1f} min")
     print(f"  samples grid:       {grid}")
+    print(f"  prompt adherence:   {adherence}")
     print(f"  diffusers pipeline: {pipeline}  (StableDiffusionPipeline.from_pretrained)")
     print(f"  runs:               {ae_run}, {sd_run}  (metrics.jsonl, tensorboard/, checkpoints/, samples/)")
     print(f"  training report:    {sd_run / 'report.html'}  (open in a browser: loss, samples over time, setup)")

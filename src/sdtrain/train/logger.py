@@ -87,6 +87,19 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
 
+    def evaluation(self, step: int, samples: int, metrics: dict[str, float]) -> None:
+        """Evaluation results: their own line in metrics.jsonl (the training rate is not touched)."""
+        if not self.enabled:
+            return
+        record = {"step": step, "samples": samples, **metrics}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in metrics.items():
+                self.tb.add_scalar(f"eval/{key}", value, step)
+        if self.wandb is not None:
+            self.wandb.log({f"eval/{key}": value for key, value in metrics.items()}, step=step)
+
     def image(self, tag: str, path: Path, step: int) -> None:
         if self.wandb is not None:
             import wandb

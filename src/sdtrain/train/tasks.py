@@ -385,17 +385,20 @@ class DiffusionTask(Task):
         prompts = self.config.validation.prompts
         return self.render(modules, out, prompts, prompts) if prompts else None
 
+    def pipeline(self, modules: dict[str, nn.Module]) -> Any:
+        """A pipeline of the given trained modules and this task's frozen ones."""
+        from sdtrain.models.pipeline import assemble_pipeline, sampler_from
+
+        text_encoder = modules["text_encoder"] if "text_encoder" in modules else self.frozen("text_encoder")
+        return assemble_pipeline(self.frozen("vae"), text_encoder, self.tokenizer, modules.get("unet", self.unet),
+                                 sampler_from(self.noise_scheduler, "euler"))
+
     @torch.no_grad()
     def render(self, modules: dict[str, nn.Module], out: Path, prompts: list[str], labels: list[str]) -> Path:
         """A grid of the prompts' images from the given trained modules and this task's frozen ones."""
         from sdtrain.generate import sample_images
-        from sdtrain.models.pipeline import assemble_pipeline, sampler_from
 
-        text_encoder = modules["text_encoder"] if "text_encoder" in modules else self.frozen("text_encoder")
-        pipe = assemble_pipeline(
-            self.frozen("vae"), text_encoder, self.tokenizer, modules.get("unet", self.unet),
-            sampler_from(self.noise_scheduler, "euler"),
-        )
+        pipe = self.pipeline(modules)
         val = self.config.validation
         images = sample_images(pipe, prompts, seed=val.seed, steps=val.steps, guidance=val.guidance)
         return save_grid(images, out, rows=max(1, len(prompts) // 4), labels=labels)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import math
 import random
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ from sdtrain.train.logger import RunLogger
 from sdtrain.train.optim import allocate_state, build_lr_schedule, build_optimizer
 from sdtrain.train.parallel import DataParallel
 from sdtrain.train.tasks import Task, make_task, prepare_task
+from sdtrain.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,11 @@ class TrainState:
         self.rank = rank
         self.step = 0
         self.samples = 0
+        self.evaluations = 0
+        """Evaluation points passed (one per evaluation.every_samples samples)."""
+        self.seconds = 0.0
+        """Training wall time before this start, for time-to-target across restarts."""
+        self.started: float | None = None
 
     def rank_state(self) -> dict[str, Any]:
         """What differs between ranks: each one's data position and RNG streams."""
@@ -87,15 +95,22 @@ class TrainState:
         return {
             "step": self.step,
             "samples": self.samples,
+            "evaluations": self.evaluations,
+            "seconds": self.elapsed(),
             "lr_schedule": self.lr_schedule.state_dict(),
             "ema_updates": self.ema.updates if self.ema is not None else 0,
             "task": self.task.extra_state(),
             "ranks": ranks,
         }
 
+    def elapsed(self) -> float:
+        """Seconds of training, every start of the run included."""
+        return self.seconds + (time.perf_counter() - self.started if self.started is not None else 0.0)
+
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         ranks = state["ranks"]
         self.step, self.samples = int(state["step"]), int(state["samples"])
+        self.evaluations, self.seconds = int(state.get("evaluations", 0)), float(state.get("seconds", 0.0))
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         self.task.load_extra_state(state["task"])
         self.data.load_state_dict([r["data"] for r in ranks])
@@ -149,6 +164,7 @@ class Trainer:
         self.last_batch: dict[str, Any] | None = None
         self.saved: tuple[int, Path] | None = None
         self.stop_signal: int | None = None
+        self.evaluator = None
 
     def train(self) -> Path:
         with self._stop_on_signals():
@@ -164,12 +180,16 @@ class Trainer:
                  self.config.stage, sum(p.numel() for p in self.task.parameters()), self.data.num_samples,
                  len(self.data.shards))
         self.logger.start(self.state.step, self.state.samples)
+        self.state.started = time.perf_counter()
         try:
             while self.state.step < self.config.train.max_steps:
                 metrics = self.train_step()
                 self.state.step += 1
                 # A checkpoint step also checks the loss, so a NaN is never saved over good weights.
                 self.report(metrics, force=self.checkpointer.due(self.state.step))
+                # Before the save, so a resumed run neither repeats nor skips an evaluation point.
+                if self.evaluation_due() and self.evaluate():
+                    break
                 if self.checkpointer.due(self.state.step):
                     self.save()
                 self.faults.after_step(self.state.step)
@@ -277,6 +297,47 @@ class Trainer:
         values["skipped_samples"] = self.data.position.total_skipped
         values["filtered_samples"] = self.data.position.total_filtered
         self.logger.log(step, self.state.samples, values)
+
+    def evaluation_due(self) -> bool:
+        every = self.config.evaluation.every_samples
+        return every > 0 and self.state.samples // every > self.state.evaluations
+
+    def evaluate(self) -> bool:
+        """Score the averaged weights on every rank (each generates its share); True once the target is met."""
+        from sdtrain.evaluate.run import flat_metrics, target_met
+
+        cfg = self.config.evaluation
+        self.state.evaluations = self.state.samples // cfg.every_samples
+        if self.evaluator is None:
+            self.evaluator = self._make_evaluator()
+        snapshot = capture(self.task.trainable, self.ema, None)
+        with self.averaged_modules(snapshot) as modules:
+            result = self.evaluator(self.task.pipeline(modules))
+        metrics = flat_metrics(result) | {"eval_seconds": result["seconds"]}
+        self.logger.evaluation(self.state.step, self.state.samples, metrics)
+        log.info("evaluation at step %d: %s", self.state.step,
+                 ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        if not target_met(metrics, cfg.target):
+            return False
+        reached = {"target": cfg.target, "metrics": metrics, "step": self.state.step, "samples": self.state.samples,
+                   "seconds": round(self.state.elapsed(), 1)}
+        if self.is_main:
+            atomic_write_text(self.run_dir / "target.json", json.dumps(reached, indent=1) + "\n")
+        log.info("target %s reached at step %d after %d samples, %.0f s of training", cfg.target,
+                 self.state.step, self.state.samples, reached["seconds"])
+        return True
+
+    def _make_evaluator(self):
+        from sdtrain.evaluate.adherence import adherence_prompts
+        from sdtrain.evaluate.run import EvalSettings, Evaluator, read_prompts
+
+        cfg = self.config.evaluation
+        prompts = read_prompts(cfg.prompts) if cfg.prompts else adherence_prompts()
+        settings = EvalSettings(list(cfg.metrics), num=cfg.num or None, steps=cfg.steps, guidance=cfg.guidance,
+                                seed=cfg.seed, batch=cfg.batch, inception=cfg.inception, clip=cfg.clip,
+                                reference=cfg.reference, scheduler=cfg.scheduler,
+                                extra={"resolution": self.config.data.resolution})
+        return Evaluator(prompts, settings, self.device, self.topology.rank, self.topology.world_size)
 
     def save(self) -> Path:
         if self.saved is not None and self.saved[0] == self.state.step:
