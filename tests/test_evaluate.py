@@ -191,3 +191,39 @@ def test_in_loop_evaluation_survives_a_resume(tmp_path, shapes_dir, autoencoder_
     train("diffusion.yaml", tmp_path / "split", *common, "train.max_steps=2")
     train("diffusion.yaml", tmp_path / "split", *common, "train.max_steps=4")
     assert _evaluation_steps(tmp_path / "straight") == _evaluation_steps(tmp_path / "split") == [2, 4]
+
+
+@pytest.mark.dist
+def test_evaluation_under_two_gloo_ranks_gives_the_numbers_of_one(tmp_path, pretrained, shapes_dir, inception_file,
+                                                                  clip_folder):
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from sdtrain.cli.main import main
+
+    assert main(["evaluate", "stats", str(shapes_dir), "--out", str(tmp_path / "stats.npz"), "--inception",
+                 str(inception_file), "--resolution", "32"]) == 0
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\na blue square\na green triangle\na yellow circle and a red square\n"
+                       "an orange square\n")
+    args = _evaluate_cli(tmp_path, pretrained, inception_file, clip_folder, prompts)
+    assert main([*args, "--out", str(tmp_path / "one.json")]) == 0
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+               "sdtrain", *args, "--out", str(tmp_path / "two.json")]
+    process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = process.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        _, err = process.communicate()
+    assert process.returncode == 0, err[-3000:]
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert two["world_size"] == 2 and two["images"] == one["images"] == 5
+    # Same images (seeded by prompt index); only the order in which sums are added differs.
+    assert two["fid"] == pytest.approx(one["fid"], rel=1e-5)
+    assert two["clip"] == pytest.approx(one["clip"], rel=1e-5)
+    assert two["adherence"] == one["adherence"]
