@@ -26,15 +26,18 @@ def run_config(run_dir: Path) -> RunConfig:
     return load_config(Path(run_dir) / "config.yaml")
 
 
-def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None = None) -> Any:
-    """A StableDiffusionPipeline from a diffusion run: trained weights from its checkpoint, the rest
-    from the sources its config names."""
+def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None = None,
+                      trained: dict[str, Any] | None = None) -> Any:
+    """A StableDiffusionPipeline from a diffusion run: trained weights from its checkpoint (or `trained`, the
+    checkpoint's modules already loaded), the rest from the sources its config names."""
     run_dir = Path(run_dir)
     config = run_config(run_dir)
     if config.stage != "diffusion":
         raise UserError(f"{run_dir}: a {config.stage} run has no pipeline; export it to get its {config.stage} folder")
     checkpoint = checkpoint or latest_checkpoint(run_dir)
-    trained = {name: merge_partial(m) for name, m in load_run_modules(run_dir, ema=ema, checkpoint=checkpoint).items()}
+    if trained is None:
+        trained = load_run_modules(run_dir, ema=ema, checkpoint=checkpoint)
+    trained = {name: merge_partial(m) for name, m in trained.items()}
     pinned = pinned_sources(checkpoint)
     model = config.model
     trust = True if model.trust_pickle else None
@@ -91,8 +94,8 @@ def _export_trained_parts(run_dir: Path, config: RunConfig, folder: Path, ema: b
         full_pipeline = config.textual_inversion.save_as_full_pipeline if config.mode == "textual_inversion" \
             else config.lora.save_merged
     if full_pipeline:
-        pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint).save_pretrained(folder / "pipeline",
-                                                                                   safe_serialization=True)
+        pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint, trained=modules).save_pretrained(
+            folder / "pipeline", safe_serialization=True)
 
 
 def export_run(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | None = None,

@@ -78,27 +78,22 @@ class RunLogger:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", img_s=f"{metrics['img_per_s']:.1f}",
                                  lr=f"{metrics['lr']:.2e}", seen=samples, refresh=False)
-        record = {"step": step, **metrics}
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
-        if self.tb is not None:
-            for key, value in metrics.items():
-                self.tb.add_scalar(f"train/{key}", value, step)
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
+        self._write(step, metrics, "train")
 
     def evaluation(self, step: int, samples: int, metrics: dict[str, float]) -> None:
         """Evaluation results: their own line in metrics.jsonl (the training rate is not touched)."""
-        if not self.enabled:
-            return
-        record = {"step": step, "samples": samples, **metrics}
-        self.jsonl.write(json.dumps(record) + "\n")
+        if self.enabled:
+            self._write(step, {"samples": samples, **metrics}, "eval")
+
+    def _write(self, step: int, metrics: dict[str, float], group: str) -> None:
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
             for key, value in metrics.items():
-                self.tb.add_scalar(f"eval/{key}", value, step)
+                self.tb.add_scalar(f"{group}/{key}", value, step)
         if self.wandb is not None:
-            self.wandb.log({f"eval/{key}": value for key, value in metrics.items()}, step=step)
+            # W&B keeps training metrics unprefixed, as the runs before evaluation existed did.
+            self.wandb.log(metrics if group == "train" else {f"{group}/{k}": v for k, v in metrics.items()}, step=step)
 
     def image(self, tag: str, path: Path, step: int) -> None:
         if self.wandb is not None:
