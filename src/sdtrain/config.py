@@ -428,7 +428,12 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not isinstance(layer, DictConfig):
             raise UserError(f"{path}: the top level must be a mapping of config keys (stage:, data:, ...)")
         _check_sections(layer, f"{path}: ")
+        required = OmegaConf.missing_keys(layer)
         merged = _merge(merged, layer, f"{path}: ")
+        # Merging never replaces a value with ???, so a key the YAML asks for would keep its default (None
+        # for most paths) and fail late, or not at all: mark it missing again until the command line sets it.
+        for key in required:
+            OmegaConf.update(merged, key, MISSING, merge=False)
     for item in overrides:
         if "=" not in item:
             raise UserError(f"override '{item}' is not key=value; write e.g. train.max_steps=100")
