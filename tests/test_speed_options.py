@@ -120,7 +120,7 @@ def test_params_counts_what_a_stage_trains(capsys):
 def test_mixed_precision_no_on_the_command_line_means_fp32(tmp_path):
     from sdtrain.config import load_config
 
-    config = load_config(config_path("diffusion.yaml"), [f"run_dir={tmp_path}", "data.shards=x",
+    config = load_config(config_path("diffusion.yaml"), [f"run_dir={tmp_path}", "data.shards=x", "model.vae=x",
                                                           "train.mixed_precision=no"])
     assert config.train.mixed_precision == "fp32"
 

@@ -130,7 +130,8 @@ def test_checkpointing_wraps_each_block_outside_the_model():
     from sdtrain.train.parallel import DataParallel, shard_units
 
     class Task:
-        unet = build.build_unet(load_config(config_path("diffusion.yaml"), ["run_dir=x", "data.shards=x"]).model,
+        unet = build.build_unet(load_config(config_path("diffusion.yaml"), ["run_dir=x", "data.shards=x",
+                                                                            "model.vae=x"]).model,
                                 latent_channels=4, latent_size=8, cross_attention_dim=64)
 
         def parallel_modules(self):

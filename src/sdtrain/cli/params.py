@@ -24,10 +24,12 @@ def run(args: argparse.Namespace) -> int:
     from sdtrain.config import load_config
     from sdtrain.params import count, format_counts
 
-    # Counting needs neither data nor a run folder: fill them when the config leaves them open.
+    # Counting needs neither data nor a run folder, and a component the config asks for but the command line
+    # does not name is counted from its preset: fill what the config leaves open.
     given = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(args.overrides)) \
         if args.config.is_file() else OmegaConf.create()
-    filled = [f"{key}=unused" for key in ("run_dir", "data.shards")
+    open_keys = {"run_dir", "data.shards"} | set(OmegaConf.missing_keys(given))
+    filled = [f"{key}={'null' if key.startswith('model.') else 'unused'}" for key in sorted(open_keys)
               if OmegaConf.select(given, key, default=None) is None or OmegaConf.is_missing(given, key)]
     rows = count(load_config(args.config, [*filled, *args.overrides]))
     print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else format_counts(rows))
