@@ -1,0 +1,99 @@
+"""Stable Diffusion checkpoints as ONE file, in the original (CompVis/LDM, A1111/ComfyUI) layout.
+
+Reading: the diffusers configs of the UNet, VAE and text encoder are inferred from the file's tensor
+shapes and key names (plus the settings weights cannot tell, from the file's safetensors metadata when
+it has them), written into a local cache folder, and the weights are converted by diffusers' own
+single-file loaders with ``config=`` that folder and ``local_files_only=True``: nothing is downloaded.
+
+Writing: our own diffusers -> original key mapping (any number of levels, any layers_per_block), with
+the settings the loader needs in the metadata, so a file written here loads back exactly.
+
+Original layout, by component:
+
+- UNet: ``model.diffusion_model.*``
+- VAE: ``first_stage_model.*`` (a VAE-only file, as A1111 keeps them, has the same keys without prefix)
+- text encoder: ``cond_stage_model.transformer.text_model.*`` (CLIP, SD 1.x) or ``cond_stage_model.model.*``
+  (OpenCLIP, SD 2.x: fused ``in_proj`` attention, ``transformer.resblocks.N``)
+
+Metadata keys written (all strings, as safetensors requires):
+
+- ``prediction_type``: ``epsilon`` / ``v_prediction`` / ``sample``. Without it (nor a ModelSpec
+  ``modelspec.prediction_type``), an OpenCLIP (SD 2.x) file is read as ``v_prediction`` and any other as
+  ``epsilon``, as diffusers assumes.
+- ``scheduler_config``: JSON of the training noise scheduler (beta schedule, betas, timesteps...).
+- ``unet_config``, ``vae_config``, ``text_encoder_config``: JSON of each component's settings that its
+  weights cannot tell (attention heads, norm groups, the VAE's ``scaling_factor``, activation, token ids...).
+  Sizes (channels, levels, layers, vocabulary...) are always read from the tensors, never from these.
+- ``text_encoder_layout``: ``clip`` or ``openclip``, informative (the keys say it too).
+- ``sdtrain_format``: ``1``; marks a file ``sdtrain export --single-file`` wrote (and may replace).
+
+Text encoder layout when writing (`choose_text_layout`): OpenCLIP when the text encoder was loaded from an
+SD 2.x-layout single file or is 1024 wide (SD 2.x's ViT-H), else CLIP. diffusers drops an OpenCLIP tower's
+block 23 when reading (SD 2.x conditions on the penultimate of 24 layers), so the OpenCLIP layout holds at
+most 23 layers: a 24-block file reads as 23 layers, and we write exactly the encoder's own layers (neither
+SD 2's unused 24th block nor its unused ``text_projection``).
+
+A single file holds no tokenizer: ``sdtrain export --single-file`` writes it beside OUT.safetensors as
+OUT.tokenizer/, which the loader finds; otherwise ``model.tokenizer`` must name one. The inferred configs
+are cached in ``<sdtrain cache dir>/single_file/<fingerprint of keys, shapes and metadata>`` (the cache dir
+is ``SDTRAIN_CACHE_DIR``, else ``~/.cache/sdtrain``).
+
+Pickle checkpoints (``.ckpt``, ``.pt``, ``.pth``, ``.bin``) can run code when unpickled: they are refused
+unless trusted (``trust_pickle=True``, or ``SDTRAIN_TRUST_PICKLE=1``), and even then read with
+``torch.load(weights_only=True)``, which refuses anything but tensors and plain containers.
+"""
+
+from __future__ import annotations
+
+from sdtrain.models.single_file.load import load_single_file_component, load_single_file_pipeline
+from sdtrain.models.single_file.read import (
+    CLIP_PREFIX,
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    OPENCLIP_PREFIX,
+    PICKLE_SUFFIXES,
+    PREDICTION_TYPES,
+    SAFE_SUFFIXES,
+    SD_SCHEDULER,
+    SUFFIXES,
+    TEXT_EXTRA_KEYS,
+    TEXT_LAYOUTS,
+    TEXT_SHAPE_KEYS,
+    TRUST_PICKLE_ENV,
+    UNET_PREFIX,
+    UNET_SHAPE_KEYS,
+    VAE_PREFIX,
+    VAE_SHAPE_KEYS,
+    SingleFileInfo,
+    config_folder,
+    inspect_single_file,
+    is_single_file,
+    looks_like_single_file,
+    prediction_type,
+    scheduler_config,
+    text_encoder_layout,
+    tokenizer_folder,
+    tokenizer_for,
+    trust_pickle_from_env,
+)
+from sdtrain.models.single_file.read import _infer as _infer
+from sdtrain.models.single_file.write import _module_config as _module_config
+from sdtrain.models.single_file.write import _normalize as _normalize
+from sdtrain.models.single_file.write import (
+    choose_text_layout,
+    save_single_file,
+    single_file_metadata,
+    to_original_state_dict,
+    written_by_sdtrain,
+)
+
+# _infer, _module_config and _normalize are private: re-exported (by redundant aliases) for the tests.
+__all__ = [
+    "CLIP_PREFIX", "FORMAT_KEY", "FORMAT_VERSION", "OPENCLIP_PREFIX", "PICKLE_SUFFIXES", "PREDICTION_TYPES",
+    "SAFE_SUFFIXES", "SD_SCHEDULER", "SUFFIXES", "TEXT_EXTRA_KEYS", "TEXT_LAYOUTS", "TEXT_SHAPE_KEYS",
+    "TRUST_PICKLE_ENV", "UNET_PREFIX", "UNET_SHAPE_KEYS", "VAE_PREFIX", "VAE_SHAPE_KEYS", "SingleFileInfo",
+    "choose_text_layout", "config_folder", "inspect_single_file", "is_single_file", "load_single_file_component",
+    "load_single_file_pipeline", "looks_like_single_file", "prediction_type", "save_single_file",
+    "scheduler_config", "single_file_metadata", "text_encoder_layout", "to_original_state_dict", "tokenizer_folder",
+    "tokenizer_for", "trust_pickle_from_env", "written_by_sdtrain",
+]

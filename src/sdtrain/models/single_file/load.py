@@ -1,0 +1,111 @@
+"""Loading components (and a pipeline) of a single file through diffusers' from_single_file, with the
+local config folder `read` infers; never a download."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sdtrain.errors import UserError
+from sdtrain.models.single_file.read import (
+    SingleFileInfo,
+    _first_line,
+    _info,
+    _open,
+    config_folder,
+    scheduler_config,
+    tokenizer_for,
+)
+from sdtrain.models.single_file.write import _module_config, _to_original
+
+# The package's logger, named as before the module became a package.
+log = logging.getLogger(__package__)
+
+_COMPONENT_LABELS = {"unet": "UNet (model.diffusion_model.*)", "vae": "VAE (first_stage_model.*)",
+                     "text_encoder": "text encoder (cond_stage_model.*)"}
+
+
+# --------------------------------------------------------------------------------------------------- loading
+
+
+def _missing_parameters(module: torch.nn.Module) -> list[str]:
+    return [n for n, p in module.named_parameters() if p.is_meta]
+
+
+def load_single_file_component(name: str, path: str | Path, trust_pickle: bool | None = None) -> Any:
+    """Component `name` ('unet', 'vae', 'text_encoder') of a single file, in fp32, through diffusers'
+    single-file loaders with a local config folder; never a download."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from diffusers.loaders.single_file_utils import SingleFileComponentError, create_diffusers_clip_model_from_ldm
+    from transformers import CLIPTextModel
+
+    file = _open(path, trust_pickle)
+    info = _info(file)
+    if name in info.errors:
+        raise UserError(f"{path}: unrecognized {name} layout ({info.errors[name]}); pass a Stable Diffusion "
+                        "1.x/2.x checkpoint in the original layout")
+    if name not in info.configs:
+        raise UserError(f"{path}: holds no {_COMPONENT_LABELS[name]}; point model.{name} at a file or folder "
+                        "that has one")
+    prefix = info.prefixes[name]
+    if name == "vae" and prefix == "":
+        keys = [k for k in file.shapes if k.startswith(("encoder.", "decoder.", "quant_conv.", "post_quant_conv."))]
+    elif name == "text_encoder":
+        keys = [k for k in file.shapes if k.startswith("cond_stage_model.")]
+    else:
+        keys = [k for k in file.shapes if k.startswith(prefix)]
+    # fp32 whatever the file stores (an fp16 file trains from fp32 master weights like any other source).
+    tensors = {k: v.float() if v.is_floating_point() else v for k, v in file.tensors(keys).items()}
+    folder = str(config_folder(info))
+    common = dict(config=folder, subfolder=name, local_files_only=True)
+    try:
+        if name == "unet":
+            module = UNet2DConditionModel.from_single_file(tensors, **common)
+        elif name == "vae":
+            module = AutoencoderKL.from_single_file(tensors, **common)
+        else:
+            module = create_diffusers_clip_model_from_ldm(CLIPTextModel, checkpoint=tensors, **common)
+    except (ValueError, KeyError, RuntimeError, OSError, TypeError, SingleFileComponentError) as exc:
+        raise UserError(f"{path}: cannot load the {name} ({_first_line(exc)})") from exc
+    missing = _missing_parameters(module)
+    if missing:
+        raise UserError(f"{path}: the {name} lacks {len(missing)} weights (e.g. {missing[0]}); the file is "
+                        "incomplete or in a layout diffusers does not read")
+    _warn_unused(name, module, keys, info, path)
+    return module
+
+
+def _warn_unused(name: str, module: Any, keys: list[str], info: SingleFileInfo, path: str | Path) -> None:
+    """Say so when the file has tensors of this component that no weight was loaded from."""
+    shapes_only = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in module.state_dict().items()}
+    try:
+        expected = set(_to_original(name, shapes_only, _module_config(name, module), info.text_layout))
+    except UserError:
+        return
+    prefix = info.prefixes[name]
+    ignorable = re.compile(r"(position_ids|text_projection|logit_scale|transformer\.resblocks\.23\..*)$")
+    unused = sorted(k for k in keys if not (k.startswith(prefix) and k[len(prefix):] in expected)
+                    and not ignorable.search(k))
+    if unused:
+        log.warning("%s: %d tensors of the %s were not used (e.g. %s)", path, len(unused), name, unused[0])
+
+
+def load_single_file_pipeline(path: str | Path, tokenizer: str | Path | None = None,
+                              trust_pickle: bool | None = None) -> Any:
+    """A StableDiffusionPipeline from a single file: its components as `load_single_file_component` reads
+    them, the tokenizer from `tokenizer` (or the file's OUT.tokenizer/ sibling), an Euler sampler on its
+    noise schedule."""
+    from diffusers import DDPMScheduler
+
+    from sdtrain.models.pipeline import assemble_pipeline, sampler_from
+    from sdtrain.models.tokenizer import load_clip_tokenizer
+
+    modules = {name: load_single_file_component(name, path, trust_pickle) for name in ("vae", "text_encoder", "unet")}
+    noise = DDPMScheduler.from_config(scheduler_config(path, trust_pickle))
+    tok = load_clip_tokenizer(Path(tokenizer or tokenizer_for(path)))
+    return assemble_pipeline(modules["vae"], modules["text_encoder"], tok, modules["unet"],
+                             sampler_from(noise, "euler"))

@@ -1,0 +1,382 @@
+"""Writing a single file in the original layout: the diffusers -> original key mapping, the metadata a
+file carries, and the check that what is written reads back as it is."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sdtrain.errors import UserError
+from sdtrain.models.single_file.read import (
+    _OPENCLIP_DROPPED_BLOCK,
+    CLIP_PREFIX,
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    OPENCLIP_PREFIX,
+    TEXT_EXTRA_KEYS,
+    TEXT_LAYOUTS,
+    TEXT_SHAPE_KEYS,
+    UNET_PREFIX,
+    UNET_SHAPE_KEYS,
+    VAE_PREFIX,
+    VAE_SHAPE_KEYS,
+    _infer,
+    _read_safetensors,
+    _Unrecognized,
+    is_single_file,
+    text_encoder_layout,
+)
+
+# The package's logger, named as before the module became a package.
+log = logging.getLogger(__package__)
+
+
+# --------------------------------------------------------------------------------------------------- writing
+
+_UNET_RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
+                "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
+_VAE_RESNET = {"conv_shortcut": "nin_shortcut"}
+_VAE_ATTENTION = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
+_OPENCLIP_LAYER = {"self_attn.out_proj": "attn.out_proj", "layer_norm1": "ln_1", "layer_norm2": "ln_2",
+                   "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
+
+
+def _rename(rest: str, table: dict[str, str]) -> str:
+    for src, dst in table.items():
+        if rest.startswith(src + "."):
+            return dst + rest[len(src):]
+    return rest
+
+
+def _unet_blocks(config: dict[str, Any]) -> dict[str, tuple[str, dict[str, str]]]:
+    """diffusers module prefix -> (original prefix, renames inside it), for any levels and layers_per_block."""
+    layers = config["layers_per_block"]
+    if isinstance(layers, (list, tuple)) and len(set(layers)) == 1:
+        layers = layers[0]
+    if not isinstance(layers, int):
+        raise UserError(f"unet: layers_per_block={layers} per level cannot be written in the original layout")
+    n = len(config["block_out_channels"])
+    blocks: dict[str, tuple[str, dict[str, str]]] = {
+        "time_embedding.linear_1": ("time_embed.0", {}), "time_embedding.linear_2": ("time_embed.2", {}),
+        "conv_in": ("input_blocks.0.0", {}), "conv_norm_out": ("out.0", {}), "conv_out": ("out.2", {}),
+        "mid_block.resnets.0": ("middle_block.0", _UNET_RESNET), "mid_block.attentions.0": ("middle_block.1", {}),
+        "mid_block.resnets.1": ("middle_block.2", _UNET_RESNET),
+    }
+    k = 1
+    for b in range(n):
+        for j in range(layers):
+            blocks[f"down_blocks.{b}.resnets.{j}"] = (f"input_blocks.{k}.0", _UNET_RESNET)
+            blocks[f"down_blocks.{b}.attentions.{j}"] = (f"input_blocks.{k}.1", {})
+            k += 1
+        if b < n - 1:
+            blocks[f"down_blocks.{b}.downsamplers.0.conv"] = (f"input_blocks.{k}.0.op", {})
+            k += 1
+    k = 0
+    for b, kind in enumerate(config["up_block_types"]):
+        for j in range(layers + 1):
+            blocks[f"up_blocks.{b}.resnets.{j}"] = (f"output_blocks.{k}.0", _UNET_RESNET)
+            blocks[f"up_blocks.{b}.attentions.{j}"] = (f"output_blocks.{k}.1", {})
+            if j == layers and b < n - 1:
+                # The upsampler follows the attention when the level has one.
+                slot = 2 if "CrossAttn" in kind else 1
+                blocks[f"up_blocks.{b}.upsamplers.0.conv"] = (f"output_blocks.{k}.{slot}.conv", {})
+            k += 1
+    return blocks
+
+
+def _vae_blocks(config: dict[str, Any]) -> dict[str, tuple[str, dict[str, str]]]:
+    n, layers = len(config["block_out_channels"]), config["layers_per_block"]
+    blocks: dict[str, tuple[str, dict[str, str]]] = {"quant_conv": ("quant_conv", {}),
+                                                     "post_quant_conv": ("post_quant_conv", {})}
+    for side in ("encoder", "decoder"):
+        blocks.update({
+            f"{side}.conv_in": (f"{side}.conv_in", {}), f"{side}.conv_norm_out": (f"{side}.norm_out", {}),
+            f"{side}.conv_out": (f"{side}.conv_out", {}),
+            f"{side}.mid_block.resnets.0": (f"{side}.mid.block_1", _VAE_RESNET),
+            f"{side}.mid_block.resnets.1": (f"{side}.mid.block_2", _VAE_RESNET),
+            f"{side}.mid_block.attentions.0": (f"{side}.mid.attn_1", _VAE_ATTENTION),
+        })
+    for i in range(n):
+        for j in range(layers):
+            blocks[f"encoder.down_blocks.{i}.resnets.{j}"] = (f"encoder.down.{i}.block.{j}", _VAE_RESNET)
+        blocks[f"encoder.down_blocks.{i}.downsamplers.0.conv"] = (f"encoder.down.{i}.downsample.conv", {})
+        # The decoder's levels are numbered from the lowest resolution up in diffusers, the other way originally.
+        for j in range(layers + 1):
+            blocks[f"decoder.up_blocks.{i}.resnets.{j}"] = (f"decoder.up.{n - 1 - i}.block.{j}", _VAE_RESNET)
+        blocks[f"decoder.up_blocks.{i}.upsamplers.0.conv"] = (f"decoder.up.{n - 1 - i}.upsample.conv", {})
+    return blocks
+
+
+def _map_by_blocks(name: str, state: dict[str, torch.Tensor], blocks: dict[str, tuple[str, dict[str, str]]]):
+    out, unmapped = {}, []
+    for key, tensor in state.items():
+        parts = key.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:cut])
+            if prefix in blocks:
+                target, table = blocks[prefix]
+                out[target + "." + _rename(".".join(parts[cut:]), table)] = tensor
+                break
+        else:
+            unmapped.append(key)
+    if unmapped:
+        raise UserError(f"{name}: {len(unmapped)} weights have no place in the original layout (e.g. {unmapped[0]}); "
+                        "this architecture cannot be written as a single file")
+    return out
+
+
+def _vae_to_original(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    out = _map_by_blocks("vae", state, _vae_blocks(config))
+    for key, tensor in out.items():
+        # The original attention projections are 1x1 convolutions; diffusers' are linear layers.
+        attention = ".mid.attn_1." in key and key.endswith(("q.weight", "k.weight", "v.weight", "proj_out.weight"))
+        if attention and tensor.ndim == 2:
+            out[key] = tensor[:, :, None, None]
+    return out
+
+
+def _text_to_original(state: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+    state = {k.removeprefix("text_model."): v for k, v in state.items() if not k.endswith("position_ids")}
+    if layout == "clip":
+        return dict(state)
+    out: dict[str, torch.Tensor] = {}
+    qkv: dict[int, dict[str, torch.Tensor]] = {}
+    unmapped = []
+    for key, tensor in state.items():
+        if key == "embeddings.token_embedding.weight":
+            out["token_embedding.weight"] = tensor
+        elif key == "embeddings.position_embedding.weight":
+            out["positional_embedding"] = tensor
+        elif key.startswith("final_layer_norm."):
+            out["ln_final." + key.removeprefix("final_layer_norm.")] = tensor
+        elif m := re.match(r"encoder\.layers\.(\d+)\.(.+)$", key):
+            layer, rest = int(m.group(1)), m.group(2)
+            if q := re.match(r"self_attn\.([qkv])_proj\.(weight|bias)$", rest):
+                qkv.setdefault(layer, {})[q.group(1) + q.group(2)] = tensor
+            elif (renamed := _rename(rest, _OPENCLIP_LAYER)) != rest:
+                out[f"transformer.resblocks.{layer}.{renamed}"] = tensor
+            else:
+                unmapped.append(key)
+        else:
+            unmapped.append(key)
+    for layer, parts in qkv.items():
+        # OpenCLIP fuses the three projections into one in_proj, rows in q, k, v order.
+        for kind in ("weight", "bias"):
+            try:
+                out[f"transformer.resblocks.{layer}.attn.in_proj_{kind}"] = torch.cat(
+                    [parts["q" + kind], parts["k" + kind], parts["v" + kind]])
+            except KeyError:
+                unmapped.append(f"encoder.layers.{layer}.self_attn (incomplete q/k/v {kind})")
+    if unmapped:
+        raise UserError(f"text_encoder: {len(unmapped)} weights have no place in the OpenCLIP layout "
+                        f"(e.g. {unmapped[0]}); write it in the CLIP layout")
+    return out
+
+
+def _module_config(name: str, module: Any) -> dict[str, Any]:
+    if name == "text_encoder":
+        config = module.config
+        return {k: getattr(config, k) for k in (*TEXT_SHAPE_KEYS, *TEXT_EXTRA_KEYS) if hasattr(config, k)}
+    return {k: v for k, v in dict(module.config).items() if not k.startswith("_")}
+
+
+def _to_original(name: str, state: dict[str, torch.Tensor], config: dict[str, Any],
+                 text_layout: str | None) -> dict[str, torch.Tensor]:
+    """A component's diffusers state dict in the original layout, keys without the component prefix."""
+    if name == "unet":
+        return _map_by_blocks("unet", state, _unet_blocks(config))
+    if name == "vae":
+        return _vae_to_original(state, config)
+    return _text_to_original(state, text_layout or "clip")
+
+
+def choose_text_layout(text_encoder: Any, source: str | Path | None = None, requested: str = "auto") -> str:
+    """'clip' or 'openclip' for writing `text_encoder`.
+
+    Rule for 'auto': OpenCLIP (SD 2.x) when the text encoder was loaded from an SD 2.x-layout single file,
+    or its hidden size is 1024 (SD 2.x's ViT-H); else CLIP (SD 1.x). An OpenCLIP layout holds at most 23
+    layers (diffusers drops block 23 when reading), so a deeper encoder is written in the CLIP layout.
+    """
+    if requested not in ("auto", *TEXT_LAYOUTS):
+        raise UserError(f"text layout '{requested}' is not one of auto, {', '.join(TEXT_LAYOUTS)}")
+    layers = text_encoder.config.num_hidden_layers
+    if requested != "auto":
+        if requested == "openclip" and layers > _OPENCLIP_DROPPED_BLOCK:
+            raise UserError(f"--text-layout openclip: a {layers}-layer text encoder does not fit the OpenCLIP "
+                            f"layout, which diffusers reads up to {_OPENCLIP_DROPPED_BLOCK} layers; use clip")
+        return requested
+    from_sd2 = False
+    if source is not None and is_single_file(source):
+        try:
+            from_sd2 = text_encoder_layout(source) == "openclip"
+        except UserError:
+            from_sd2 = False
+    wants = from_sd2 or text_encoder.config.hidden_size == 1024
+    if wants and layers > _OPENCLIP_DROPPED_BLOCK:
+        log.warning("a %d-layer text encoder does not fit the OpenCLIP layout; writing it in the CLIP layout", layers)
+        return "clip"
+    return "openclip" if wants else "clip"
+
+
+def _normalize(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_normalize(v) for v in value]
+    return value
+
+
+def _config_differences(expected: dict[str, Any], inferred: dict[str, Any]) -> list[str]:
+    differ = []
+    for key, value in expected.items():
+        got = inferred.get(key)
+        a, b = _normalize(value), _normalize(got)
+        if key in ("transformer_layers_per_block", "layers_per_block") and isinstance(a, list) and len(set(a)) == 1:
+            a = a[0]
+        if key == "time_embedding_dim" and a == 4 * expected["block_out_channels"][0]:
+            a = None  # the default, spelled out
+        if a != b:
+            differ.append(f"{key}={value!r} reads back as {got!r}")
+    return differ
+
+
+def to_original_state_dict(unet: Any = None, vae: Any = None, text_encoder: Any = None,
+                           text_layout: str = "clip") -> dict[str, torch.Tensor]:
+    """The components' weights in the original single-file layout (keys with their component prefix).
+
+    A VAE alone is written with bare keys (``encoder.*``, ``decoder.*``), as standalone VAE files are.
+    """
+    if text_encoder is not None and text_layout not in TEXT_LAYOUTS:
+        raise UserError(f"text layout '{text_layout}' is not one of {', '.join(TEXT_LAYOUTS)}")
+    out: dict[str, torch.Tensor] = {}
+    vae_only = unet is None and text_encoder is None
+    for name, module, prefix in (("unet", unet, UNET_PREFIX), ("vae", vae, "" if vae_only else VAE_PREFIX),
+                                 ("text_encoder", text_encoder,
+                                  OPENCLIP_PREFIX if text_layout == "openclip" else CLIP_PREFIX)):
+        if module is None:
+            continue
+        mapped = _to_original(name, module.state_dict(), _module_config(name, module), text_layout)
+        out.update({prefix + k: v for k, v in mapped.items()})
+    return out
+
+
+def single_file_metadata(unet: Any = None, vae: Any = None, text_encoder: Any = None, scheduler: Any = None,
+                         text_layout: str | None = None) -> dict[str, str]:
+    """The metadata a written file carries: what its weights cannot tell (see the module docstring)."""
+    metadata = {"format": "pt", FORMAT_KEY: FORMAT_VERSION}
+    if scheduler is not None:
+        config = dict(scheduler.config)
+        # Settings left at their defaults stay unsaid, as in a diffusers folder: a sampler made from the schedule
+        # (from_config of another class) then takes its own defaults for them, the same either way.
+        defaults = set(config.get("_use_default_values", []))
+        settings = {k: v for k, v in config.items() if not k.startswith("_") and k not in defaults}
+        metadata["prediction_type"] = str(settings.pop("prediction_type", "epsilon"))
+        metadata["scheduler_config"] = json.dumps(settings, sort_keys=True)
+    for name, module, shape_keys in (("unet", unet, UNET_SHAPE_KEYS), ("vae", vae, VAE_SHAPE_KEYS),
+                                     ("text_encoder", text_encoder, TEXT_SHAPE_KEYS)):
+        if module is not None:
+            extras = {k: v for k, v in _module_config(name, module).items() if k not in shape_keys}
+            metadata[f"{name}_config"] = json.dumps(extras, sort_keys=True)
+    if text_encoder is not None and text_layout:
+        metadata["text_encoder_layout"] = text_layout
+    return metadata
+
+
+def _diffusers_converted_keys(name: str, state: dict[str, torch.Tensor], module: Any) -> set[str]:
+    """The diffusers keys diffusers' own single-file converters make of `state` for this component."""
+    from diffusers.loaders.single_file_utils import (
+        convert_ldm_clip_checkpoint,
+        convert_ldm_unet_checkpoint,
+        convert_ldm_vae_checkpoint,
+        convert_open_clip_checkpoint,
+    )
+
+    if name == "unet":
+        config = dict(module.config)
+        if isinstance(config["layers_per_block"], (list, tuple)):
+            config["layers_per_block"] = config["layers_per_block"][0]  # uniform, or _unet_blocks refused it
+        return set(convert_ldm_unet_checkpoint(state, config))
+    if name == "vae":
+        return set(convert_ldm_vae_checkpoint(state, dict(module.config)))
+    if OPENCLIP_PREFIX + "token_embedding.weight" in state:
+        converted = convert_open_clip_checkpoint(module, state, prefix=OPENCLIP_PREFIX)
+    else:
+        converted = convert_ldm_clip_checkpoint(state)
+    return {k.removeprefix("text_model.") for k in converted}
+
+
+def _check_reads_back(components: dict[str, Any], state: dict[str, torch.Tensor], metadata: dict[str, str],
+                      out: Path) -> None:
+    """What a reader will make of the written keys and metadata must be each module as it is: the configs our
+    loader infers, and the keys diffusers' converters produce (on shapes only: meta tensors, no copies)."""
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    try:
+        inferred = _infer(shapes, metadata)
+    except _Unrecognized as exc:
+        raise UserError(f"{out}: this model cannot be written in the original layout ({exc})") from exc
+    configs, errors = inferred[0], inferred[-1]
+    if errors:
+        name, why = next(iter(errors.items()))
+        raise UserError(f"{out}: the {name} cannot be written in the original layout ({why})")
+    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
+    for name, module in components.items():
+        differ = _config_differences(_module_config(name, module), configs.get(name, {}))
+        if differ:
+            raise UserError(f"{out}: the {name} would not read back as it is ({differ[0]}); this architecture "
+                            "cannot be written as a single file")
+        wanted = {k for k in module.state_dict() if not k.endswith("position_ids")}
+        converted = _diffusers_converted_keys(name, meta, module)
+        if converted != wanted:
+            odd = sorted(converted ^ wanted)
+            raise UserError(f"{out}: diffusers would not read the {name} back ({len(odd)} weights differ, e.g. "
+                            f"{odd[0]}); this architecture cannot be written as a single file")
+
+
+def save_single_file(out: str | Path, *, unet: Any = None, vae: Any = None, text_encoder: Any = None,
+                     scheduler: Any = None, text_layout: str = "auto", text_source: str | Path | None = None,
+                     half: bool = False, metadata: dict[str, str] | None = None) -> Path:
+    """Write the given components as ONE safetensors file in the original SD layout, atomically.
+
+    `scheduler` (the training noise scheduler) gives ``prediction_type`` and ``scheduler_config``; without it
+    the file says neither and readers assume SD's (v_prediction for an OpenCLIP file, else epsilon).
+    `text_layout` is 'auto' (see `choose_text_layout`, `text_source` being where the text encoder came
+    from), 'clip' or 'openclip'. fp32 unless `half`. Returns `out`.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    components = {n: m for n, m in (("unet", unet), ("vae", vae), ("text_encoder", text_encoder)) if m is not None}
+    if not components:
+        raise UserError(f"{out}: nothing to write (no UNet, VAE or text encoder)")
+    layout = choose_text_layout(text_encoder, text_source, text_layout) if text_encoder is not None else None
+    state = to_original_state_dict(unet, vae, text_encoder, layout or "clip")
+    info = single_file_metadata(unet, vae, text_encoder, scheduler, layout)
+    info.update(metadata or {})
+    _check_reads_back(components, state, info, out)
+    dtype = torch.float16 if half else torch.float32
+    tensors = {k: (v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu()).contiguous()
+               for k, v in state.items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=info)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out
+
+
+def written_by_sdtrain(path: str | Path) -> bool:
+    """Whether `path` is a safetensors file ``sdtrain export --single-file`` wrote."""
+    try:
+        file = _read_safetensors(Path(path))
+    except UserError:
+        return False
+    return file.metadata.get(FORMAT_KEY) == FORMAT_VERSION
