@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
     trained = {name: merge_partial(m) for name, m in trained.items()}
     pinned = pinned_sources(checkpoint)
     model = config.model
-    trust = True if model.trust_pickle else None
+    trust = build.trusts_pickle(model)
 
     def component(name: str) -> Any:
         if name in trained:
@@ -104,31 +105,45 @@ def export_run(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | No
     for LoRA and textual-inversion runs, plus the merged pipeline when `full_pipeline` or the run's config
     asks), a VAE folder for autoencoder runs."""
     run_dir, out = Path(run_dir), Path(out)
+    checkpoint = _checkpoint_to_export(run_dir, checkpoint)
+    _check_replaceable(out, run_dir)
+    config = run_config(run_dir)
+
+    def write(tmp: Path) -> None:
+        if config.stage == "diffusion" and is_partial_run(checkpoint):
+            _export_trained_parts(run_dir, config, tmp, ema, checkpoint, full_pipeline)
+        elif config.stage == "diffusion":
+            pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint).save_pretrained(tmp, safe_serialization=True)
+        else:
+            load_run_modules(run_dir, ["vae"], ema=ema, checkpoint=checkpoint)["vae"].save_pretrained(
+                tmp, safe_serialization=True)
+
+    _swap_in_folder(out, write)
+    log.info("exported %s -> %s", run_dir, out)
+    return out
+
+
+def _checkpoint_to_export(run_dir: Path, checkpoint: Path | None) -> Path:
+    """The given checkpoint, or the run's newest; a UserError naming what is wrong otherwise."""
     if not (run_dir / "config.yaml").is_file():
         raise UserError(f"{run_dir}: not an sdtrain run folder (no config.yaml); pass the run_dir of a training run")
     if checkpoint is not None and not (Path(checkpoint) / "meta.json").is_file():
         raise UserError(f"--checkpoint: {checkpoint} is not a checkpoint folder (no meta.json)")
-    if checkpoint is None and latest_checkpoint(run_dir) is None:
+    checkpoint = checkpoint or latest_checkpoint(run_dir)
+    if checkpoint is None:
         raise UserError(f"{run_dir}: no complete checkpoint yet; train the run first")
-    _check_replaceable(out, run_dir)
-    config = run_config(run_dir)
+    return Path(checkpoint)
+
+
+def _swap_in_folder(out: Path, write: Callable[[Path], None]) -> None:
+    """`write` fills a temporary sibling folder; it replaces `out` only once complete."""
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    checkpoint = checkpoint or latest_checkpoint(run_dir)
-    if config.stage == "diffusion" and is_partial_run(checkpoint):
-        _export_trained_parts(run_dir, config, tmp, ema, checkpoint, full_pipeline)
-    elif config.stage == "diffusion":
-        pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint).save_pretrained(tmp, safe_serialization=True)
-    else:
-        load_run_modules(run_dir, ["vae"], ema=ema, checkpoint=checkpoint)["vae"].save_pretrained(
-            tmp, safe_serialization=True)
-    # Swap in the new export only once it is complete.
+    write(tmp)
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)
-    log.info("exported %s -> %s", run_dir, out)
-    return out
 
 
 def _check_replaceable_file(out: Path, run_dir: Path) -> None:
@@ -148,16 +163,6 @@ def _check_replaceable_file(out: Path, run_dir: Path) -> None:
         raise UserError(f"--out: {tokenizer} exists and is not a tokenizer folder; move it or choose another name")
 
 
-def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
-    """Next to the file, as OUT.tokenizer/: swapped in whole, like every export."""
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer.save_pretrained(tmp)
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
-
-
 def export_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | None = None,
                        half: bool = False, text_layout: str = "auto") -> Path:
     """Write the run's model as ONE .safetensors file in the original SD layout (see sdtrain.models.single_file).
@@ -171,13 +176,7 @@ def export_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: P
     from sdtrain.models import single_file
 
     run_dir, out = Path(run_dir), Path(out)
-    if not (run_dir / "config.yaml").is_file():
-        raise UserError(f"{run_dir}: not an sdtrain run folder (no config.yaml); pass the run_dir of a training run")
-    if checkpoint is not None and not (Path(checkpoint) / "meta.json").is_file():
-        raise UserError(f"--checkpoint: {checkpoint} is not a checkpoint folder (no meta.json)")
-    checkpoint = checkpoint or latest_checkpoint(run_dir)
-    if checkpoint is None:
-        raise UserError(f"{run_dir}: no complete checkpoint yet; train the run first")
+    checkpoint = _checkpoint_to_export(run_dir, checkpoint)
     _check_replaceable_file(out, run_dir)
     config = run_config(run_dir)
     if config.stage != "diffusion":
@@ -188,10 +187,11 @@ def export_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: P
     pipe = pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint)
     model = config.model
     # The training noise schedule (not the pipeline's sampler): its prediction type and betas go in the metadata.
-    noise = build.build_noise_scheduler(config.diffusion, model.pretrained, True if model.trust_pickle else None)
+    noise = build.build_noise_scheduler(config.diffusion, model.pretrained, build.trusts_pickle(model))
     text_source = pinned_sources(checkpoint).get("text_encoder") or build.component_source(model, "text_encoder")
     out.parent.mkdir(parents=True, exist_ok=True)
-    _save_tokenizer(pipe.tokenizer, single_file.tokenizer_folder(out))
+    # Beside the file, as OUT.tokenizer/, swapped in whole like every export.
+    _swap_in_folder(single_file.tokenizer_folder(out), pipe.tokenizer.save_pretrained)
     single_file.save_single_file(out, unet=pipe.unet, vae=pipe.vae, text_encoder=pipe.text_encoder, scheduler=noise,
                                  text_layout=text_layout, text_source=text_source, half=half)
     log.info("exported %s -> %s", run_dir, out)

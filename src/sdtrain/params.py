@@ -49,7 +49,7 @@ class _TokenizerShape:
 def _component(config: RunConfig, name: str, built: dict[str, Any]) -> tuple[Any, str]:
     source = build.component_source(config.model, name)
     if source is not None:
-        return build.load_component(name, source, trust_pickle=True if config.model.trust_pickle else None), source
+        return build.load_component(name, source, trust_pickle=build.trusts_pickle(config.model)), source
     model = config.model
     with torch.device("meta"):
         if name == "vae":

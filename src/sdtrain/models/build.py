@@ -233,6 +233,12 @@ def pin_source(source: str | Path) -> str:
     return str(path)
 
 
+def trusts_pickle(config: ModelConfig) -> bool | None:
+    """``model.trust_pickle`` as the loaders take it: True when set, else None, which defers to
+    SDTRAIN_TRUST_PICKLE (False would override the user's environment)."""
+    return True if config.trust_pickle else None
+
+
 def component_source(config: ModelConfig, name: str) -> str | None:
     """The folder (or single file) a component loads from, or None when it is built from the preset."""
     explicit = getattr(config, name)

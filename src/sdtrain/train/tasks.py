@@ -40,8 +40,7 @@ class Task:
         self.run_dir = run_dir
         self.pinned = dict(pinned or {})
         self.sources: dict[str, str] = {}
-        # None leaves it to SDTRAIN_TRUST_PICKLE; False would override the user's environment.
-        self.trust_pickle = True if config.model.trust_pickle else None
+        self.trust_pickle = build.trusts_pickle(config.model)
 
     def load_source(self, name: str) -> Any | None:
         """Load component `name` from its configured source, pinned at the run's first start; None when the
@@ -299,7 +298,8 @@ class DiffusionTask(Task):
     def release_unread(self) -> None:
         """On encoded shards the VAE (and with text embeddings the text encoder) only serve validation: their
         weights move to the meta device, keeping module and config, and validation loads them again from
-        their pinned sources. For SD2 that is 1.7 GB less for the whole run."""
+        their pinned sources. That frees SD2's 1.7 GB wherever they were read into memory (from a run's
+        checkpoint, say); weights safetensors maps from a file were never resident and gain nothing."""
         unread = ["vae"] + (["text_encoder"] if self.text_embeddings else [])
         for name in unread:
             if name not in self.trainable:

@@ -36,7 +36,7 @@ def _base_pipeline(config: RunConfig) -> Any:
     from sdtrain.models.pipeline import assemble_pipeline, sampler_from
 
     model = config.model
-    trust = True if model.trust_pickle else None
+    trust = build.trusts_pickle(model)
     components = {}
     for name in ("vae", "text_encoder", "unet"):
         source = build.component_source(model, name)
