@@ -16,7 +16,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: NAME.tokenizer/ beside the file)")
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    group.add_argument("--prompts", type=Path, help="a file with one prompt per line")
+    group.add_argument("--prompts", type=Path,
+                       help="a file with one prompt per line, or a TSV/CSV with a caption column")
     parser.add_argument("--out", type=Path, default=Path("samples"), help="output folder")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale")
@@ -37,9 +38,9 @@ def run(args: argparse.Namespace) -> int:
     from sdtrain.generate import generate
 
     if args.prompts is not None:
-        if not args.prompts.is_file():
-            raise UserError(f"--prompts: {args.prompts} not found; pass a text file with one prompt per line")
-        prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
+        from sdtrain.evaluate.run import read_prompts
+
+        prompts = read_prompts(args.prompts)
     else:
         prompts = args.prompt
     if args.steps < 1:
