@@ -44,12 +44,18 @@ def test_resumed_run_is_bitwise_equal_to_a_straight_run(tmp_path, shapes_dir, au
         assert not different, f"{name}: {len(different)} tensors differ, e.g. {different[:3]}"
 
 
-def test_a_corrupt_checkpoint_is_one_clear_error_naming_it(tmp_path, shapes_dir, capsys):
+def test_a_corrupt_checkpoint_without_checksums_is_one_clear_error_naming_it(tmp_path, shapes_dir, capsys):
+    import json
+
     from .conftest import train
 
     run = tmp_path / "ae"
     train("autoencoder.yaml", run, f"data.shards={shapes_dir}", "train.max_steps=2", "checkpoint.every=1")
     newest = run / "checkpoints" / "step_00000002"
+    # As saved before checkpoints recorded checksums (test_reliability covers those): caught when read.
+    meta = json.loads((newest / "meta.json").read_text())
+    del meta["files"]
+    (newest / "meta.json").write_text(json.dumps(meta))
     (newest / "model.safetensors").write_bytes(b"not safetensors")
     code = main(["train", str(config_path("autoencoder.yaml")), f"run_dir={run}", f"data.shards={shapes_dir}",
                  *TINY, "train.max_steps=3"])

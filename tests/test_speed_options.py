@@ -128,8 +128,8 @@ def test_mixed_precision_no_on_the_command_line_means_fp32(tmp_path):
 def _slow(precision: str, factor: float = 1000.0):
     real = autotune.time_precisions
 
-    def timed(calls, device, repeats=2):
-        timings = real(calls, device, repeats)
+    def timed(step, params, device, samples, repeats=2):
+        timings = real(step, params, device, samples, repeats)
         return {**timings, precision: timings[precision] * factor}
 
     return timed
@@ -171,16 +171,30 @@ def test_forcing_another_precision_on_resume_says_so(tmp_path, shapes_dir, autoe
     assert "changes this run's precision from fp32" in caplog.text
 
 
-def test_measured_precision_is_cached_per_machine(tmp_path, monkeypatch):
+def test_measured_precision_times_the_whole_step_and_is_cached_per_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("SDTRAIN_CACHE_DIR", str(tmp_path))
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.Conv2d(8, 8, 3, padding=1))
-    calls = autotune.record_layer_calls({"m": model}, lambda: model(torch.randn(1, 3, 16, 16)))
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU(), nn.Conv2d(8, 8, 3, padding=1))
+    batch = torch.randn(4, 3, 16, 16)
+    calls = autotune.record_layer_calls({"m": model}, lambda: model(batch[:1]))
     # Two distinct convolutions and one norm; the layer calls keep their real input shapes.
     assert sorted(c.calls for c in calls.values()) == [1, 1, 1]
-    first, source = autotune.measured_precision(calls, torch.device("cpu"))
+    fingerprint = sorted((k, c.calls) for k, c in calls.items())
+    steps = []
+
+    def step():
+        steps.append(torch.is_autocast_enabled("cpu"))
+        return model(batch).square().mean()
+
+    params = list(model.parameters())
+    first, source = autotune.measured_precision(fingerprint, step, params, torch.device("cpu"), samples=4)
     assert source == "measured" and first["fp32"] > 0 and first["bf16"] > 0
-    again, source = autotune.measured_precision(calls, torch.device("cpu"))
-    assert source == "cache" and again == first
+    # A warm-up round and two timed ones, the precisions alternating.
+    assert steps == [False, True] * 3
+    again, source = autotune.measured_precision(fingerprint, step, params, torch.device("cpu"), samples=4)
+    assert source == "cache" and again == first and len(steps) == 6
+    # Another batch size is another measurement: what is fastest depends on it.
+    _, source = autotune.measured_precision(fingerprint, step, params, torch.device("cpu"), samples=2)
+    assert source == "measured"
     assert all(p.grad is None for p in model.parameters())
 
 

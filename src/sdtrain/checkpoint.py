@@ -5,13 +5,18 @@ A checkpoint is a folder ``RUN/checkpoints/step_NNNNNNNN`` holding
 - ``optimizer.pt``: the optimizer state (tensors and numbers only, loaded with weights_only=True);
 - ``trainer.pt``: LR schedule, data position, RNG states and counters (also weights_only-safe);
 - ``meta.json``: step, samples seen and each module's class and config, so the weights can be
-  rebuilt into models without the run's config (export, generate, a later stage).
+  rebuilt into models without the run's config (export, generate, a later stage), and the size and
+  sha256 of every other file.
 The folder is written under a temporary name and renamed into place, so a crash mid-save leaves
-the previous checkpoint as the newest complete one.
+the previous checkpoint as the newest complete one. The checksums catch what renaming cannot: a file
+damaged afterwards (a bad disk, a partial copy between clusters, a truncating sync) still parses, and
+would otherwise be trained on. ``resume=auto`` then falls back to the previous good checkpoint; export,
+generate and later stages refuse it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -139,6 +144,7 @@ class Checkpointer:
             "task": state.task.checkpoint_meta(),
             "tuning": state.tuning.as_dict(),
         }
+        meta["files"] = file_digests(tmp)
         # meta.json last: its presence is what marks a checkpoint folder complete.
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
         _fsync_tree(tmp)
@@ -163,9 +169,9 @@ class Checkpointer:
         for partial in self.folder.glob(".step_*.*-*") if self.folder.is_dir() else ():
             shutil.rmtree(partial, ignore_errors=True)
         policy = self.config.resume
-        newest = latest_checkpoint(self.run_dir)
         if policy == "auto":
-            return newest
+            return newest_intact(self.run_dir)
+        newest = latest_checkpoint(self.run_dir)
         if policy == "never":
             if newest is not None:
                 raise UserError(
@@ -176,6 +182,7 @@ class Checkpointer:
         path = Path(policy)
         if not (path / "meta.json").is_file():
             raise UserError(f"checkpoint.resume: {path} is not a checkpoint folder (no meta.json)")
+        require_intact(path)
         return path
 
     def load(self, path: Path, state: Any) -> None:
@@ -206,6 +213,68 @@ def _check_partial(saved: dict[str, torch.Tensor], modules: dict[str, nn.Module]
     missing = sorted(trained - set(saved))
     if missing:
         raise KeyError(f"the checkpoint lacks {missing[0]}: it was saved with other adapter or token settings")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file a checkpoint holds but meta.json (``sha256sum`` can check them too)."""
+    return {item.name: {"bytes": item.stat().st_size, "sha256": _sha256(item)}
+            for item in sorted(folder.iterdir()) if item.is_file() and item.name != "meta.json"}
+
+
+def damage(checkpoint: Path, names: list[str] | None = None) -> str | None:
+    """What is wrong with a checkpoint's files (all, or just ``names``) against the checksums its meta.json
+    recorded at save time, or None when they match. Checkpoints saved before checksums were recorded
+    cannot be checked and pass."""
+    try:
+        meta = json.loads((checkpoint / "meta.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"meta.json is unreadable ({exc})"
+    recorded = meta.get("files")
+    if recorded is None:
+        return None
+    for name, expected in recorded.items():
+        if names is not None and name not in names:
+            continue
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            return f"{name} has {size} bytes, {expected['bytes']} when saved (truncated or overwritten)"
+        if _sha256(path) != expected["sha256"]:
+            return f"{name} does not match the sha256 recorded when it was saved (its bytes changed)"
+    return None
+
+
+def require_intact(checkpoint: Path, names: list[str] | None = None) -> None:
+    """A UserError naming the damaged file, for commands that must not read a damaged checkpoint."""
+    problem = damage(checkpoint, names)
+    if problem:
+        raise UserError(f"{checkpoint}: damaged checkpoint: {problem}; use an earlier checkpoint of the run "
+                        "(pass its folder) or delete this one")
+
+
+def newest_intact(run_dir: Path) -> Path | None:
+    """The newest checkpoint whose files match their checksums. A damaged newer one is moved aside to
+    ``step_N.damaged`` (kept for inspection, never listed again), with a warning naming what was wrong."""
+    for checkpoint in reversed(list_checkpoints(run_dir)):
+        problem = damage(checkpoint)
+        if problem is None:
+            return checkpoint
+        aside = checkpoint.with_name(f"{checkpoint.name}.damaged")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(checkpoint, aside)
+        log.warning("%s is damaged (%s); moved it to %s and falling back to the previous checkpoint",
+                    checkpoint, problem, aside.name)
+    return None
 
 
 def read_meta(checkpoint: Path) -> dict[str, Any]:
@@ -264,6 +333,7 @@ def load_run_modules(
         raise UserError(f"{run_dir}: no complete checkpoint yet; train the run first")
     meta = read_meta(path)
     use_ema = ema and meta.get("ema", False)
+    require_intact(path, ["model.safetensors", "ema.safetensors"] if use_ema else ["model.safetensors"])
     weights = load_file(str(path / ("ema.safetensors" if use_ema else "model.safetensors")))
     modules = {}
     for name, spec in meta["modules"].items():

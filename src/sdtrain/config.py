@@ -259,6 +259,11 @@ class TrainConfig:
     """Optimizer steps to train for."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
+    max_bad_steps: int = 10
+    """A step whose loss or gradients are NaN or infinite is skipped (no update, no EMA; counted as
+    ``skipped_steps`` in the metrics); this many in a row stop the run, its last checkpoint intact. 1 stops
+    at the first. With optim.in_backward the update has happened before the loss can be checked, so the
+    first one stops the run."""
     mixed_precision: str = "auto"
     """``auto`` times bf16 autocast against fp32 on this machine for the model's own layer shapes at the
     first start (a few seconds, cached per machine) and trains in the faster; the choice is kept for
@@ -528,6 +533,7 @@ def validate(config: RunConfig) -> None:
     _check(0.0 < config.ema.decay < 1.0, "ema.decay", "must be in (0, 1)")
     _check(config.train.max_steps >= 1, "train.max_steps", "must be at least 1")
     _check(config.train.grad_accum >= 1, "train.grad_accum", "must be at least 1")
+    _check(config.train.max_bad_steps >= 1, "train.max_bad_steps", "must be at least 1")
     _check(config.train.mixed_precision in PRECISIONS, "train.mixed_precision", "must be auto, fp32 (or no) or bf16")
     _check(config.train.gradient_checkpointing in (True, False, "auto"), "train.gradient_checkpointing",
            "must be auto, true or false")

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
+import os
+import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -54,3 +59,38 @@ def prepare_run_dir(config: RunConfig) -> Path:
         atomic_write_text(changed, text)
         log.warning("config differs from %s; this start's config is saved as %s", first, changed)
     return run_dir
+
+
+LOCK_NAME = ".sdtrain.lock"
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: str | Path) -> Iterator[None]:
+    """Hold the run folder for one training job at a time.
+
+    An advisory ``flock`` on ``RUN/.sdtrain.lock``: the kernel drops it when the holder exits in any way,
+    kill -9 and a lost node's NFS client included, so a crashed run never leaves it stuck. The file
+    names the holder for the refusal message; its contents are not what locks.
+    """
+    run_dir = Path(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(run_dir / LOCK_NAME, "a+")  # noqa: SIM115 - held open for the whole run: it is the lock
+    except OSError as exc:
+        raise UserError(f"run_dir: cannot create {run_dir} ({exc.strerror}); choose a writable folder") from exc
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise UserError(f"run_dir {run_dir} is in use by {holder}; wait for that run to end, stop it, "
+                            "or choose another run_dir") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"sdtrain train (pid {os.getpid()} on {socket.gethostname()}, "
+                     f"since {time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # closing releases the lock

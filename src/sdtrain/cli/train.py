@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -19,12 +20,16 @@ def run(args: argparse.Namespace) -> int:
 
     # Validate before the heavy imports, so a typo is reported at once.
     config = load_config(args.config, args.overrides)
-    from sdtrain.distributed import destroy, exit_without_teardown, is_distributed
+    from sdtrain.distributed import destroy, detect_topology, exit_without_teardown, is_distributed
+    from sdtrain.run import run_dir_lock
     from sdtrain.train.trainer import Preempted, Trainer
 
+    # One job per run folder: its first rank holds it, the job's other ranks write through that rank.
+    holding = run_dir_lock(config.run_dir) if detect_topology().rank == 0 else contextlib.nullcontext()
     try:
-        trainer = Trainer(config)
-        final = trainer.train()
+        with holding:
+            trainer = Trainer(config)
+            final = trainer.train()
         code, message = 0, f"finished: {config.run_dir} (checkpoint {final})" if trainer.is_main else None
     except Preempted as stop:
         code, message = Preempted.exit_code, f"sdtrain train: {stop}"

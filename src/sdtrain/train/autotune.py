@@ -2,18 +2,21 @@
 checkpointing is needed.
 
 Whether bf16 autocast pays differs between CPUs of one family (1.4x faster on one machine, 2x slower on
-another, depending on avx512_bf16/AMX and on what the weight casts cost), so ``auto`` times both on the
-model's own layers: one forward of a synthetic batch of one sample records every distinct layer call
-(convolutions, linear layers, norms and whole attention modules, with their real input shapes), then
-each distinct call is timed forward and backward in fp32 and under bf16 autocast, weighted by how often
-the model makes it. That takes seconds, and the result is cached per machine, thread count and model.
-The same recording gives the activation memory per sample that decides ``gradient_checkpointing: auto``.
+another, depending on avx512_bf16/AMX and on what the weight casts cost) and between model sizes on one
+machine (on an AMX Xeon bf16 is 3x faster for SD2's UNet and 1.7x slower for the demo's tiny one, whose
+step is mostly elementwise work and casts). So ``auto`` times the step itself: the model's forward and
+backward on a synthetic batch of the configured micro-batch size, in fp32 and under bf16 autocast,
+alternating, best of two each after a warm-up. That takes a few of the run's steps, and the result is
+cached per machine, thread count, model and batch size. A forward of one sample records every distinct
+layer call (with its real input shapes); their inputs give the activation memory per sample that decides
+``gradient_checkpointing: auto``.
 
 Only the main rank measures; every rank takes its decision, so all ranks train alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -21,7 +24,7 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,11 +68,8 @@ class Tuning:
 
 @dataclass
 class LayerCall:
-    """One distinct layer call of the model: the module, a copy of its inputs and how often it runs."""
+    """One distinct layer call of the model (a layer and its input shapes) and how often it runs."""
 
-    module: nn.Module
-    args: tuple
-    kwargs: dict[str, Any]
     calls: int
     activation_bytes: int
     """Bytes of the call's tensor inputs per sample, about what autograd keeps for its backward."""
@@ -97,18 +97,6 @@ def _tensors_bytes(values: Any) -> int:
     if isinstance(values, dict):
         return sum(_tensors_bytes(v) for v in values.values())
     return 0
-
-
-def _copy_inputs(values: Any) -> Any:
-    if isinstance(values, torch.Tensor):
-        return values.detach().clone()
-    if isinstance(values, tuple):
-        return tuple(_copy_inputs(v) for v in values)
-    if isinstance(values, list):
-        return [_copy_inputs(v) for v in values]
-    if isinstance(values, dict):
-        return {k: _copy_inputs(v) for k, v in values.items()}
-    return values
 
 
 def _signature(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str:
@@ -144,8 +132,7 @@ def record_layer_calls(modules: dict[str, nn.Module], run_forward: Callable[[], 
             calls[key].calls += 1
             return
         batch = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 1), 1)
-        calls[key] = LayerCall(module, _copy_inputs(args), _copy_inputs(kwargs), 1,
-                               (_tensors_bytes(args) + _tensors_bytes(kwargs)) // max(batch, 1))
+        calls[key] = LayerCall(1, (_tensors_bytes(args) + _tensors_bytes(kwargs)) // max(batch, 1))
 
     handles = []
     for module in modules.values():
@@ -163,59 +150,34 @@ def record_layer_calls(modules: dict[str, nn.Module], run_forward: Callable[[], 
     return calls
 
 
-def _first_tensor(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)):
-        return _first_tensor(output[0])
-    return _first_tensor(output[0] if hasattr(output, "__getitem__") else output.sample)
-
-
-def _with_grad(values: Any) -> Any:
-    if isinstance(values, torch.Tensor):
-        return values.detach().requires_grad_(values.is_floating_point())
-    if isinstance(values, tuple):
-        return tuple(_with_grad(v) for v in values)
-    if isinstance(values, list):
-        return [_with_grad(v) for v in values]
-    return values
-
-
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def time_layer_call(call: LayerCall, bf16: bool, device: torch.device) -> float:
-    """Seconds of one forward and backward of the call, in fp32 or under bf16 autocast."""
-    args = _with_grad(call.args)
-    start = time.perf_counter()
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-        out = _first_tensor(call.module(*args, **call.kwargs))
-    if out.requires_grad:  # not so for a frozen embedding of token ids: nothing flows back through it
-        out.float().sum().backward()
-    _synchronize(device)
-    return time.perf_counter() - start
-
-
-def time_precisions(calls: dict[str, LayerCall], device: torch.device, repeats: int = 2) -> dict[str, float]:
-    """Milliseconds of one model forward and backward (batch of one) in each precision, summed over the
-    distinct layer calls weighted by their count. The two precisions alternate, so a change in the
-    machine's load affects both; each call's best time is kept."""
-    best = {"fp32": [float("inf")] * len(calls), "bf16": [float("inf")] * len(calls)}
-    params = [p for call in calls.values() for p in call.module.parameters()]
+def time_precisions(step: Callable[[], torch.Tensor], params: list[nn.Parameter], device: torch.device,
+                    samples: int, repeats: int = 2) -> dict[str, float]:
+    """Milliseconds per sample of ``step()``'s forward and its backward in fp32 and under bf16 autocast. The
+    precisions alternate, so a change in the machine's load affects both; the first round only warms caches
+    and allocators, then each precision's best time is kept. Gradients are left cleared."""
+    best = {"fp32": float("inf"), "bf16": float("inf")}
     try:
         for attempt in range(repeats + 1):
-            for name in ("fp32", "bf16"):
-                for i, call in enumerate(calls.values()):
-                    seconds = time_layer_call(call, name == "bf16", device)
-                    if attempt:  # the first round only warms caches and allocators
-                        best[name][i] = min(best[name][i], seconds)
+            for name in best:
+                started = time.perf_counter()
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=name == "bf16"):
+                    loss = step()
+                loss.backward()
+                _synchronize(device)
+                seconds = time.perf_counter() - started
+                for p in params:
+                    p.grad = None
+                if attempt:
+                    best[name] = min(best[name], seconds)
     finally:
         for p in params:
             p.grad = None
-    counts = [call.calls for call in calls.values()]
-    return {name: 1000 * sum(t * n for t, n in zip(times, counts)) for name, times in best.items()}
+    return {name: 1000 * seconds / samples for name, seconds in best.items()}
 
 
 def _load_cache(path: Path) -> dict[str, Any]:
@@ -225,16 +187,18 @@ def _load_cache(path: Path) -> dict[str, Any]:
         return {}
 
 
-def measured_precision(calls: dict[str, LayerCall], device: torch.device) -> tuple[dict[str, float], str]:
-    """The fp32 and bf16 timings of these layer calls on this machine, from the cache when it has them."""
-    fingerprint = json.dumps([_machine_key(device), torch.__version__,
-                              sorted((k, c.calls) for k, c in calls.items())])
-    key = hashlib.sha256(fingerprint.encode()).hexdigest()[:24]
+def measured_precision(fingerprint: list[Any], step: Callable[[], torch.Tensor], params: list[nn.Parameter],
+                       device: torch.device, samples: int) -> tuple[dict[str, float], str]:
+    """The fp32 and bf16 timings of ``step`` on this machine, from the cache when it has them for this
+    ``fingerprint`` (what identifies the model and batch)."""
+    # v2: whole steps at the real batch size; the v1 entries timed single layers at a batch of one.
+    identity = json.dumps(["v2", _machine_key(device), torch.__version__, samples, fingerprint])
+    key = hashlib.sha256(identity.encode()).hexdigest()[:24]
     path = cache_dir() / "precision.json"
     cached = _load_cache(path).get(key)
     if cached is not None:
         return cached, "cache"
-    timings = time_precisions(calls, device)
+    timings = time_precisions(step, params, device, samples)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Re-read: another run may have added its own entry meanwhile.
@@ -299,21 +263,6 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
     start = time.perf_counter()
     calls = _record(config, task, encoded) if measure_precision or measure_memory else {}
 
-    timings: dict[str, float] = {}
-    if requested != "auto":
-        precision, source = requested, "config"
-        if previous is not None and previous["precision"] != requested:
-            log.warning("train.mixed_precision=%s changes this run's precision from %s, the one it started with",
-                        requested, previous["precision"])
-    elif previous is not None:
-        precision, source = previous["precision"], "checkpoint"
-        timings = {"fp32": previous.get("fp32_ms"), "bf16": previous.get("bf16_ms")}
-    elif not bf16_supported(device):
-        precision, source = "fp32", "measured"
-    else:
-        timings, source = measured_precision(calls, device)
-        precision = "bf16" if timings["bf16"] * BF16_MIN_GAIN < timings["fp32"] else "fp32"
-
     estimated = available = None
     checkpointing = config.train.gradient_checkpointing
     if checkpointing == "auto":
@@ -327,6 +276,25 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
         available = _available_bytes(device) * 0.9
         checkpointing = estimated > available
         estimated, available = estimated / 2**30, available / 2**30
+
+    timings: dict[str, float] = {}
+    if requested != "auto":
+        precision, source = requested, "config"
+        if previous is not None and previous["precision"] != requested:
+            log.warning("train.mixed_precision=%s changes this run's precision from %s, the one it started with",
+                        requested, previous["precision"])
+    elif previous is not None:
+        precision, source = previous["precision"], "checkpoint"
+        timings = {"fp32": previous.get("fp32_ms"), "bf16": previous.get("bf16_ms")}
+    elif not bf16_supported(device):
+        precision, source = "fp32", "measured"
+    else:
+        # Where the full micro-batch would not fit without checkpointing, one sample stands in for it.
+        samples = 1 if checkpointing else config.data.batch_size
+        fingerprint = sorted((k, c.calls) for k, c in calls.items())
+        with _synthetic_step(config, task, encoded, samples) as step:
+            timings, source = measured_precision(fingerprint, step, _parameters(task), device, samples)
+        precision = "bf16" if timings["bf16"] * BF16_MIN_GAIN < timings["fp32"] else "fp32"
     return Tuning(precision, bool(checkpointing), source, timings.get("fp32"), timings.get("bf16"), estimated,
                   available, round(time.perf_counter() - start, 2) if calls else 0.0)
 
@@ -342,17 +310,28 @@ def _all_modules(task: Any) -> list[nn.Module]:
     return list(seen.values())
 
 
-def _record(config: RunConfig, task: Any, encoded: bool) -> dict[str, LayerCall]:
-    """The distinct layer calls of the modules backward runs through on one synthetic sample, leaving the task's
-    statistics and the RNG as they were."""
+def _parameters(task: Any) -> list[nn.Parameter]:
+    return [p for module in _all_modules(task) for p in module.parameters()]
+
+
+@contextlib.contextmanager
+def _synthetic_step(config: RunConfig, task: Any, encoded: bool, samples: int) -> Iterator[Callable[[], Any]]:
+    """The task's loss on a fixed synthetic batch of ``samples``, as a callable; the task's statistics and the
+    RNG are as they were afterwards, so measuring changes nothing the run computes."""
     from sdtrain.data.synthetic import SyntheticBatches
 
-    one = dataclasses.replace(config.data, batch_size=1)
-    batch = SyntheticBatches(one, task, seed=config.seed, rank=0, encoded=encoded).next()
+    data = dataclasses.replace(config.data, batch_size=samples)
+    batch = SyntheticBatches(data, task, seed=config.seed, rank=0, encoded=encoded).next()
     generator = torch.Generator(task.device).manual_seed(0)
     extra, rng = task.extra_state(), torch.get_rng_state()
     try:
-        return record_layer_calls(task.backward_modules(), lambda: task.loss(batch, generator))
+        yield lambda: task.loss(batch, generator)[0]
     finally:
         task.load_extra_state(extra)
         torch.set_rng_state(rng)
+
+
+def _record(config: RunConfig, task: Any, encoded: bool) -> dict[str, LayerCall]:
+    """The distinct layer calls of the modules backward runs through on one synthetic sample."""
+    with _synthetic_step(config, task, encoded, 1) as step:
+        return record_layer_calls(task.backward_modules(), step)

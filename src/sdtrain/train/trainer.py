@@ -6,7 +6,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 import random
 import signal
 import time
@@ -76,6 +75,9 @@ class TrainState:
         self.samples = 0
         self.evaluations = 0
         """Evaluation points passed (one per evaluation.every_samples samples)."""
+        self.skipped_steps = 0
+        """Steps skipped for a non-finite loss or gradient, over the whole run."""
+        self.bad_in_a_row = 0
         self.seconds = 0.0
         """Training wall time before this start, for time-to-target across restarts."""
         self.started: float | None = None
@@ -96,6 +98,8 @@ class TrainState:
             "step": self.step,
             "samples": self.samples,
             "evaluations": self.evaluations,
+            "skipped_steps": self.skipped_steps,
+            "bad_in_a_row": self.bad_in_a_row,
             "seconds": self.elapsed(),
             "lr_schedule": self.lr_schedule.state_dict(),
             "ema_updates": self.ema.updates if self.ema is not None else 0,
@@ -111,6 +115,7 @@ class TrainState:
         ranks = state["ranks"]
         self.step, self.samples = int(state["step"]), int(state["samples"])
         self.evaluations, self.seconds = int(state.get("evaluations", 0)), float(state.get("seconds", 0.0))
+        self.skipped_steps, self.bad_in_a_row = int(state.get("skipped_steps", 0)), int(state.get("bad_in_a_row", 0))
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         self.task.load_extra_state(state["task"])
         self.data.load_state_dict([r["data"] for r in ranks])
@@ -140,7 +145,8 @@ class Trainer:
             self._prepare()
         barrier()
         self.checkpointer = Checkpointer(self.run_dir, config.checkpoint)
-        self.resume_from = self.checkpointer.resume_path()
+        self.resume_from = self._resume_point()
+        self.faults = FaultInjector(self.topology.rank, resumed=self.resume_from is not None)
         self.task = make_task(config, self.device, self.run_dir, pinned_sources(self.resume_from))
         self.data = self._make_data()
         self.tuning = self._tune()
@@ -175,7 +181,6 @@ class Trainer:
         if resume is not None:
             self.checkpointer.load(resume, self.state)
             self._apply_optimizer_config()
-        self.faults = FaultInjector(self.topology.rank, resumed=resume is not None)
         log.info("run %s: %s stage, %d trainable parameters, %d samples in %d shards", self.run_dir,
                  self.config.stage, sum(p.numel() for p in self.task.parameters()), self.data.num_samples,
                  len(self.data.shards))
@@ -202,6 +207,20 @@ class Trainer:
             self.data.close()
             self.logger.close()
         return final
+
+    def _resume_point(self) -> Path | None:
+        """The main rank alone checks the checkpoints (and moves a damaged one aside); every rank resumes
+        from its pick, or fails with its error."""
+        choice: Path | UserError | None = None
+        if self.is_main:
+            try:
+                choice = self.checkpointer.resume_path()
+            except UserError as exc:
+                choice = exc
+        choice = gather_objects(choice)[0]
+        if isinstance(choice, UserError):
+            raise choice
+        return choice
 
     def _prepare(self) -> None:
         """One-time work on the main rank before the others build the task (say, a tokenizer)."""
@@ -268,19 +287,54 @@ class Trainer:
             with self.parallel.no_sync(skip=micro < accum - 1):
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                     loss, metrics = self.task.loss(batch, self.noise)
+                loss = self.faults.corrupt_loss(self.state.step + 1, loss)
                 (loss / accum).backward()
             self.state.samples += len(batch["keys"]) * world
             for key, value in {"loss": loss, **metrics}.items():
                 totals[key] = totals.get(key, 0) + value.detach().float() / accum
         if self.config.optim.grad_clip > 0:
             totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.task.parameters(), self.config.optim.grad_clip)
-        if not self.config.optim.in_backward:  # otherwise each parameter was stepped during backward
-            self.optimizer.step()
-        self.lr_schedule.step()
         step = self.state.step + 1
-        if self.ema is not None and self.ema.due(step):
+        if self.config.optim.in_backward:  # each parameter was stepped during backward: nothing to skip
+            self._count_bad_step(step, not self._finite(totals["loss"]), can_skip=False)
+        elif self._count_bad_step(step, not self._finite(totals["loss"], totals.get("grad_norm"))):
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+        # The schedule follows the step count, skipped steps included, like the data position.
+        self.lr_schedule.step()
+        if self.state.bad_in_a_row == 0 and self.ema is not None and self.ema.due(step):
             self.ema.update(step)
         return totals
+
+    def _finite(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> bool:
+        """Whether this step's loss and gradients are finite on every rank. Costs one device sync a step,
+        as a loss scaler's check does."""
+        if grad_norm is None and not self.config.optim.in_backward:
+            grads = [p.grad for p in self.task.parameters() if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        values = [loss] + ([grad_norm] if grad_norm is not None else [])
+        values = [v.full_tensor() if isinstance(v, DTensor) else v for v in values]
+        finite = bool(torch.stack([v.detach().float().to(self.device) for v in values]).isfinite().all())
+        return not any_rank(not finite, self.device)
+
+    def _count_bad_step(self, step: int, bad: bool, can_skip: bool = True) -> bool:
+        """Count a non-finite step; True when it is to be skipped. Stops the run when too many come in a row."""
+        state = self.state
+        if not bad:
+            state.bad_in_a_row = 0
+            return False
+        state.skipped_steps += 1
+        state.bad_in_a_row += 1
+        limit = self.config.train.max_bad_steps if can_skip else 1
+        last = self.saved[1] if self.saved else (self.resume_from or "none yet")
+        if state.bad_in_a_row >= limit:
+            raise UserError(f"step {step}: loss or gradients not finite for {state.bad_in_a_row} step(s) in a row "
+                            f"(train.max_bad_steps={limit}); the last good checkpoint is {last}. Lower optim.lr, "
+                            "set optim.grad_clip, or look for bad samples near this point")
+        log.warning("step %d: loss or gradients not finite; update skipped (%d in a row, %d this run)",
+                    step, state.bad_in_a_row, state.skipped_steps)
+        return True
 
     def report(self, metrics: dict[str, torch.Tensor], force: bool = False) -> None:
         step = self.state.step
@@ -290,8 +344,7 @@ class Trainer:
             return
         local = {key: float(v.full_tensor() if isinstance(v, DTensor) else v) for key, v in metrics.items()}
         values = mean_over_ranks(local, self.device)
-        if not math.isfinite(values["loss"]):
-            raise UserError(f"step {step}: loss is {values['loss']}; lower optim.lr or enable optim.grad_clip")
+        values["skipped_steps"] = self.state.skipped_steps
         values["lr"] = self.lr_schedule.get_last_lr()[0]
         values["epoch"] = self.data.position.epoch
         values["skipped_samples"] = self.data.position.total_skipped
