@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; a GPU machine can install its own CUDA build first, pyproject only asks for a range.
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-dev demo test lint clean bench-peer
+.PHONY: install install-dev demo test chaos lint clean bench-peer
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ demo: install
 
 test: install-dev
 	$(BIN)/python -m pytest -q
+
+# Fault injection through the CLI (kill -9, damaged checkpoints, a full disk, NaN steps, a second run):
+# a table of faults, trials and data lost. `make chaos TRIALS=20` for a long run.
+TRIALS ?= 3
+chaos: install-dev
+	$(BIN)/python -m tests.chaos --trials $(TRIALS)
 
 # sdtrain beside diffusers' examples/text_to_image/train_text_to_image.py from a diffusers checkout:
 #   make bench-peer DIFFUSERS=path/to/diffusers [BENCH_PEER_ARGS="--size sd2 --steps 10 --ema both"]

@@ -221,3 +221,14 @@ def test_adherence_prompts_cover_every_shape() -> None:
     assert len(adherence_prompts(num_single=5, num_double=40)) == 45
     with pytest.raises(ValueError):
         adherence_prompts(num_single=-1)
+
+
+def test_an_adherence_set_of_any_size_scores_pairs():
+    from sdtrain.evaluate.adherence import adherence_prompt_set, adherence_prompts
+
+    assert adherence_prompt_set(None) == adherence_prompt_set(72) == adherence_prompts()
+    # A quick in-loop evaluation still scores a balanced block of pairs.
+    quick = adherence_prompt_set(36)
+    assert len(quick) == 36 and sum(" and " in p for p in quick) == 18
+    tiny = adherence_prompt_set(4)
+    assert len(tiny) == 4 and sum(" and " in p for p in tiny) == 2

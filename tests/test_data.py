@@ -467,3 +467,28 @@ def test_shards_from_an_fsspec_filesystem(shapes: Path) -> None:
         assert sorted(tb.next()["keys"]) == KEYS
     finally:
         memory.rm("/sdtrain-test", recursive=True)
+
+
+def _bomb_png(width: int, height: int) -> bytes:
+    """A small PNG whose header declares width x height: what a decompression bomb shows before decoding."""
+    import struct
+    import zlib
+
+    data = bytearray(png(0))
+    header = b"IHDR" + struct.pack(">II", width, height) + bytes(data[24:29])
+    data[12:29] = header
+    data[29:33] = struct.pack(">I", zlib.crc32(header))
+    return bytes(data)
+
+
+def test_an_image_over_the_pixel_limit_is_skipped_before_decoding(tmp_path: Path) -> None:
+    bomb = _bomb_png(20_000, 20_000)
+    with Image.open(io.BytesIO(bomb)) as img:
+        assert img.size == (20_000, 20_000)  # only the header says so: 400M pixels if decoded
+    with ShardWriter(tmp_path, samples_per_shard=10) as writer:
+        for i in range(5):
+            writer.write({"__key__": f"s{i}", "txt": f"caption {i}", "png": bomb if i == 1 else png(i)})
+    tb = TrainBatches(data_config(tmp_path), None, seed=0)
+    batches = take(tb, 2)
+    assert "s1" not in keys_of(batches)
+    assert tb.position.total_skipped >= 1

@@ -170,3 +170,62 @@ def test_too_many_bad_steps_in_a_row_stop_the_run_naming_its_last_good_checkpoin
     assert "the last good checkpoint is" in err and "step_00000003" in err
     # Steps 2 and 3 were skipped, so their checkpoints hold step 1's weights: still good to resume from.
     assert _same_weights(run / "checkpoints" / "step_00000001", run / "checkpoints" / "step_00000003")
+
+
+class _Payload:
+    """Unpickling this creates the marker file: proof that a pickle ran code."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _plant(path: Path, marker: Path) -> None:
+    torch.save({"state": {}, "x": _Payload(marker)}, path)
+
+
+def test_a_pickle_payload_in_a_checkpoint_never_runs(tmp_path, shapes_dir, straight_run, capsys):
+    import shutil
+
+    from sdtrain.checkpoint import file_digests
+
+    marker = tmp_path / "pwned"
+    for name in ("optimizer.pt", "trainer.pt"):
+        run = tmp_path / name
+        shutil.copytree(straight_run, run)
+        checkpoint = run / "checkpoints" / "step_00000003"
+        _plant(checkpoint / name, marker)
+        # Checksums that match the planted file: the load itself must refuse it, not only the integrity check.
+        meta = json.loads((checkpoint / "meta.json").read_text())
+        meta["files"] = file_digests(checkpoint)
+        (checkpoint / "meta.json").write_text(json.dumps(meta))
+        assert main(_ae(run, shapes_dir, 4)) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "step_00000003: cannot resume from this checkpoint" in err
+    assert not marker.exists()
+
+
+def test_pickled_weights_in_a_pretrained_folder_never_run(tmp_path, pretrained, shapes_dir, monkeypatch, capsys):
+    import shutil
+
+    marker = tmp_path / "pwned"
+    folder = tmp_path / "pipeline"
+    shutil.copytree(pretrained, folder)
+    (folder / "unet" / "diffusion_pytorch_model.safetensors").unlink()
+    _plant(folder / "unet" / "diffusion_pytorch_model.bin", marker)
+    monkeypatch.delenv("SDTRAIN_TRUST_PICKLE", raising=False)
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "finetune-full.yaml"
+    train = ["train", str(recipe), f"run_dir={tmp_path / 'run'}",
+             f"model.pretrained={folder}", f"data.shards={shapes_dir}", *TINY, "train.max_steps=1",
+             "validation.prompts=[]"]
+    generate = ["generate", "--model", str(folder), "--prompt", "a red circle", "--out", str(tmp_path / "out")]
+    for argv in (train, generate):
+        assert main(argv) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]  # after the loaders' progress bars
+        assert last.startswith(f"sdtrain {argv[0]}: error:") and "pickled .bin weights" in last, last
+    # Trusted, it is read with weights_only: the payload is refused all the same.
+    monkeypatch.setenv("SDTRAIN_TRUST_PICKLE", "1")
+    assert main(generate) != 0
+    assert not marker.exists()

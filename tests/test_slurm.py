@@ -8,6 +8,7 @@ without them the tests skip.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -47,20 +48,32 @@ def _read(path: Path) -> str:
 
 
 def test_the_written_sbatch_script_trains_two_ranks_under_slurm(slurm_cluster, tmp_path, shapes_dir,
-                                                                 autoencoder_run):
-    run, script = tmp_path / "run", tmp_path / "job.sbatch"
-    _write_job(script, run, shapes_dir, autoencoder_run, steps=3)
+                                                                 autoencoder_run, monkeypatch):
+    # Written from one folder with relative paths and a config file that is gone by the time the job runs,
+    # submitted from another: the script carries its resolved config.
+    written_in, submitted_from = tmp_path / "project", tmp_path / "elsewhere"
+    written_in.mkdir()
+    submitted_from.mkdir()
+    config = written_in / "my.yaml"
+    shutil.copy(config_path("diffusion.yaml"), config)
+    (written_in / "shapes").symlink_to(shapes_dir)
+    monkeypatch.chdir(written_in)
+    script = written_in / "job.sbatch"
+    assert main(["launch", "slurm", "my.yaml", "run_dir=run", "data.shards=shapes", f"model.vae={autoencoder_run}",
+                 *TINY, "validation.prompts=[]", "train.max_steps=3", "checkpoint.every=0", "--nodes", "1",
+                 "--gpus-per-node", "0", "--procs-per-node", "2", "--out", str(script)]) == 0
+    config.unlink()
     # --wait: sbatch returns when the job has ended, with the job script's exit code.
-    result = subprocess.run(["sbatch", "--wait", "--parsable", str(script)], cwd=tmp_path,
+    result = subprocess.run(["sbatch", "--wait", "--parsable", str(script)], cwd=submitted_from,
                             env=_job_env(slurm_cluster), capture_output=True, text=True, timeout=600)
     job_id = result.stdout.strip().split(";")[0]
-    log = _read(tmp_path / f"sdtrain-{job_id}.out")
+    log = _read(submitted_from / f"sdtrain-{job_id}.out")
     context = f"sbatch: {result.stderr}\njob log:\n{log[-6000:]}\n{slurm_cluster.describe()}"
     assert result.returncode == 0, context
     assert job_id.isdigit(), context
     for rank in (0, 1):
         assert f"rank {rank} of 2 (torchrun, backend gloo)" in log, context
-    final = run / "checkpoints" / "step_00000003"
+    final = written_in / "run" / "checkpoints" / "step_00000003"
     assert (final / "model.safetensors").is_file() and (final / "meta.json").is_file(), context
 
 

@@ -215,10 +215,10 @@ def test_the_diffusion_stage_trains_on_aspect_buckets(tmp_path, autoencoder_run,
     run = tmp_path / "sd"
     train("diffusion.yaml", run, *common, "data.bucket_step=32", "train.max_steps=3", "logging.every=1")
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
-    # 8x VAE and a 3-level UNet: sides must be multiples of 32.
+    # 4x VAE and a 3-level UNet: sides must be multiples of 16.
     assert main(["train", str(config_path("diffusion.yaml")), f"run_dir={tmp_path / 'bad'}", *TINY, *common,
-                 "data.bucket_step=16"]) == 2
-    assert "data.bucket_step: 16 is not a multiple of 32" in capsys.readouterr().err
+                 "data.bucket_step=8"]) == 2
+    assert "data.bucket_step: 8 is not a multiple of 16" in capsys.readouterr().err
 
 
 def test_the_autoencoder_trains_on_aspect_buckets(tmp_path):

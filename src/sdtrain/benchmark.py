@@ -194,7 +194,9 @@ def benchmark_overrides(config_path: Path, overrides: list[str], run_dir: str | 
     logging, checkpoints or validation."""
     from omegaconf import OmegaConf
 
-    given = OmegaConf.merge(OmegaConf.load(config_path), OmegaConf.from_dotlist(overrides))
+    from sdtrain.config import parse_overrides, read_layer
+
+    given = OmegaConf.merge(read_layer(config_path)[0], parse_overrides(overrides))
     filled = []
     for key, value in (("data.shards", SYNTHETIC), ("model.vae", "${run_dir}/" + RANDOM_VAE), ("run_dir", run_dir)):
         if OmegaConf.select(given, key, default=None) is None or OmegaConf.is_missing(given, key):

@@ -123,12 +123,38 @@ class Checkpointer:
         return self.folder / f"step_{step:08d}"
 
     def save(self, state: Any, ranks: list[dict[str, Any]], snapshot: Snapshot) -> Path:
-        """Write the checkpoint (main rank); `ranks` holds every rank's own state (data position, RNG)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        """Write the checkpoint (main rank); `ranks` holds every rank's own state (data position, RNG).
+
+        A failed write (disk full, quota, a read-only or vanished folder) removes its temporary folder and
+        is one UserError: the previous checkpoint stays the newest, intact."""
         final = self.path_for(state.step)
         tmp = self.folder / f".{final.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            self._write(tmp, state, ranks, snapshot)
+        except (OSError, SafetensorError, RuntimeError) as exc:
+            # safetensors and torch.save wrap the OSError of a failed write in their own types.
+            shutil.rmtree(tmp, ignore_errors=True)
+            previous = latest_checkpoint(self.run_dir)
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+            raise UserError(
+                f"{final}: cannot write the checkpoint ({reason}); nothing was replaced, the newest "
+                f"checkpoint is still {previous or 'none'}. Free space or fix the folder's permissions and run "
+                "the same command to resume") from exc
+        if final.exists():
+            # Left by an earlier attempt that went further than the point this run resumed from.
+            stale = final.with_name(f".{final.name}.stale-{os.getpid()}")
+            os.replace(final, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        os.replace(tmp, final)
+        self._prune()
+        log.info("saved checkpoint %s", final)
+        return final
+
+    @staticmethod
+    def _write(tmp: Path, state: Any, ranks: list[dict[str, Any]], snapshot: Snapshot) -> None:
         save_file(snapshot.model, str(tmp / "model.safetensors"))
         if snapshot.ema is not None:
             save_file(snapshot.ema, str(tmp / "ema.safetensors"))
@@ -148,15 +174,6 @@ class Checkpointer:
         # meta.json last: its presence is what marks a checkpoint folder complete.
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
         _fsync_tree(tmp)
-        if final.exists():
-            # Left by an earlier attempt that went further than the point this run resumed from.
-            stale = final.with_name(f".{final.name}.stale-{os.getpid()}")
-            os.replace(final, stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        os.replace(tmp, final)
-        self._prune()
-        log.info("saved checkpoint %s", final)
-        return final
 
     def _prune(self) -> None:
         for old in list_checkpoints(self.run_dir)[: -self.config.keep_last]:

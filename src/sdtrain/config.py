@@ -9,6 +9,8 @@ The resolved config is written into the run folder and never changed afterwards.
 from __future__ import annotations
 
 import dataclasses
+import io
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -396,11 +398,13 @@ class RunConfig:
 
 def _describe(exc: OmegaConfBaseException) -> str:
     """OmegaConf's messages span several lines; keep the first and name the key."""
-    message = str(exc).strip().splitlines()[0]
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    message = lines[0] if lines else type(exc).__name__
     key = getattr(exc, "full_key", None)
     if key and key not in message:
         message = f"{key}: {message}"
-    return message
+    # Keys come from the user's file and may hold any character; the error stays one line.
+    return message.encode("unicode_escape").decode("ascii") if not message.isprintable() else message
 
 
 def _merge(base: DictConfig, layer: Any, where: str) -> DictConfig:
@@ -408,6 +412,24 @@ def _merge(base: DictConfig, layer: Any, where: str) -> DictConfig:
         return OmegaConf.merge(base, layer)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
         raise UserError(f"{where}{_describe(exc)}") from exc
+    except (TypeError, ValueError) as exc:
+        # OmegaConf says "Cannot merge incompatible container types" without a key: find it.
+        raise UserError(f"{where}{_clashing_key(base, layer)}: {exc} (a mapping where a list or a value "
+                        "belongs, or the reverse); fix its type") from exc
+
+
+def _clashing_key(base: DictConfig, layer: DictConfig, prefix: str = "") -> str:
+    """The first key of ``layer`` that cannot merge into ``base`` on its own."""
+    for key in list(layer):
+        name = f"{prefix}{key}"
+        try:
+            child, target = layer._get_node(key), base._get_node(key)
+            if isinstance(child, DictConfig) and isinstance(target, DictConfig):
+                return _clashing_key(target, child, f"{name}.")
+            OmegaConf.merge(base, OmegaConf.create({key: child}))
+        except Exception:  # noqa: BLE001 - whatever reading or merging raises marks this key
+            return name
+    return prefix.rstrip(".") or "the config"
 
 
 def _check_sections(layer: DictConfig, where: str) -> None:
@@ -419,30 +441,79 @@ def _check_sections(layer: DictConfig, where: str) -> None:
             raise UserError(f"{where}{key}: must be a mapping of {key} settings, got {value!r}")
 
 
+ENV_PREFIX = "env:"
+
+
+def _config_text(path: str | Path) -> tuple[str, str]:
+    """The YAML of a config argument and the name to report it by: a file, or ``env:NAME`` for a config
+    carried in an environment variable (how cluster job files bring their resolved config to every node)."""
+    name = str(path)
+    if name.startswith(ENV_PREFIX):
+        variable = name[len(ENV_PREFIX):]
+        if variable not in os.environ:
+            raise UserError(f"{name}: the environment variable {variable} is not set; it should hold the "
+                            "YAML config (the job files of `sdtrain launch` export it)")
+        return os.environ[variable], f"${variable}"
+    if not Path(path).is_file():
+        raise UserError(f"{path}: config file not found; pass the path of a YAML config")
+    try:
+        return Path(path).read_text(), name
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read the config ({exc}); pass a UTF-8 YAML file") from exc
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Merge YAML then ``key=value`` overrides over the defaults and validate the result."""
+    try:
+        return _load_config(path, overrides)
+    except OmegaConfBaseException as exc:  # interpolations are resolved late, wherever a value is read
+        raise UserError(_describe(exc)) from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
+def read_layer(path: str | Path) -> tuple[DictConfig, str]:
+    """A config file's (or ``env:NAME``'s) YAML as it stands, unmerged, and the name to report it by."""
+    text, name = _config_text(path)
+    try:
+        layer = OmegaConf.load(io.StringIO(text))
+    except Exception as exc:  # yaml raises many types; all mean "not valid YAML"
+        raise UserError(f"{name}: not valid YAML ({_one_line(exc)}); fix the file") from exc
+    if not isinstance(layer, DictConfig):
+        raise UserError(f"{name}: the top level must be a mapping of config keys (stage:, data:, ...)")
+    return layer, name
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> DictConfig:
+    """``key=value`` overrides as one config layer; a malformed one is a UserError naming it."""
+    layer = OmegaConf.create()
+    for item in overrides:
+        shown = item if item.isprintable() else item.encode("unicode_escape").decode("ascii")
+        if "=" not in item:
+            raise UserError(f"override '{shown}' is not key=value; write e.g. train.max_steps=100")
+        try:
+            layer = OmegaConf.merge(layer, OmegaConf.from_dotlist([item]))
+        except Exception as exc:  # yaml and OmegaConf raise many types; all mean this override is malformed
+            raise UserError(f"override '{shown}': cannot parse it ({_one_line(exc)}); write key=value, quoting "
+                            "the value if it holds YAML characters") from exc
+    return layer  # type: ignore[return-value]
+
+
+def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]) -> RunConfig:
     merged = OmegaConf.structured(RunConfig)
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise UserError(f"{path}: config file not found; pass the path of a YAML config")
-        try:
-            layer = OmegaConf.load(path)
-        except Exception as exc:  # yaml raises many types; all mean "not valid YAML"
-            raise UserError(f"{path}: not valid YAML ({str(exc).splitlines()[0]}); fix the file") from exc
-        if not isinstance(layer, DictConfig):
-            raise UserError(f"{path}: the top level must be a mapping of config keys (stage:, data:, ...)")
-        _check_sections(layer, f"{path}: ")
+        layer, name = read_layer(path)
+        _check_sections(layer, f"{name}: ")
         required = OmegaConf.missing_keys(layer)
-        merged = _merge(merged, layer, f"{path}: ")
+        merged = _merge(merged, layer, f"{name}: ")
         # Merging never replaces a value with ???, so a key the YAML asks for would keep its default (None
         # for most paths) and fail late, or not at all: mark it missing again until the command line sets it.
         for key in required:
             OmegaConf.update(merged, key, MISSING, merge=False)
-    for item in overrides:
-        if "=" not in item:
-            raise UserError(f"override '{item}' is not key=value; write e.g. train.max_steps=100")
-    dotlist = OmegaConf.from_dotlist(list(overrides))
+    dotlist = parse_overrides(overrides)
     _check_sections(dotlist, "command line: ")
     merged = _merge(merged, dotlist, "command line: ")
     if OmegaConf.select(merged, "train.mixed_precision") in _FP32_ALIASES:
@@ -450,10 +521,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     missing = sorted(OmegaConf.missing_keys(merged))
     if missing:
         raise UserError(f"{missing[0]}: required value missing (???); set it in the YAML or as {missing[0]}=...")
-    try:
-        config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    except OmegaConfBaseException as exc:
-        raise UserError(_describe(exc)) from exc
+    config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     validate(config)
     return config
 

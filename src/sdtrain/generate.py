@@ -31,9 +31,17 @@ def load_pipeline(model: str | Path, ema: bool = True, device: str = "auto",
 
         pipe = load_single_file_pipeline(model, tokenizer=tokenizer)
     elif kind == "pipeline":
-        pipe = StableDiffusionPipeline.from_pretrained(
-            model, local_files_only=True, safety_checker=None, requires_safety_checker=False
-        )
+        from sdtrain.models.single_file import TRUST_PICKLE_ENV, trust_pickle_from_env
+
+        trusted = trust_pickle_from_env()
+        try:
+            pipe = StableDiffusionPipeline.from_pretrained(
+                model, local_files_only=True, safety_checker=None, requires_safety_checker=False,
+                use_safetensors=not trusted or None)
+        except (OSError, ValueError) as exc:
+            hint = "" if trusted else (f"; a pipeline with pickled .bin weights loads with {TRUST_PICKLE_ENV}=1 "
+                                       "if you trust it")
+            raise UserError(f"--model: {model}: cannot load the pipeline ({str(exc).splitlines()[0]}){hint}") from exc
     else:
         raise UserError(f"--model: {model} is a single component; pass a pipeline folder, a single-file "
                         "checkpoint or a diffusion run")

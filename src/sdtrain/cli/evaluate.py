@@ -21,7 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--reference", help="FID reference: STATS.npz (mu, sigma) or a folder/shards of images")
     parser.add_argument("--inception", help=f"the FID Inception weights file ({'pt_inception-2015-12-05'}...)")
     parser.add_argument("--clip", help="a transformers CLIP model folder (MLPerf: CLIP-ViT-H-14-laion2B)")
-    parser.add_argument("--num", type=int, help="evaluate the first N prompts")
+    parser.add_argument("--num", type=int, help="evaluate the first N prompts (adherence: a set of N, pairs "
+                        "a quarter of it and at least 18 where N allows)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--guidance", type=float, default=8.0)
     parser.add_argument("--scheduler", default="ddim", choices=["euler", "ddim", "dpmpp"])
@@ -60,9 +61,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     if args.prompts is not None:
         prompts = read_prompts(args.prompts)
     elif metrics == ["adherence"]:
-        from sdtrain.evaluate.adherence import adherence_prompts
+        from sdtrain.evaluate.adherence import adherence_prompt_set
 
-        prompts = adherence_prompts()
+        prompts = adherence_prompt_set(args.num)
     else:
         raise UserError("--prompts: pass the captions to generate (MLPerf: the 30k COCO-2014 captions TSV)")
     if args.steps < 1 or args.batch < 1:

@@ -50,12 +50,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _job(args: argparse.Namespace, procs: int, gpus: bool):
     from sdtrain.config import load_config
-    from sdtrain.launch import Job
+    from sdtrain.launch import Job, job_config
 
     if args.nodes < 1 or procs < 1:
         raise UserError("--nodes and the processes per node must be at least 1")
-    load_config(args.config, args.overrides)  # a config that cannot load should fail here, not on the cluster
-    return Job(args.config.resolve(), list(args.overrides), args.nodes, procs, gpus, args.name)
+    # Loaded here, so a config that cannot load fails now, not on the cluster; the job carries it resolved.
+    config = load_config(args.config, args.overrides)
+    return Job(job_config(config, Path.cwd()), args.nodes, procs, gpus, args.name)
 
 
 def _procs(args: argparse.Namespace) -> tuple[int, bool]:

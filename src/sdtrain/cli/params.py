@@ -21,13 +21,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    from sdtrain.config import load_config
+    from sdtrain.config import load_config, parse_overrides, read_layer
     from sdtrain.params import count, format_counts
 
     # Counting needs neither data nor a run folder, and a component the config asks for but the command line
     # does not name is counted from its preset: fill what the config leaves open.
-    given = OmegaConf.merge(OmegaConf.load(args.config), OmegaConf.from_dotlist(args.overrides)) \
-        if args.config.is_file() else OmegaConf.create()
+    given = OmegaConf.merge(read_layer(args.config)[0], parse_overrides(args.overrides))
     open_keys = {"run_dir", "data.shards"} | set(OmegaConf.missing_keys(given))
     filled = [f"{key}={'null' if key.startswith('model.') else 'unused'}" for key in sorted(open_keys)
               if OmegaConf.select(given, key, default=None) is None or OmegaConf.is_missing(given, key)]

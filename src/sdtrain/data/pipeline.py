@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from sdtrain.config import DataConfig
 from sdtrain.data.encoded import EMPTY_CAPTION, LATENT_MEAN, LATENT_STD, TEXT_EMB, dataset_encoding, load_npy
 from sdtrain.data.filters import parse_filters
+from sdtrain.data.prepare import DEFAULT_MAX_PIXELS
 from sdtrain.data.shards import MANIFEST_NAME, read_manifest, tar_keys
 from sdtrain.data.sources import expand_spec, is_remote, open_url, read_json
 from sdtrain.errors import UserError
@@ -264,6 +265,9 @@ class SampleDecoder:
             return None
         try:
             with Image.open(io.BytesIO(image_bytes)) as img:
+                # The header's size, before decoding: a shard not made by `prepare` may hold a bomb.
+                if img.width * img.height > DEFAULT_MAX_PIXELS:
+                    return None
                 img.load()
                 bucket = self._bucket(img.size)
                 target = self.buckets[bucket] if self.buckets else (self.config.resolution,) * 2

@@ -297,3 +297,13 @@ def adherence_prompts(num_single: int = 54, num_double: int = 18, seed: int = 0)
             right = rng.permutation(len(combos))
         doubles += [caption_for([combos[a], combos[b]]) for a, b in zip(left, right)]
     return singles[:num_single] + doubles[:num_double]
+
+
+def adherence_prompt_set(num: int | None = None) -> list[str]:
+    """The prompts an adherence evaluation of ``num`` images generates: 54 single-shape and 18 two-shape ones
+    by default, and for another ``num`` a quarter pairs, at least 18 where ``num`` allows (so a quick
+    in-loop evaluation of 36 still scores pairs on a balanced block), at most half."""
+    if not num or num <= 0:
+        return adherence_prompts()
+    doubles = min(num // 2, max(18, num // 4))
+    return adherence_prompts(num - doubles, doubles)

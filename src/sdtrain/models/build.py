@@ -184,10 +184,15 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
     folder = Path(source) / name if kind == "pipeline" else Path(source)
     if not (folder / "config.json").is_file():
         raise UserError(f"{folder}: no config.json for the {name}; point model.{name} at a folder that has one")
+    trusted = trust_pickle or single_file.trust_pickle_from_env()
     try:
-        return cls.from_pretrained(folder, local_files_only=True)
+        # Safetensors only, unless the user trusts this folder's pickles (.bin): those load with
+        # weights_only in today's diffusers and transformers, but a pickle is still code to be trusted.
+        return cls.from_pretrained(folder, local_files_only=True, use_safetensors=not trusted or None)
     except (OSError, ValueError) as exc:
-        raise UserError(f"{folder}: cannot load the {name} ({str(exc).splitlines()[0]})") from exc
+        hint = "" if trusted else ("; a folder with only pickled .bin weights loads with model.trust_pickle=true "
+                                   f"(or {single_file.TRUST_PICKLE_ENV}=1) if you trust it")
+        raise UserError(f"{folder}: cannot load the {name} ({str(exc).splitlines()[0]}){hint}") from exc
 
 
 def load_tokenizer(source: str | Path, max_length: int | None = None) -> Any:

@@ -381,11 +381,11 @@ class Trainer:
         return True
 
     def _make_evaluator(self):
-        from sdtrain.evaluate.adherence import adherence_prompts
+        from sdtrain.evaluate.adherence import adherence_prompt_set
         from sdtrain.evaluate.run import EvalSettings, Evaluator, read_prompts
 
         cfg = self.config.evaluation
-        prompts = read_prompts(cfg.prompts) if cfg.prompts else adherence_prompts()
+        prompts = read_prompts(cfg.prompts) if cfg.prompts else adherence_prompt_set(cfg.num)
         settings = EvalSettings(list(cfg.metrics), num=cfg.num or None, steps=cfg.steps, guidance=cfg.guidance,
                                 seed=cfg.seed, batch=cfg.batch, inception=cfg.inception, clip=cfg.clip,
                                 reference=cfg.reference, scheduler=cfg.scheduler,
