@@ -169,11 +169,21 @@ class Chaos:
         return ["prepare", "encode", str(self.data), "--model", str(self.reference), "--out", str(out),
                 "--resolution", "32", "--dtype", "float32", "--no-text"]
 
-    def compare(self, outcome: Outcome, what: str, got: dict[str, str], expected: dict[str, str]) -> None:
-        if got == expected:
+    @staticmethod
+    def record(outcome: Outcome, ok: bool, failure: str) -> None:
+        if ok:
             outcome.recovered += 1
         else:
-            outcome.lost.append(f"{what}: differs from the uninterrupted run")
+            outcome.lost.append(failure)
+
+    def compare(self, outcome: Outcome, what: str, got: dict[str, str], expected: dict[str, str]) -> None:
+        self.record(outcome, got == expected, f"{what}: differs from the uninterrupted run")
+
+    def train_to(self, run: Path, stop: int) -> Path:
+        """Train `run` to step `stop` uninterrupted; its checkpoint there."""
+        done = sdtrain(*train_args(run, self.data), f"train.max_steps={stop}")
+        assert done.returncode == 0, done.stderr
+        return run / "checkpoints" / f"step_{stop:08d}"
 
     # One method per fault; each runs one trial and records it.
 
@@ -202,9 +212,7 @@ class Chaos:
     def damaged_checkpoint(self, outcome: Outcome) -> None:
         run = self.fresh("damaged")
         stop = self.rng.randint(2, STEPS - 1)
-        first = sdtrain(*train_args(run, self.data), f"train.max_steps={stop}")
-        assert first.returncode == 0, first.stderr
-        newest = run / "checkpoints" / f"step_{stop:08d}"
+        newest = self.train_to(run, stop)
         how = self.rng.choice(["flipped", "truncated", "missing"])
         target = newest / self.rng.choice(["model.safetensors", "ema.safetensors", "optimizer.pt", "trainer.pt"])
         data = target.read_bytes()
@@ -225,9 +233,7 @@ class Chaos:
     def disk_full(self, outcome: Outcome) -> None:
         run = self.fresh("disk-full")
         stop = self.rng.randint(1, STEPS - 1)
-        first = sdtrain(*train_args(run, self.data), f"train.max_steps={stop}")
-        assert first.returncode == 0, first.stderr
-        before = digest_tree(run / "checkpoints" / f"step_{stop:08d}")
+        before = digest_tree(self.train_to(run, stop))
         # A limit below the size of model.safetensors: the next save fails as it would on a full disk.
         full = sdtrain(*train_args(run, self.data), limit_file_bytes=256 * 1024)
         lines = full.stderr.strip().splitlines()
@@ -249,10 +255,8 @@ class Chaos:
         lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] if result.returncode == 0 \
             else []
         skipped = lines[-1].get("skipped_steps") if lines else None
-        if result.returncode == 0 and skipped == len(steps):
-            outcome.recovered += 1
-        else:
-            outcome.lost.append(f"{run.name}: exit {result.returncode}, skipped_steps {skipped}")
+        self.record(outcome, result.returncode == 0 and skipped == len(steps),
+                    f"{run.name}: exit {result.returncode}, skipped_steps {skipped}")
 
     def second_run(self, outcome: Outcome) -> None:
         run = self.fresh("second-run")

@@ -79,3 +79,16 @@ def test_benchmark_sweep_prints_one_row_per_combination(tmp_path, capsys):
 
 def test_benchmark_sweep_needs_values():
     assert main(["benchmark", "train", str(config_path("diffusion.yaml")), "--sweep", "ema.enabled"]) == 2
+
+
+def test_a_sweep_takes_list_values_and_names_a_malformed_one():
+    from sdtrain.benchmark import sweep_combinations
+    from sdtrain.errors import UserError
+
+    keys, combos = sweep_combinations(["model.unet_overrides.block_out_channels=[32,64],[64,64]",
+                                       "data.batch_size=1,2"])
+    assert keys == ["model.unet_overrides.block_out_channels", "data.batch_size"]
+    assert combos[0] == ["model.unet_overrides.block_out_channels=[32,64]", "data.batch_size=1"]
+    assert len(combos) == 4
+    with pytest.raises(UserError, match=r"override 'optim.lr=\[1,': cannot parse it"):
+        sweep_combinations(["optim.lr=[1,"])

@@ -56,7 +56,7 @@ def _loads_or_user_error(path, overrides=()) -> None:
         assert message and "\n" not in message.strip(), message
 
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @FUZZ

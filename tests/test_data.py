@@ -482,9 +482,11 @@ def _bomb_png(width: int, height: int) -> bytes:
 
 
 def test_an_image_over_the_pixel_limit_is_skipped_before_decoding(tmp_path: Path) -> None:
-    bomb = _bomb_png(20_000, 20_000)
-    with Image.open(io.BytesIO(bomb)) as img:
-        assert img.size == (20_000, 20_000)  # only the header says so: 400M pixels if decoded
+    # Over sdtrain's limit (PIL's warning threshold, 89M pixels) and under PIL's own refusal (twice that):
+    # PIL alone would only warn, then decode 300 MB of pixels.
+    bomb = _bomb_png(10_000, 10_000)
+    with pytest.warns(Image.DecompressionBombWarning), Image.open(io.BytesIO(bomb)) as img:
+        assert img.size == (10_000, 10_000)  # only the header says so
     with ShardWriter(tmp_path, samples_per_shard=10) as writer:
         for i in range(5):
             writer.write({"__key__": f"s{i}", "txt": f"caption {i}", "png": bomb if i == 1 else png(i)})

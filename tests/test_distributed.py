@@ -131,6 +131,24 @@ def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path, sh
 
 
 @pytest.mark.dist
+def test_a_stalled_rank_fails_the_job_within_the_timeout_naming_it_and_the_rerun_resumes(
+        tmp_path, shapes_dir, autoencoder_run):
+    run = tmp_path / "run"
+    steps = ("train.max_steps=4", "checkpoint.every=2", "parallel.timeout_minutes=0.1")
+    # Rank 1 stops responding at the end of step 3, past the step-2 checkpoint: rank 0 waits in the
+    # step's last collective until the 6 s timeout, then names it.
+    stalled = _torchrun(run, shapes_dir, autoencoder_run, *steps, env={"SDTRAIN_STALL_AT_STEP": "3:1"})
+    assert stalled.returncode != 0, stalled.stderr[-3000:]
+    errors = [line for line in stalled.stderr.splitlines() if line.startswith("sdtrain train: error: rank 0")]
+    assert errors, stalled.stderr[-3000:]
+    assert "rank 1 stopped while it was in step 3; rank 0 finished step 3" in errors[0], errors[0]
+    assert "parallel.timeout_minutes=0.1" in errors[0], errors[0]
+    rerun = _torchrun(run, shapes_dir, autoencoder_run, *steps)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resumed from" in rerun.stderr and (run / "checkpoints" / "step_00000004").is_dir()
+
+
+@pytest.mark.dist
 def test_a_two_rank_run_resumes_on_one_process(tmp_path, shapes_dir, autoencoder_run, caplog):
     run = tmp_path / "run"
     first = _torchrun(run, shapes_dir, autoencoder_run, "train.max_steps=2", "data.caption_dropout=0")

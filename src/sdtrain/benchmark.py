@@ -284,8 +284,27 @@ def sweep_combinations(sweeps: list[str]) -> tuple[list[str], list[list[str]]]:
         if not sep or not key or not values:
             raise UserError(f"--sweep {item}: expected KEY=V1,V2,... e.g. data.batch_size=1,2,4")
         keys.append(key)
-        choices.append([f"{key}={v}" for v in values.split(",")])
-    return keys, [list(combo) for combo in itertools.product(*choices)]
+        choices.append([f"{key}={v}" for v in _split_top_level(values)])
+    combos = [list(combo) for combo in itertools.product(*choices)]
+    from sdtrain.config import parse_overrides
+
+    for combo in combos:
+        parse_overrides(combo)  # a malformed value is one line now, not a failed child process later
+    return keys, combos
+
+
+def _split_top_level(values: str) -> list[str]:
+    """``1,2,4`` -> 1 / 2 / 4, keeping commas inside brackets: ``[a,b],[c]`` -> [a,b] / [c]."""
+    parts, depth, current = [], 0, ""
+    for char in values:
+        depth += char in "[{"
+        depth -= char in "]}"
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    return [*parts, current]
 
 
 def run_sweep(config_path: Path, overrides: list[str], sweeps: list[str], steps: int, warmup: int,

@@ -123,6 +123,10 @@ def init_distributed(topology: Topology, device: torch.device, backend: str = "a
     log.info("rank %d of %d (%s, backend %s)", topology.rank, topology.world_size, topology.launcher, chosen)
 
 
+_store: dist.Store | None = None
+"""The job's rendezvous store, kept for the progress records every rank leaves in it."""
+
+
 def _attempt_store(topology: Topology, timeout: timedelta) -> dist.Store:
     """The rendezvous store, under a prefix of its own for each torchrun restart.
 
@@ -134,7 +138,55 @@ def _attempt_store(topology: Topology, timeout: timedelta) -> dist.Store:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), topology.world_size,
                           is_master=not agent_hosts_store and topology.rank == 0, timeout=timeout,
                           multi_tenant=True)
-    return dist.PrefixStore(f"sdtrain/attempt_{attempt}", store)
+    global _store
+    _store = dist.PrefixStore(f"sdtrain/attempt_{attempt}", store)
+    return _store
+
+
+def record_progress(step: int, finished: bool) -> None:
+    """Leave where this rank is, starting or done with its share of ``step``, in the store (a few bytes over
+    TCP, twice a step), so that when a collective times out the survivors can say which rank stopped where."""
+    if _store is not None and dist.is_initialized():
+        _store.set(f"progress/{dist.get_rank()}", f"{step}:{int(finished)}")
+
+
+def describe_progress() -> str:
+    """'rank 1 stopped during step 3 while rank 0 finished step 3', from the records; '' if unreadable."""
+    if _store is None or not dist.is_initialized():
+        return ""
+    where: dict[int, tuple[int, int]] = {}
+    try:
+        for rank in range(dist.get_world_size()):
+            key = f"progress/{rank}"
+            step, _, finished = (_store.get(key).decode() if _store.check([key]) else "0:0").partition(":")
+            where[rank] = (int(step), int(finished))
+    except (RuntimeError, ValueError):  # the store's host may be the process that died
+        return ""
+
+    def say(point: tuple[int, int]) -> str:
+        return f"{'finished' if point[1] else 'was in'} step {point[0]}"
+
+    ahead = max(where.values())
+    behind = sorted(r for r, point in where.items() if point < ahead)
+    if not behind:
+        return f"every rank {say(ahead)}"
+    leaders = sorted(r for r, point in where.items() if point == ahead)
+    lagging = ", ".join(f"rank {r} stopped while it {say(where[r])}" for r in behind)
+    return f"{lagging}; rank{'s' if len(leaders) > 1 else ''} {', '.join(map(str, leaders))} {say(ahead)}"
+
+
+class RankFailure(UserError):
+    """A collective failed because another rank died or stalled: the job must end and restart."""
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """A timeout or a lost peer in a collective, as gloo, NCCL or the store report it."""
+    if not dist.is_initialized() or not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistError) or any(
+        needle in text for needle in ("timed out", "timeout", "connection closed", "connection reset",
+                                      "broken pipe", "peer"))
 
 
 def is_distributed() -> bool:

@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Validate before the heavy imports, so a typo is reported at once.
     config = load_config(args.config, args.overrides)
-    from sdtrain.distributed import destroy, detect_topology, exit_without_teardown, is_distributed
+    from sdtrain.distributed import RankFailure, destroy, detect_topology, exit_without_teardown, is_distributed
     from sdtrain.run import run_dir_lock
     from sdtrain.train.trainer import Preempted, Trainer
 
@@ -33,6 +33,11 @@ def run(args: argparse.Namespace) -> int:
         code, message = 0, f"finished: {config.run_dir} (checkpoint {final})" if trainer.is_main else None
     except Preempted as stop:
         code, message = Preempted.exit_code, f"sdtrain train: {stop}"
+    except RankFailure as failure:
+        # The process group is broken: tearing it down can hang on the dead peer, so leave at once and let
+        # the launcher end the job (and restart it, where it restarts failed jobs).
+        print(f"sdtrain train: error: {failure}", file=sys.stderr)
+        exit_without_teardown(2)
     except BaseException:
         destroy()
         raise

@@ -29,7 +29,18 @@ from sdtrain.checkpoint import (
 )
 from sdtrain.config import DataConfig, RunConfig, to_dict
 from sdtrain.data.pipeline import TrainBatches
-from sdtrain.distributed import any_rank, barrier, detect_topology, gather_objects, init_distributed, mean_over_ranks
+from sdtrain.distributed import (
+    RankFailure,
+    any_rank,
+    barrier,
+    describe_progress,
+    detect_topology,
+    gather_objects,
+    init_distributed,
+    is_collective_failure,
+    mean_over_ranks,
+    record_progress,
+)
 from sdtrain.errors import UserError
 from sdtrain.faults import FaultInjector
 from sdtrain.run import prepare_run_dir, resolve_device
@@ -188,9 +199,10 @@ class Trainer:
         self.state.started = time.perf_counter()
         try:
             while self.state.step < self.config.train.max_steps:
+                record_progress(self.state.step + 1, finished=False)
                 metrics = self.train_step()
                 self.state.step += 1
-                # A checkpoint step also checks the loss, so a NaN is never saved over good weights.
+                # Checkpoint steps are always logged: the metrics then show what each checkpoint holds.
                 self.report(metrics, force=self.checkpointer.due(self.state.step))
                 # Before the save, so a resumed run neither repeats nor skips an evaluation point.
                 if self.evaluation_due() and self.evaluate():
@@ -198,11 +210,21 @@ class Trainer:
                 if self.checkpointer.due(self.state.step):
                     self.save()
                 self.faults.after_step(self.state.step)
+                record_progress(self.state.step, finished=True)
                 if any_rank(self.stop_signal is not None, self.device):
                     self.save()
                     raise Preempted(f"stopped by a signal at step {self.state.step} after saving; "
                                     "run the same command to resume")
             final = self.save()
+        except RuntimeError as exc:
+            if not is_collective_failure(exc):
+                raise
+            where = describe_progress()
+            raise RankFailure(
+                f"rank {self.topology.rank}: a collective failed ({str(exc).strip().splitlines()[0][:200]})"
+                f"{'; ' + where if where else ''}. Another rank died or stalled for parallel.timeout_minutes="
+                f"{self.config.parallel.timeout_minutes:g}; run the same command to resume from "
+                f"{self.checkpointer.folder}") from exc
         finally:
             self.data.close()
             self.logger.close()
