@@ -494,3 +494,66 @@ def test_an_image_over_the_pixel_limit_is_skipped_before_decoding(tmp_path: Path
     batches = take(tb, 2)
     assert "s1" not in keys_of(batches)
     assert tb.position.total_skipped >= 1
+
+
+
+def _evil_shard(path: Path, outside: Path) -> None:
+    """A shard with good samples beside members no reader may take: a path out of the archive, an absolute
+    path, a symlink to a file outside, and, last, a member whose header declares 2 GiB."""
+
+    def add(tar: tarfile.TarFile, name: str, data: bytes = b"", **fields) -> None:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        for key, value in fields.items():
+            setattr(info, key, value)
+        tar.addfile(info, io.BytesIO(data) if info.isreg() else None)
+
+    with tarfile.open(path, "w") as tar:
+        add(tar, "s0.png", png(0))
+        add(tar, "s0.txt", b"caption 0")
+        add(tar, "../s9.txt", b"escaped")
+        add(tar, "/s8.txt", b"absolute")
+        add(tar, "s1.png", type=tarfile.SYMTYPE, linkname=str(outside))
+        add(tar, "s1.txt", b"caption 1")
+        add(tar, "s2.png", png(2))
+        add(tar, "s2.txt", b"caption 2")
+        add(tar, "s3.png", b"tiny")
+    data = bytearray(path.read_bytes())
+    start = data.rindex(b"s3.png")
+    header = data[start:start + 512]
+    header[124:136] = b"%011o\0" % (2 << 30)
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    data[start:start + 512] = header
+    path.write_bytes(bytes(data))
+
+
+def test_every_reader_refuses_tar_members_that_escape_or_lie_about_their_size(tmp_path: Path) -> None:
+    from sdtrain.data.pipeline import read_captions, read_shard
+    from sdtrain.data.prepare import reshard
+
+    outside = tmp_path / "secret.png"
+    outside.write_bytes(png(7))
+    shards = tmp_path / "in"
+    shards.mkdir()
+    _evil_shard(shards / "shard-000000.tar", outside)
+    from sdtrain.data.shards import UnsafeMember, tar_samples
+
+    refused: list[Exception] = []
+    list(tar_samples(str(shards / "shard-000000.tar"), handler=lambda exc: refused.append(exc) or True))
+    messages = [str(e) for e in refused if isinstance(e, UnsafeMember)]
+    assert len(messages) == 3, refused
+    assert "'../s9.txt' points outside" in messages[0] and "'/s8.txt' points outside" in messages[1]
+    assert "'s3.png' declares 2147483648 bytes" in messages[2]  # refused from its header, never read
+    # The training loader's reader: the good samples, nothing else.
+    samples = read_shard(str(shards / "shard-000000.tar"))
+    keys = {s["__key__"] for s in samples}
+    assert {"s0", "s2"} <= keys and not {"../s9", "/s8", "s9", "s8"} & keys
+    assert all("png" not in s for s in samples if s["__key__"] == "s1")  # the symlink was not followed
+    assert read_captions(str(shards)) == ["caption 0", "caption 1", "caption 2"]
+    report = reshard([str(shards)], tmp_path / "out", samples_per_shard=10)
+    assert report.written == 2
+    with tarfile.open(tmp_path / "out" / "shard-000000.tar") as tar:
+        names = tar.getnames()
+    assert all(".." not in n and not n.startswith("/") for n in names)
+    assert outside.read_bytes() == png(7)

@@ -25,6 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     shapes.add_argument("--seed", type=int, default=0, help="seed; the same seed gives identical shards")
     shapes.add_argument("--size", type=int, default=64, help="image side in pixels")
     shapes.add_argument("--samples-per-shard", type=int, default=1000)
+    shapes.add_argument("--two-shape-fraction", type=float, default=0.5,
+                        help="share of samples with two shapes (the rest have one)")
     shapes.set_defaults(run=run_shapes)
 
     def add_checks(p: argparse.ArgumentParser) -> None:
@@ -118,7 +120,8 @@ def run_shapes(args: argparse.Namespace) -> int:
         raise UserError(f"--out: {args.out} is a file; choose a folder")
 
     manifest = write_shapes_dataset(args.out, num=args.num, seed=args.seed, size=args.size,
-                                    samples_per_shard=args.samples_per_shard)
+                                    samples_per_shard=args.samples_per_shard,
+                                    two_shape_fraction=args.two_shape_fraction)
     print(f"wrote {manifest['total']} samples in {len(manifest['shards'])} shards to {args.out}")
     return 0
 

@@ -40,8 +40,8 @@ from sdtrain.config import DataConfig
 from sdtrain.data.encoded import EMPTY_CAPTION, LATENT_MEAN, LATENT_STD, TEXT_EMB, dataset_encoding, load_npy
 from sdtrain.data.filters import parse_filters
 from sdtrain.data.prepare import DEFAULT_MAX_PIXELS
-from sdtrain.data.shards import MANIFEST_NAME, read_manifest, tar_keys
-from sdtrain.data.sources import expand_spec, is_remote, open_url, read_json
+from sdtrain.data.shards import MANIFEST_NAME, read_manifest, tar_keys, tar_samples
+from sdtrain.data.sources import expand_spec, is_remote, read_json
 from sdtrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -147,14 +147,7 @@ def read_shard(url: str) -> list[dict[str, Any]]:
         errors.append(exc)
         return True
 
-    try:
-        stream = open_url(url)
-    except OSError as exc:
-        log.warning("%s: cannot open (%s)", url, exc)
-        return []
-    with stream:
-        files = wds.tariterators.tar_file_expander([{"url": url, "stream": stream}], handler=keep_going)
-        samples = list(wds.tariterators.group_by_keys(files, handler=keep_going))
+    samples = list(tar_samples(url, handler=keep_going))
     if errors:
         log.warning("%s: %s", url, str(errors[0]).splitlines()[0] if str(errors[0]) else type(errors[0]))
     return samples
@@ -761,10 +754,8 @@ def read_captions(spec: str, caption_key: str = "txt", limit: int = 200_000) -> 
     captions: list[str] = []
     suffix = "." + caption_key
     for shard in resolve_shards(spec):
-        samples = wds.tariterators.tarfile_samples(
-            [{"url": shard.url}], handler=wds.handlers.warn_and_continue,
-            select_files=lambda name: name.endswith(suffix),
-        )
+        samples = tar_samples(shard.url, handler=wds.handlers.warn_and_continue,
+                              select=lambda name: name.endswith(suffix))
         for sample in samples:
             value = sample.get(caption_key)
             if value:

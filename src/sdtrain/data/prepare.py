@@ -37,11 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import webdataset as wds
 from PIL import Image
 
 from sdtrain.data.filters import Filters
-from sdtrain.data.shards import MANIFEST_NAME, ShardInfo, ShardWriter, write_manifest
+from sdtrain.data.shards import MANIFEST_NAME, ShardInfo, ShardWriter, tar_samples, write_manifest
 from sdtrain.data.sources import expand_spec, is_remote
 from sdtrain.errors import UserError
 
@@ -462,7 +461,7 @@ def reshard(
                 errors.append(exc)
                 return True
 
-            for raw in wds.tariterators.tarfile_samples([{"url": url}], handler=keep_going):
+            for raw in tar_samples(url, handler=keep_going):
                 job.progress()
                 _reshard_sample(job, raw)
             if errors:

@@ -283,3 +283,56 @@ def verify_shards(out_dir: str | Path) -> list[str]:
         if samples != entry["samples"]:
             problems.append(f"{name}: holds {samples} samples, manifest says {entry['samples']}")
     return problems
+
+
+MAX_MEMBER_BYTES = 1 << 30
+"""1 GiB, far above any image, latent or caption: a member declaring more is refused without being read."""
+
+
+class UnsafeMember(ValueError):
+    """A tar member no reader should take: a path out of the archive, or a size no sample has."""
+
+
+def safe_members(stream: BinaryIO, url: str, handler: Any, select: Any = None) -> Iterator[dict[str, Any]]:
+    """The regular files of a tar stream as webdataset's ``{"fname", "data", "__url__"}`` records.
+
+    Shards come from anywhere, so the reader trusts none of a member's header: links, devices and folders
+    are skipped (never followed); a name with ``..`` or an absolute path, or a member over
+    ``MAX_MEMBER_BYTES``, goes to ``handler`` as an ``UnsafeMember`` before its data is read (True reads
+    on past it, False stops). Nothing is extracted to disk.
+    """
+    with tarfile.open(fileobj=stream, mode="r|*") as tar:
+        for info in tar:
+            if not info.isreg():
+                continue
+            name, problem = info.name, None
+            if name.startswith("/") or ".." in name.split("/"):
+                problem = f"{url}: member {name!r} points outside the archive; refused"
+            elif info.size > MAX_MEMBER_BYTES:
+                problem = (f"{url}: member {name!r} declares {info.size} bytes, over the {MAX_MEMBER_BYTES} a "
+                           "sample file may have; refused")
+            if problem is not None:
+                if handler(UnsafeMember(problem)):
+                    continue
+                return
+            if select is not None and not select(name):
+                continue
+            member = tar.extractfile(info)
+            assert member is not None  # a regular file
+            yield {"fname": name, "data": member.read(), "__url__": url}
+            tar.members = []  # a stream of millions of members must not keep every header
+
+
+def tar_samples(url: str, handler: Any, select: Any = None) -> Iterator[dict[str, Any]]:
+    """The samples of one shard (webdataset's grouping of members by key), read through
+    :func:`safe_members`; ``handler(exc)`` decides whether to go on after a bad member (True) or stop."""
+    from sdtrain.data.sources import open_url
+
+    def members() -> Iterator[dict[str, Any]]:
+        try:
+            with open_url(url) as stream:
+                yield from safe_members(stream, url, handler, select)
+        except (OSError, tarfile.TarError, EOFError) as exc:
+            handler(exc)
+
+    yield from wds.tariterators.group_by_keys(members(), handler=handler)
