@@ -23,6 +23,8 @@ import os
 import pickle
 import re
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from sdtrain.config import CheckpointConfig
 from sdtrain.errors import UserError
+from sdtrain.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +118,14 @@ class Checkpointer:
         self.run_dir = Path(run_dir)
         self.config = config
         self.folder = self.run_dir / "checkpoints"
+        self._digesting: threading.Thread | None = None
+
+    def wait_for_checksums(self) -> None:
+        """Until the last save's checksums are in its meta.json (the run's final save waits; a preempted
+        run need not, and its newest checkpoint is then complete but unverified)."""
+        if self._digesting is not None:
+            self._digesting.join()
+            self._digesting = None
 
     def due(self, step: int) -> bool:
         return self.config.every > 0 and step % self.config.every == 0
@@ -129,6 +140,7 @@ class Checkpointer:
         is one UserError: the previous checkpoint stays the newest, intact."""
         final = self.path_for(state.step)
         tmp = self.folder / f".{final.name}.tmp-{os.getpid()}"
+        self.wait_for_checksums()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -151,6 +163,11 @@ class Checkpointer:
         os.replace(tmp, final)
         self._prune()
         log.info("saved checkpoint %s", final)
+        # Hashing ~14 GB (SD2 with EMA and AdamW) would double the training stall of a save; it runs beside
+        # the next steps instead and lands in meta.json by an atomic replace.
+        self._digesting = threading.Thread(target=record_checksums, args=(final,), name="sdtrain-checksums",
+                                           daemon=True)
+        self._digesting.start()
         return final
 
     @staticmethod
@@ -170,7 +187,6 @@ class Checkpointer:
             "task": state.task.checkpoint_meta(),
             "tuning": state.tuning.as_dict(),
         }
-        meta["files"] = file_digests(tmp)
         # meta.json last: its presence is what marks a checkpoint folder complete.
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
         _fsync_tree(tmp)
@@ -240,16 +256,35 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _sha256s(paths: list[Path]) -> list[str]:
+    """The files' sha256s, hashed side by side: hashlib releases the GIL, and a checkpoint's few large
+    files (weights, EMA, optimizer state) would otherwise hash one after another at ~1 GB/s."""
+    with ThreadPoolExecutor(max_workers=max(1, min(len(paths), os.cpu_count() or 1))) as pool:
+        return list(pool.map(_sha256, paths))
+
+
 def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
     """Size and sha256 of every file a checkpoint holds but meta.json (``sha256sum`` can check them too)."""
-    return {item.name: {"bytes": item.stat().st_size, "sha256": _sha256(item)}
-            for item in sorted(folder.iterdir()) if item.is_file() and item.name != "meta.json"}
+    files = [item for item in sorted(folder.iterdir()) if item.is_file() and item.name != "meta.json"]
+    return {item.name: {"bytes": item.stat().st_size, "sha256": digest}
+            for item, digest in zip(files, _sha256s(files))}
+
+
+def record_checksums(checkpoint: Path) -> None:
+    """Add the size and sha256 of every file to a saved checkpoint's meta.json, replacing it atomically so a
+    reader always finds a whole one. A checkpoint pruned meanwhile is left alone."""
+    try:
+        meta = json.loads((checkpoint / "meta.json").read_text())
+        meta["files"] = file_digests(checkpoint)
+        atomic_write_text(checkpoint / "meta.json", json.dumps(meta, indent=1, default=str))
+    except OSError as exc:
+        log.debug("no checksums for %s (%s)", checkpoint, exc)
 
 
 def damage(checkpoint: Path, names: list[str] | None = None) -> str | None:
     """What is wrong with a checkpoint's files (all, or just ``names``) against the checksums its meta.json
-    recorded at save time, or None when they match. Checkpoints saved before checksums were recorded
-    cannot be checked and pass."""
+    recorded at save time, or None when they match. Checkpoints without checksums (saved by an older
+    sdtrain, or by a process killed in the seconds before they were recorded) cannot be checked and pass."""
     try:
         meta = json.loads((checkpoint / "meta.json").read_text())
     except (OSError, ValueError) as exc:
@@ -257,16 +292,17 @@ def damage(checkpoint: Path, names: list[str] | None = None) -> str | None:
     recorded = meta.get("files")
     if recorded is None:
         return None
-    for name, expected in recorded.items():
-        if names is not None and name not in names:
-            continue
+    checked = {name: expected for name, expected in recorded.items() if names is None or name in names}
+    for name, expected in checked.items():  # the cheap checks first
         path = checkpoint / name
         if not path.is_file():
             return f"{name} is missing"
         size = path.stat().st_size
         if size != expected["bytes"]:
             return f"{name} has {size} bytes, {expected['bytes']} when saved (truncated or overwritten)"
-        if _sha256(path) != expected["sha256"]:
+    digests = _sha256s([checkpoint / name for name in checked])
+    for (name, expected), digest in zip(checked.items(), digests):
+        if digest != expected["sha256"]:
             return f"{name} does not match the sha256 recorded when it was saved (its bytes changed)"
     return None
 

@@ -216,6 +216,7 @@ class Trainer:
                     raise Preempted(f"stopped by a signal at step {self.state.step} after saving; "
                                     "run the same command to resume")
             final = self.save()
+            self.checkpointer.wait_for_checksums()
         except RuntimeError as exc:
             if not is_collective_failure(exc):
                 raise
