@@ -197,17 +197,18 @@ class Chaos:
 
     def kill9_prepare(self, outcome: Outcome) -> None:
         out = self.fresh("kill9-prepare")
-        args = self.prepare_args(out)
-        outcome.points.append(f"{kill_at_random(args, self.rng, self.prepare_seconds)} ({_shards(out)})")
-        result = sdtrain(*args)
-        self.compare(outcome, out.name, digest_tree(out) if result.returncode == 0 else {}, self.expected_prepared)
+        self.kill_and_rerun(outcome, out, self.prepare_args(out), self.prepare_seconds, self.expected_prepared)
 
     def kill9_encode(self, outcome: Outcome) -> None:
         out = self.fresh("kill9-encode")
-        args = self.encode_args(out)
-        outcome.points.append(f"{kill_at_random(args, self.rng, self.encode_seconds)} ({_shards(out)})")
+        self.kill_and_rerun(outcome, out, self.encode_args(out), self.encode_seconds, self.expected_encoded)
+
+    def kill_and_rerun(self, outcome: Outcome, out: Path, args: list[str], seconds: float,
+                       expected: dict[str, str]) -> None:
+        """A prepare command killed at random, then run again: its shards must end as an uninterrupted run's."""
+        outcome.points.append(f"{kill_at_random(args, self.rng, seconds)} ({_shards(out)})")
         result = sdtrain(*args)
-        self.compare(outcome, out.name, digest_tree(out) if result.returncode == 0 else {}, self.expected_encoded)
+        self.compare(outcome, out.name, digest_tree(out) if result.returncode == 0 else {}, expected)
 
     def damaged_checkpoint(self, outcome: Outcome) -> None:
         run = self.fresh("damaged")
