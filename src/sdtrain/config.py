@@ -404,7 +404,7 @@ def _describe(exc: OmegaConfBaseException) -> str:
     if key and key not in message:
         message = f"{key}: {message}"
     # Keys come from the user's file and may hold any character; the error stays one line.
-    return message.encode("unicode_escape").decode("ascii") if not message.isprintable() else message
+    return _printable(message)
 
 
 def _merge(base: DictConfig, layer: Any, where: str) -> DictConfig:
@@ -470,9 +470,13 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         raise UserError(_describe(exc)) from exc
 
 
-def _one_line(exc: BaseException) -> str:
-    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+def _printable(text: str) -> str:
+    """``text`` with control characters escaped, so an error quoting the user's input stays one line."""
     return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
+def _one_line(exc: BaseException) -> str:
+    return _printable((str(exc).strip().splitlines() or [type(exc).__name__])[0])
 
 
 def read_layer(path: str | Path) -> tuple[DictConfig, str]:
@@ -491,7 +495,7 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> DictConfig:
     """``key=value`` overrides as one config layer; a malformed one is a UserError naming it."""
     layer = OmegaConf.create()
     for item in overrides:
-        shown = item if item.isprintable() else item.encode("unicode_escape").decode("ascii")
+        shown = _printable(item)
         if "=" not in item:
             raise UserError(f"override '{shown}' is not key=value; write e.g. train.max_steps=100")
         try:

@@ -34,17 +34,22 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         raise UserError(f"device: '{name}' is not a device; use auto, cpu, cuda or cuda:N") from exc
 
 
+def _make_run_dir(run_dir: str | Path) -> Path:
+    run_dir = Path(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"run_dir: cannot create {run_dir} ({exc.strerror}); choose a writable folder") from exc
+    return run_dir
+
+
 def prepare_run_dir(config: RunConfig) -> Path:
     """Create the run folder and record the resolved config.
 
     The first start writes config.yaml; it is never rewritten. A restart with a different config
     (say a longer max_steps) keeps the original and records the new one beside it.
     """
-    run_dir = Path(config.run_dir)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"run_dir: cannot create {run_dir} ({exc.strerror}); choose a writable folder") from exc
+    run_dir = _make_run_dir(config.run_dir)
     text = to_yaml(config)
     first = run_dir / "config.yaml"
     if not first.exists():
@@ -72,12 +77,11 @@ def run_dir_lock(run_dir: str | Path) -> Iterator[None]:
     kill -9 and a lost node's NFS client included, so a crashed run never leaves it stuck. The file
     names the holder for the refusal message; its contents are not what locks.
     """
-    run_dir = Path(run_dir)
+    run_dir = _make_run_dir(run_dir)
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
         handle = open(run_dir / LOCK_NAME, "a+")  # noqa: SIM115 - held open for the whole run: it is the lock
     except OSError as exc:
-        raise UserError(f"run_dir: cannot create {run_dir} ({exc.strerror}); choose a writable folder") from exc
+        raise UserError(f"run_dir: cannot write in {run_dir} ({exc.strerror}); choose a writable folder") from exc
     try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
