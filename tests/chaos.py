@@ -5,8 +5,11 @@ the faulted runs end with against one uninterrupted reference run, byte for byte
 
 - kill9-train: SIGKILL at a random moment of a training run (checkpoints are saved every step, so many
   kills land inside a save), then the same command again, until it finishes;
+- kill9-train-sharded: the same with sharded checkpoints (torch.distributed.checkpoint), whose weights
+  must end equal, tensor for tensor, to the reference run's full checkpoint;
 - kill9-prepare, kill9-encode: SIGKILL during `prepare shapes` / `prepare encode`, then the same command;
-- damaged-checkpoint: bytes flipped in, or half cut from, or a file deleted from the newest checkpoint;
+- damaged-checkpoint: bytes flipped in, or half cut from, or a file deleted from the newest checkpoint
+  (full or sharded);
 - disk-full: the next save cannot write (a file-size limit, as a full disk fails a write);
 - nan-steps: NaN losses at random steps; the run skips them and finishes;
 - second-run: a second `sdtrain train` on the folder of a live run (hung after a random step).
@@ -85,8 +88,26 @@ def digest_tree(folder: Path, pattern: str = "*") -> dict[str, str]:
 
 
 def final_weights(run: Path) -> dict[str, str]:
+    """sha256 of the final checkpoint's weight files, or of its weights tensor by tensor if it is sharded."""
     final = run / "checkpoints" / f"step_{STEPS:08d}"
-    return digest_tree(final, "*.safetensors") if final.is_dir() else {}
+    if not final.is_dir():
+        return {}
+    return tensor_digests(final) if (final / "sharded").is_dir() else digest_tree(final, "*.safetensors")
+
+
+def tensor_digests(checkpoint: Path) -> dict[str, str]:
+    """sha256 of the model and EMA weights read back whole, by key: equal for a full and a sharded checkpoint
+    of the same weights."""
+    from sdtrain.checkpoint import read_weights
+
+    digests = {}
+    for group in ("model", "ema"):
+        digest = hashlib.sha256()
+        for key, tensor in sorted(read_weights(checkpoint, group).items()):
+            digest.update(key.encode())
+            digest.update(tensor.contiguous().cpu().numpy().tobytes())
+        digests[group] = digest.hexdigest()
+    return digests
 
 
 def _state(run: Path) -> str:
@@ -149,6 +170,7 @@ class Chaos:
                                                                            lambda: digest_tree(self.data))
         self.expected, self.train_seconds = self.reference_run(train_args(self.reference, self.data),
                                                                lambda: final_weights(self.reference))
+        self.expected_tensors = tensor_digests(self.reference / "checkpoints" / f"step_{STEPS:08d}")
         encoded = self.work / "encoded-reference"
         self.expected_encoded, self.encode_seconds = self.reference_run(self.encode_args(encoded),
                                                                         lambda: digest_tree(encoded))
@@ -179,21 +201,27 @@ class Chaos:
     def compare(self, outcome: Outcome, what: str, got: dict[str, str], expected: dict[str, str]) -> None:
         self.record(outcome, got == expected, f"{what}: differs from the uninterrupted run")
 
-    def train_to(self, run: Path, stop: int) -> Path:
+    def train_to(self, run: Path, stop: int, *extra: str) -> Path:
         """Train `run` to step `stop` uninterrupted; its checkpoint there."""
-        done = sdtrain(*train_args(run, self.data), f"train.max_steps={stop}")
+        done = sdtrain(*train_args(run, self.data, *extra), f"train.max_steps={stop}")
         assert done.returncode == 0, done.stderr
         return run / "checkpoints" / f"step_{stop:08d}"
 
     # One method per fault; each runs one trial and records it.
 
-    def kill9_train(self, outcome: Outcome) -> None:
-        run = self.fresh("kill9-train")
-        args = train_args(run, self.data)
+    def expected_for(self, layout: str) -> dict[str, str]:
+        return self.expected_tensors if layout == "sharded" else self.expected
+
+    def kill9_train(self, outcome: Outcome, layout: str = "full") -> None:
+        run = self.fresh(f"kill9-train-{layout}")
+        args = train_args(run, self.data, f"checkpoint.format={layout}")
         point = kill_at_random(args, self.rng, self.train_seconds)
         outcome.points.append(f"{point} ({_state(run)})")
         done = run_until_done(args, lambda: bool(final_weights(run)))
-        self.compare(outcome, run.name, final_weights(run) if done else {}, self.expected)
+        self.compare(outcome, run.name, final_weights(run) if done else {}, self.expected_for(layout))
+
+    def kill9_train_sharded(self, outcome: Outcome) -> None:
+        self.kill9_train(outcome, "sharded")
 
     def kill9_prepare(self, outcome: Outcome) -> None:
         out = self.fresh("kill9-prepare")
@@ -213,9 +241,12 @@ class Chaos:
     def damaged_checkpoint(self, outcome: Outcome) -> None:
         run = self.fresh("damaged")
         stop = self.rng.randint(2, STEPS - 1)
-        newest = self.train_to(run, stop)
+        layout = self.rng.choice(["full", "sharded"])
+        newest = self.train_to(run, stop, f"checkpoint.format={layout}")
         how = self.rng.choice(["flipped", "truncated", "missing"])
-        target = newest / self.rng.choice(["model.safetensors", "ema.safetensors", "optimizer.pt", "trainer.pt"])
+        files = ["model.safetensors", "ema.safetensors", "optimizer.pt"] if layout == "full" else \
+            ["sharded/__0_0.distcp", "sharded/.metadata"]
+        target = newest / self.rng.choice([*files, "trainer.pt"])
         data = target.read_bytes()
         if how == "flipped":
             at = self.rng.randrange(len(data) // 2, len(data))
@@ -224,29 +255,33 @@ class Chaos:
             target.write_bytes(data[: len(data) // 2])
         else:
             target.unlink()
-        outcome.points.append(f"{how} {target.name} of step {stop}")
-        result = sdtrain(*train_args(run, self.data))
+        outcome.points.append(f"{how} {target.relative_to(newest)} of {layout} step {stop}")
+        result = sdtrain(*train_args(run, self.data, f"checkpoint.format={layout}"))
         warned = "damaged" in result.stderr and "falling back" in result.stderr
         if not warned:
             outcome.lost.append(f"{run.name}: no warning about the damaged checkpoint")
-        self.compare(outcome, run.name, final_weights(run) if result.returncode == 0 else {}, self.expected)
+        self.compare(outcome, run.name, final_weights(run) if result.returncode == 0 else {},
+                     self.expected_for(layout))
 
     def disk_full(self, outcome: Outcome) -> None:
         run = self.fresh("disk-full")
         stop = self.rng.randint(1, STEPS - 1)
-        before = digest_tree(self.train_to(run, stop))
-        # A limit below the size of model.safetensors: the next save fails as it would on a full disk.
-        full = sdtrain(*train_args(run, self.data), limit_file_bytes=256 * 1024)
+        layout = self.rng.choice(["full", "sharded"])
+        previous = self.train_to(run, stop, f"checkpoint.format={layout}")
+        before = {**digest_tree(previous), **digest_tree(previous / "sharded")}
+        # A limit below the size of the weights: the next save fails as it would on a full disk.
+        full = sdtrain(*train_args(run, self.data, f"checkpoint.format={layout}"), limit_file_bytes=256 * 1024)
         lines = full.stderr.strip().splitlines()
         clear = full.returncode == 2 and "cannot write the checkpoint" in (lines[-1] if lines else "")
         leftovers = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
-        outcome.points.append(f"save after step {stop}")
+        outcome.points.append(f"{layout} save after step {stop}")
         if not clear:
             outcome.lost.append(f"{run.name}: no one-line error (exit {full.returncode}: {lines[-1:]})")
-        if leftovers or digest_tree(run / "checkpoints" / f"step_{stop:08d}") != before:
+        if leftovers or {**digest_tree(previous), **digest_tree(previous / "sharded")} != before:
             outcome.lost.append(f"{run.name}: the previous checkpoint changed or a partial one was left: {leftovers}")
-        result = sdtrain(*train_args(run, self.data))
-        self.compare(outcome, run.name, final_weights(run) if result.returncode == 0 else {}, self.expected)
+        result = sdtrain(*train_args(run, self.data, f"checkpoint.format={layout}"))
+        self.compare(outcome, run.name, final_weights(run) if result.returncode == 0 else {},
+                     self.expected_for(layout))
 
     def nan_steps(self, outcome: Outcome) -> None:
         run = self.fresh("nan")
@@ -286,6 +321,7 @@ class Chaos:
 
 FAULTS: dict[str, Callable[[Chaos, Outcome], None]] = {
     "kill9-train": Chaos.kill9_train,
+    "kill9-train-sharded": Chaos.kill9_train_sharded,
     "kill9-prepare": Chaos.kill9_prepare,
     "kill9-encode": Chaos.kill9_encode,
     "damaged-checkpoint": Chaos.damaged_checkpoint,
@@ -322,10 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=3, help="trials of each fault")
     parser.add_argument("--seed", type=int, default=0, help="seeds the kill moments and damage")
     parser.add_argument("--fault", action="append", choices=list(FAULTS), help="only these faults (repeatable)")
-    parser.add_argument("--work", type=Path, help="keep the runs here (default: a temporary folder)")
+    parser.add_argument("--work", type=Path, help="keep the runs here, emptied first (default: a temporary folder)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="sdtrain-chaos-") as temporary:
         work = args.work or Path(temporary)
+        # A reference left by an earlier run (older code, other data) would be compared against, not rebuilt.
+        shutil.rmtree(work, ignore_errors=True)
         started = time.perf_counter()
         outcomes = run_chaos(args.trials, args.seed, work, args.fault)
         print(table(outcomes))

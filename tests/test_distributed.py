@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from sdtrain.checkpoint import read_weights
 from sdtrain.cli.main import main
 from sdtrain.distributed import detect_topology, first_slurm_host
 
@@ -47,8 +48,10 @@ def test_torchrun_ddp_and_fsdp_match_one_process_at_the_same_global_batch(tmp_pa
         result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         assert _losses(single) == pytest.approx(_losses(run), rel=1e-4), strategy
-        # The checkpoint holds full tensors, whatever the sharding: it loads into one process as is.
-        got = load_file(str(run / "checkpoints" / "step_00000003" / "model.safetensors"))
+        # DDP writes full tensors; FSDP has each rank write its own shards, read back whole in one process.
+        checkpoint = run / "checkpoints" / "step_00000003"
+        assert (checkpoint / "sharded").is_dir() == (strategy == "fsdp")
+        got = read_weights(checkpoint, "model")
         for key in expected:
             torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5, msg=f"{strategy} {key}")
     from sdtrain.export import export_run
@@ -128,6 +131,41 @@ def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path, sh
     a = load_file(str(tmp_path / "straight" / "checkpoints" / "step_00000004" / "model.safetensors"))
     b = load_file(str(tmp_path / "killed" / "checkpoints" / "step_00000004" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)  # the restart repeated step 3 exactly
+
+
+@pytest.mark.dist
+def test_sharded_checkpoints_resume_exactly_on_the_same_ranks_and_reshard_onto_one_process(
+        tmp_path, shapes_dir, autoencoder_run, caplog):
+    steps = ("parallel.strategy=fsdp", "train.max_steps=4", "checkpoint.every=2", "checkpoint.keep_last=5",
+             "data.caption_dropout=0")
+    straight = _torchrun(tmp_path / "straight", shapes_dir, autoencoder_run, *steps)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    end = tmp_path / "straight" / "checkpoints" / "step_00000004"
+    # Every rank wrote its own part; no rank gathered the model.
+    assert sorted(p.name for p in (end / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not (end / "model.safetensors").exists()
+    meta = json.loads((end / "meta.json").read_text())
+    assert meta["format"] == "sharded" and "sharded/__1_0.distcp" in meta["files"]
+    killed = _torchrun(tmp_path / "killed", shapes_dir, autoencoder_run, *steps, torchrun_args=("--max-restarts", "1"),
+                       env={"SDTRAIN_KILL_AT_STEP": "3:1"})
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert "resumed from" in killed.stderr
+    again = tmp_path / "killed" / "checkpoints" / "step_00000004"
+    for group in ("model", "ema"):
+        a, b = read_weights(end, group), read_weights(again, group)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), group
+
+    # The two-rank shards load into one process (two micro-batches per step: the same global batch).
+    run = tmp_path / "straight"
+    caplog.set_level("INFO", logger="sdtrain")
+    assert main(["train", str(config_path("diffusion.yaml")),
+                 *_overrides(run, shapes_dir, autoencoder_run, "train.max_steps=6", "train.grad_accum=2",
+                             "data.caption_dropout=0", "checkpoint.every=2", "checkpoint.format=sharded")]) == 0
+    assert f"resumed from {end} at step 4" in caplog.text
+    assert main(["export", str(run), "--out", str(tmp_path / "pipe")]) == 0
+    exported = load_file(str(tmp_path / "pipe" / "unet" / "diffusion_pytorch_model.safetensors"))
+    ema = read_weights(run / "checkpoints" / "step_00000006", "ema")
+    assert all(torch.equal(exported[k.removeprefix("unet.")], v) for k, v in ema.items() if k.startswith("unet."))
 
 
 @pytest.mark.dist

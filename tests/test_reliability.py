@@ -229,3 +229,58 @@ def test_pickled_weights_in_a_pretrained_folder_never_run(tmp_path, pretrained, 
     monkeypatch.setenv("SDTRAIN_TRUST_PICKLE", "1")
     assert main(generate) != 0
     assert not marker.exists()
+
+
+def _refresh_checksums(checkpoint: Path) -> None:
+    """Checksums that match planted files: the load itself must refuse them, not only the integrity check."""
+    from sdtrain.checkpoint import file_digests
+
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta["files"] = file_digests(checkpoint)
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+
+
+def test_a_pickle_payload_in_a_sharded_checkpoint_never_runs(tmp_path, shapes_dir, capsys):
+    import io
+    import pickle
+
+    from sdtrain.checkpoint import read_weights
+    from sdtrain.errors import UserError
+    from sdtrain.sharded import SafePlanner
+
+    run = tmp_path / "run"
+    assert main(_ae(run, shapes_dir, 2, "checkpoint.format=sharded")) == 0
+    checkpoint = run / "checkpoints" / "step_00000002"
+    marker = tmp_path / "pwned"
+    # DCP itself would unpickle .metadata with pickle.load.
+    (checkpoint / "sharded" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    _refresh_checksums(checkpoint)
+    assert main(_ae(run, shapes_dir, 3, "checkpoint.format=sharded")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "step_00000002: cannot resume from this checkpoint" in err and "not part of a checkpoint" in err
+    with pytest.raises(UserError, match="cannot read its model weights"):
+        read_weights(checkpoint, "model")
+    # ... and its non-tensor values (learning rates, betas) with torch.load(weights_only=False).
+    planted = io.BytesIO()
+    torch.save({"lr": _Payload(marker)}, planted)
+    planted.seek(0)
+    with pytest.raises(pickle.UnpicklingError):
+        SafePlanner().load_bytes(None, planted)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("target", ["sharded/__0_0.distcp", "sharded/.metadata"])
+def test_a_damaged_sharded_checkpoint_is_set_aside_and_the_run_resumes_from_the_previous(
+        tmp_path, shapes_dir, straight_run, caplog, target):
+    run = tmp_path / "run"
+    assert main(_ae(run, shapes_dir, 2, "checkpoint.format=sharded")) == 0
+    _flip_bytes(run / "checkpoints" / "step_00000002" / target)
+    assert main(_ae(run, shapes_dir, 3, "checkpoint.format=sharded")) == 0
+    assert f"{target} does not match the sha256" in caplog.text and "falling back" in caplog.text
+    # A full and a sharded checkpoint of the same run hold the same weights, tensor for tensor.
+    from sdtrain.checkpoint import read_weights
+
+    for group in ("model", "ema"):
+        full = load_file(str(straight_run / "checkpoints" / "step_00000003" / f"{group}.safetensors"))
+        sharded = read_weights(run / "checkpoints" / "step_00000003", group)
+        assert full.keys() == sharded.keys() and all(torch.equal(full[k], sharded[k]) for k in full)

@@ -7,6 +7,8 @@ A checkpoint is a folder ``RUN/checkpoints/step_NNNNNNNN`` holding
 - ``meta.json``: step, samples seen and each module's class and config, so the weights can be
   rebuilt into models without the run's config (export, generate, a later stage), and the size and
   sha256 of every other file.
+A sharded checkpoint (``checkpoint.format``) holds the weights, EMA and optimizer state as every rank's own
+part in ``sharded/`` instead (see :mod:`sdtrain.sharded`); the other files are the same.
 The folder is written under a temporary name and renamed into place, so a crash mid-save leaves
 the previous checkpoint as the newest complete one. The checksums catch what renaming cannot: a file
 damaged afterwards (a bad disk, a partial copy between clusters, a truncating sync) still parses, and
@@ -40,7 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from sdtrain import sharded
 from sdtrain.config import CheckpointConfig
+from sdtrain.distributed import gather_objects
 from sdtrain.errors import UserError
 from sdtrain.utils import atomic_write_text
 
@@ -68,15 +72,18 @@ def is_partial(module: nn.Module) -> bool:
     return any(not p.requires_grad for p in module.parameters())
 
 
-def capture(modules: dict[str, nn.Module], ema: Any, optimizer: torch.optim.Optimizer | None) -> Snapshot:
+def capture(modules: dict[str, nn.Module], ema: Any, optimizer: torch.optim.Optimizer | None,
+            keep: bool = True) -> Snapshot:
     """Every rank must call this: gathering sharded parameters is a collective. The optimizer state is
     keyed by parameter name, so it loads under any parallel strategy and number of ranks; without an
-    optimizer (evaluation needs only the weights) none is gathered."""
+    optimizer (evaluation needs only the weights) none is gathered. Only the first rank keeps the gathered
+    weights and optimizer state (``cpu_offload``); a rank that only helps gather (``keep`` false) keeps no
+    EMA either."""
     if optimizer is None:
         model, optim = get_model_state_dict(nn.ModuleDict(modules), options=_FULL), {}
     else:
         model, optim = get_state_dict(nn.ModuleDict(modules), optimizer, options=_FULL)
-    return Snapshot({k: v.contiguous() for k, v in model.items()}, ema.full_state() if ema else None, optim)
+    return Snapshot({k: v.contiguous() for k, v in model.items()}, ema.full_state(keep) if ema else None, optim)
 
 
 def _class_name(module: nn.Module) -> str:
@@ -112,11 +119,15 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 class Checkpointer:
-    """Saves and restores the TrainState registry under a run folder."""
+    """Saves and restores the TrainState registry under a run folder.
 
-    def __init__(self, run_dir: Path, config: CheckpointConfig):
+    ``sharded``: the saves are sharded (every rank calls :meth:`save_sharded`) rather than full (the main
+    rank calls :meth:`save` with a gathered snapshot)."""
+
+    def __init__(self, run_dir: Path, config: CheckpointConfig, sharded: bool = False):
         self.run_dir = Path(run_dir)
         self.config = config
+        self.sharded = sharded
         self.folder = self.run_dir / "checkpoints"
         self._digesting: threading.Thread | None = None
 
@@ -134,27 +145,75 @@ class Checkpointer:
         return self.folder / f"step_{step:08d}"
 
     def save(self, state: Any, ranks: list[dict[str, Any]], snapshot: Snapshot) -> Path:
-        """Write the checkpoint (main rank); `ranks` holds every rank's own state (data position, RNG).
+        """Write a full checkpoint (main rank); `ranks` holds every rank's own state (data position, RNG).
 
         A failed write (disk full, quota, a read-only or vanished folder) removes its temporary folder and
         is one UserError: the previous checkpoint stays the newest, intact."""
         final = self.path_for(state.step)
+        tmp = self._start(final)
+        try:
+            save_file(snapshot.model, str(tmp / "model.safetensors"))
+            if snapshot.ema is not None:
+                save_file(snapshot.ema, str(tmp / "ema.safetensors"))
+            torch.save(snapshot.optimizer, tmp / "optimizer.pt")
+            self._write_rest(tmp, state, ranks, "full")
+        except (OSError, SafetensorError, RuntimeError) as exc:
+            # safetensors and torch.save wrap the OSError of a failed write in their own types.
+            raise self._failed(final, tmp, exc) from exc
+        return self._commit(tmp, final)
+
+    def save_sharded(self, state: Any, ranks: list[dict[str, Any]], tensors: dict[str, Any], is_main: bool) -> Path:
+        """Write a sharded checkpoint: every rank calls this with its own shards (:func:`sharded.live_state`)
+        and writes them; the main rank then adds the rest and renames the folder into place. Any rank's
+        failure is the same UserError on every rank, with nothing replaced."""
+        final = self.path_for(state.step)
+        started: Path | UserError | None = None
+        if is_main:
+            try:
+                started = self._start(final)
+            except UserError as exc:
+                started = exc
+        started = gather_objects(started)[0]  # every rank writes into the main rank's temporary folder
+        if isinstance(started, UserError):
+            raise started
+        tmp = started
+        failure: BaseException | None = None
+        try:
+            sharded.save(tensors, tmp / sharded.FOLDER)
+            if is_main:
+                self._write_rest(tmp, state, ranks, "sharded")
+        except (OSError, RuntimeError) as exc:  # DCP's CheckpointException is a RuntimeError
+            failure = exc
+        errors = gather_objects(None if failure is None else str(failure).strip().splitlines()[0][:300])
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            error = self._failed(final, tmp, failure or RuntimeError(first), cleanup=is_main)
+            raise error from failure
+        return self._commit(tmp, final) if is_main else final
+
+    def _start(self, final: Path) -> Path:
+        """An empty temporary folder for the checkpoint ``final``, once the previous save's checksums are in."""
         tmp = self.folder / f".{final.name}.tmp-{os.getpid()}"
         self.wait_for_checksums()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            self._write(tmp, state, ranks, snapshot)
-        except (OSError, SafetensorError, RuntimeError) as exc:
-            # safetensors and torch.save wrap the OSError of a failed write in their own types.
+        except OSError as exc:
+            raise self._failed(final, tmp, exc) from exc
+        return tmp
+
+    def _failed(self, final: Path, tmp: Path, exc: BaseException, cleanup: bool = True) -> UserError:
+        if cleanup:
             shutil.rmtree(tmp, ignore_errors=True)
-            previous = latest_checkpoint(self.run_dir)
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
-            raise UserError(
-                f"{final}: cannot write the checkpoint ({reason}); nothing was replaced, the newest "
-                f"checkpoint is still {previous or 'none'}. Free space or fix the folder's permissions and run "
-                "the same command to resume") from exc
+        previous = latest_checkpoint(self.run_dir)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip().splitlines()[0]
+        return UserError(
+            f"{final}: cannot write the checkpoint ({reason}); nothing was replaced, the newest "
+            f"checkpoint is still {previous or 'none'}. Free space or fix the folder's permissions and run "
+            "the same command to resume")
+
+    def _commit(self, tmp: Path, final: Path) -> Path:
         if final.exists():
             # Left by an earlier attempt that went further than the point this run resumed from.
             stale = final.with_name(f".{final.name}.stale-{os.getpid()}")
@@ -171,16 +230,13 @@ class Checkpointer:
         return final
 
     @staticmethod
-    def _write(tmp: Path, state: Any, ranks: list[dict[str, Any]], snapshot: Snapshot) -> None:
-        save_file(snapshot.model, str(tmp / "model.safetensors"))
-        if snapshot.ema is not None:
-            save_file(snapshot.ema, str(tmp / "ema.safetensors"))
-        torch.save(snapshot.optimizer, tmp / "optimizer.pt")
+    def _write_rest(tmp: Path, state: Any, ranks: list[dict[str, Any]], layout: str) -> None:
         torch.save(state.trainer_state(ranks), tmp / "trainer.pt")
         meta = {
             "step": state.step,
             "samples": state.samples,
             "stage": state.stage,
+            "format": layout,
             "ema": state.ema is not None,
             "modules": {name: {**module_spec(m), "partial": is_partial(m)} for name, m in state.modules.items()},
             "sources": state.task.sources,
@@ -219,18 +275,15 @@ class Checkpointer:
         return path
 
     def load(self, path: Path, state: Any) -> None:
+        """Every rank restores the registry from a full or a sharded checkpoint (a collective for sharded)."""
         try:
-            model = load_file(str(path / "model.safetensors"))
-            optimizer = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
-            # Every rank holds the full state and keeps its own shard of it.
-            strict = not any(is_partial(m) for m in state.modules.values())
-            set_state_dict(nn.ModuleDict(state.modules), state.optimizer, model_state_dict=model,
-                           optim_state_dict=optimizer, options=StateDictOptions(full_state_dict=True, strict=strict))
-            if not strict:
-                _check_partial(model, state.modules, path)
             trainer = torch.load(path / "trainer.pt", weights_only=True, map_location="cpu")
-            if state.ema is not None:
-                state.ema.load_state_dict(load_file(str(path / "ema.safetensors")), trainer["ema_updates"])
+            if sharded.is_sharded(path):
+                sharded.load(path, state.modules, state.ema, state.optimizer)
+                if state.ema is not None:
+                    state.ema.updates = trainer["ema_updates"]
+            else:
+                self._load_full(path, state, trainer)
             state.load_trainer_state(trainer)
         except (OSError, RuntimeError, KeyError, ValueError, SafetensorError, pickle.UnpicklingError) as exc:
             raise UserError(
@@ -238,6 +291,19 @@ class Checkpointer:
                 "delete it to fall back to the previous one, or set checkpoint.resume=never with a new run_dir"
             ) from exc
         log.info("resumed from %s at step %d", path, state.step)
+
+    @staticmethod
+    def _load_full(path: Path, state: Any, trainer: dict[str, Any]) -> None:
+        model = load_file(str(path / "model.safetensors"))
+        optimizer = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
+        # Every rank holds the full state and keeps its own shard of it.
+        strict = not any(is_partial(m) for m in state.modules.values())
+        set_state_dict(nn.ModuleDict(state.modules), state.optimizer, model_state_dict=model,
+                       optim_state_dict=optimizer, options=StateDictOptions(full_state_dict=True, strict=strict))
+        if not strict:
+            _check_partial(model, state.modules, path)
+        if state.ema is not None:
+            state.ema.load_state_dict(load_file(str(path / "ema.safetensors")), trainer["ema_updates"])
 
 
 def _check_partial(saved: dict[str, torch.Tensor], modules: dict[str, nn.Module], path: Path) -> None:
@@ -264,9 +330,10 @@ def _sha256s(paths: list[Path]) -> list[str]:
 
 
 def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
-    """Size and sha256 of every file a checkpoint holds but meta.json (``sha256sum`` can check them too)."""
-    files = [item for item in sorted(folder.iterdir()) if item.is_file() and item.name != "meta.json"]
-    return {item.name: {"bytes": item.stat().st_size, "sha256": digest}
+    """Size and sha256 of every file a checkpoint holds but meta.json, by relative path (``sha256sum`` can
+    check them too)."""
+    files = [item for item in sorted(folder.rglob("*")) if item.is_file() and item.name != "meta.json"]
+    return {item.relative_to(folder).as_posix(): {"bytes": item.stat().st_size, "sha256": digest}
             for item, digest in zip(files, _sha256s(files))}
 
 
@@ -346,9 +413,10 @@ def pinned_sources(checkpoint: Path | None) -> dict[str, str]:
 
 
 def _fsync_tree(folder: Path) -> None:
-    for item in folder.iterdir():
-        with open(item, "rb") as f:
-            os.fsync(f.fileno())
+    for item in folder.rglob("*"):
+        if item.is_file():
+            with open(item, "rb") as f:
+                os.fsync(f.fileno())
 
 
 def instantiate(spec: dict[str, Any]) -> nn.Module:
@@ -377,6 +445,17 @@ def instantiate_with(spec: dict[str, Any], weights: dict[str, torch.Tensor]) -> 
     return module
 
 
+def read_weights(checkpoint: Path, group: str) -> dict[str, torch.Tensor]:
+    """A checkpoint's ``model`` or ``ema`` weights as whole tensors, full or sharded (consolidated here)."""
+    try:
+        if sharded.is_sharded(checkpoint):
+            return sharded.read_group(checkpoint, group)
+        return load_file(str(checkpoint / f"{group}.safetensors"))
+    except (OSError, RuntimeError, KeyError, ValueError, SafetensorError, pickle.UnpicklingError) as exc:
+        raise UserError(f"{checkpoint}: cannot read its {group} weights ({str(exc).strip().splitlines()[0]}); "
+                        "use an earlier checkpoint of the run") from exc
+
+
 def load_run_modules(
     run_dir: Path, names: list[str] | None = None, ema: bool = True, checkpoint: Path | None = None
 ) -> dict[str, nn.Module]:
@@ -386,8 +465,10 @@ def load_run_modules(
         raise UserError(f"{run_dir}: no complete checkpoint yet; train the run first")
     meta = read_meta(path)
     use_ema = ema and meta.get("ema", False)
-    require_intact(path, ["model.safetensors", "ema.safetensors"] if use_ema else ["model.safetensors"])
-    weights = load_file(str(path / ("ema.safetensors" if use_ema else "model.safetensors")))
+    # A sharded checkpoint keeps weights and optimizer state in the same files, so all are checked.
+    require_intact(path, None if sharded.is_sharded(path) else
+                   ["model.safetensors", "ema.safetensors"] if use_ema else ["model.safetensors"])
+    weights = read_weights(path, "ema" if use_ema else "model")
     modules = {}
     for name, spec in meta["modules"].items():
         if names is not None and name not in names:
@@ -395,7 +476,7 @@ def load_run_modules(
         state = _split_state(weights, name)
         if use_ema:
             # The EMA holds trained parameters only; buffers come from the raw weights.
-            raw = _split_state(load_file(str(path / "model.safetensors")), name)
+            raw = _split_state(read_weights(path, "model"), name)
             state = {**raw, **state}
         if spec.get("partial"):
             from sdtrain.train.modes import rebuild_partial

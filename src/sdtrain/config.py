@@ -306,6 +306,11 @@ class CheckpointConfig:
     resume: str = "auto"
     """``auto`` continues from the newest checkpoint in the run folder, ``never`` refuses to start
     over an existing one, or a path to a checkpoint folder."""
+    format: str = "auto"
+    """``full``: the weights, EMA and optimizer state gathered onto the main rank and written as safetensors
+    (readable by any tool); ``sharded``: every rank writes its own part with torch.distributed.checkpoint,
+    nothing is gathered, and it loads on any number of ranks (export and generate consolidate it);
+    ``auto``: sharded when parameters are sharded (``parallel.strategy=fsdp`` on several ranks), else full."""
 
 
 @dataclass
@@ -621,6 +626,8 @@ def validate(config: RunConfig) -> None:
            "must be auto, nccl, gloo or ccl")
     _check(config.checkpoint.every >= 0, "checkpoint.every", "must be 0 (end only) or positive")
     _check(config.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be at least 1")
+    _check(config.checkpoint.format in ("auto", "full", "sharded"), "checkpoint.format",
+           "must be auto, full or sharded")
     _check(config.logging.every >= 1, "logging.every", "must be at least 1")
     ev = config.evaluation
     _check(ev.every_samples >= 0, "evaluation.every_samples", "must be 0 (off) or positive")

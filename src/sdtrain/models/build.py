@@ -150,7 +150,7 @@ def source_kind(path: str | Path) -> str:
         raise UserError(f"{path}: no such file; fix the path")
     if (path / "model_index.json").is_file():
         return "pipeline"
-    if (path / "meta.json").is_file() and (path / "model.safetensors").is_file():
+    if (path / "meta.json").is_file() and ((path / "model.safetensors").is_file() or (path / "sharded").is_dir()):
         return "checkpoint"
     if (path / "config.json").is_file():
         return "component"

@@ -57,10 +57,15 @@ class EMA:
         torch._foreach_lerp_(shadows, current, 1.0 - decay)
         self.updates += 1
 
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """Unsharded CPU copies; a collective when parameters are sharded, so every rank calls it."""
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().contiguous()
-                for k, v in self.shadow.items()}
+    def full_state(self, keep: bool = True) -> dict[str, torch.Tensor]:
+        """Unsharded CPU copies; a collective when parameters are sharded, so every rank calls it. A rank
+        that does not use them (``keep`` false) drops each once gathered instead of holding a whole copy."""
+        state = {}
+        for name, value in self.shadow.items():
+            whole = (value.full_tensor() if isinstance(value, DTensor) else value).detach()
+            if keep:
+                state[name] = whole.cpu().contiguous()
+        return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor], updates: int) -> None:
         missing = set(self.shadow) - set(state)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from sdtrain import sharded
 from sdtrain.checkpoint import (
     Checkpointer,
     Snapshot,
@@ -155,7 +156,7 @@ class Trainer:
             prepare_run_dir(config)
             self._prepare()
         barrier()
-        self.checkpointer = Checkpointer(self.run_dir, config.checkpoint)
+        self.checkpointer = Checkpointer(self.run_dir, config.checkpoint, self._sharded_saves())
         self.resume_from = self._resume_point()
         self.faults = FaultInjector(self.topology.rank, resumed=self.resume_from is not None)
         self.task = make_task(config, self.device, self.run_dir, pinned_sources(self.resume_from))
@@ -170,7 +171,8 @@ class Trainer:
                             "averaged, so it runs in one process only; turn it off under torchrun")
         self.optimizer = build_optimizer(self.task.parameters(), config.optim)
         self.lr_schedule = build_lr_schedule(self.optimizer, config.optim, config.train.max_steps)
-        if self.resume_from is None:  # a resumed run's state comes from its checkpoint
+        # A resumed run's state comes from its checkpoint; a sharded one loads into existing state in place.
+        if self.resume_from is None or sharded.is_sharded(self.resume_from):
             allocate_state(self.optimizer)
         self.ema = EMA(self.task.trainable, config.ema) if config.ema.enabled else None
         self.noise = torch.Generator(self.device)
@@ -230,6 +232,12 @@ class Trainer:
             self.data.close()
             self.logger.close()
         return final
+
+    def _sharded_saves(self) -> bool:
+        layout = self.config.checkpoint.format
+        if layout == "auto":
+            return self.config.parallel.strategy == "fsdp" and self.topology.distributed
+        return layout == "sharded"
 
     def _resume_point(self) -> Path | None:
         """The main rank alone checks the checkpoints (and moves a damaged one aside); every rank resumes
@@ -421,10 +429,18 @@ class Trainer:
         self.task.before_save()
         # Every rank enters: each contributes its data position and RNG states.
         ranks = gather_objects(self.state.rank_state())
-        snapshot = capture(self.task.trainable, self.ema, self.optimizer)
         path = self.checkpointer.path_for(self.state.step)
-        if self.is_main:
-            self.checkpointer.save(self.state, ranks, snapshot)
+        if self.checkpointer.sharded:
+            self.checkpointer.save_sharded(self.state, ranks, sharded.live_state(self.task.trainable, self.ema,
+                                                                                 self.optimizer), self.is_main)
+            # Only the validation grid needs whole weights (no optimizer state), and only if it draws one.
+            snapshot = capture(self.task.trainable, self.ema, None) if self.task.validates(self.last_batch) \
+                else None
+        else:
+            snapshot = capture(self.task.trainable, self.ema, self.optimizer, keep=self.is_main)
+            if self.is_main:
+                self.checkpointer.save(self.state, ranks, snapshot)
+        if self.is_main and snapshot is not None:
             self.validate(snapshot)
         barrier()
         self.saved = (self.state.step, path)
