@@ -284,3 +284,23 @@ def test_a_damaged_sharded_checkpoint_is_set_aside_and_the_run_resumes_from_the_
         full = load_file(str(straight_run / "checkpoints" / "step_00000003" / f"{group}.safetensors"))
         sharded = read_weights(run / "checkpoints" / "step_00000003", group)
         assert full.keys() == sharded.keys() and all(torch.equal(full[k], sharded[k]) for k in full)
+
+
+def test_a_manifest_that_lies_about_counts_is_caught_by_verify_and_does_not_break_training(
+        tmp_path, capsys, caplog):
+    data = tmp_path / "data"
+    assert main(["prepare", "shapes", "--out", str(data), "--num", "20", "--size", "32",
+                 "--samples-per-shard", "10"]) == 0
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["shards"][0]["samples"] += 3  # promises samples the shard does not hold
+    manifest["shards"][1]["samples"] -= 4  # hides some it does
+    manifest["total"] = sum(shard["samples"] for shard in manifest["shards"])
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main(["prepare", "verify", str(data)]) == 1
+    assert "holds 10 samples, manifest says 13" in capsys.readouterr().out
+    run = tmp_path / "run"
+    assert main(_ae(run, data, 8, "checkpoint.every=0")) == 0
+    assert "10 of the 13 samples the manifest lists are readable" in caplog.text
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 8 and last["skipped_samples"] > 0

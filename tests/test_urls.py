@@ -299,3 +299,15 @@ def test_missing_img2dataset_is_user_error(tmp_path, monkeypatch):
 def test_failure_reason(message, reason):
     assert failure_reason(message) == reason
 
+
+
+def test_images_over_the_pixel_limit_are_refused(server, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    rows = [{"url": f"{server}/{name}.png", "TEXT": f"caption of {name}"} for name in ("a", "big", "c")]
+    lst = _write_list(rows, tmp_path / "urls.parquet")
+    # 200 x 150 = 30,000 pixels: over the limit; a (48 x 64) and c (80 x 80) are under it.
+    summary = prepare_urls(lst, tmp_path / "out", caption_col="TEXT", image_size=IMAGE_SIZE, max_pixels=10_000,
+                           processes=1, threads=2, retries=0, timeout=5, samples_per_shard=4)
+    assert summary["succeeded"] == 2 and summary["failed"] == 1, summary
+    assert summary["failed_by_reason"] == {"over the pixel limit": 1}
+    assert "OPENCV_IO_MAX_IMAGE_PIXELS" not in os.environ

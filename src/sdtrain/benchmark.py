@@ -132,7 +132,9 @@ class Benchmark(Trainer):
         if save:
             start = time.perf_counter()
             saved = self.save()
+            # The training stall: every rank waits until the slowest has written its part.
             result["save_s"] = time.perf_counter() - start
+            result["save_format"] = "sharded" if self.checkpointer.sharded else "full"
             result["save_peak_memory_gib"] = self._peak_memory_gib()
             result["save_peak_ratio"] = result["save_peak_memory_gib"] / training_peak
             if self.is_main:  # a timing artefact: the next benchmark in the same run_dir starts clean

@@ -98,6 +98,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     urls.add_argument("--image-size", type=int, default=512)
     urls.add_argument("--resize-mode", default="keep_ratio", choices=("no", "border", "keep_ratio", "center_crop"))
     urls.add_argument("--min-image-size", type=int, default=0)
+    urls.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, metavar="N",
+                      help="skip images with more pixels than this, refused from the header before decoding "
+                           f"(default {DEFAULT_MAX_PIXELS})")
     urls.add_argument("--processes", type=int, default=2)
     urls.add_argument("--threads", type=int, default=8)
     urls.add_argument("--samples-per-shard", type=int, default=1000)
@@ -237,7 +240,8 @@ def run_urls(args: argparse.Namespace) -> int:
 
     summary = prepare_urls(args.list, args.out, url_col=args.url_col, caption_col=args.caption_col,
                            image_size=args.image_size, resize_mode=args.resize_mode,
-                           min_image_size=args.min_image_size, processes=args.processes, threads=args.threads,
+                           min_image_size=args.min_image_size, max_pixels=args.max_pixels,
+                           processes=args.processes, threads=args.threads,
                            samples_per_shard=args.samples_per_shard)
     print(f"downloaded {summary['succeeded']} of {summary['total']} images into {summary['shards']} shards "
           f"in {args.out}")

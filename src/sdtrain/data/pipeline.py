@@ -448,8 +448,9 @@ class ShardStream(IterableDataset):
                     done += 1
                     yield epoch, done, position - 1, sample
                 if len(raw) < self.shards[shard_index].samples:
-                    log.warning("%s: %d of %d samples readable (truncated or corrupt tar)",
-                                self.shards[shard_index].url, len(raw), self.shards[shard_index].samples)
+                    log.warning("%s: %d of the %d samples the manifest lists are readable (a truncated or corrupt "
+                                "tar, or a wrong manifest: `sdtrain prepare verify` tells which); the rest are "
+                                "skipped", self.shards[shard_index].url, len(raw), self.shards[shard_index].samples)
 
     def _read_shard(self, shard_index: int) -> list[dict[str, Any]]:
         return read_shard(self.shards[shard_index].url)

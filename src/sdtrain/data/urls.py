@@ -27,6 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from sdtrain.data.prepare import DEFAULT_MAX_PIXELS
 from sdtrain.data.shards import MANIFEST_NAME, ShardInfo, count_tar_samples, sha256_file, write_manifest
 from sdtrain.errors import UserError
 from sdtrain.utils import atomic_write_text
@@ -43,6 +44,7 @@ RESERVED_COLUMNS = frozenset(
 )  # fmt: skip
 # img2dataset names shards with 5 digits (its oom_shard_count default).
 _SHARD_DIGITS = 5
+_OPENCV_PIXEL_LIMIT = "OPENCV_IO_MAX_IMAGE_PIXELS"
 _STATS_RE = re.compile(r"^(\d+)_stats\.json$")
 # Written at the start of a run; a rerun with other settings would mix two datasets in one folder. Not *.json:
 # img2dataset parses every *.json in the output folder as "{shard}_stats.json".
@@ -144,8 +146,8 @@ def failure_reason(message: str) -> str:
         return "too small"
     if "aspect ratio too large" in low:
         return "aspect ratio too large"
-    if "image area too large" in low:
-        return "image area too large"
+    if "image area too large" in low or "cv_io_max_image_pixels" in low:
+        return "over the pixel limit"
     if "x-robots-tag" in low:
         return "disallowed by X-Robots-Tag"
     if "hash mismatch" in low:
@@ -248,6 +250,7 @@ def prepare_urls(
     resize_mode: str = "keep_ratio",
     min_image_size: int = 0,
     max_aspect_ratio: float | None = None,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
     processes: int = 2,
     threads: int = 8,
     retries: int = 2,
@@ -261,7 +264,8 @@ def prepare_urls(
     re-encoded as jpg and resized by img2dataset: ``keep_ratio`` makes the shorter side ``image_size``,
     ``center_crop`` then crops to a square, ``border`` pads the longer side's resize to a white square,
     ``keep_ratio_largest`` makes the longer side ``image_size``, ``no`` keeps the size. Images whose shorter side
-    is below ``min_image_size`` or whose aspect ratio exceeds ``max_aspect_ratio`` are dropped.
+    is below ``min_image_size`` or whose aspect ratio exceeds ``max_aspect_ratio`` are dropped, and so are
+    images of more than ``max_pixels`` pixels, which OpenCV refuses from their header before decoding them.
     ``extra_columns`` are copied into each sample's json (default: every other column of the list except the
     names img2dataset writes itself, such as the list's own ``width``/``height``).
 
@@ -287,6 +291,7 @@ def prepare_urls(
         ("threads", threads, 1),
         ("retries", retries, 0),
         ("min_image_size", min_image_size, 0),
+        ("max_pixels", max_pixels, 1),
     ):
         if not isinstance(value, int) or value < low:
             raise UserError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -309,6 +314,7 @@ def prepare_urls(
         "resize_mode": resize_mode,
         "min_image_size": min_image_size,
         "max_aspect_ratio": max_aspect_ratio,
+        "max_pixels": max_pixels,
         "samples_per_shard": samples_per_shard,
         "extra_columns": extras,
     }
@@ -325,6 +331,10 @@ def prepare_urls(
         log.info("%s: all %d shards already downloaded", out, n_shards)
     else:
         previous_sigint = signal.getsignal(signal.SIGINT)
+        # img2dataset decodes with OpenCV, which checks this limit against the header before allocating; the
+        # spawned download workers inherit it. Its own max_image_area is only checked after decoding.
+        previous_limit = os.environ.get(_OPENCV_PIXEL_LIMIT)
+        os.environ[_OPENCV_PIXEL_LIMIT] = str(max_pixels)
         try:
             img2dataset.download(
                 url_list=str(url_list),
@@ -338,6 +348,7 @@ def prepare_urls(
                 resize_mode=resize_mode,
                 min_image_size=min_image_size,
                 max_aspect_ratio=float("inf") if max_aspect_ratio is None else float(max_aspect_ratio),
+                max_image_area=float(max_pixels),
                 encode_format="jpg",
                 processes_count=processes,
                 thread_count=threads,
@@ -354,6 +365,10 @@ def prepare_urls(
             raise KeyboardInterrupt(f"download interrupted; rerun the same command to finish {out}") from e
         finally:
             signal.signal(signal.SIGINT, previous_sigint)
+            if previous_limit is None:
+                os.environ.pop(_OPENCV_PIXEL_LIMIT, None)
+            else:
+                os.environ[_OPENCV_PIXEL_LIMIT] = previous_limit
     elapsed = time.monotonic() - start
 
     stats = _read_stats(out)
