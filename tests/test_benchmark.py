@@ -57,6 +57,17 @@ def test_benchmark_compares_process_counts_with_allreduce_time(tmp_path, capsys)
     assert "scaling" in table and "allreduce ms" in table
 
 
+@pytest.mark.dist
+def test_benchmark_times_a_sharded_save_under_fsdp(tmp_path, capsys):
+    out = tmp_path / "fsdp.json"
+    assert main(["benchmark", "train", str(config_path("diffusion.yaml")), *SMALL, *FEW, "--nproc", "2",
+                 "parallel.strategy=fsdp", "--out", str(out)]) == 0
+    (result,) = json.loads(out.read_text())
+    assert result["strategy"] == "fsdp" and result["save_format"] == "sharded"
+    assert result["save_written_s"] >= result["save_s"] > 0
+    assert "sharded" in capsys.readouterr().out
+
+
 def test_benchmark_data_reports_loader_rate_beside_training(tmp_path, shapes_dir, capsys):
     out = tmp_path / "data.json"
     assert main(["benchmark", "data", str(config_path("diffusion.yaml")), f"data.shards={shapes_dir}", *SMALL,

@@ -150,10 +150,15 @@ def test_sharded_checkpoints_resume_exactly_on_the_same_ranks_and_reshard_onto_o
                        env={"SDTRAIN_KILL_AT_STEP": "3:1"})
     assert killed.returncode == 0, killed.stderr[-3000:]
     assert "resumed from" in killed.stderr
-    again = tmp_path / "killed" / "checkpoints" / "step_00000004"
-    for group in ("model", "ema"):
-        a, b = read_weights(end, group), read_weights(again, group)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), group
+    # Written in the background (on a second gloo group) while the next steps run: the same checkpoints.
+    background = _torchrun(tmp_path / "async", shapes_dir, autoencoder_run, *steps, "checkpoint.async_save=true")
+    assert background.returncode == 0, background.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "async" / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    for again in (tmp_path / "killed" / "checkpoints" / "step_00000004",
+                  tmp_path / "async" / "checkpoints" / "step_00000004"):
+        for group in ("model", "ema"):
+            a, b = read_weights(end, group), read_weights(again, group)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (again, group)
 
     # The two-rank shards load into one process (two micro-batches per step: the same global batch).
     run = tmp_path / "straight"

@@ -269,6 +269,18 @@ def test_a_pickle_payload_in_a_sharded_checkpoint_never_runs(tmp_path, shapes_di
     assert not marker.exists()
 
 
+def test_async_sharded_saves_hold_the_same_weights_as_full_ones(tmp_path, shapes_dir, straight_run):
+    from sdtrain.checkpoint import read_weights
+
+    run = tmp_path / "run"
+    assert main(_ae(run, shapes_dir, 3, "checkpoint.format=sharded", "checkpoint.async_save=true")) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_0000000{i}" for i in (1, 2, 3)]
+    for group in ("model", "ema"):
+        full = load_file(str(straight_run / "checkpoints" / "step_00000003" / f"{group}.safetensors"))
+        written = read_weights(run / "checkpoints" / "step_00000003", group)
+        assert all(torch.equal(full[k], written[k]) for k in full)
+
+
 @pytest.mark.parametrize("target", ["sharded/__0_0.distcp", "sharded/.metadata"])
 def test_a_damaged_sharded_checkpoint_is_set_aside_and_the_run_resumes_from_the_previous(
         tmp_path, shapes_dir, straight_run, caplog, target):

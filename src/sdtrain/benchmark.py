@@ -132,9 +132,13 @@ class Benchmark(Trainer):
         if save:
             start = time.perf_counter()
             saved = self.save()
-            # The training stall: every rank waits until the slowest has written its part.
+            # The training stall: every rank waits until the slowest has written its part (or, with
+            # checkpoint.async_save, has copied it aside).
             result["save_s"] = time.perf_counter() - start
-            result["save_format"] = "sharded" if self.checkpointer.sharded else "full"
+            self.checkpointer.finish_writing()
+            result["save_written_s"] = time.perf_counter() - start
+            result["save_format"] = ("async " if self.checkpointer.async_save else "") + \
+                ("sharded" if self.checkpointer.sharded else "full")
             result["save_peak_memory_gib"] = self._peak_memory_gib()
             result["save_peak_ratio"] = result["save_peak_memory_gib"] / training_peak
             if self.is_main:  # a timing artefact: the next benchmark in the same run_dir starts clean
@@ -159,8 +163,9 @@ class Benchmark(Trainer):
 
     def _allreduce(self, params: int, repeats: int = 5) -> dict[str, float]:
         """Time one all-reduce of a gradient-sized fp32 buffer: what DDP reduces every step, here
-        without overlap with backward, so it bounds the communication cost of a step."""
-        if not dist.is_initialized():
+        without overlap with backward, so it bounds the communication cost of a step. Not under FSDP, which
+        reduce-scatters block by block, and where a whole-model buffer is memory the ranks do not have."""
+        if not dist.is_initialized() or self.config.parallel.strategy == "fsdp":
             return {}
         buffer = torch.zeros(params, dtype=torch.float32, device=self.device)
         times = []
@@ -250,20 +255,22 @@ def format_results(results: list[dict[str, Any]], sweep_keys: list[str] = ()) ->
     extra = [k for k in sweep_keys if k not in ("data.batch_size", "ema.enabled")]
     head = [f"{'procs':>5}", f"{'strategy':>8}", f"{'micro bs':>8}", f"{'EMA':>3}", f"{'prec':>4}",
             *(f"{k.split('.')[-1]:>12}" for k in extra), f"{'img/s':>9}", f"{'MFU':>6}", f"{'step ms':>9}",
-            f"{'first':>6}", f"{'allreduce ms':>12}", f"{'scaling':>7}", f"{'peak GiB':>8}", f"{'save s':>7}",
-            f"{'save GiB':>8}"]
+            f"{'first':>6}", f"{'allreduce ms':>12}", f"{'scaling':>7}", f"{'peak GiB':>8}", f"{'save as':>13}",
+            f"{'save s':>7}", f"{'written s':>9}", f"{'save GiB':>8}"]
     lines = [" ".join(head)]
     for r in results:
         allreduce = f"{r['allreduce_ms']:.1f}" if "allreduce_ms" in r else "-"
         scaling = r["images_per_s"] / (base * r["world_size"])
         save_s = f"{r['save_s']:.1f}" if "save_s" in r else "-"
         save_gib = f"{r['save_peak_memory_gib']:.2f}" if "save_peak_memory_gib" in r else "-"
+        written_s = f"{r['save_written_s']:.1f}" if "save_written_s" in r else "-"
         row = [f"{r['world_size']:>5}", f"{r['strategy']:>8}", f"{r['batch_size']:>8}",
                f"{'yes' if r['ema'] else 'no':>3}", f"{r['mixed_precision']:>4}",
                *(f"{str(r.get('sweep', {}).get(k, '-')):>12}" for k in extra),
                f"{r['images_per_s']:>9.3g}", f"{r['mfu']:>6.1%}", f"{r['step_ms']:>9.1f}",
                f"{r['first_step_ratio']:>5.1f}x", f"{allreduce:>12}", f"{scaling:>7.0%}",
-               f"{r['peak_memory_gib']:>8.2f}", f"{save_s:>7}", f"{save_gib:>8}"]
+               f"{r['peak_memory_gib']:>8.2f}", f"{r.get('save_format', '-'):>13}", f"{save_s:>7}",
+               f"{written_s:>9}", f"{save_gib:>8}"]
         lines.append(" ".join(row))
     first = results[0]
     cpu = first.get("cpu") or {}

@@ -122,14 +122,22 @@ class Checkpointer:
     """Saves and restores the TrainState registry under a run folder.
 
     ``sharded``: the saves are sharded (every rank calls :meth:`save_sharded`) rather than full (the main
-    rank calls :meth:`save` with a gathered snapshot)."""
+    rank calls :meth:`save` with a gathered snapshot). ``async_group``: the process group background sharded
+    writes use (None in one process) when ``config.async_save``."""
 
-    def __init__(self, run_dir: Path, config: CheckpointConfig, sharded: bool = False):
+    def __init__(self, run_dir: Path, config: CheckpointConfig, sharded: bool = False, async_group: Any = None):
         self.run_dir = Path(run_dir)
         self.config = config
         self.sharded = sharded
+        self.async_save = sharded and config.async_save
+        self.async_group = async_group
         self.folder = self.run_dir / "checkpoints"
         self._digesting: threading.Thread | None = None
+        # A background sharded write: (its future, temporary folder, final folder, whether this rank commits).
+        self._writing: tuple[Any, Path, Path, bool] | None = None
+        if config.async_save and not sharded:
+            log.warning("checkpoint.async_save applies to sharded checkpoints; this run saves full ones in the "
+                        "foreground")
 
     def wait_for_checksums(self) -> None:
         """Until the last save's checksums are in its meta.json (the run's final save waits; a preempted
@@ -166,6 +174,7 @@ class Checkpointer:
         """Write a sharded checkpoint: every rank calls this with its own shards (:func:`sharded.live_state`)
         and writes them; the main rank then adds the rest and renames the folder into place. Any rank's
         failure is the same UserError on every rank, with nothing replaced."""
+        self.finish_writing()  # every rank: the previous background write must be whole before the next
         final = self.path_for(state.step)
         started: Path | UserError | None = None
         if is_main:
@@ -179,21 +188,52 @@ class Checkpointer:
         tmp = started
         failure: BaseException | None = None
         try:
-            sharded.save(tensors, tmp / sharded.FOLDER)
-            if is_main:
+            if is_main:  # the small files first: only the rename marks the checkpoint complete
                 self._write_rest(tmp, state, ranks, "sharded")
-        except (OSError, RuntimeError) as exc:  # DCP's CheckpointException is a RuntimeError
+            if self.async_save:
+                self._writing = (sharded.save_async(tensors, tmp / sharded.FOLDER, self.async_group), tmp, final,
+                                 is_main)
+            else:
+                sharded.save(tensors, tmp / sharded.FOLDER)
+        except (OSError, RuntimeError) as exc:
             failure = exc
         errors = gather_objects(None if failure is None else str(failure).strip().splitlines()[0][:300])
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             error = self._failed(final, tmp, failure or RuntimeError(first), cleanup=is_main)
             raise error from failure
+        if self.async_save:
+            return final
         return self._commit(tmp, final) if is_main else final
+
+    def poll(self) -> None:
+        """Commit a background write that has finished well (cheap; call after every step). A failed one is
+        left for the next save or the run's end, which all ranks reach together: raised here, on one rank at
+        a time, it would leave the others waiting in the next collective."""
+        if self._writing is None:
+            return
+        future = self._writing[0]
+        if future.done() and future.exception() is None:
+            self.finish_writing()
+
+    def finish_writing(self) -> None:
+        """Wait for the background write, if any, and commit it; its failure is one UserError, on every rank
+        (DCP's collectives share it), with nothing replaced."""
+        if self._writing is None:
+            return
+        future, tmp, final, commits = self._writing
+        self._writing = None
+        try:
+            sharded.wait(future)
+        except (OSError, RuntimeError) as exc:
+            raise self._failed(final, tmp, exc, cleanup=commits) from exc
+        if commits:
+            self._commit(tmp, final)
 
     def _start(self, final: Path) -> Path:
         """An empty temporary folder for the checkpoint ``final``, once the previous save's checksums are in."""
         tmp = self.folder / f".{final.name}.tmp-{os.getpid()}"
+        self.finish_writing()
         self.wait_for_checksums()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)

@@ -311,6 +311,10 @@ class CheckpointConfig:
     (readable by any tool); ``sharded``: every rank writes its own part with torch.distributed.checkpoint,
     nothing is gathered, and it loads on any number of ranks (export and generate consolidate it);
     ``auto``: sharded when parameters are sharded (``parallel.strategy=fsdp`` on several ranks), else full."""
+    async_save: bool = False
+    """Sharded saves only: training continues once the state is copied aside in memory (one more copy of each
+    rank's shards), while the files are written in the background; the checkpoint appears when they are
+    all written. A failed write stops the run at the next save or at the end, with nothing replaced."""
 
 
 @dataclass
@@ -628,6 +632,8 @@ def validate(config: RunConfig) -> None:
     _check(config.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be at least 1")
     _check(config.checkpoint.format in ("auto", "full", "sharded"), "checkpoint.format",
            "must be auto, full or sharded")
+    _check(not config.checkpoint.async_save or config.checkpoint.format != "full", "checkpoint.async_save",
+           "needs sharded checkpoints (checkpoint.format: sharded or auto under FSDP); turn it off for full ones")
     _check(config.logging.every >= 1, "logging.every", "must be at least 1")
     ev = config.evaluation
     _check(ev.every_samples >= 0, "evaluation.every_samples", "must be 0 (off) or positive")

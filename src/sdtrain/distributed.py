@@ -216,6 +216,11 @@ def barrier() -> None:
         dist.barrier()
 
 
+def new_group(backend: str) -> dist.ProcessGroup | None:
+    """Another group of all ranks, for collectives that run beside training's (every rank must call it)."""
+    return dist.new_group(backend=backend) if dist.is_initialized() else None
+
+
 def gather_objects(obj: Any) -> list[Any]:
     """Every rank's `obj`, on every rank (just [obj] for a single process)."""
     if not dist.is_initialized():

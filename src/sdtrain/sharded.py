@@ -23,6 +23,7 @@ import pathlib
 import pickle
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -114,15 +115,19 @@ def _first_failure(exc: CheckpointException) -> Exception:
     return RuntimeError(str(exc))
 
 
+# One process saving or loading is intended (export, generate, a single-process run), also in the thread of
+# a background save, where a catch_warnings block would not reach.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
+
+
 @contextlib.contextmanager
 def _dcp_errors() -> Iterator[None]:
-    """DCP's failures as plain errors, and no warning that one process is one process."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        try:
-            yield
-        except CheckpointException as exc:
-            raise _first_failure(exc) from exc
+    """DCP's failures as plain errors."""
+    try:
+        yield
+    except CheckpointException as exc:
+        raise _first_failure(exc) from exc
 
 
 def save(state: dict[str, Any], folder: Path) -> None:
@@ -130,6 +135,22 @@ def save(state: dict[str, Any], folder: Path) -> None:
     A failure on any rank raises on all of them, as the error that rank hit (an OSError for a full disk)."""
     with _dcp_errors():
         dcp.save(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
+
+
+def save_async(state: dict[str, Any], folder: Path, group: dist.ProcessGroup | None) -> Future:
+    """Like :func:`save`, but returns once the tensors are copied aside (DCP's staging); the writing and its
+    collectives run in a background thread on ``group``, which must not be the group training uses. The
+    future's ``result()`` raises what :func:`save` would (through :func:`wait`)."""
+    with _dcp_errors():
+        response = dcp.async_save(state, checkpoint_id=folder, process_group=group,
+                                  no_dist=not dist.is_initialized())
+    # Newer torch may answer with a response holding the staging and the upload futures.
+    return getattr(response, "upload_completion", response)
+
+
+def wait(future: Future) -> None:
+    with _dcp_errors():
+        future.result()
 
 
 def load(checkpoint: Path, modules: dict[str, nn.Module], ema: Any, optimizer: torch.optim.Optimizer) -> None:

@@ -40,6 +40,7 @@ from sdtrain.distributed import (
     init_distributed,
     is_collective_failure,
     mean_over_ranks,
+    new_group,
     record_progress,
 )
 from sdtrain.errors import UserError
@@ -156,7 +157,12 @@ class Trainer:
             prepare_run_dir(config)
             self._prepare()
         barrier()
-        self.checkpointer = Checkpointer(self.run_dir, config.checkpoint, self._sharded_saves())
+        sharded_saves = self._sharded_saves()
+        # Background writes run their own collectives: on the training group they would interleave with the
+        # step's. gloo, as DCP's metadata exchange needs a CPU backend whatever the device.
+        async_group = new_group(backend="gloo") if sharded_saves and config.checkpoint.async_save and \
+            self.topology.distributed else None
+        self.checkpointer = Checkpointer(self.run_dir, config.checkpoint, sharded_saves, async_group)
         self.resume_from = self._resume_point()
         self.faults = FaultInjector(self.topology.rank, resumed=self.resume_from is not None)
         self.task = make_task(config, self.device, self.run_dir, pinned_sources(self.resume_from))
@@ -212,12 +218,15 @@ class Trainer:
                 if self.checkpointer.due(self.state.step):
                     self.save()
                 self.faults.after_step(self.state.step)
+                self.checkpointer.poll()
                 record_progress(self.state.step, finished=True)
                 if any_rank(self.stop_signal is not None, self.device):
                     self.save()
+                    self.checkpointer.finish_writing()
                     raise Preempted(f"stopped by a signal at step {self.state.step} after saving; "
                                     "run the same command to resume")
             final = self.save()
+            self.checkpointer.finish_writing()
             self.checkpointer.wait_for_checksums()
         except RuntimeError as exc:
             if not is_collective_failure(exc):
