@@ -544,3 +544,16 @@ def test_cli_defaults_match_the_library_and_shapes_still_works(tmp_path: Path, c
     code, lines, _ = run(capsys, "shapes", "--out", str(tmp_path / "s"), "--num", "3", "--size", "16")
     assert code == 0 and lines == [f"wrote 3 samples in 1 shards to {tmp_path / 's'}"]
     assert sha256_file(tmp_path / "s" / "shard-000000.tar") == read_manifest(tmp_path / "s")["shards"][0]["sha256"]
+
+
+def test_captions_that_are_not_utf8_are_kept_with_replacement_characters(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "src"
+    put(src / "latin.png", image_bytes())
+    put(src / "latin.txt", "a café by the sea".encode("latin-1"))  # é is one byte, invalid as UTF-8
+    out = tmp_path / "out"
+    code, lines, _ = run(capsys, "folder", str(src), "--out", str(out))
+    assert code == 0 and lines == [f"written: 1 samples in 1 shards to {out}"]
+    [sample] = samples(out)
+    assert sample["txt"].decode("utf-8") == "a caf\ufffd by the sea"
+    code, lines, _ = run(capsys, "reshard", str(out), "--out", str(tmp_path / "again"), "--samples-per-shard", "5")
+    assert code == 0 and [s["txt"] for s in samples(tmp_path / "again")] == [sample["txt"]]

@@ -316,3 +316,28 @@ def test_a_manifest_that_lies_about_counts_is_caught_by_verify_and_does_not_brea
     assert "10 of the 13 samples the manifest lists are readable" in caplog.text
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["step"] == 8 and last["skipped_samples"] > 0
+
+
+@pytest.mark.parametrize("layout", ["full", "sharded"])
+def test_a_read_only_run_folder_at_a_save_is_one_line_and_loses_nothing(tmp_path, shapes_dir, monkeypatch, capsys,
+                                                                        layout):
+    import errno
+
+    from sdtrain import checkpoint, sharded
+
+    run = tmp_path / "run"
+    assert main(_ae(run, shapes_dir, 1, f"checkpoint.format={layout}")) == 0
+    before = sorted(p.relative_to(run).as_posix() for p in (run / "checkpoints").rglob("*"))
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    # As root, chmod does not stop a write; the error the file system would give is raised where it would be.
+    monkeypatch.setattr(checkpoint, "save_file", read_only)
+    monkeypatch.setattr(sharded.dcp, "save", read_only)
+    capsys.readouterr()
+    assert main(_ae(run, shapes_dir, 2, f"checkpoint.format={layout}")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "step_00000002: cannot write the checkpoint (Read-only file system)" in err[0], err
+    assert "the newest checkpoint is still" in err[0] and "step_00000001" in err[0]
+    assert sorted(p.relative_to(run).as_posix() for p in (run / "checkpoints").rglob("*")) == before
