@@ -54,8 +54,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        if module == dcp_metadata.__name__ and isinstance(getattr(dcp_metadata, name, None), type):
-            return getattr(dcp_metadata, name)
+        found = getattr(dcp_metadata, name, None) if module == dcp_metadata.__name__ else None
+        if isinstance(found, type) and found.__module__ == dcp_metadata.__name__:  # defined there, not imported
+            return found
         if (module, name) in self._ALLOWED:
             return pathlib.PurePath if module == "pathlib" else super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
