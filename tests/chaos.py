@@ -87,6 +87,11 @@ def digest_tree(folder: Path, pattern: str = "*") -> dict[str, str]:
             for p in sorted(folder.glob(pattern)) if p.is_file() and not p.name.startswith(".")}
 
 
+def checkpoint_digests(checkpoint: Path) -> dict[str, str]:
+    """sha256 of every file of a checkpoint, the shards of a sharded one included."""
+    return {**digest_tree(checkpoint), **digest_tree(checkpoint / "sharded")}
+
+
 def final_weights(run: Path) -> dict[str, str]:
     """sha256 of the final checkpoint's weight files, or of its weights tensor by tensor if it is sharded."""
     final = run / "checkpoints" / f"step_{STEPS:08d}"
@@ -268,7 +273,7 @@ class Chaos:
         stop = self.rng.randint(1, STEPS - 1)
         layout = self.rng.choice(["full", "sharded"])
         previous = self.train_to(run, stop, f"checkpoint.format={layout}")
-        before = {**digest_tree(previous), **digest_tree(previous / "sharded")}
+        before = checkpoint_digests(previous)
         # A limit below the size of the weights: the next save fails as it would on a full disk.
         full = sdtrain(*train_args(run, self.data, f"checkpoint.format={layout}"), limit_file_bytes=256 * 1024)
         lines = full.stderr.strip().splitlines()
@@ -277,7 +282,7 @@ class Chaos:
         outcome.points.append(f"{layout} save after step {stop}")
         if not clear:
             outcome.lost.append(f"{run.name}: no one-line error (exit {full.returncode}: {lines[-1:]})")
-        if leftovers or {**digest_tree(previous), **digest_tree(previous / "sharded")} != before:
+        if leftovers or checkpoint_digests(previous) != before:
             outcome.lost.append(f"{run.name}: the previous checkpoint changed or a partial one was left: {leftovers}")
         result = sdtrain(*train_args(run, self.data, f"checkpoint.format={layout}"))
         self.compare(outcome, run.name, final_weights(run) if result.returncode == 0 else {},

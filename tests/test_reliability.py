@@ -186,10 +186,17 @@ def _plant(path: Path, marker: Path) -> None:
     torch.save({"state": {}, "x": _Payload(marker)}, path)
 
 
+def _refresh_checksums(checkpoint: Path) -> None:
+    """Checksums that match planted files: the load itself must refuse them, not only the integrity check."""
+    from sdtrain.checkpoint import file_digests
+
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta["files"] = file_digests(checkpoint)
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+
+
 def test_a_pickle_payload_in_a_checkpoint_never_runs(tmp_path, shapes_dir, straight_run, capsys):
     import shutil
-
-    from sdtrain.checkpoint import file_digests
 
     marker = tmp_path / "pwned"
     for name in ("optimizer.pt", "trainer.pt"):
@@ -197,10 +204,7 @@ def test_a_pickle_payload_in_a_checkpoint_never_runs(tmp_path, shapes_dir, strai
         shutil.copytree(straight_run, run)
         checkpoint = run / "checkpoints" / "step_00000003"
         _plant(checkpoint / name, marker)
-        # Checksums that match the planted file: the load itself must refuse it, not only the integrity check.
-        meta = json.loads((checkpoint / "meta.json").read_text())
-        meta["files"] = file_digests(checkpoint)
-        (checkpoint / "meta.json").write_text(json.dumps(meta))
+        _refresh_checksums(checkpoint)
         assert main(_ae(run, shapes_dir, 4)) == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert "step_00000003: cannot resume from this checkpoint" in err
@@ -230,14 +234,6 @@ def test_pickled_weights_in_a_pretrained_folder_never_run(tmp_path, pretrained, 
     assert main(generate) != 0
     assert not marker.exists()
 
-
-def _refresh_checksums(checkpoint: Path) -> None:
-    """Checksums that match planted files: the load itself must refuse them, not only the integrity check."""
-    from sdtrain.checkpoint import file_digests
-
-    meta = json.loads((checkpoint / "meta.json").read_text())
-    meta["files"] = file_digests(checkpoint)
-    (checkpoint / "meta.json").write_text(json.dumps(meta))
 
 
 def test_a_pickle_payload_in_a_sharded_checkpoint_never_runs(tmp_path, shapes_dir, capsys):

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from sdtrain import sharded
 from sdtrain.config import CheckpointConfig
 from sdtrain.distributed import gather_objects
-from sdtrain.errors import UserError
+from sdtrain.errors import UserError, first_line
 from sdtrain.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ class Checkpointer:
                 sharded.save(tensors, tmp / sharded.FOLDER)
         except (OSError, RuntimeError) as exc:
             failure = exc
-        errors = gather_objects(None if failure is None else str(failure).strip().splitlines()[0][:300])
+        errors = gather_objects(None if failure is None else first_line(failure)[:300])
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             error = self._failed(final, tmp, failure or RuntimeError(first), cleanup=is_main)
@@ -231,9 +231,9 @@ class Checkpointer:
             self._commit(tmp, final)
 
     def _start(self, final: Path) -> Path:
-        """An empty temporary folder for the checkpoint ``final``, once the previous save's checksums are in."""
+        """An empty temporary folder for the checkpoint ``final``, once the previous save's checksums are in
+        (a background sharded write is waited for by :meth:`save_sharded`, on every rank)."""
         tmp = self.folder / f".{final.name}.tmp-{os.getpid()}"
-        self.finish_writing()
         self.wait_for_checksums()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -247,7 +247,7 @@ class Checkpointer:
         if cleanup:
             shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_checkpoint(self.run_dir)
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip().splitlines()[0]
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc)
         return UserError(
             f"{final}: cannot write the checkpoint ({reason}); nothing was replaced, the newest "
             f"checkpoint is still {previous or 'none'}. Free space or fix the folder's permissions and run "
@@ -327,7 +327,7 @@ class Checkpointer:
             state.load_trainer_state(trainer)
         except (OSError, RuntimeError, KeyError, ValueError, SafetensorError, pickle.UnpicklingError) as exc:
             raise UserError(
-                f"{path}: cannot resume from this checkpoint ({str(exc).splitlines()[0]}); "
+                f"{path}: cannot resume from this checkpoint ({first_line(exc)}); "
                 "delete it to fall back to the previous one, or set checkpoint.resume=never with a new run_dir"
             ) from exc
         log.info("resumed from %s at step %d", path, state.step)
@@ -492,7 +492,7 @@ def read_weights(checkpoint: Path, group: str) -> dict[str, torch.Tensor]:
             return sharded.read_group(checkpoint, group)
         return load_file(str(checkpoint / f"{group}.safetensors"))
     except (OSError, RuntimeError, KeyError, ValueError, SafetensorError, pickle.UnpicklingError) as exc:
-        raise UserError(f"{checkpoint}: cannot read its {group} weights ({str(exc).strip().splitlines()[0]}); "
+        raise UserError(f"{checkpoint}: cannot read its {group} weights ({first_line(exc)}); "
                         "use an earlier checkpoint of the run") from exc
 
 
@@ -509,15 +509,15 @@ def load_run_modules(
     require_intact(path, None if sharded.is_sharded(path) else
                    ["model.safetensors", "ema.safetensors"] if use_ema else ["model.safetensors"])
     weights = read_weights(path, "ema" if use_ema else "model")
+    # The EMA holds trained parameters only; buffers come from the raw weights.
+    raw_weights = read_weights(path, "model") if use_ema else {}
     modules = {}
     for name, spec in meta["modules"].items():
         if names is not None and name not in names:
             continue
         state = _split_state(weights, name)
         if use_ema:
-            # The EMA holds trained parameters only; buffers come from the raw weights.
-            raw = _split_state(read_weights(path, "model"), name)
-            state = {**raw, **state}
+            state = {**_split_state(raw_weights, name), **state}
         if spec.get("partial"):
             from sdtrain.train.modes import rebuild_partial
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from sdtrain.errors import UserError
+from sdtrain.errors import UserError, first_line
 from sdtrain.models import build
 from sdtrain.models.pipeline import sampler_from
 from sdtrain.run import resolve_device
@@ -41,7 +41,7 @@ def load_pipeline(model: str | Path, ema: bool = True, device: str = "auto",
         except (OSError, ValueError) as exc:
             hint = "" if trusted else (f"; a pipeline with pickled .bin weights loads with {TRUST_PICKLE_ENV}=1 "
                                        "if you trust it")
-            raise UserError(f"--model: {model}: cannot load the pipeline ({str(exc).splitlines()[0]}){hint}") from exc
+            raise UserError(f"--model: {model}: cannot load the pipeline ({first_line(exc)}){hint}") from exc
     else:
         raise UserError(f"--model: {model} is a single component; pass a pipeline folder, a single-file "
                         "checkpoint or a diffusion run")
@@ -61,7 +61,7 @@ def apply_additions(pipe: Any, loras: Sequence[str | Path] = (), lora_scale: flo
         try:
             pipe.load_lora_weights(folder, weight_name=weight, adapter_name=f"lora{i}", local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
-            raise UserError(f"--lora: {path}: not a LoRA diffusers can load ({str(exc).splitlines()[0]})") from exc
+            raise UserError(f"--lora: {path}: not a LoRA diffusers can load ({first_line(exc)})") from exc
         names.append(f"lora{i}")
     if names:
         pipe.set_adapters(names, adapter_weights=[lora_scale] * len(names))
@@ -76,7 +76,7 @@ def apply_additions(pipe: Any, loras: Sequence[str | Path] = (), lora_scale: flo
         try:
             pipe.load_textual_inversion(str(path), local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
-            raise UserError(f"--embedding: {path}: cannot load ({str(exc).splitlines()[0]})") from exc
+            raise UserError(f"--embedding: {path}: cannot load ({first_line(exc)})") from exc
 
 
 @torch.no_grad()

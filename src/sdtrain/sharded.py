@@ -36,6 +36,8 @@ from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from sdtrain.errors import first_line
+
 FOLDER = "sharded"
 
 # Frozen parameters inside a trained module come back from the run's pinned sources, as in full checkpoints.
@@ -111,8 +113,7 @@ def _first_failure(exc: CheckpointException) -> Exception:
         if isinstance(original, OSError):
             return original
         if isinstance(original, BaseException):
-            return RuntimeError(str(original).strip().splitlines()[0] if str(original).strip() else
-                                type(original).__name__)
+            return RuntimeError(first_line(original))
     return RuntimeError(str(exc))
 
 

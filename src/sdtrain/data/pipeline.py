@@ -42,7 +42,7 @@ from sdtrain.data.filters import parse_filters
 from sdtrain.data.prepare import DEFAULT_MAX_PIXELS
 from sdtrain.data.shards import MANIFEST_NAME, read_manifest, tar_keys, tar_samples
 from sdtrain.data.sources import expand_spec, is_remote, read_json
-from sdtrain.errors import UserError
+from sdtrain.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def read_shard(url: str) -> list[dict[str, Any]]:
 
     samples = list(tar_samples(url, handler=keep_going))
     if errors:
-        log.warning("%s: %s", url, str(errors[0]).splitlines()[0] if str(errors[0]) else type(errors[0]))
+        log.warning("%s: %s", url, first_line(errors[0]))
     return samples
 
 

@@ -42,7 +42,7 @@ from PIL import Image
 from sdtrain.data.filters import Filters
 from sdtrain.data.shards import MANIFEST_NAME, ShardInfo, ShardWriter, tar_samples, write_manifest
 from sdtrain.data.sources import expand_spec, is_remote
-from sdtrain.errors import UserError
+from sdtrain.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -465,8 +465,7 @@ def reshard(
                 job.progress()
                 _reshard_sample(job, raw)
             if errors:
-                first = str(errors[0]).splitlines()[0] if str(errors[0]) else type(errors[0]).__name__
-                log.warning("%s: %s; kept the samples read before it", url, first)
+                log.warning("%s: %s; kept the samples read before it", url, first_line(errors[0]))
                 job.report.read_errors.append(os.path.basename(url))
     return job.finish()
 

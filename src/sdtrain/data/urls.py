@@ -29,7 +29,7 @@ from typing import Any
 
 from sdtrain.data.prepare import DEFAULT_MAX_PIXELS
 from sdtrain.data.shards import MANIFEST_NAME, ShardInfo, count_tar_samples, sha256_file, write_manifest
-from sdtrain.errors import UserError
+from sdtrain.errors import UserError, first_line
 from sdtrain.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,7 @@ def _read_list_info(path: Path, fmt: str, url_col: str) -> tuple[list[str], int]
         return columns, table.num_rows
     except (pa.ArrowException, OSError, ValueError) as e:
         what = "parquet" if fmt == "parquet" else fmt.split(".")[0].upper()
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{path}: not a readable {what} file ({msg}); check the file or its extension") from e
+        raise UserError(f"{path}: not a readable {what} file ({first_line(e)}); check the file or its extension") from e
 
 
 def _check_columns(

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sdtrain.errors import UserError
+from sdtrain.errors import UserError, first_line
 
 FID_WEIGHTS = "pt_inception-2015-12-05-6726825d.pth"
 FID_WEIGHTS_URL = "https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/" + FID_WEIGHTS
@@ -199,7 +199,7 @@ def load_fid_inception(path: str | Path | None) -> FIDInception:
         else:  # the published file is a plain state dict of tensors, which weights_only reads safely
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch and safetensors raise many types for a damaged file
-        raise UserError(f"{path}: not a readable weight file ({str(exc).splitlines()[0]})") from exc
+        raise UserError(f"{path}: not a readable weight file ({first_line(exc)})") from exc
     network = FIDInception()
     state = {k: v for k, v in state.items() if not k.startswith("fc.")}
     missing, unexpected = network.load_state_dict(state, strict=False)

@@ -18,7 +18,7 @@ from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel
 
 from sdtrain.config import DiffusionConfig, ModelConfig
-from sdtrain.errors import UserError
+from sdtrain.errors import UserError, first_line
 from sdtrain.models import single_file
 from sdtrain.models.tokenizer import load_clip_tokenizer
 
@@ -86,7 +86,7 @@ def _construct(cls: Any, key: str, kwargs: dict[str, Any]) -> Any:
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise UserError(f"model.{key}: {str(exc).splitlines()[0]}; fix the override") from exc
+        raise UserError(f"model.{key}: {first_line(exc)}; fix the override") from exc
 
 
 def build_vae(config: ModelConfig) -> AutoencoderKL:
@@ -192,7 +192,7 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
     except (OSError, ValueError) as exc:
         hint = "" if trusted else ("; a folder with only pickled .bin weights loads with model.trust_pickle=true "
                                    f"(or {single_file.TRUST_PICKLE_ENV}=1) if you trust it")
-        raise UserError(f"{folder}: cannot load the {name} ({str(exc).splitlines()[0]}){hint}") from exc
+        raise UserError(f"{folder}: cannot load the {name} ({first_line(exc)}){hint}") from exc
 
 
 def load_tokenizer(source: str | Path, max_length: int | None = None) -> Any:

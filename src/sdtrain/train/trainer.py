@@ -43,7 +43,7 @@ from sdtrain.distributed import (
     new_group,
     record_progress,
 )
-from sdtrain.errors import UserError
+from sdtrain.errors import UserError, first_line
 from sdtrain.faults import FaultInjector
 from sdtrain.run import prepare_run_dir, resolve_device
 from sdtrain.train import autotune
@@ -233,7 +233,7 @@ class Trainer:
                 raise
             where = describe_progress()
             raise RankFailure(
-                f"rank {self.topology.rank}: a collective failed ({str(exc).strip().splitlines()[0][:200]})"
+                f"rank {self.topology.rank}: a collective failed ({first_line(exc)[:200]})"
                 f"{'; ' + where if where else ''}. Another rank died or stalled for parallel.timeout_minutes="
                 f"{self.config.parallel.timeout_minutes:g}; run the same command to resume from "
                 f"{self.checkpointer.folder}") from exc

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from sdtrain.config import LoraConfig
-from sdtrain.errors import UserError
+from sdtrain.errors import UserError, first_line
 from sdtrain.models import build
 from sdtrain.train.tasks import DiffusionTask
 
@@ -37,7 +37,7 @@ def add_lora(module: nn.Module, settings: dict[str, Any], key: str) -> None:
     try:
         module.add_adapter(PeftLoraConfig(**settings))
     except ValueError as exc:
-        raise UserError(f"{key}: {str(exc).splitlines()[0]}; name modules the model has, e.g. to_q") from exc
+        raise UserError(f"{key}: {first_line(exc)}; name modules the model has, e.g. to_q") from exc
 
 
 class LoraTask(DiffusionTask):
