@@ -232,3 +232,9 @@ def test_an_adherence_set_of_any_size_scores_pairs():
     assert len(quick) == 36 and sum(" and " in p for p in quick) == 18
     tiny = adherence_prompt_set(4)
     assert len(tiny) == 4 and sum(" and " in p for p in tiny) == 2
+    # A score meant to be compared asks for more pairs than the default quarter.
+    half = adherence_prompt_set(108, pairs=54)
+    assert len(half) == 108 and sum(" and " in p for p in half) == 54
+    assert half[:54] == adherence_prompts()[:54]  # the default set's singles, then more pairs
+    with pytest.raises(ValueError):
+        adherence_prompt_set(10, pairs=11)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -52,16 +53,15 @@ def test_generate_names_a_missing_model_folder(tmp_path, capsys):
 def test_demo_runs_end_to_end_at_a_few_steps(tmp_path):
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out), "--num", "32", "--autoencoder-steps", "2", "--diffusion-steps", "2",
-                 "--adherence-prompts", "4"]) == 0
-    assert (out / "adherence.json").is_file()
+                 "--adherence-prompts", "4", "--adherence-pairs", "2"]) == 0
+    scores = json.loads((out / "adherence.json").read_text())["adherence"]
+    assert (scores["num_single"], scores["num_double"]) == (2, 2)
     assert (out / "samples.png").is_file()
     assert (out / "pipeline" / "model_index.json").is_file()
     assert (out / "diffusion" / "checkpoints" / "step_00000002").is_dir()
 
 
 def test_overrides_may_follow_options(capsys):
-    import json
-
     import pytest
 
     assert main(["params", str(config_path("diffusion.yaml")), "--json", "model.preset=small"]) == 0

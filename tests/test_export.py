@@ -56,6 +56,19 @@ def test_generate_is_reproducible_for_a_seed(tmp_path, diffusion_run):
     assert (tmp_path / "a" / "grid.png").is_file()
 
 
+def test_images_generated_together_are_those_of_their_own_seeds(diffusion_run):
+    from sdtrain.generate import load_pipeline, sample_images
+
+    pipe = load_pipeline(diffusion_run)
+    prompts = ["a red circle", "a blue square", "a green triangle"]
+    alone = sample_images(pipe, prompts, seed=5, steps=2, batch=1)
+    together = sample_images(pipe, prompts, seed=5, steps=2, batch=2)
+    for a, b in zip(alone, together):
+        assert np.abs(np.asarray(a, dtype=int) - np.asarray(b, dtype=int)).max() <= 2  # rounding only
+    picked = sample_images(pipe, prompts[1:], seeds=[6, 7], steps=2, batch=2)
+    assert np.abs(np.asarray(picked[1], dtype=int) - np.asarray(alone[2], dtype=int)).max() <= 2
+
+
 def test_export_never_deletes_the_run_or_an_unrelated_folder(tmp_path, autoencoder_run):
     precious = tmp_path / "precious"
     precious.mkdir()

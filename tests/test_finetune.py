@@ -180,6 +180,39 @@ def test_objectives_change_the_loss_and_min_snr_stays_finite_at_zero_snr(tmp_pat
     assert torch.allclose(task.snr_weight(steps), torch.minimum(snr, torch.tensor(5.0)) / (snr + 1))
 
 
+def test_logit_normal_timesteps_favour_the_middle_and_a_positive_mean_the_noisy_end(tmp_path, pretrained,
+                                                                                     shapes_dir):
+    def draws(*overrides):
+        task = _task(tmp_path, pretrained, shapes_dir, *overrides)
+        steps = task.sample_timesteps(20000, torch.Generator().manual_seed(0))
+        assert steps.min() >= 0 and steps.max() < task.noise_scheduler.config.num_train_timesteps
+        return steps.float()
+
+    uniform = draws()
+    middle = draws("diffusion.timestep_sampling=logit_normal")
+    noisy = draws("diffusion.timestep_sampling=logit_normal", "diffusion.timestep_mean=1.0")
+    assert abs(uniform.mean() - 500) < 15 and abs(middle.mean() - 500) < 15
+    assert middle.std() < uniform.std() * 0.8  # fewer of the nearly clean and nearly pure-noise steps
+    assert noisy.mean() > 650
+
+
+def test_a_zero_terminal_snr_schedule_is_sampled_from_pure_noise_after_export():
+    """Export and generate build the sampler from the run's config: it must keep the rescaled schedule and
+    start at its last (zero-SNR) step, or sampling begins where the model never trained."""
+    from sdtrain.config import DiffusionConfig
+    from sdtrain.models import build
+    from sdtrain.models.pipeline import sampler_from
+
+    schedule = build.build_noise_scheduler(DiffusionConfig(zero_terminal_snr=True, prediction_type="v_prediction"))
+    assert schedule.alphas_cumprod[-1] < 1e-6
+    for name in ("euler", "ddim", "dpmpp"):
+        sampler = sampler_from(schedule, name)
+        sampler.set_timesteps(10)
+        assert int(sampler.timesteps[0]) == 999, name
+    plain = sampler_from(build.build_noise_scheduler(DiffusionConfig()), "euler")
+    assert not plain.config.rescale_betas_zero_snr
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_dreambooth_generates_class_images_and_trains_with_prior_preservation(tmp_path, pretrained, shapes_dir,
                                                                                lora):

@@ -127,6 +127,14 @@ class DiffusionConfig:
     """First beta of the schedule."""
     beta_end: float = 0.012
     """Last beta of the schedule."""
+    timestep_sampling: str = "uniform"
+    """How training draws timesteps: ``uniform`` over the schedule, or ``logit_normal`` (Esser et al., 2024,
+    as SD3 trains): t / T = sigmoid(x) with x ~ N(timestep_mean, timestep_std), which spends the steps on the
+    middle of the schedule, and with a positive mean on the noisier part, where layout and count are decided."""
+    timestep_mean: float = 0.0
+    """Mean of the logit-normal draw; positive favours noisier timesteps, negative cleaner ones."""
+    timestep_std: float = 1.0
+    """Spread of the logit-normal draw; larger approaches uniform with heavier ends."""
     snr_gamma: float = 0.0
     """Min-SNR loss weighting (Hang et al., 2023): clamp each timestep's weight at this signal-to-noise
     ratio, so the many easy low-noise steps stop dominating; 5 is the paper's value, 0 turns it off."""
@@ -364,7 +372,7 @@ class EvaluationConfig:
     seed: int = 0
     """Prompt i is generated from seed + i, on whichever rank draws it."""
     batch: int = 8
-    """Images per metric update."""
+    """Images generated together (each from its own seed) and added to the metrics at once."""
     reference: str | None = None
     """FID reference: statistics (.npz with mu and sigma, e.g. MLPerf's val2014_512x512_30k_stats.npz) or images."""
     inception: str | None = None
@@ -605,6 +613,9 @@ def validate(config: RunConfig) -> None:
     _check(config.diffusion.num_train_timesteps >= 2, "diffusion.num_train_timesteps", "must be at least 2")
     _check(config.diffusion.beta_schedule in ("linear", "scaled_linear", "squaredcos_cap_v2"),
            "diffusion.beta_schedule", "must be linear, scaled_linear or squaredcos_cap_v2")
+    _check(config.diffusion.timestep_sampling in ("uniform", "logit_normal"), "diffusion.timestep_sampling",
+           "must be uniform or logit_normal")
+    _check(config.diffusion.timestep_std > 0, "diffusion.timestep_std", "must be positive")
     _check(config.diffusion.snr_gamma >= 0, "diffusion.snr_gamma", "must be 0 (off) or positive")
     _check(config.optim.lr > 0, "optim.lr", "must be positive")
     _check(len(config.optim.betas) == 2, "optim.betas", "needs two values, e.g. [0.9, 0.999]")

@@ -81,15 +81,21 @@ def apply_additions(pipe: Any, loras: Sequence[str | Path] = (), lora_scale: flo
 
 @torch.no_grad()
 def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int = 30, guidance: float = 5.0,
-                  negative_prompt: str | None = None) -> list[Image.Image]:
-    """One image per prompt; prompt i uses seed + i, so adding prompts never changes earlier images."""
+                  negative_prompt: str | None = None, batch: int = 1, seeds: Sequence[int] | None = None
+                  ) -> list[Image.Image]:
+    """One image per prompt; prompt i uses seed + i (or ``seeds[i]``), so adding prompts never changes earlier
+    images. ``batch`` prompts run through the model together, each from the noise of its own seed: the same
+    images up to floating-point rounding, several times faster for small models on a CPU."""
     pipe.set_progress_bar_config(disable=True)
+    seeds = list(seeds) if seeds is not None else [seed + i for i in range(len(prompts))]
     images = []
-    for i, prompt in enumerate(prompts):
-        generator = torch.Generator(pipe.device).manual_seed(seed + i)
-        result = pipe(prompt, num_inference_steps=steps, guidance_scale=guidance, generator=generator,
-                      negative_prompt=negative_prompt, output_type="pil")
-        images.append(result.images[0])
+    for start in range(0, len(prompts), batch):
+        chunk = list(prompts[start:start + batch])
+        generators = [torch.Generator(pipe.device).manual_seed(s) for s in seeds[start:start + batch]]
+        result = pipe(chunk, num_inference_steps=steps, guidance_scale=guidance, generator=generators,
+                      negative_prompt=None if negative_prompt is None else [negative_prompt] * len(chunk),
+                      output_type="pil")
+        images += result.images
     return images
 
 

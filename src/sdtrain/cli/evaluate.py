@@ -23,11 +23,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--clip", help="a transformers CLIP model folder (MLPerf: CLIP-ViT-H-14-laion2B)")
     parser.add_argument("--num", type=int, help="evaluate the first N prompts (adherence: a set of N, pairs "
                         "a quarter of it and at least 18 where N allows)")
+    parser.add_argument("--pairs", type=int, help="adherence: how many of the N prompts name two shapes")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--guidance", type=float, default=8.0)
     parser.add_argument("--scheduler", default="ddim", choices=["euler", "ddim", "dpmpp"])
     parser.add_argument("--seed", type=int, default=0, help="prompt i is generated with seed + i")
-    parser.add_argument("--batch", type=int, default=8, help="images per metric update")
+    parser.add_argument("--batch", type=int, default=8, help="images generated together, each from its own seed")
     parser.add_argument("--resolution", type=int, default=512, help="side reference images are squared to")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", type=Path, help="write the result (JSON; STATS.npz with `stats`) here")
@@ -63,7 +64,12 @@ def _evaluate(args: argparse.Namespace) -> int:
     elif metrics == ["adherence"]:
         from sdtrain.evaluate.adherence import adherence_prompt_set
 
-        prompts = adherence_prompt_set(args.num)
+        try:
+            prompts = adherence_prompt_set(args.num, args.pairs)
+        except ValueError as exc:
+            raise UserError(f"--pairs: {exc}; lower --pairs or raise --num") from None
+    elif args.pairs is not None:
+        raise UserError("--pairs: only the built-in adherence prompt set has pairs; drop it or --prompts")
     else:
         raise UserError("--prompts: pass the captions to generate (MLPerf: the 30k COCO-2014 captions TSV)")
     if args.steps < 1 or args.batch < 1:

@@ -299,11 +299,17 @@ def adherence_prompts(num_single: int = 54, num_double: int = 18, seed: int = 0)
     return singles[:num_single] + doubles[:num_double]
 
 
-def adherence_prompt_set(num: int | None = None) -> list[str]:
-    """The prompts an adherence evaluation of ``num`` images generates: 54 single-shape and 18 two-shape ones
-    by default, and for another ``num`` a quarter pairs, at least 18 where ``num`` allows (so a quick
-    in-loop evaluation of 36 still scores pairs on a balanced block), at most half."""
+def adherence_prompt_set(num: int | None = None, pairs: int | None = None) -> list[str]:
+    """The prompts an adherence evaluation of ``num`` images generates, ``pairs`` of them two-shape ones.
+
+    By default 54 single-shape and 18 two-shape prompts; for another ``num`` a quarter pairs, at least 18
+    where ``num`` allows (so a quick in-loop evaluation of 36 still scores pairs on a balanced block), at
+    most half. ``pairs`` sets the two-shape count instead (at most ``num``): with 18 pairs one image moves
+    the pair score by 5.6 points, so a score meant to be compared should ask for more."""
     if not num or num <= 0:
-        return adherence_prompts()
-    doubles = min(num // 2, max(18, num // 4))
-    return adherence_prompts(num - doubles, doubles)
+        num = 72 if pairs is None else max(72, pairs)
+    if pairs is None:
+        pairs = min(num // 2, max(18, num // 4))
+    if not 0 <= pairs <= num:
+        raise ValueError(f"pairs must be between 0 and the number of prompts ({num}), got {pairs}")
+    return adherence_prompts(num - pairs, pairs)

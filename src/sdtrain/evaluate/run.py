@@ -135,8 +135,8 @@ def _generate(pipe: Any, prompts: list[str], indices: list[int], settings: EvalS
     for start in range(0, len(indices), settings.batch):
         chunk = indices[start:start + settings.batch]
         # Seed by the prompt's place in the whole set: the same image on any number of ranks.
-        images = [sample_images(pipe, [prompts[i]], seed=settings.seed + i, steps=settings.steps,
-                                guidance=settings.guidance)[0] for i in chunk]
+        images = sample_images(pipe, [prompts[i] for i in chunk], seeds=[settings.seed + i for i in chunk],
+                               steps=settings.steps, guidance=settings.guidance, batch=settings.batch)
         yield chunk, images
 
 

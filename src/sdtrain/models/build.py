@@ -125,6 +125,8 @@ def build_noise_scheduler(config: DiffusionConfig, pretrained: str | None = None
     """The training noise schedule: a pretrained pipeline's own when there is one (a single file's from its
     metadata, else Stable Diffusion's), else from config. ``diffusion.prediction_type`` overrides either."""
     overrides = {"prediction_type": config.prediction_type} if config.prediction_type else {}
+    if config.zero_terminal_snr:
+        overrides["rescale_betas_zero_snr"] = True
     if pretrained and single_file.looks_like_single_file(pretrained):
         settings = single_file.scheduler_config(pretrained, trust_pickle=trust_pickle)
         return DDPMScheduler.from_config({**settings, **overrides})
@@ -138,6 +140,7 @@ def build_noise_scheduler(config: DiffusionConfig, pretrained: str | None = None
         prediction_type=config.prediction_type or "epsilon",
         clip_sample=False,
         steps_offset=1,
+        rescale_betas_zero_snr=config.zero_terminal_snr,
     )
 
 

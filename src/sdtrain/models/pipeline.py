@@ -40,7 +40,11 @@ def sampler_from(scheduler: Any, name: str) -> Any:
         from sdtrain.errors import UserError
 
         raise UserError(f"--scheduler: '{name}' is not one of {', '.join(SAMPLERS)}")
-    config = dict(scheduler.config)
+    # Keyword arguments, not config entries: from_config drops entries the source left at their defaults.
+    settings: dict[str, Any] = {}
+    if scheduler.config.get("rescale_betas_zero_snr"):
+        # A schedule that ends in pure noise must be sampled from its last step (Lin et al., 2024, section 3.3).
+        settings["timestep_spacing"] = "trailing"
     if name == "dpmpp":
-        config.update(algorithm_type="dpmsolver++", solver_order=2)
-    return SAMPLERS[name].from_config(config)
+        settings.update(algorithm_type="dpmsolver++", solver_order=2)
+    return SAMPLERS[name].from_config(scheduler.config, **settings)

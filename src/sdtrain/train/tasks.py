@@ -233,9 +233,6 @@ class DiffusionTask(Task):
             )
         self._check_buckets(scale * 2 ** (len(self.unet.config.block_out_channels) - 1))
         self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model.pretrained, self.trust_pickle)
-        if config.diffusion.zero_terminal_snr and not self.noise_scheduler.config.get("rescale_betas_zero_snr"):
-            self.noise_scheduler = type(self.noise_scheduler).from_config(
-                self.noise_scheduler.config, rescale_betas_zero_snr=True)
         self.unet.to(device)
         self.text_encoder.to(device)
         self.trainable = self.make_trainable()
@@ -342,8 +339,7 @@ class DiffusionTask(Task):
                 # learns to move an image's overall brightness.
                 offset = torch.randn((*latents.shape[:2], 1, 1), generator=generator, device=self.device)
                 noise = noise + cfg.noise_offset * offset
-            steps = self.noise_scheduler.config.num_train_timesteps
-            timesteps = torch.randint(0, steps, (latents.shape[0],), generator=generator, device=self.device)
+            timesteps = self.sample_timesteps(latents.shape[0], generator)
             noised_with = noise
             if cfg.input_perturbation > 0:
                 extra = torch.randn(latents.shape, generator=generator, device=self.device, dtype=latents.dtype)
@@ -357,6 +353,15 @@ class DiffusionTask(Task):
         prediction = self.unet(noisy, timesteps, context).sample
         loss = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
         return loss * self.snr_weight(timesteps) if cfg.snr_gamma > 0 else loss
+
+    def sample_timesteps(self, count: int, generator) -> torch.Tensor:
+        cfg = self.config.diffusion
+        steps = self.noise_scheduler.config.num_train_timesteps
+        if cfg.timestep_sampling == "logit_normal":
+            logits = torch.randn(count, generator=generator, device=self.device)
+            fraction = torch.sigmoid(cfg.timestep_mean + cfg.timestep_std * logits)
+            return (fraction * steps).long().clamp(max=steps - 1)
+        return torch.randint(0, steps, (count,), generator=generator, device=self.device)
 
     def text_context(self, batch) -> torch.Tensor:
         if self.text_embeddings and "text_emb" in batch:
