@@ -180,6 +180,8 @@ def test_parse_prompt_round_trips_captions() -> None:
     for prompt in caption_prompts():
         assert _caption(parse_prompt(prompt)) == prompt
     assert parse_prompt("  An Orange  TRIANGLE ") == [("orange", "triangle")]
+    # Captions without sides are read left to right too.
+    assert parse_prompt("a red circle and a blue square") == [("red", "circle"), ("blue", "square")]
 
 
 @pytest.mark.parametrize(
@@ -196,6 +198,8 @@ def test_parse_prompt_round_trips_captions() -> None:
         "a red circle or a blue square",
         "a red circle, a blue square",
         "a red circle and a blue square and a green triangle",
+        "a red circle on the right and a blue square on the left",
+        "a red circle on the left and a blue square",
     ],
 )
 def test_foreign_prompts_raise(prompt: str) -> None:

@@ -60,11 +60,10 @@ def test_read_back_with_plain_webdataset(dataset: tuple[Path, dict]) -> None:
         if len(meta["shapes"]) == 2:  # one shape in each half: left and right are never a judgement call
             left, right = (sh["box"] for sh in meta["shapes"])
             assert left[2] <= 32 <= right[0]
-        expected = " and ".join(
-            f"{'an' if sh['colour'] == 'orange' else 'a'} {sh['colour']} {sh['kind']}"
-            for sh in meta["shapes"]
-        )
-        assert caption == expected
+        phrases = [f"{'an' if sh['colour'] == 'orange' else 'a'} {sh['colour']} {sh['kind']}" for sh in meta["shapes"]]
+        if len(phrases) == 2:
+            phrases = [f"{phrases[0]} on the left", f"{phrases[1]} on the right"]
+        assert caption == " and ".join(phrases)
     assert counts == {1, 2}
 
 

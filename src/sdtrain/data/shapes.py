@@ -1,7 +1,7 @@
 """The embedded demo dataset: coloured circles, squares and triangles with exact captions.
 
 Small enough to generate in seconds and simple enough that a tiny model can learn it on a CPU, while the
-captions still make text conditioning matter (colour, kind, and left/right order for two shapes).
+captions still make text conditioning matter (colour, kind, and which side for two shapes).
 """
 
 from __future__ import annotations
@@ -37,9 +37,16 @@ def shape_phrase(colour: str, kind: str) -> str:
     return f"{_article(colour)} {colour} {kind}"
 
 
+SIDES: tuple[str, ...] = ("on the left", "on the right")
+
+
 def caption_for(shapes: list[dict]) -> str:
-    """Caption for shapes already in left-to-right order, e.g. ``"a blue square and a yellow triangle"``."""
-    return " and ".join(shape_phrase(s["colour"], s["kind"]) for s in shapes)
+    """Caption for shapes already in left-to-right order: ``"a red circle"``, or for two
+    ``"a blue square on the left and a yellow triangle on the right"``. Naming the sides gives each one a
+    word of its own to attend to; with the order alone, the model often learned the pair but not its order."""
+    if len(shapes) == 1:
+        return shape_phrase(shapes[0]["colour"], shapes[0]["kind"])
+    return " and ".join(f"{shape_phrase(s['colour'], s['kind'])} {side}" for s, side in zip(shapes, SIDES))
 
 
 def caption_prompts() -> list[str]:

@@ -1,7 +1,7 @@
 """Prompt adherence for the shapes demo, read from the pixels with no learned model.
 
-A shapes prompt such as ``"a red square and a blue circle"`` promises how many shapes an image shows, their
-colours, their kinds and their left-to-right order. :func:`detect_shapes` reads those back:
+A shapes prompt such as ``"a red square on the left and a blue circle on the right"`` promises how many shapes
+an image shows, their colours, their kinds and their left-to-right order. :func:`detect_shapes` reads those back:
 
 - background: the median colour of the image border (the renderer paints one flat light colour, generated
   images may add noise, and shapes cover well under half of any border);
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
-from sdtrain.data.shapes import COLOURS, KINDS, caption_for, shape_phrase
+from sdtrain.data.shapes import COLOURS, KINDS, SIDES, caption_for, shape_phrase
 
 _COLOUR_NAMES: tuple[str, ...] = tuple(COLOURS)
 _PALETTE = np.array([COLOURS[c] for c in _COLOUR_NAMES], dtype=np.float32)
@@ -55,17 +55,24 @@ OTHER_COLOUR = "other"
 
 
 def parse_prompt(prompt: str) -> list[tuple[str, str]]:
-    """``"a red square and a blue circle"`` -> ``[("red", "square"), ("blue", "circle")]``, left to right.
+    """``"a red square on the left and a blue circle on the right"`` -> ``[("red", "square"), ("blue",
+    "circle")]``, left to right.
 
-    The language is exactly the demo captions (:func:`~sdtrain.data.shapes.caption_for`): one or two phrases
-    ``"a|an <colour> <kind>"`` joined by ``" and "``, with the caption's article. Case and runs of
-    whitespace are forgiven; anything else raises ``ValueError``.
+    The language is the demo captions (:func:`~sdtrain.data.shapes.caption_for`): one phrase
+    ``"a|an <colour> <kind>"``, or two, each followed by its side and joined by ``" and "``; two phrases
+    joined by ``" and "`` without sides are read left to right too. Case and runs of whitespace are forgiven;
+    anything else raises ``ValueError``.
     """
     words = prompt.lower().split()
-    phrases = [words[i : i + 3] for i in range(0, len(words), 4)]
-    joiners = words[3::4]
-    if len(words) not in (3, 7) or any(j != "and" for j in joiners):
-        raise ValueError(f"not a shapes prompt (one or two shapes joined by 'and'): {prompt!r}")
+    left, right = (side.split() for side in SIDES)
+    if len(words) == 3:
+        phrases = [words]
+    elif len(words) == 7 and words[3] == "and":
+        phrases = [words[:3], words[4:]]
+    elif len(words) == 13 and words[3:6] == left and words[6] == "and" and words[10:] == right:
+        phrases = [words[:3], words[7:10]]
+    else:
+        raise ValueError(f"not a shapes prompt (one shape, or two joined by 'and'): {prompt!r}")
     shapes = []
     for article, colour, kind in phrases:
         if colour not in COLOURS or kind not in KINDS or shape_phrase(colour, kind).split()[0] != article:
