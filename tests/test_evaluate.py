@@ -223,7 +223,8 @@ def test_evaluation_under_two_gloo_ranks_gives_the_numbers_of_one(tmp_path, pret
     assert process.returncode == 0, err[-3000:]
     one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
     assert two["world_size"] == 2 and two["images"] == one["images"] == 5
-    # Same images (seeded by prompt index); only the order in which sums are added differs.
-    assert two["fid"] == pytest.approx(one["fid"], rel=1e-5)
-    assert two["clip"] == pytest.approx(one["clip"], rel=1e-5)
+    # Same images (seeded by prompt index, in the same blocks): only rounding differs, as the ranks run on one
+    # thread each, and the order in which sums are added.
+    assert two["fid"] == pytest.approx(one["fid"], rel=1e-4)
+    assert two["clip"] == pytest.approx(one["clip"], rel=1e-4)
     assert two["adherence"] == one["adherence"]

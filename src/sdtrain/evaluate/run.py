@@ -1,7 +1,8 @@
 """`sdtrain evaluate`: generate images for a prompt set, split over every rank, and score them.
 
-Each rank generates the prompts whose index it owns (i % world == rank), with seed + i, so the images are
-the same whatever the number of ranks; the metrics' sums are added over ranks by torchmetrics and the
+The prompts are cut into blocks of ``batch`` consecutive ones, dealt to the ranks in turn, and prompt i is
+generated with seed + i, so the images (batch-mates and rounding included) are the same whatever the
+number of ranks; the metrics' sums are added over ranks by torchmetrics and the
 adherence results gathered, so the numbers are those of one process scoring everything.
 """
 
@@ -124,19 +125,22 @@ def make_stats(source: str | Path, inception_path: str | None, out: Path, resolu
     return stats
 
 
-def _my_share(count: int, rank: int, world: int) -> list[int]:
-    return list(range(rank, count, world))
+def _my_batches(count: int, batch: int, rank: int, world: int) -> list[list[int]]:
+    """Blocks of ``batch`` consecutive prompt indices, dealt to the ranks in turn. An image's batch-mates
+    are then the same on any number of ranks, and so is its floating-point rounding: the numbers do not
+    depend on the world size."""
+    blocks = [list(range(start, min(start + batch, count))) for start in range(0, count, batch)]
+    return blocks[rank::world]
 
 
-def _generate(pipe: Any, prompts: list[str], indices: list[int], settings: EvalSettings) -> Iterator[
+def _generate(pipe: Any, prompts: list[str], batches: list[list[int]], settings: EvalSettings) -> Iterator[
         tuple[list[int], list[Image.Image]]]:
     from sdtrain.generate import sample_images
 
-    for start in range(0, len(indices), settings.batch):
-        chunk = indices[start:start + settings.batch]
+    for chunk in batches:
         # Seed by the prompt's place in the whole set: the same image on any number of ranks.
         images = sample_images(pipe, [prompts[i] for i in chunk], seeds=[settings.seed + i for i in chunk],
-                               steps=settings.steps, guidance=settings.guidance, batch=settings.batch)
+                               steps=settings.steps, guidance=settings.guidance, batch=len(chunk))
         yield chunk, images
 
 
@@ -165,7 +169,8 @@ class Evaluator:
         start = time.perf_counter()
         pipe.scheduler = sampler_from(pipe.scheduler, settings.scheduler)
         kept: list[tuple[int, np.ndarray]] = []
-        for indices, images in _generate(pipe, prompts, _my_share(len(prompts), self.rank, self.world), settings):
+        for indices, images in _generate(pipe, prompts, _my_batches(len(prompts), settings.batch, self.rank,
+                                                                    self.world), settings):
             unit = images_to_unit(images).to(self.device)
             if self.fid is not None:
                 self.fid.update(unit, real=False)
