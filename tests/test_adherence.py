@@ -242,3 +242,14 @@ def test_an_adherence_set_of_any_size_scores_pairs():
     assert half[:54] == adherence_prompts()[:54]  # the default set's singles, then more pairs
     with pytest.raises(ValueError):
         adherence_prompt_set(10, pairs=11)
+
+
+def test_evaluate_pairs_out_of_range_or_with_other_prompts_is_one_clear_line(tmp_path, capsys):
+    from sdtrain.cli.main import main
+
+    assert main(["evaluate", str(tmp_path), "--metrics", "adherence", "--num", "10", "--pairs", "11"]) == 2
+    assert "--pairs" in capsys.readouterr().err
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\n")
+    assert main(["evaluate", str(tmp_path), "--metrics", "adherence", "--prompts", str(prompts), "--pairs", "1"]) == 2
+    assert "only the built-in adherence prompt set" in capsys.readouterr().err

@@ -59,6 +59,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     from sdtrain.run import resolve_device
 
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
+    if args.pairs is not None and (args.prompts is not None or metrics != ["adherence"]):
+        raise UserError("--pairs: only the built-in adherence prompt set has pairs; drop --pairs, or --prompts and "
+                        "the other metrics")
     if args.prompts is not None:
         prompts = read_prompts(args.prompts)
     elif metrics == ["adherence"]:
@@ -68,8 +71,6 @@ def _evaluate(args: argparse.Namespace) -> int:
             prompts = adherence_prompt_set(args.num, args.pairs)
         except ValueError as exc:
             raise UserError(f"--pairs: {exc}; lower --pairs or raise --num") from None
-    elif args.pairs is not None:
-        raise UserError("--pairs: only the built-in adherence prompt set has pairs; drop it or --prompts")
     else:
         raise UserError("--prompts: pass the captions to generate (MLPerf: the 30k COCO-2014 captions TSV)")
     if args.steps < 1 or args.batch < 1:
