@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,38 @@ def test_a_sweep_takes_list_values_and_names_a_malformed_one():
     assert len(combos) == 4
     with pytest.raises(UserError, match=r"override 'optim.lr=\[1,': cannot parse it"):
         sweep_combinations(["optim.lr=[1,"])
+
+
+def test_benchmark_runs_the_real_loader_and_counts_its_workers(tmp_path):
+    out = tmp_path / "result.json"
+    run = tmp_path / "run"
+    assert main(["benchmark", "train", str(config_path("diffusion.yaml")), *SMALL, "data.num_workers=2",
+                 f"run_dir={run}", *FEW, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    # Shards written for the benchmark and read through the loader, as `sdtrain train` reads a user's.
+    assert result["synthetic_data"] and result["loader_workers"] == 2
+    manifest = json.loads((run / "synthetic-shards" / "manifest.json").read_text())
+    assert manifest["total"] >= 2 * 2 and "encoding" not in manifest
+    assert result["loading_peak_memory_gib"] > 0 and result["peak_memory_gib"] > 0
+
+
+def test_benchmark_loads_a_pretrained_model_and_reads_encoded_shards(tmp_path, pretrained):
+    out = tmp_path / "result.json"
+    run = tmp_path / "run"
+    finetune = Path(__file__).resolve().parents[1] / "configs" / "finetune-full.yaml"
+    assert main(["benchmark", "train", str(finetune), *SMALL, f"model.pretrained={pretrained}", f"run_dir={run}",
+                 "--encoded", *FEW, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["encoded"] and result["synthetic_data"]
+    # Every component comes from the pretrained folder, as in training: no stand-in VAE or text encoder.
+    assert not (run / "random-vae").exists() and not (run / "random-text-encoder").exists()
+    encoding = json.loads((run / "synthetic-shards" / "manifest.json").read_text())["encoding"]
+    assert encoding["vae"] == str(pretrained.resolve()) and encoding["text_encoder"] == str(pretrained.resolve())
+    assert (run / "synthetic-shards" / "empty_caption.npy").is_file()
+    assert result["trainable_parameters"] < 2_000_000  # the UNet alone: the text encoder is frozen
+
+
+def test_benchmark_encoded_needs_encoded_shards(tmp_path, shapes_dir, capsys):
+    assert main(["benchmark", "train", str(config_path("diffusion.yaml")), *SMALL, f"data.shards={shapes_dir}",
+                 "--encoded", *FEW]) == 2
+    assert "--encoded: the shards of data.shards" in capsys.readouterr().err

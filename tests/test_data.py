@@ -557,3 +557,34 @@ def test_every_reader_refuses_tar_members_that_escape_or_lie_about_their_size(tm
         names = tar.getnames()
     assert all(".." not in n and not n.startswith("/") for n in names)
     assert outside.read_bytes() == png(7)
+
+
+def _unique_mib(pid: int) -> float:
+    """Memory only this process holds (its unique set size): pages no other process shares."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+    return sum(int(fields[k].split()[0]) for k in ("Private_Clean", "Private_Dirty")) / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs Linux's /proc/PID/smaps_rollup")
+def test_loader_workers_share_none_of_the_trainers_writable_memory(shapes: Path) -> None:
+    # What the trainer holds when the workers start (weights, optimizer state), every page touched.
+    held = torch.ones(64 * 2**20)  # 256 MiB
+    # One worker: pages the trainer rewrites after forking two would stay shared between the two, and
+    # count in neither one's unique set.
+    tb = TrainBatches(data_config(shapes, workers=1), None, seed=0)
+    try:
+        take(tb, 4)
+        workers = [w.pid for w in tb._iterator._workers]
+        before = {pid: _unique_mib(pid) for pid in workers}
+        # A training step rewrites its state and allocates more: a worker forked from this process would
+        # now own a private copy of every page rewritten.
+        held.mul_(2)
+        extra = torch.ones(32 * 2**20)
+        take(tb, 8)
+        after = {pid: _unique_mib(pid) for pid in workers}
+    finally:
+        tb.close()
+    del held, extra
+    for pid in workers:
+        assert after[pid] - before[pid] < 32, (before, after)
+        assert after[pid] < 200, after

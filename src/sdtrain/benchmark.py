@@ -1,8 +1,12 @@
-"""Training speed of a config on synthetic batches: images/s, step time, all-reduce time, peak memory.
+"""Training speed and memory of a config: images/s, MFU, step and all-reduce time, and the peak memory of
+loading and of training.
 
-The benchmark is the real trainer (same model building, parallel wrapping, precision and step) fed
-fixed random batches, so what it measures is the model step alone: no loader, no checkpoints, no
-validation. Under torchrun every rank takes part; the main rank reports.
+The benchmark runs what `sdtrain train` runs: the same model loading (pretrained components from
+``model.pretrained`` when the config names them), parallel wrapping, precision and step, fed by the real
+loader and its workers over shards: the config's own, or synthetic ones it writes (captioned images, or
+with ``--encoded`` what ``sdtrain prepare encode`` writes). Memory is the whole process tree's (trainer,
+fork server, loader workers), as the machine sees it. Only logging, checkpoints and validation are off.
+Under torchrun every rank takes part; the main rank reports.
 """
 
 from __future__ import annotations
@@ -10,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -25,8 +28,11 @@ import torch.distributed as dist
 
 from sdtrain import flops
 from sdtrain.config import RunConfig
-from sdtrain.data.synthetic import SyntheticBatches
+from sdtrain.data.pipeline import TrainBatches
+from sdtrain.data.synthetic import write_synthetic_shards
+from sdtrain.distributed import barrier, gather_objects
 from sdtrain.errors import UserError
+from sdtrain.memory import TreePeak, own_peak_bytes
 from sdtrain.models import build
 from sdtrain.models.tokenizer import train_clip_tokenizer
 from sdtrain.train.parallel import no_recompute
@@ -35,8 +41,10 @@ from sdtrain.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 
-SYNTHETIC = "synthetic"
-"""The `data.shards` value the benchmark fills in when a config leaves it open."""
+SYNTHETIC = "synthetic-shards"
+"""Where in its run folder the benchmark writes shards, when a config names none."""
+SYNTHETIC_SAMPLES = (64, 2048)
+"""Least and most samples of synthetic shards: a few epochs of a short benchmark, written in seconds."""
 RANDOM_VAE = "random-vae"
 """Where in its run folder the benchmark puts an untrained VAE of the preset, when a config names none."""
 RANDOM_TEXT_ENCODER = "random-text-encoder"
@@ -46,7 +54,13 @@ RANDOM_TEXT_ENCODER = "random-text-encoder"
 class Benchmark(Trainer):
     def __init__(self, config: RunConfig, encoded: bool = False):
         self.encoded = encoded
-        super().__init__(config)
+        # From before the first weight is loaded: loading has its own peak, which may be the run's highest.
+        self.memory = TreePeak(phase="loading").__enter__()
+        try:
+            super().__init__(config)
+        except BaseException:
+            self.memory.stop()
+            raise
 
     def _prepare(self) -> None:
         model = self.config.model
@@ -62,18 +76,33 @@ class Benchmark(Trainer):
             if model.text_encoder == str(self.run_dir / RANDOM_TEXT_ENCODER):
                 build.build_text_encoder(model, tokenizer).save_pretrained(model.text_encoder)
 
-    def _make_data(self) -> SyntheticBatches:
-        if self.encoded and not self.task.reads_encoded:
-            raise UserError(f"--encoded: the {self.config.stage} stage trains on images, not pre-encoded latents")
-        if self.encoded:
-            self.task.text_embeddings = not self.task.text_encoder_trains()
-            self.task.release_unread()
-        return SyntheticBatches(self.config.data, self.task, self.config.seed, self.topology.rank, self.encoded)
+    def _make_data(self) -> TrainBatches:
+        if self.encoded and not (self.task.reads_encoded and self.config.data.use_encoded):
+            raise UserError(f"--encoded: the {self.config.stage} stage trains on images, not pre-encoded latents"
+                            if not self.task.reads_encoded else "--encoded: data.use_encoded is false")
+        synthetic = self.run_dir / SYNTHETIC
+        if Path(self.config.data.shards) == synthetic:
+            if self.is_main:
+                write_synthetic_shards(synthetic, self.config.data, self.task, self._synthetic_samples(),
+                                       self.encoded, self.config.seed)
+            barrier()
+        data = super()._make_data()
+        if self.encoded and data.encoding is None:
+            raise UserError(f"--encoded: the shards of data.shards={self.config.data.shards} hold images; encode them "
+                            "with `sdtrain prepare encode`, or drop --encoded")
+        return data
+
+    def _synthetic_samples(self) -> int:
+        data, world = self.config.data, self.topology.world_size
+        least = world * max(1, data.num_workers) * data.batch_size  # a batch for every loader slot
+        wanted = 8 * world * data.batch_size * self.config.train.grad_accum
+        return max(least, min(max(wanted, SYNTHETIC_SAMPLES[0]), SYNTHETIC_SAMPLES[1]))
 
     def measure(self, steps: int, warmup: int, peak_seconds: float = 2.0, save: bool = True) -> dict[str, Any]:
         """Time the first step on its own, then `steps` steady steps after `warmup` more; count the step's
         model FLOPs and measure this machine's peak for the step's dtype, before and after, for MFU; then
         time a checkpoint save and the memory it adds."""
+        self.memory.phase("training")
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         threads = torch.get_num_threads()
         # Another job on the cores makes steps stall for seconds: the load shows whether figures can be trusted.
@@ -85,7 +114,7 @@ class Benchmark(Trainer):
         with no_recompute():  # model FLOPs: a checkpointed block's second forward is not the model's work
             step_flops = flops.count_flops(self.train_step)
         times = [self._timed_step() for _ in range(steps)]
-        training_peak = self._peak_memory_gib()
+        training_peak = self._peak_memory_gib("training")
         peaks.append(flops.measure_peak_flops(dtype, self.device, threads, peak_seconds))
         step_s = statistics.median(times)
         world = self.topology.world_size
@@ -126,10 +155,16 @@ class Benchmark(Trainer):
             "achieved_gflops": step_flops / step_s / 1e9,
             "mfu": flops.mfu(step_flops, step_s, peak),
             "peak_memory_gib": training_peak,
+            "loading_peak_memory_gib": self._peak_memory_gib("loading"),
+            "loader_workers": self.config.data.num_workers,
+            "synthetic_data": Path(self.config.data.shards) == self.run_dir / SYNTHETIC,
             "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],
             "cpu_count": os.cpu_count(),
         }
+        if self.device.type == "cuda":
+            result["device_peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if save:
+            self.memory.phase("save")
             start = time.perf_counter()
             saved = self.save()
             # The training stall: every rank waits until the slowest has written its part (or, with
@@ -139,7 +174,7 @@ class Benchmark(Trainer):
             result["save_written_s"] = time.perf_counter() - start
             result["save_format"] = ("async " if self.checkpointer.async_save else "") + \
                 ("sharded" if self.checkpointer.sharded else "full")
-            result["save_peak_memory_gib"] = self._peak_memory_gib()
+            result["save_peak_memory_gib"] = max(training_peak, self._peak_memory_gib("save"))
             result["save_peak_ratio"] = result["save_peak_memory_gib"] / training_peak
             if self.is_main:  # a timing artefact: the next benchmark in the same run_dir starts clean
                 shutil.rmtree(saved, ignore_errors=True)
@@ -156,10 +191,14 @@ class Benchmark(Trainer):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _peak_memory_gib(self) -> float:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**30
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    def _peak_memory_gib(self, phase: str) -> float:
+        """The host memory peak of `phase` over every rank's process tree (loader workers included): a sum of
+        each rank's peak, so at most what the ranks held together. The loading phase also counts this
+        process's own high-water mark, which the sampler may have missed between two samples."""
+        peak = self.memory.peak(phase)
+        if phase == "loading":
+            peak = max(peak, own_peak_bytes())
+        return sum(gather_objects(peak)) / 2**30
 
     def _allreduce(self, params: int, repeats: int = 5) -> dict[str, float]:
         """Time one all-reduce of a gradient-sized fp32 buffer: what DDP reduces every step, here
@@ -190,22 +229,27 @@ def run_benchmark(config: RunConfig, steps: int, warmup: int, encoded: bool = Fa
     try:
         result = benchmark.measure(steps, warmup, peak_seconds)
     finally:
+        benchmark.data.close()
+        benchmark.memory.stop()
         benchmark.logger.close()
     return result if benchmark.is_main else None
 
 
 def benchmark_overrides(config_path: Path, overrides: list[str], run_dir: str | None) -> list[str]:
-    """The user's overrides plus what a benchmark needs: synthetic data where the config names none,
-    a throwaway run folder, untrained VAE and frozen text encoder of the preset where the config leaves
-    them open, and no
-    logging, checkpoints or validation."""
+    """The user's overrides plus what a benchmark needs: synthetic shards where the config names none, a
+    throwaway run folder, an untrained VAE and frozen text encoder of the preset where neither the config nor
+    a pretrained model gives them, and no logging, checkpoints or validation."""
     from omegaconf import OmegaConf
 
     from sdtrain.config import parse_overrides, read_layer
 
     given = OmegaConf.merge(read_layer(config_path)[0], parse_overrides(overrides))
     filled = []
-    for key, value in (("data.shards", SYNTHETIC), ("model.vae", "${run_dir}/" + RANDOM_VAE), ("run_dir", run_dir)):
+    pretrained = OmegaConf.select(given, "model.pretrained", default=None) is not None
+    for key, value in (("data.shards", "${run_dir}/" + SYNTHETIC), ("model.vae", "${run_dir}/" + RANDOM_VAE),
+                       ("run_dir", run_dir)):
+        if key == "model.vae" and pretrained:
+            continue
         if OmegaConf.select(given, key, default=None) is None or OmegaConf.is_missing(given, key):
             if value is None:
                 raise UserError("run_dir: under a multi-process launcher give run_dir=FOLDER, a folder every rank "
@@ -255,7 +299,8 @@ def format_results(results: list[dict[str, Any]], sweep_keys: list[str] = ()) ->
     extra = [k for k in sweep_keys if k not in ("data.batch_size", "ema.enabled")]
     head = [f"{'procs':>5}", f"{'strategy':>8}", f"{'micro bs':>8}", f"{'EMA':>3}", f"{'prec':>4}",
             *(f"{k.split('.')[-1]:>12}" for k in extra), f"{'img/s':>9}", f"{'MFU':>6}", f"{'step ms':>9}",
-            f"{'first':>6}", f"{'allreduce ms':>12}", f"{'scaling':>7}", f"{'peak GiB':>8}", f"{'save as':>13}",
+            f"{'first':>6}", f"{'allreduce ms':>12}", f"{'scaling':>7}", f"{'workers':>7}", f"{'load GiB':>8}",
+            f"{'peak GiB':>8}", f"{'save as':>13}",
             f"{'save s':>7}", f"{'written s':>9}", f"{'save GiB':>8}"]
     lines = [" ".join(head)]
     for r in results:
@@ -269,6 +314,7 @@ def format_results(results: list[dict[str, Any]], sweep_keys: list[str] = ()) ->
                *(f"{str(r.get('sweep', {}).get(k, '-')):>12}" for k in extra),
                f"{r['images_per_s']:>9.3g}", f"{r['mfu']:>6.1%}", f"{r['step_ms']:>9.1f}",
                f"{r['first_step_ratio']:>5.1f}x", f"{allreduce:>12}", f"{scaling:>7.0%}",
+               f"{r.get('loader_workers', '-'):>7}", f"{r.get('loading_peak_memory_gib', float('nan')):>8.2f}",
                f"{r['peak_memory_gib']:>8.2f}", f"{r.get('save_format', '-'):>13}", f"{save_s:>7}",
                f"{written_s:>9}", f"{save_gib:>8}"]
         lines.append(" ".join(row))
@@ -277,6 +323,8 @@ def format_results(results: list[dict[str, Any]], sweep_keys: list[str] = ()) ->
     if cpu:
         flags = ", ".join(k for k in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if cpu.get(k))
         lines.append(f"cpu: {cpu.get('model', '?')} ({flags or 'no avx512/amx'}), {first['threads']} threads")
+    lines.append("memory: the peak of every process of the run (trainer, loader workers, ranks) while loading the "
+                 "models (load) and while training (peak)")
     lines.append(f"model FLOPs {first['model_gflop_per_image']:.3g} GFLOP/image (forward + backward); MFU against "
                  f"the best of {', '.join(f'{p:.0f}' for p in first['peak_gflops_runs'])} GFLOP/s measured here "
                  f"in {first['mixed_precision']}")
@@ -377,6 +425,8 @@ def benchmark_data(config: RunConfig, worker_counts: list[int], batches: int, tr
         consumption = trainer.measure(train_steps, warmup=2, peak_seconds=0.2, save=False)["images_per_s"] \
             if train_steps else None
     finally:
+        trainer.data.close()
+        trainer.memory.stop()
         trainer.logger.close()
     return {"loader": rates, "train_images_per_s": consumption, "batch_size": config.data.batch_size,
             "resolution": config.data.resolution}

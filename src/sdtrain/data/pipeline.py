@@ -20,6 +20,7 @@ import io
 import json
 import logging
 import math
+import multiprocessing
 import multiprocessing.util  # noqa: F401 - registers its exit handler before ours, see below
 import os
 import signal
@@ -639,6 +640,7 @@ class TrainBatches:
             stream, batch_size=None, num_workers=workers, pin_memory=self.pin_memory,
             persistent_workers=False, prefetch_factor=2 if workers else None,
             worker_init_fn=_single_thread_worker if workers else None,
+            multiprocessing_context=worker_context(self.tokenizer) if workers else None,
             # Its own generator: drawing worker seeds from the global RNG would make a resumed run's
             # global RNG stream differ from an uninterrupted one.
             generator=torch.Generator().manual_seed(self.seed),
@@ -738,6 +740,24 @@ def _stop_loader_workers() -> None:
             worker.join(timeout=10)
     for loader in list(_open_loaders):
         loader.close()
+
+
+def worker_context(tokenizer: Any | None = None) -> multiprocessing.context.BaseContext:
+    """Where loader workers come from: a fork server, a fresh interpreter started once per process.
+
+    A worker forked from the trainer itself shares every page of its weights and optimizer state
+    copy-on-write, and each page the trainer rewrites afterwards is copied while the worker lives: at
+    SD2 size that is gigabytes per worker, and the kernel kills the run. Forked from the server instead,
+    a worker holds only what decoding needs. The server imports the loader's modules (and the
+    tokenizer's) once, so each worker starts in milliseconds rather than importing torch anew.
+    """
+    context = multiprocessing.get_context("forkserver")
+    modules = ["sdtrain.data.pipeline"]
+    if tokenizer is not None:
+        modules.append(type(tokenizer).__module__)
+    # Takes effect when the server starts, i.e. at the first loader of the process.
+    context.set_forkserver_preload(modules)
+    return context
 
 
 def _single_thread_worker(_: int) -> None:

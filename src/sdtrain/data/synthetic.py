@@ -1,14 +1,22 @@
-"""Fixed random batches shaped like the loader's, for benchmarks and for start-up measurements that
-must not touch the real data (its position is part of the resumable state)."""
+"""Synthetic data: fixed random batches shaped like the loader's, for start-up measurements that must not
+touch the real data (its position is part of the resumable state); and synthetic shards, for benchmarks
+that run the real loader."""
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from sdtrain.config import DataConfig
+from sdtrain.data.encoded import EMPTY_CAPTION, LATENT_MEAN, LATENT_STD, TEXT_EMB, npy_bytes
+from sdtrain.data.shapes import render_shapes_sample
+from sdtrain.data.shards import ShardWriter
 from sdtrain.models import build
+from sdtrain.utils import atomic_write_bytes
 
 
 class SyntheticBatches:
@@ -51,3 +59,53 @@ class SyntheticBatches:
 
     def state_dict(self) -> dict[str, Any]:
         return {}
+
+
+def write_synthetic_shards(out: Path, config: DataConfig, task: Any, samples: int, encoded: bool,
+                           seed: int = 0) -> Path:
+    """Shards the training loader reads as it reads a user's: captioned shape images as JPEG at the
+    configured resolution, or, `encoded`, what `sdtrain prepare encode` writes for this task's frozen VAE
+    (and text encoder): latent distributions, text embeddings, the empty caption's embedding and the
+    manifest's `encoding` entry. A benchmark on them runs the real loader, its workers included."""
+    rng = np.random.default_rng(seed)
+    shard_samples = 256
+    encoding = _encoding(config, task) if encoded else None
+    with ShardWriter(out, samples_per_shard=shard_samples, prefix="synthetic",
+                     extra={"source": "synthetic", **({"encoding": encoding} if encoding else {})}) as writer:
+        for index in range(samples):
+            image, caption, _ = render_shapes_sample(rng, config.resolution)
+            sample: dict[str, Any] = {"__key__": f"{index:08d}", "txt": caption}
+            if encoding is None:
+                buffer = io.BytesIO()
+                image.save(buffer, format="JPEG", quality=90)
+                sample["jpg"] = buffer.getvalue()
+            else:
+                sample |= _encoded_fields(encoding, task, rng)
+            writer.write(sample)
+    if encoding is not None and encoding["text_encoder"] is not None:
+        empty = rng.standard_normal(_text_shape(task)).astype(np.float16)
+        atomic_write_bytes(out / EMPTY_CAPTION, npy_bytes(empty))
+    return out
+
+
+def _encoding(config: DataConfig, task: Any) -> dict[str, Any]:
+    vae = task.vae.config
+    text_encoder = None if task.text_encoder_trains() else task.sources.get("text_encoder")
+    return {"vae": task.sources.get("vae"), "text_encoder": text_encoder, "resolution": config.resolution,
+            "latent_channels": vae.latent_channels, "scaling_factor": float(vae.scaling_factor),
+            "max_text_length": task.tokenizer.model_max_length if task.tokenizer is not None else None,
+            "dtype": "float16"}
+
+
+def _text_shape(task: Any) -> tuple[int, int]:
+    return task.tokenizer.model_max_length, task.text_encoder.config.hidden_size
+
+
+def _encoded_fields(encoding: dict[str, Any], task: Any, rng: np.random.Generator) -> dict[str, bytes]:
+    side = encoding["resolution"] // build.vae_scale(task.vae.config.block_out_channels)
+    shape = (encoding["latent_channels"], side, side)
+    fields = {LATENT_MEAN: npy_bytes(rng.standard_normal(shape).astype(np.float16)),
+              LATENT_STD: npy_bytes(np.full(shape, 0.1, dtype=np.float16))}
+    if encoding["text_encoder"] is not None:
+        fields[TEXT_EMB] = npy_bytes(rng.standard_normal(_text_shape(task)).astype(np.float16))
+    return fields

@@ -36,6 +36,7 @@ from sdtrain.config import RunConfig
 from sdtrain.distributed import gather_objects
 from sdtrain.errors import UserError
 from sdtrain.flops import cpu_flags
+from sdtrain.memory import own_peak_bytes, tree_bytes
 from sdtrain.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,10 @@ class Tuning:
     fp32_ms: float | None = None
     bf16_ms: float | None = None
     estimated_gib: float | None = None
+    """The run's expected peak on this machine: training (see `run_bytes`) or loading, whichever is higher."""
     available_gib: float | None = None
+    loading_gib: float | None = None
+    """What loading the models took at its peak (this process; every process of the machine when several)."""
     seconds: float = 0.0
     """What recording and timing the layers took at this start (0 when nothing was measured)."""
 
@@ -236,6 +240,27 @@ def training_bytes(trainable: list[nn.Parameter], frozen: list[nn.Parameter], ac
     return int(state + (activations / 4 if checkpointing else activations))
 
 
+# Measured on a 2-core CPU at 256 px: a loader worker forked from the fork server holds about 100 MiB of its
+# own (decoder, tokenizer, the pages it shares with its siblings), the server itself about as much.
+LOADER_PROCESS_BYTES = 100 * 2**20
+
+
+def loader_bytes(workers: int, batch_size: int, resolution: int) -> int:
+    """Memory of the loader's processes: the fork server, and per worker its own pages plus the two batches
+    it prefetches (as fp32 pixels, the largest a batch gets)."""
+    if workers == 0:
+        return 0
+    batch = batch_size * 3 * resolution * resolution * 4
+    return LOADER_PROCESS_BYTES + workers * (LOADER_PROCESS_BYTES + 2 * batch)
+
+
+def run_bytes(step_bytes: int, held_bytes: int, model_bytes: int, loader: int) -> int:
+    """A training process's expected peak: the step's own (`training_bytes`), what the process holds beyond
+    its models' weights (libraries, allocator caches, what loading left behind: `held_bytes` measured now
+    less `model_bytes`), and the loader's processes."""
+    return step_bytes + max(0, held_bytes - model_bytes) + loader
+
+
 def decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str, Any] | None, device: torch.device,
            is_main: bool, processes_per_machine: int = 1) -> Tuning:
     """Precision and checkpointing for this run; the main rank measures, every rank gets its answer."""
@@ -246,7 +271,8 @@ def decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str, 
                  f": fp32 {tuning.fp32_ms:.0f} ms, bf16 {tuning.bf16_ms:.0f} ms per sample forward+backward"
                  if tuning.fp32_ms is not None else "",
                  "on" if tuning.checkpointing else "off",
-                 f" (estimated {tuning.estimated_gib:.1f} GiB of {tuning.available_gib:.1f} GiB)"
+                 f" (estimated peak {tuning.estimated_gib:.1f} GiB of {tuning.available_gib:.1f} GiB, loader workers "
+                 f"included; loading took {tuning.loading_gib or 0:.1f} GiB)"
                  if tuning.estimated_gib is not None else "",
                  f"; measured in {tuning.seconds:.1f} s" if tuning.seconds else "")
     return gather_objects(tuning)[0]
@@ -263,19 +289,27 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
     start = time.perf_counter()
     calls = _record(config, task, encoded) if measure_precision or measure_memory else {}
 
-    estimated = available = None
+    estimated = available = loading = None
     checkpointing = config.train.gradient_checkpointing
     if checkpointing == "auto":
         trainable = task.parameters()
         ids = {id(p) for p in trainable}
         frozen = [p for m in _all_modules(task) for p in m.parameters() if id(p) not in ids and not p.is_meta]
         per_sample = sum(c.activation_bytes * c.calls for c in calls.values())
-        batch = config.data.batch_size
-        estimated = processes_per_machine * training_bytes(trainable, frozen, per_sample, batch,
-                                                           config.ema.enabled, checkpointing=False)
+        data = config.data
+        step = training_bytes(trainable, frozen, per_sample, data.batch_size, config.ema.enabled, checkpointing=False)
+        weights = sum(p.numel() * p.element_size() for p in [*trainable, *frozen])
+        # On a GPU the step's memory is the device's; the host's share does not decide checkpointing there.
+        host = device.type == "cpu"
+        training = processes_per_machine * run_bytes(
+            step, tree_bytes() if host else 0, weights if host else 0,
+            loader_bytes(data.num_workers, data.batch_size, data.resolution) if host else 0)
         available = _available_bytes(device) * 0.9
-        checkpointing = estimated > available
+        checkpointing = training > available
+        loading = processes_per_machine * own_peak_bytes() if host else None
+        estimated = max(training, loading or 0)
         estimated, available = estimated / 2**30, available / 2**30
+        loading = loading / 2**30 if loading is not None else None
 
     timings: dict[str, float] = {}
     if requested != "auto":
@@ -296,7 +330,7 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
             timings, source = measured_precision(fingerprint, step, _parameters(task), device, samples)
         precision = "bf16" if timings["bf16"] * BF16_MIN_GAIN < timings["fp32"] else "fp32"
     return Tuning(precision, bool(checkpointing), source, timings.get("fp32"), timings.get("bf16"), estimated,
-                  available, round(time.perf_counter() - start, 2) if calls else 0.0)
+                  available, loading, round(time.perf_counter() - start, 2) if calls else 0.0)
 
 
 def _all_modules(task: Any) -> list[nn.Module]:
