@@ -139,21 +139,118 @@ def test_sd2_layout_reads_as_v_prediction_with_the_same_text_encoder(tmp_path):
     # Exported again from an SD 2.x-layout source, the text encoder keeps that layout.
     assert sf.choose_text_layout(loaded, source=path) == "openclip"
 
-    # SD 2.x files have 24 text blocks of which diffusers drops the last (SD 2 conditions on the penultimate).
+    # Stability's SD 2.x files have 24 text blocks, the last a trained one SD 2 does not use (it conditions on the
+    # penultimate): a 24-layer encoder's first 24 blocks, with or without text_projection and logit_scale.
     deep_config = CLIPTextConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=24, num_attention_heads=2,
                                  vocab_size=40, max_position_embeddings=8, hidden_act="gelu")
     deep = CLIPTextModel(deep_config).eval()
     with pytest.raises(UserError, match="openclip"):
         sf.save_single_file(tmp_path / "deep.safetensors", text_encoder=deep, text_layout="openclip")
     state = sf.to_original_state_dict(text_encoder=deep, text_layout="openclip")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "sd2-24.safetensors"),
-              metadata=sf.single_file_metadata(text_encoder=deep))
-    read = build.load_component("text_encoder", tmp_path / "sd2-24.safetensors")
-    assert read.config.num_hidden_layers == 23 and read.config.hidden_act == "gelu"
+    stability = {k: v.contiguous() for k, v in state.items() if ".resblocks.24." not in k}
+    stripped = {k: v for k, v in stability.items() if not k.endswith(("text_projection", "logit_scale"))}
+    # Their metadata, as ComfyUI or kohya may write it, says the settings but is not sdtrain's format.
+    metadata = {k: v for k, v in sf.single_file_metadata(text_encoder=deep).items() if k != sf.FORMAT_KEY}
     deep.encoder.layers = deep.encoder.layers[:23]
     ids = torch.tensor([[0, 5, 9, 2]])
     with torch.no_grad():
-        assert torch.equal(deep(ids).last_hidden_state, read(ids).last_hidden_state)
+        want = deep(ids).last_hidden_state
+    for name, tensors in (("sd2-24", stability), ("sd2-24-stripped", stripped)):
+        save_file(tensors, str(tmp_path / f"{name}.safetensors"), metadata=metadata)
+        read = build.load_component("text_encoder", tmp_path / f"{name}.safetensors")
+        assert read.config.num_hidden_layers == 23 and read.config.hidden_act == "gelu", name
+        with torch.no_grad():
+            assert torch.equal(want, read(ids).last_hidden_state), name
+
+
+def _openclip_forward(state: dict[str, torch.Tensor], ids: torch.Tensor, blocks: int, heads: int, act: str):
+    """The original OpenCLIP text forward (fused-projection attention, causal mask) through the first `blocks`
+    blocks, then ln_final: what a reader of the original layout computes."""
+    import torch.nn.functional as F
+    from transformers.activations import ACT2FN
+
+    p = {k.removeprefix(sf.OPENCLIP_PREFIX): v.float() for k, v in state.items()}
+    x = p["token_embedding.weight"][ids] + p["positional_embedding"][: ids.shape[1]]
+    width, length = x.shape[-1], ids.shape[1]
+    mask = torch.full((length, length), float("-inf")).triu(1)
+    for b in range(blocks):
+        r = f"transformer.resblocks.{b}."
+        attention = torch.nn.MultiheadAttention(width, heads, batch_first=True)
+        attention.load_state_dict({k: p[r + "attn." + k] for k in attention.state_dict()})
+        h = F.layer_norm(x, (width,), p[r + "ln_1.weight"], p[r + "ln_1.bias"])
+        x = x + attention(h, h, h, attn_mask=mask, need_weights=False)[0]
+        h = F.layer_norm(x, (width,), p[r + "ln_2.weight"], p[r + "ln_2.bias"])
+        h = ACT2FN[act](F.linear(h, p[r + "mlp.c_fc.weight"], p[r + "mlp.c_fc.bias"]))
+        x = x + F.linear(h, p[r + "mlp.c_proj.weight"], p[r + "mlp.c_proj.bias"])
+    return F.layer_norm(x, (width,), p["ln_final.weight"], p["ln_final.bias"])
+
+
+def test_sd2_file_holds_the_whole_openclip_tower_and_reads_back_the_same(tmp_path, caplog):
+    """ComfyUI builds SD 2's whole tower (24 blocks, text_projection, logit_scale): the file has one block past the
+    encoder's N layers, which changes nothing, and reads back as the N-layer encoder it was."""
+    import math
+
+    from transformers import CLIPTextModel
+
+    unet, vae, text = _tiny_components()
+    text.eval()
+    layers, width = text.config.num_hidden_layers, text.config.hidden_size
+    path = sf.save_single_file(tmp_path / "sd2.safetensors", unet=unet, vae=vae, text_encoder=text,
+                               text_layout="openclip")
+    state = {k: v for k, v in load_file(str(path)).items() if k.startswith("cond_stage_model.")}
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata()[sf.FORMAT_KEY] == sf.FORMAT_VERSION == "2"
+    blocks = {int(k.split(".")[4]) for k in state if ".resblocks." in k}
+    assert blocks == set(range(layers + 1))
+    prefix = sf.OPENCLIP_PREFIX
+    assert torch.equal(state[prefix + "text_projection"], torch.eye(width))
+    scale = state[prefix + "logit_scale"]
+    assert scale.shape == () and scale.item() == pytest.approx(math.log(1 / 0.07))
+    assert {t.dtype for t in state.values()} == {torch.float32}
+    # The extra block: the last layer's weights with its attention and MLP output projections zeroed.
+    extra, last = f"{prefix}transformer.resblocks.{layers}.", f"{prefix}transformer.resblocks.{layers - 1}."
+    for key in [k for k in state if k.startswith(last)]:
+        rest = key[len(last):]
+        if rest.startswith(("attn.out_proj.", "mlp.c_proj.")):
+            assert not state[extra + rest].any(), rest
+        else:
+            assert torch.equal(state[extra + rest], state[key]), rest
+
+    # Through all N+1 blocks, as a reader conditioning on the last layer would, or through N: the same output,
+    # which is the diffusers encoder's.
+    ids = torch.tensor([[598, 5, 17, 200, 599, 599], [598, 42, 599, 599, 599, 599]])
+    heads, act = text.config.num_attention_heads, text.config.hidden_act
+    with torch.no_grad():
+        whole, conditioned = (_openclip_forward(state, ids, n, heads, act) for n in (layers + 1, layers))
+        want = text(ids)
+    assert torch.equal(whole, conditioned)
+    torch.testing.assert_close(conditioned, want.last_hidden_state, rtol=1e-5, atol=1e-5)
+
+    # Read back by sdtrain (diffusers' converter, as sdtrain drives it): the same N layers, weights and outputs.
+    with caplog.at_level("WARNING"):
+        loaded = build.load_component("text_encoder", path)
+    assert "not used" not in caplog.text
+    assert isinstance(loaded, CLIPTextModel) and loaded.config.num_hidden_layers == layers
+    _assert_same_weights(loaded, text, "text encoder")
+    with torch.no_grad():
+        got = loaded(ids)
+    assert torch.equal(want.last_hidden_state, got.last_hidden_state)
+    assert torch.equal(want.pooler_output, got.pooler_output)
+
+    # In half precision the tower's end is fp16 like the rest.
+    half = sf.save_single_file(tmp_path / "half.safetensors", text_encoder=text, text_layout="openclip", half=True)
+    assert {t.dtype for t in load_file(str(half)).values()} == {torch.float16}
+
+    # A file of the previous format (1): N blocks for N layers, no text_projection nor logit_scale.
+    old = {k: v for k, v in load_file(str(path)).items()
+           if not k.startswith(extra) and not k.endswith(("text_projection", "logit_scale"))}
+    with safe_open(str(path), framework="pt") as f:
+        metadata = {**f.metadata(), sf.FORMAT_KEY: "1"}
+    save_file(old, str(tmp_path / "old.safetensors"), metadata=metadata)
+    assert sf.written_by_sdtrain(tmp_path / "old.safetensors")  # an export may replace it
+    read = build.load_component("text_encoder", tmp_path / "old.safetensors")
+    assert read.config.num_hidden_layers == layers
+    _assert_same_weights(read, text, "format 1 text encoder")
 
 
 def test_vae_alone_with_attention_as_convolutions_or_linear(tmp_path):
@@ -230,8 +327,10 @@ def test_stable_diffusion_sized_layouts_match_diffusers_converters():
                      convert_open_clip_checkpoint(text, state))
         assert {k.removeprefix("text_model.") for k in converted} == set(text.state_dict())
         shapes = {k: tuple(v.shape) for k, v in state.items()}
-        if layout == "openclip":  # a real SD 2.x file has a 24th text block
-            shapes.update({k.replace(".22.", ".23."): s for k, s in shapes.items() if ".resblocks.22." in k})
+        if layout == "openclip":  # the whole tower, as a real SD 2.x file has it
+            assert shapes[sf.OPENCLIP_PREFIX + "text_projection"] == (1024, 1024)
+            assert shapes[sf.OPENCLIP_PREFIX + "logit_scale"] == ()
+            assert max(int(k.split(".")[4]) for k in shapes if ".resblocks." in k) == 23
         configs, _, found, prediction, _, errors = sf._infer(shapes, {})
         assert not errors
         assert (found, prediction) == (layout, "epsilon" if layout == "clip" else "v_prediction")

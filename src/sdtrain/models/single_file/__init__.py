@@ -25,13 +25,29 @@ Metadata keys written (all strings, as safetensors requires):
   weights cannot tell (attention heads, norm groups, the VAE's ``scaling_factor``, activation, token ids...).
   Sizes (channels, levels, layers, vocabulary...) are always read from the tensors, never from these.
 - ``text_encoder_layout``: ``clip`` or ``openclip``, informative (the keys say it too).
-- ``sdtrain_format``: ``1``; marks a file ``sdtrain export --single-file`` wrote (and may replace).
+- ``sdtrain_format``: ``2``; marks a file ``sdtrain export --single-file`` wrote (and may replace). Files of
+  format ``1`` (earlier sdtrain) are read and replaced as well: they differ only in the OpenCLIP text tower.
 
 Text encoder layout when writing (`choose_text_layout`): OpenCLIP when the text encoder was loaded from an
-SD 2.x-layout single file or is 1024 wide (SD 2.x's ViT-H), else CLIP. diffusers drops an OpenCLIP tower's
-block 23 when reading (SD 2.x conditions on the penultimate of 24 layers), so the OpenCLIP layout holds at
-most 23 layers: a 24-block file reads as 23 layers, and we write exactly the encoder's own layers (neither
-SD 2's unused 24th block nor its unused ``text_projection``).
+SD 2.x-layout single file or is 1024 wide (SD 2.x's ViT-H), else CLIP.
+
+The OpenCLIP tower. SD 2.x conditions on the penultimate of its 24 blocks (after ``ln_final``), so a diffusers
+CLIPTextModel keeps 23 layers, and diffusers' converter drops block 23 when reading: the OpenCLIP layout holds
+at most 23 layers. Readers of original checkpoints (ComfyUI, A1111) build the whole tower, so we write it whole
+(format 2): the N encoder layers as blocks 0..N-1, then
+
+- block N, which SD 2.x does not use: a copy of block N-1 with its attention ``out_proj`` and MLP ``c_proj``
+  zeroed, so it passes its input through unchanged (a reader conditioning on the last block's output gets the
+  same as on the penultimate's);
+- ``text_projection``: an identity of [width, width] (OpenCLIP's ``x @ text_projection``): a CLIPTextModel has
+  no projection and SD never uses CLIP's pooled embedding; square as SD 2.x's ViT-H one, and as ComfyUI loads
+  it, whatever the config's ``projection_dim`` (which stays in the metadata);
+- ``logit_scale``: OpenCLIP's initial log(1/0.07), a scalar; both in the dtype of the other text weights.
+
+Reading, the number of layers: a tower with ``text_projection`` (Stability's files, ours since format 2) is
+one block longer than the layers conditioned on; one without (format 1: N blocks for N layers) is all
+layers, except that 24 blocks are SD 2.x's own (23 layers) either way. diffusers' converter is handed only
+the blocks conditioned on: it drops block 23 alone, and would convert any other unused block as one more layer.
 
 A single file holds no tokenizer: ``sdtrain export --single-file`` writes it beside OUT.safetensors as
 OUT.tokenizer/, which the loader finds; otherwise ``model.tokenizer`` must name one. The inferred configs

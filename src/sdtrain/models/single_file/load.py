@@ -16,6 +16,7 @@ from sdtrain.models.single_file.read import (
     _first_line,
     _info,
     _open,
+    _past_layers,
     config_folder,
     scheduler_config,
     tokenizer_for,
@@ -58,8 +59,12 @@ def load_single_file_component(name: str, path: str | Path, trust_pickle: bool |
         keys = [k for k in file.shapes if k.startswith("cond_stage_model.")]
     else:
         keys = [k for k in file.shapes if k.startswith(prefix)]
+    handed = keys
+    if name == "text_encoder" and info.text_layout == "openclip":
+        layers = info.configs[name]["num_hidden_layers"]
+        handed = [k for k in keys if not _past_layers(k, prefix, layers)]
     # fp32 whatever the file stores (an fp16 file trains from fp32 master weights like any other source).
-    tensors = {k: v.float() if v.is_floating_point() else v for k, v in file.tensors(keys).items()}
+    tensors = {k: v.float() if v.is_floating_point() else v for k, v in file.tensors(handed).items()}
     folder = str(config_folder(info))
     common = dict(config=folder, subfolder=name, local_files_only=True)
     try:
@@ -87,7 +92,9 @@ def _warn_unused(name: str, module: Any, keys: list[str], info: SingleFileInfo, 
     except UserError:
         return
     prefix = info.prefixes[name]
-    ignorable = re.compile(r"(position_ids|text_projection|logit_scale|transformer\.resblocks\.23\..*)$")
+    # An OpenCLIP tower's unused last block is in `expected`, as written; CLIP's contrastive head is never used,
+    # whatever part of it a file has.
+    ignorable = re.compile(r"(position_ids|text_projection|logit_scale)$")
     unused = sorted(k for k in keys if not (k.startswith(prefix) and k[len(prefix):] in expected)
                     and not ignorable.search(k))
     if unused:

@@ -22,7 +22,10 @@ SAFE_SUFFIXES = (".safetensors",)
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 SUFFIXES = SAFE_SUFFIXES + PICKLE_SUFFIXES
 TRUST_PICKLE_ENV = "SDTRAIN_TRUST_PICKLE"
-FORMAT_KEY, FORMAT_VERSION = "sdtrain_format", "1"
+FORMAT_KEY, FORMAT_VERSION = "sdtrain_format", "2"
+# Every format sdtrain has written: "1" had no OpenCLIP text_projection and one block fewer (see the package
+# docstring); the inference below tells them apart by their keys alone.
+_FORMAT_VERSIONS = ("1", FORMAT_VERSION)
 TEXT_LAYOUTS = ("clip", "openclip")
 
 UNET_PREFIX = "model.diffusion_model."
@@ -31,7 +34,7 @@ CLIP_PREFIX = "cond_stage_model.transformer.text_model."
 OPENCLIP_PREFIX = "cond_stage_model.model."
 _VAE_PREFIXES = (VAE_PREFIX, "vae.", "")
 # Bumped when the inference below changes, so a cached config folder is never reused across versions.
-_CONFIG_VERSION = "1"
+_CONFIG_VERSION = "2"
 # diffusers' converter drops block 23 of an OpenCLIP text tower: SD 2.x conditions on the penultimate
 # of its 24 layers (diffusers' SD_2_TEXT_ENCODER_KEYS_TO_IGNORE). Files with more blocks would load with a hole.
 _OPENCLIP_DROPPED_BLOCK = 23
@@ -350,11 +353,26 @@ def _openclip_shape_config(s: dict[str, tuple[int, ...]]) -> dict[str, Any]:
         raise _Unrecognized(f"an OpenCLIP text tower of {blocks} blocks: diffusers' converter drops block "
                             f"{_OPENCLIP_DROPPED_BLOCK} (SD 2.x's unused last layer) and reads at most 24")
     _need(s, "ln_final.weight")
-    return {"vocab_size": vocab, "hidden_size": hidden,
-            # Mirror diffusers: of SD 2.x's 24 blocks, the 24th (index 23) is dropped.
-            "num_hidden_layers": blocks - 1 if blocks == _OPENCLIP_DROPPED_BLOCK + 1 else blocks,
+    complete = "text_projection" in s
+    # diffusers splits the fused in_proj at text_projection's first dimension: it must be the width.
+    if complete and s["text_projection"][0] != hidden:
+        raise _Unrecognized(f"text_projection is {list(s['text_projection'])}, not [{hidden}, ...] (the width first)")
+    # A complete tower (Stability's files, ours since format 2) ends on the block SD 2.x does not condition on.
+    # Format 1 files stop before it, every block a layer; 24 blocks are SD 2.x's own tower either way (diffusers
+    # drops block 23 whether or not text_projection is there).
+    layers = blocks - 1 if complete or blocks == _OPENCLIP_DROPPED_BLOCK + 1 else blocks
+    if not layers:
+        raise _Unrecognized("the only transformer.resblocks is the tower's unused last block")
+    return {"vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers,
             "max_position_embeddings": _need(s, "positional_embedding")[0],
             "intermediate_size": _need(s, "transformer.resblocks.0.mlp.c_fc.weight")[0]}
+
+
+def _past_layers(key: str, prefix: str, layers: int) -> bool:
+    """Whether `key` is of an OpenCLIP block past the encoder's `layers`: the tower's unused last block. diffusers'
+    converter drops only block 23 (SD 2.x's) and would convert any other as one more layer: it is never handed these."""
+    m = re.match(re.escape(prefix) + r"transformer\.resblocks\.(\d+)\.", key)
+    return m is not None and int(m.group(1)) >= layers
 
 
 def _strip(shapes: dict[str, Any], prefix: str) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 
 from sdtrain.errors import UserError
 from sdtrain.models.single_file.read import (
+    _FORMAT_VERSIONS,
     _OPENCLIP_DROPPED_BLOCK,
     CLIP_PREFIX,
     FORMAT_KEY,
@@ -27,6 +29,7 @@ from sdtrain.models.single_file.read import (
     VAE_PREFIX,
     VAE_SHAPE_KEYS,
     _infer,
+    _past_layers,
     _read_safetensors,
     _Unrecognized,
     is_single_file,
@@ -45,6 +48,8 @@ _VAE_RESNET = {"conv_shortcut": "nin_shortcut"}
 _VAE_ATTENTION = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
 _OPENCLIP_LAYER = {"self_attn.out_proj": "attn.out_proj", "layer_norm1": "ln_1", "layer_norm2": "ln_2",
                    "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
+# OpenCLIP's initial logit scale, log(1 / 0.07): no contrastive training is behind the identity projection either.
+_OPENCLIP_LOGIT_SCALE = math.log(1 / 0.07)
 
 
 def _rename(rest: str, table: dict[str, str]) -> str:
@@ -176,7 +181,29 @@ def _text_to_original(state: dict[str, torch.Tensor], layout: str) -> dict[str, 
     if unmapped:
         raise UserError(f"text_encoder: {len(unmapped)} weights have no place in the OpenCLIP layout "
                         f"(e.g. {unmapped[0]}); write it in the CLIP layout")
+    if qkv:
+        _complete_openclip_tower(out, max(qkv) + 1)
     return out
+
+
+def _complete_openclip_tower(out: dict[str, torch.Tensor], layers: int) -> None:
+    """Add what the original OpenCLIP tower has beyond the `layers` SD 2.x conditions on, so readers of
+    original checkpoints (ComfyUI, A1111) find it whole: one more block, ``text_projection``, ``logit_scale``."""
+    last = f"transformer.resblocks.{layers - 1}."
+    for key, tensor in [(k, v) for k, v in out.items() if k.startswith(last)]:
+        rest = key[len(last):]
+        # A block adds attention and MLP outputs to its input: with those projections zero it passes its input
+        # through, so even a reader conditioning on the last block's output gets the encoder's. The rest copies the
+        # last layer (clones: safetensors refuses shared tensors) so the block can learn if it is ever trained.
+        silent = rest.startswith(("attn.out_proj.", "mlp.c_proj."))
+        out[f"transformer.resblocks.{layers}.{rest}"] = torch.zeros_like(tensor) if silent else tensor.clone()
+    embedding = out["token_embedding.weight"]
+    like = dict(dtype=embedding.dtype, device=embedding.device)
+    # A CLIPTextModel has no projection (SD never uses CLIP's pooled embedding): an identity says so, square as
+    # SD 2.x's (ViT-H's embed_dim is its width) and as ComfyUI's loader requires, whatever projection_dim says.
+    width = embedding.shape[1]
+    out["text_projection"] = torch.eye(width, **like)
+    out["logit_scale"] = torch.tensor(_OPENCLIP_LOGIT_SCALE, **like)
 
 
 def _module_config(name: str, module: Any) -> dict[str, Any]:
@@ -303,6 +330,9 @@ def _diffusers_converted_keys(name: str, state: dict[str, torch.Tensor], module:
     if name == "vae":
         return set(convert_ldm_vae_checkpoint(state, dict(module.config)))
     if OPENCLIP_PREFIX + "token_embedding.weight" in state:
+        layers = module.config.num_hidden_layers
+        # As the loader hands them: without the tower's unused last block.
+        state = {k: v for k, v in state.items() if not _past_layers(k, OPENCLIP_PREFIX, layers)}
         converted = convert_open_clip_checkpoint(module, state, prefix=OPENCLIP_PREFIX)
     else:
         converted = convert_ldm_clip_checkpoint(state)
@@ -379,4 +409,4 @@ def written_by_sdtrain(path: str | Path) -> bool:
         file = _read_safetensors(Path(path))
     except UserError:
         return False
-    return file.metadata.get(FORMAT_KEY) == FORMAT_VERSION
+    return file.metadata.get(FORMAT_KEY) in _FORMAT_VERSIONS
