@@ -104,8 +104,10 @@ class ModelConfig:
     ``torch.load(weights_only=True)``, which refuses code, but convert them to safetensors if you can."""
     tokenizer_vocab_size: int = 1024
     """Vocabulary size of a tokenizer trained from captions."""
-    max_text_length: int = 77
-    """Tokens per caption (CLIP's 77 by default)."""
+    max_text_length: int | None = None
+    """Tokens per caption. Unset: the pretrained tokenizer's ``model_max_length`` (no more than its text encoder's
+    ``max_position_embeddings``), or 77 (CLIP's) for a tokenizer trained from scratch; a set value longer than
+    the pretrained text encoder's positions is an error."""
     unet_overrides: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments that replace the preset's UNet2DConditionModel settings."""
     vae_overrides: dict[str, Any] = field(default_factory=dict)
@@ -602,7 +604,8 @@ def validate(config: RunConfig) -> None:
     _check((config.data.class_key is None) == (config.data.class_prompts is None), "data.class_prompts",
            "class_key and class_prompts go together: set both (e.g. cls and a JSON of index -> prompt) or neither")
     _check(config.model.preset in ("tiny", "small", "sd2"), "model.preset", "must be tiny, small or sd2")
-    _check(config.model.max_text_length >= 4, "model.max_text_length", "must be at least 4")
+    _check(config.model.max_text_length is None or config.model.max_text_length >= 4, "model.max_text_length",
+           "must be at least 4 (or unset: the pretrained length, else 77)")
     _check(
         config.diffusion.prediction_type in (None, "epsilon", "v_prediction"),
         "diffusion.prediction_type",

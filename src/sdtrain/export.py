@@ -51,8 +51,7 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
             raise UserError(f"{run_dir}: the {name} was neither trained nor loaded from a folder")
         return build.load_component(name, source, trust_pickle=trust)
 
-    tokenizer_source = build.tokenizer_source(model) or run_dir
-    tokenizer = build.load_tokenizer(tokenizer_source, model.max_text_length)
+    tokenizer = build.load_text_tokenizer(model, run_dir, pinned.get("text_encoder"))
     added_tokens = read_meta(checkpoint).get("task", {}).get("tokens")
     if added_tokens:  # textual inversion: the merged text encoder's new rows belong to these
         tokenizer.add_tokens(added_tokens)

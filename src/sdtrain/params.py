@@ -30,7 +30,7 @@ class ComponentCount:
 def _vocab_size(config: RunConfig) -> int:
     source = build.tokenizer_source(config.model)
     if source is not None:
-        return len(build.load_tokenizer(source, config.model.max_text_length))
+        return len(build.load_tokenizer(source))
     return config.model.tokenizer_vocab_size  # what a tokenizer trained on the captions aims for
 
 
@@ -55,7 +55,7 @@ def _component(config: RunConfig, name: str, built: dict[str, Any]) -> tuple[Any
         if name == "vae":
             module = build.build_vae(model)
         elif name == "text_encoder":
-            module = build.build_text_encoder(model, _TokenizerShape(_vocab_size(config), model.max_text_length))
+            module = build.build_text_encoder(model, _TokenizerShape(_vocab_size(config), build.text_length(model)))
         else:
             vae, text = built["vae"], built["text_encoder"]
             side = config.data.resolution // build.vae_scale(vae.config.block_out_channels)

@@ -11,12 +11,14 @@ cluster node behaves exactly like a laptop.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
 from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel
 
+from sdtrain.checkpoint import latest_checkpoint, load_run_modules, read_meta
 from sdtrain.config import DiffusionConfig, ModelConfig
 from sdtrain.errors import UserError, first_line
 from sdtrain.models import single_file
@@ -176,8 +178,6 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
     if kind == "single_file":
         return single_file.load_single_file_component(name, source, trust_pickle=trust_pickle)
     if kind in ("run", "checkpoint"):
-        from sdtrain.checkpoint import load_run_modules
-
         checkpoint = Path(source) if kind == "checkpoint" else None
         run = Path(source).parent.parent if checkpoint else Path(source)
         modules = load_run_modules(run, names=[name], checkpoint=checkpoint)
@@ -198,14 +198,95 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
         raise UserError(f"{folder}: cannot load the {name} ({first_line(exc)}){hint}") from exc
 
 
-def load_tokenizer(source: str | Path, max_length: int | None = None) -> Any:
-    """From a tokenizer folder, or the tokenizer/ inside a pipeline or run folder (or beside a single file)."""
+def _tokenizer_folder(source: str | Path) -> Path:
+    """A tokenizer folder, or the tokenizer/ inside a pipeline or run folder (or beside a single file)."""
     folder = Path(source)
     if single_file.looks_like_single_file(folder):
         folder = Path(single_file.tokenizer_for(folder))
     if (folder / "tokenizer").is_dir():
         folder = folder / "tokenizer"
-    return load_clip_tokenizer(folder, max_length=max_length)
+    return folder
+
+
+def load_tokenizer(source: str | Path, max_length: int | None = None) -> Any:
+    """From a tokenizer folder, or the tokenizer/ inside a pipeline or run folder (or beside a single file);
+    `max_length` replaces its saved model_max_length. A run's tokenizer is `load_text_tokenizer`'s."""
+    return load_clip_tokenizer(_tokenizer_folder(source), max_length=max_length)
+
+
+DEFAULT_TEXT_LENGTH = 77
+"""CLIP's tokens per caption: the length of a tokenizer trained from scratch when model.max_text_length is unset."""
+# Some tokenizer_config.json files write "no limit" as a huge number (transformers' VERY_LARGE_INTEGER).
+_NO_LIMIT = 100_000
+
+
+def _json_value(path: Path, key: str) -> Any:
+    try:
+        return json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None  # the loader of that file reports what is wrong with it
+
+
+def text_encoder_positions(source: str | Path | None, trust_pickle: bool | None = None) -> tuple[int, str] | None:
+    """The tokens a text encoder reads (its max_position_embeddings) and the file that says so, from its
+    config alone, never its weights (a single file's header; a pickle single file is read whole, once
+    trusted). None without a source, or when that source has no text encoder config to read: loading it
+    then fails with the loader's own message."""
+    if source is None or not Path(source).exists():
+        return None
+    path = Path(source)
+    kind = source_kind(path)
+    if kind == "single_file":
+        config = single_file.inspect_single_file(path, trust_pickle).configs.get("text_encoder", {})
+        found, where = config.get("max_position_embeddings"), f"the tensor shapes of {path}"
+    elif kind in ("pipeline", "component"):
+        file = path / "text_encoder" / "config.json" if kind == "pipeline" else path / "config.json"
+        found, where = _json_value(file, "max_position_embeddings"), str(file)
+    else:
+        checkpoint = path if kind == "checkpoint" else latest_checkpoint(path)
+        if checkpoint is None:
+            return None
+        spec = read_meta(checkpoint).get("modules", {}).get("text_encoder", {})
+        found, where = spec.get("config", {}).get("max_position_embeddings"), str(checkpoint / "meta.json")
+    return (int(found), where) if found else None
+
+
+def text_length(config: ModelConfig, fallback: str | Path | None = None,
+                text_encoder: str | Path | None = None) -> int:
+    """Tokens per caption: model.max_text_length when set, else the pretrained tokenizer's model_max_length
+    (tokenizer_config.json) capped at the text encoder's max_position_embeddings, since the encoder reads no
+    more; DEFAULT_TEXT_LENGTH when neither exists (a tokenizer and text encoder trained from scratch).
+
+    The tokenizer is `tokenizer_source(config)`'s, else `fallback`'s (a run folder holding the tokenizer it
+    trained); the text encoder is `text_encoder` (a run's pinned source) or the config's. A set length
+    longer than the text encoder's positions is a UserError naming both. The config is never changed.
+    """
+    source = tokenizer_source(config) or fallback
+    tokenizer_file = _tokenizer_folder(source) / "tokenizer_config.json" if source else None
+    saved = _json_value(tokenizer_file, "model_max_length") if tokenizer_file else None
+    saved = saved if isinstance(saved, int) and saved < _NO_LIMIT else None
+    encoder = text_encoder_positions(text_encoder or component_source(config, "text_encoder"), trusts_pickle(config))
+    if config.max_text_length is not None:
+        if encoder and config.max_text_length > encoder[0]:
+            positions, where = encoder
+            tokenizer = f"; its tokenizer's model_max_length in {tokenizer_file} is {saved}" if saved else ""
+            raise UserError(
+                f"model.max_text_length: {config.max_text_length} tokens, but the pretrained text encoder reads at "
+                f"most {positions} (max_position_embeddings in {where}{tokenizer}); set model.max_text_length="
+                f"{positions} or less, or leave it unset to take the pretrained length")
+        return config.max_text_length
+    lengths = [n for n in (saved, encoder and encoder[0]) if n]
+    return min(lengths) if lengths else DEFAULT_TEXT_LENGTH
+
+
+def load_text_tokenizer(config: ModelConfig, fallback: str | Path | None = None,
+                        text_encoder: str | Path | None = None) -> Any:
+    """The tokenizer a run encodes captions with, its model_max_length the run's `text_length` (same
+    arguments)."""
+    source = tokenizer_source(config) or fallback
+    if source is None:
+        raise UserError("model.tokenizer: no tokenizer to load; set model.tokenizer or model.pretrained")
+    return load_tokenizer(source, text_length(config, fallback, text_encoder))
 
 
 def tokenizer_source(config: ModelConfig) -> str | None:
@@ -232,8 +313,6 @@ def pin_source(source: str | Path) -> str:
     file is pinned to its absolute path."""
     path = Path(source).resolve()
     if source_kind(path) == "run":
-        from sdtrain.checkpoint import latest_checkpoint
-
         newest = latest_checkpoint(path)
         if newest is None:
             raise UserError(f"{source}: this run has no complete checkpoint yet; train it first")

@@ -248,8 +248,7 @@ class DiffusionTask(Task):
         return {"unet": self.unet, "text_encoder": self.text_encoder}
 
     def _tokenizer(self):
-        model = self.config.model
-        return build.load_tokenizer(build.tokenizer_source(model) or self.run_dir, model.max_text_length)
+        return build.load_text_tokenizer(self.config.model, self.run_dir, self.pinned.get("text_encoder"))
 
     @staticmethod
     def prepare(config: RunConfig, run_dir: Path) -> None:
@@ -267,7 +266,7 @@ class DiffusionTask(Task):
         else:
             captions = read_captions(config.data.shards, config.data.caption_key)
         log.info("training a %d-token BPE tokenizer on %d captions", model.tokenizer_vocab_size, len(captions))
-        train_clip_tokenizer(captions, saved, model.tokenizer_vocab_size, model.max_text_length)
+        train_clip_tokenizer(captions, saved, model.tokenizer_vocab_size, build.text_length(model))
 
     def encode_text(self, input_ids: torch.Tensor) -> torch.Tensor:
         if next(self.text_encoder.parameters()).is_meta:
