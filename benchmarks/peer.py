@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -52,7 +53,7 @@ def size_settings(size: str, sd2_text_layers: int | None) -> dict[str, Any]:
     from sdtrain.config import load_config
 
     spec = SIZES[size]
-    dummy = ["run_dir=unused", "data.shards=unused"]
+    dummy = ["run_dir=unused", "data.shards=unused", "model.vae=unused"]
     cfg = load_config(REPO / spec["config"], dummy)
     vae_model = load_config(REPO / spec["vae_config"], dummy).model if spec["vae_config"] else cfg.model
     text_overrides = dict(cfg.model.text_encoder_overrides)
@@ -65,7 +66,7 @@ def size_settings(size: str, sd2_text_layers: int | None) -> dict[str, Any]:
         "unet_overrides": dict(cfg.model.unet_overrides),
         "text_encoder_overrides": text_overrides,
         "vocab_size": cfg.model.tokenizer_vocab_size,
-        "max_text_length": cfg.model.max_text_length,
+        "max_text_length": cfg.model.max_text_length or 77,
         "resolution": cfg.data.resolution,
         "prediction_type": cfg.diffusion.prediction_type or "epsilon",
     }
@@ -164,12 +165,13 @@ def read_mem_available_gib() -> float:
 
 def run_measured(name: str, cmd: list[str], env: dict[str, str], logfile: Path, clock: Path | None,
                  total: int, timeout: float | None) -> dict[str, Any]:
-    """Run ``cmd`` as a fresh child; return its exit code, wall time and peak RSS.
+    """Run ``cmd`` as a fresh child; return its exit code, wall time and two peaks.
 
-    The peak comes from ``os.wait4`` on that child: Linux reports the largest resident set of the
-    child and of the descendants it waited for (accelerate's launcher waits for the training process),
-    so it is per run, unlike RUSAGE_CHILDREN, which keeps the maximum over every child so far.
-    DataLoader workers are separate processes: their memory is not added to the peak.
+    - peak_gib: from ``os.wait4`` on that child: Linux reports the largest resident set of the child and
+      of the descendants it waited for (accelerate's launcher waits for the training process), so it is
+      per run, unlike RUSAGE_CHILDREN. The largest single process: loader workers are not added.
+    - tree_peak_gib: the whole process tree (launcher, trainer, loader workers, fork server) sampled
+      while it runs by sdtrain's ``memory.TreePeak``, each page counted once: what the machine sees.
     """
     if clock is not None:
         clock.unlink(missing_ok=True)
@@ -178,8 +180,11 @@ def run_measured(name: str, cmd: list[str], env: dict[str, str], logfile: Path, 
     log(f"{name}: log {logfile}; MemAvailable {read_mem_available_gib():.1f} GiB")
     load_before = os.getloadavg()[0]
     t0 = time.time()
+    from sdtrain.memory import TreePeak
+
     with open(logfile, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        tree = TreePeak(proc.pid, interval=0.25).__enter__()
         last_report = t0
         status, usage = 0, None
         try:
@@ -201,12 +206,15 @@ def run_measured(name: str, cmd: list[str], env: dict[str, str], logfile: Path, 
             os.killpg(proc.pid, signal.SIGKILL)
             os.waitpid(proc.pid, 0)
             raise
+        finally:
+            tree.stop()
         proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.time() - t0
     result = {"returncode": proc.returncode, "wall_s": round(wall, 2), "start_time": t0,
               "loadavg_1min_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
               "cpu_user_s": round(usage.ru_utime, 1), "cpu_system_s": round(usage.ru_stime, 1),
-              "peak_gib": round(usage.ru_maxrss / 2**20, 3), "log": str(logfile)}
+              "peak_gib": round(usage.ru_maxrss / 2**20, 3), "tree_peak_gib": round(tree.peak() / 2**30, 3),
+              "log": str(logfile)}
     if proc.returncode != 0:
         tail = logfile.read_text(errors="replace").splitlines()[-15:]
         log(f"{name}: FAILED with exit code {proc.returncode}; last lines of {logfile}:\n    " + "\n    ".join(tail))
@@ -332,6 +340,19 @@ def sdtrain_config(args: argparse.Namespace, size: str, work: Path, run_dir: Pat
     return path
 
 
+def benchmark_reported(report: Path) -> dict[str, Any]:
+    """What `sdtrain benchmark train` reported: its img/s (median step) and the peaks it measured itself."""
+    if not report.is_file():
+        return {"steps_timed": 0}
+    result = json.loads(report.read_text())
+    return {"img_per_s": round(result["images_per_s"], 4), "img_per_s_median": round(result["images_per_s"], 4),
+            "steps_timed": result["steps_timed"], "first_step_s": round(result["first_step_ms"] / 1000, 2),
+            "reported_peak_gib": round(result["peak_memory_gib"], 3),
+            "reported_loading_peak_gib": round(result["loading_peak_memory_gib"], 3),
+            "reported_save_peak_gib": round(result.get("save_peak_memory_gib", 0), 3),
+            "reported_mixed_precision": result["mixed_precision"]}
+
+
 def sdtrain_reported(run_dir: Path) -> float | None:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
@@ -371,25 +392,27 @@ def prepare_sdtrain_data(work: Path, settings: dict[str, Any], env: dict[str, st
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = ["size", "ema", "precision", "tool", "img/s", "img/s (median step)", "CPU ms/img", "first step s",
-            "peak GiB", "sdtrain/peer (img/s, median)"]
-    peers = {(r["size"], r["ema"], r["precision"]): r for r in rows if r["tool"] == "peer"}
+    head = ["size", "ema", "precision", "workers", "tool", "img/s", "img/s (median step)", "CPU ms/img", "first step s",
+            "peak GiB", "tree peak GiB", "reported peak GiB", "sdtrain/peer (img/s, median)"]
+    peers = {(r["size"], r["ema"], r["precision"], r.get("workers")): r for r in rows if r["tool"] == "peer"}
 
     def num(value: Any, fmt: str) -> str:
         return format(value, fmt) if isinstance(value, (int, float)) else ""
 
     table = []
     for r in rows:
-        peer = peers.get((r["size"], r["ema"], r["precision"]))
+        peer = peers.get((r["size"], r["ema"], r["precision"], r.get("workers")))
         ratio = ""
         if r["tool"] != "peer" and peer and r.get("img_per_s") and peer.get("img_per_s"):
             ratio = f"{r['img_per_s'] / peer['img_per_s']:.2f}"
             if r.get("img_per_s_median") and peer.get("img_per_s_median"):
                 ratio += f", {r['img_per_s_median'] / peer['img_per_s_median']:.2f}"
         rate = num(r.get("img_per_s"), ".3f") or ("FAILED" if r["returncode"] else "n/a")
-        table.append([r["size"], "on" if r["ema"] else "off", r["precision"], r["tool"], rate,
+        table.append([r["size"], "on" if r["ema"] else "off", r["precision"], str(r.get("workers", "")), r["tool"],
+                      rate,
                       num(r.get("img_per_s_median"), ".3f"), num(r.get("cpu_ms_per_img"), ".1f"),
-                      num(r.get("first_step_s"), ".1f"), num(r["peak_gib"], ".2f"), ratio])
+                      num(r.get("first_step_s"), ".1f"), num(r["peak_gib"], ".2f"),
+                      num(r.get("tree_peak_gib"), ".2f"), num(r.get("reported_peak_gib"), ".2f"), ratio])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *table)]
     line = "  ".join(h.ljust(w) for h, w in zip(head, widths))
     print(line)
@@ -433,7 +456,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sdtrain-modes", default="online,encoded",
                    help="sdtrain runs: online (images, VAE and text encoder every step) and/or encoded "
                         "(shards from sdtrain prepare encode); default both")
-    p.add_argument("--workers", type=int, default=1, help="data loader workers for both tools (default 1)")
+    p.add_argument("--workers", default="1",
+                   help="data loader workers for both tools; a comma list runs each count (default 1)")
+    p.add_argument("--benchmark", action="store_true",
+                   help="after each sdtrain run, `sdtrain benchmark train` on the same config (and --encoded for "
+                        "the encoded mode), to compare what it reports with the run")
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")),
                    help="OMP_NUM_THREADS for both tools (default: $OMP_NUM_THREADS or 2)")
     p.add_argument("--sd2-text-layers", type=int, default=None,
@@ -454,6 +481,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"{flag}: {', '.join(bad)} not one of {', '.join(allowed)}")
     if args.steps < 2:
         p.error("--steps: at least 2 (the first step is never timed)")
+    try:
+        args.worker_counts = [int(w) for w in str(args.workers).split(",")]
+    except ValueError:
+        p.error(f"--workers {args.workers}: expected counts such as 0,1,2")
     args.sizes, args.precisions, args.modes = sizes, precisions, modes
     args.emas = {"both": [False, True], "on": [True], "off": [False]}[args.ema]
     if args.skip is None:
@@ -490,12 +521,13 @@ def main(argv: list[str] | None = None) -> int:
         "diffusers_installed": diffusers.__version__,
         "torchvision": "stand-in" if use_standin else "real",
         "environment": passthrough,
-        "steps": args.steps, "skip": args.skip, "workers": args.workers,
+        "steps": args.steps, "skip": args.skip, "workers": args.worker_counts,
         "timing": "images/s = batch x (steps - skip) / (end of last step - end of step `skip`), from the wall "
                   "time each tool's per-step progress-bar update was called (benchmarks/stepclock.py); "
                   "img_per_s_median = batch / median step time over the same steps; cpu_ms_per_img = CPU time "
                   "of the training process over those steps per image; peak = ru_maxrss of the run's process "
-                  "tree from os.wait4 (the largest single process, loader workers not added)",
+                  "tree from os.wait4 (the largest single process, loader workers not added); tree peak = every "
+                  "process of the run sampled every 0.25 s, each page counted once (sdtrain.memory.TreePeak)",
         "sizes": {}, "runs": [],
     }
     out = args.out.resolve()
@@ -519,40 +551,52 @@ def main(argv: list[str] | None = None) -> int:
             results["sizes"][size]["sdtrain_data"] = prepare_sdtrain_data(work, settings, env, "encoded" in args.modes,
                                                                           logs)
         save()
-        for precision in args.precisions:
-            for ema in args.emas:
-                runs = [("peer", None)] + [(f"sdtrain-{m}", m) for m in args.modes]
-                for tool, mode in runs:
-                    name = f"{tool}-ema{'on' if ema else 'off'}-{precision}"
-                    run_dir = work / "runs" / name
+        for workers, precision, ema in itertools.product(args.worker_counts, args.precisions, args.emas):
+            variant = argparse.Namespace(**{**vars(args), "workers": workers})
+            runs = [("peer", None)] + [(f"sdtrain-{m}", m) for m in args.modes]
+            if args.benchmark:
+                runs += [(f"benchmark-{m}", m) for m in args.modes]
+            for tool, mode in runs:
+                name = f"{tool}-ema{'on' if ema else 'off'}-{precision}-w{workers}"
+                run_dir = work / "runs" / name
+                shutil.rmtree(run_dir, ignore_errors=True)
+                run_dir.parent.mkdir(parents=True, exist_ok=True)
+                clock = work / "runs" / f"{name}.clock"
+                report = None
+                if mode is None:
+                    cmd = peer_command(variant, size, work, run_dir, ema, precision, res)
+                    run_env, desc = peer_env, "Steps"
+                else:
+                    cfg = sdtrain_config(variant, size, work, run_dir, ema, precision, mode, settings)
+                    cmd = [sys.executable, str(STEPCLOCK), "-m", "sdtrain", "train", str(cfg)]
+                    run_env, desc = env, "train"
+                    if tool.startswith("benchmark"):
+                        report = run_dir.with_suffix(".json")
+                        cmd = [sys.executable, "-m", "sdtrain", "benchmark", "train", str(cfg), f"run_dir={run_dir}",
+                               "--steps", str(args.steps - args.skip), "--warmup", str(args.skip),
+                               "--peak-seconds", "0.5", "--out", str(report),
+                               *(["--encoded"] if mode == "encoded" else [])]
+                run_env = {**run_env, "STEPCLOCK_FILE": str(clock), "STEPCLOCK_TOTAL": str(args.steps),
+                           "STEPCLOCK_DESC": desc}
+                measured = run_measured(f"{size} {name}", cmd, run_env, logs / f"{name}.log", clock,
+                                        args.steps, args.timeout)
+                row = {"size": size, "ema": ema, "precision": precision, "workers": workers, "tool": tool,
+                       "batch": batch, "resolution": res, **measured}
+                if report is not None:
+                    row |= benchmark_reported(report)
+                else:
+                    row |= steady_rate(clock, batch, args.skip, measured["start_time"])
+                if mode is not None and report is None:
+                    row["sdtrain_metrics_img_per_s"] = sdtrain_reported(run_dir)
+                    row["sdtrain_mixed_precision"] = sdtrain_precision(run_dir.with_suffix(".yaml"), precision)
+                row["command"] = cmd
+                results["runs"].append(row)
+                save()
+                log(f"{size} {name}: {row.get('img_per_s', 'n/a')} img/s ({row.get('img_per_s_median', 'n/a')} "
+                    f"from the median step) over {row.get('steps_timed', 0)} steps, "
+                    f"peak {row['peak_gib']:.2f} GiB (tree {row['tree_peak_gib']:.2f}), wall {row['wall_s']:.0f} s")
+                if not args.keep_outputs:
                     shutil.rmtree(run_dir, ignore_errors=True)
-                    run_dir.parent.mkdir(parents=True, exist_ok=True)
-                    clock = work / "runs" / f"{name}.clock"
-                    if mode is None:
-                        cmd = peer_command(args, size, work, run_dir, ema, precision, res)
-                        run_env, desc = peer_env, "Steps"
-                    else:
-                        cfg = sdtrain_config(args, size, work, run_dir, ema, precision, mode, settings)
-                        cmd = [sys.executable, str(STEPCLOCK), "-m", "sdtrain", "train", str(cfg)]
-                        run_env, desc = env, "train"
-                    run_env = {**run_env, "STEPCLOCK_FILE": str(clock), "STEPCLOCK_TOTAL": str(args.steps),
-                               "STEPCLOCK_DESC": desc}
-                    measured = run_measured(f"{size} {name}", cmd, run_env, logs / f"{name}.log", clock,
-                                            args.steps, args.timeout)
-                    row = {"size": size, "ema": ema, "precision": precision, "tool": tool, "batch": batch,
-                           "resolution": res, **measured,
-                           **steady_rate(clock, batch, args.skip, measured["start_time"])}
-                    if mode is not None:
-                        row["sdtrain_metrics_img_per_s"] = sdtrain_reported(run_dir)
-                        row["sdtrain_mixed_precision"] = sdtrain_precision(run_dir.with_suffix(".yaml"), precision)
-                    row["command"] = cmd
-                    results["runs"].append(row)
-                    save()
-                    log(f"{size} {name}: {row.get('img_per_s', 'n/a')} img/s ({row.get('img_per_s_median', 'n/a')} "
-                        f"from the median step) over {row.get('steps_timed', 0)} steps, "
-                        f"peak {row['peak_gib']:.2f} GiB, wall {row['wall_s']:.0f} s")
-                    if not args.keep_outputs:
-                        shutil.rmtree(run_dir, ignore_errors=True)
     print()
     print_table(results["runs"])
     print(f"\nresults: {out}")

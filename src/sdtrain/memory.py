@@ -2,13 +2,19 @@
 launcher started, sampled while they run.
 
 A process's own high-water mark (``ru_maxrss``) misses what its children hold, and adding up resident
-sets counts pages that processes share once per process. So every process of the tree is counted once:
-a large process (a trainer or a rank) by its resident set, which is cheap to read at any size, and a small
-one (a loader worker, the fork server, a launcher) by its proportional set size, which splits the library
-pages it shares with its siblings between them. Reading a proportional size walks the process's mappings
-(some 4 ms for a loader worker), so a sampler refreshes small processes' every few seconds: what they hold
-changes slowly, while a trainer's peak comes and goes within a step. Linux only; elsewhere the tree is the
-process alone.
+sets counts pages that processes share once per process. So every process of the tree is counted once,
+by what it adds:
+
+- the root, and a large process started afresh (a trainer under a launcher, a rank): its resident set,
+  which is cheap to read at any size;
+- a large process forked from a large one (a loader worker forked from its trainer): only the pages it
+  alone maps (its unique set); the rest are its parent's, already counted;
+- a small process (a loader worker forked from the fork server, the server itself, a launcher): its
+  proportional set, which splits the pages it shares with its siblings between them.
+
+Unique and proportional sizes walk a process's mappings (4 ms for a loader worker, 80 ms for 8 GiB), so
+a sampler re-reads them only every few seconds: what such processes hold changes slowly, while a
+trainer's peak comes and goes within a step. Linux only; elsewhere the tree is the process alone.
 """
 
 from __future__ import annotations
@@ -21,17 +27,16 @@ import time
 from pathlib import Path
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-# Above this a process is a trainer or a rank: walking its page tables for a proportional size would
-# cost tens of milliseconds every sample, and what it shares with the rest of the tree is small.
+# Above this a process is a trainer, a rank or a fork of one; below it a worker, a server or a launcher.
 _LARGE = 1 << 30
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid`, children first."""
-    found: list[int] = []
+def descendants(pid: int) -> list[tuple[int, int]]:
+    """(process, its parent) for every live process below `pid`, parents before their children."""
+    found: list[tuple[int, int]] = []
     pending = [pid]
     while pending:
-        parent = pending.pop()
+        parent = pending.pop(0)
         try:
             tasks = list(Path(f"/proc/{parent}/task").iterdir())
         except OSError:
@@ -39,7 +44,7 @@ def descendants(pid: int) -> list[int]:
         for task in tasks:
             with contextlib.suppress(OSError, ValueError):
                 children = [int(c) for c in (task / "children").read_text().split()]
-                found += children
+                found += [(child, parent) for child in children]
                 pending += children
     return found
 
@@ -49,34 +54,70 @@ def _resident(pid: int) -> int:
         return int(statm.read().split()[1]) * _PAGE
 
 
-def _proportional(pid: int) -> int:
+def _rollup(pid: int, fields: tuple[str, ...]) -> int:
+    total = 0
     with open(f"/proc/{pid}/smaps_rollup") as rollup:
         for line in rollup:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            name, _, value = line.partition(":")
+            if name in fields:
+                total += int(value.split()[0]) * 1024
+    return total
 
 
-def process_bytes(pid: int, root: bool = False) -> int:
-    """What one process of a tree costs: see the module docstring. 0 once it has gone."""
-    try:
-        resident = _resident(pid)
-        return resident if root or resident > _LARGE else _proportional(pid)
-    except (OSError, ValueError, IndexError):
-        return 0
+def _walked(pid: int, forked_from_large: bool) -> int:
+    """The size that needs a walk of the mappings: unique for a fork of a large process, else proportional."""
+    return _rollup(pid, ("Private_Clean", "Private_Dirty") if forked_from_large else ("Pss",))
 
 
 def tree_bytes(pid: int | None = None) -> int:
-    """The memory of `pid` (this process by default) and everything it started."""
+    """The memory of `pid` (this process by default) and everything it started, read now."""
     pid = os.getpid() if pid is None else pid
     if not Path(f"/proc/{pid}/statm").exists():
         return own_peak_bytes() if pid == os.getpid() else 0
-    return process_bytes(pid, root=True) + sum(process_bytes(child) for child in descendants(pid))
+    return _TreeReader(pid, refresh=0.0).read()
 
 
 def own_peak_bytes() -> int:
     """This process's own high-water mark, as the kernel keeps it (never missed between samples)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+class _TreeReader:
+    """Reads a tree's memory, keeping each walked size for `refresh` seconds (or 20 times what reading it
+    took, for large processes), so that sampling costs little of the cores the tree itself runs on."""
+
+    def __init__(self, pid: int, refresh: float):
+        self.pid = pid
+        self.refresh = refresh
+        self._walked: dict[int, tuple[float, float, int]] = {}
+        """pid -> (when read, seconds reading it took, size)."""
+
+    def read(self) -> int:
+        try:
+            total = _resident(self.pid)
+        except (OSError, ValueError, IndexError):
+            return 0
+        sizes: dict[int, int] = {self.pid: total}
+        walked: dict[int, tuple[float, float, int]] = {}
+        for child, parent in descendants(self.pid):
+            try:
+                resident = _resident(child)
+            except (OSError, ValueError, IndexError):
+                continue
+            sizes[child] = resident
+            if resident > _LARGE and sizes.get(parent, 0) <= _LARGE:
+                total += resident
+                continue
+            clock = time.monotonic()
+            read_at, cost, size = self._walked.get(child, (float("-inf"), 0.0, 0))
+            if clock - read_at > max(self.refresh, 20 * cost):
+                with contextlib.suppress(OSError, ValueError):
+                    size = _walked(child, resident > _LARGE)
+                    read_at, cost = clock, time.monotonic() - clock
+            walked[child] = (read_at, cost, size)
+            total += size
+        self._walked = walked
+        return total
 
 
 class TreePeak:
@@ -86,9 +127,9 @@ class TreePeak:
     def __init__(self, pid: int | None = None, interval: float = 0.1, phase: str = "start", refresh: float = 2.0):
         self.pid = os.getpid() if pid is None else pid
         self.interval = interval
-        self.refresh = refresh
         self.peaks: dict[str, int] = {}
-        self._small: dict[int, tuple[float, int]] = {}
+        self._reader = _TreeReader(self.pid, refresh)
+        self._linux = Path(f"/proc/{self.pid}/statm").exists()
         self._phase = phase
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -116,8 +157,8 @@ class TreePeak:
         self.sample()
 
     def sample(self) -> int:
-        now = self._tree_bytes()
         with self._lock:
+            now = self._reader.read() if self._linux else tree_bytes(self.pid)
             self.peaks[self._phase] = max(self.peaks.get(self._phase, 0), now)
         return now
 
@@ -125,28 +166,6 @@ class TreePeak:
         with self._lock:
             return self.peaks.get(phase, 0) if phase is not None else max(self.peaks.values(), default=0)
 
-    def _tree_bytes(self) -> int:
-        """tree_bytes, with each small process's proportional size re-read only every `refresh` seconds."""
-        if not Path(f"/proc/{self.pid}/statm").exists():
-            return tree_bytes(self.pid)
-        total, clock, small = process_bytes(self.pid, root=True), time.monotonic(), {}
-        for child in descendants(self.pid):
-            try:
-                resident = _resident(child)
-            except (OSError, ValueError, IndexError):
-                continue
-            if resident > _LARGE:
-                total += resident
-                continue
-            read_at, size = self._small.get(child, (float("-inf"), 0))
-            if clock - read_at > self.refresh:
-                read_at, size = clock, process_bytes(child)
-            small[child] = (read_at, size)
-            total += size
-        self._small = small
-        return total
-
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self.sample()
-
