@@ -71,8 +71,8 @@ class Benchmark(Trainer):
             # No captions to learn from: a tokenizer of the configured size on generic text will do,
             # since only its length and vocabulary size shape the step.
             words = [f"token{i} word{i % 97} thing{i % 13}" for i in range(self.config.model.tokenizer_vocab_size)]
-            tokenizer = train_clip_tokenizer(words, self.run_dir / "tokenizer", self.config.model.tokenizer_vocab_size,
-                                             self.config.model.max_text_length)
+            tokenizer = train_clip_tokenizer(words, self.run_dir / "tokenizer", model.tokenizer_vocab_size,
+                                             build.text_length(model))
             if model.text_encoder == str(self.run_dir / RANDOM_TEXT_ENCODER):
                 build.build_text_encoder(model, tokenizer).save_pretrained(model.text_encoder)
 
