@@ -76,6 +76,13 @@ class Benchmark(Trainer):
             if model.text_encoder == str(self.run_dir / RANDOM_TEXT_ENCODER):
                 build.build_text_encoder(model, tokenizer).save_pretrained(model.text_encoder)
 
+    def _tune(self):
+        # Loading ends here: what autotune measures next is a training step's memory, not loading's. The
+        # process's own high-water mark covers any peak between two samples.
+        self.loading_peak = max(self.memory.peak("loading"), own_peak_bytes())
+        self.memory.phase("tuning")
+        return super()._tune()
+
     def _make_data(self) -> TrainBatches:
         if self.encoded and not (self.task.reads_encoded and self.config.data.use_encoded):
             raise UserError(f"--encoded: the {self.config.stage} stage trains on images, not pre-encoded latents"
@@ -193,11 +200,8 @@ class Benchmark(Trainer):
 
     def _peak_memory_gib(self, phase: str) -> float:
         """The host memory peak of `phase` over every rank's process tree (loader workers included): a sum of
-        each rank's peak, so at most what the ranks held together. The loading phase also counts this
-        process's own high-water mark, which the sampler may have missed between two samples."""
-        peak = self.memory.peak(phase)
-        if phase == "loading":
-            peak = max(peak, own_peak_bytes())
+        each rank's peak, so at most what the ranks held together."""
+        peak = self.loading_peak if phase == "loading" else self.memory.peak(phase)
         return sum(gather_objects(peak)) / 2**30
 
     def _allreduce(self, params: int, repeats: int = 5) -> dict[str, float]:

@@ -2,19 +2,18 @@
 launcher started, sampled while they run.
 
 A process's own high-water mark (``ru_maxrss``) misses what its children hold, and adding up resident
-sets counts pages that processes share once per process. So every process of the tree is counted once,
-by what it adds:
+sets counts pages that processes share once per process. The exact sum is of proportional set sizes
+(each shared page split between the processes mapping it), but reading one walks a process's mappings:
+4 ms for a loader worker, 80 ms for 8 GiB. So:
 
-- the root, and a large process started afresh (a trainer under a launcher, a rank): its resident set,
-  which is cheap to read at any size;
-- a large process forked from a large one (a loader worker forked from its trainer): only the pages it
-  alone maps (its unique set); the rest are its parent's, already counted;
-- a small process (a loader worker forked from the fork server, the server itself, a launcher): its
-  proportional set, which splits the pages it shares with its siblings between them.
+- a large process that shares little (a trainer whose loader workers come from a fork server, a rank) is
+  counted by its resident set, cheap to read at any size, at every sample;
+- every other process (a small one: a worker, a fork server, a launcher; a large one forked from a large
+  one, and that parent) by its resident set now, less what its resident set exceeded its proportional one
+  by at the last walk. Walks are repeated only every few seconds (and never more often than 20 times their
+  own cost): what such processes share changes slowly, while a trainer's peak comes and goes within a step.
 
-Unique and proportional sizes walk a process's mappings (4 ms for a loader worker, 80 ms for 8 GiB), so
-a sampler re-reads them only every few seconds: what such processes hold changes slowly, while a
-trainer's peak comes and goes within a step. Linux only; elsewhere the tree is the process alone.
+Linux only; elsewhere the tree is the process alone.
 """
 
 from __future__ import annotations
@@ -54,19 +53,12 @@ def _resident(pid: int) -> int:
         return int(statm.read().split()[1]) * _PAGE
 
 
-def _rollup(pid: int, fields: tuple[str, ...]) -> int:
-    total = 0
+def _proportional(pid: int) -> int:
     with open(f"/proc/{pid}/smaps_rollup") as rollup:
         for line in rollup:
-            name, _, value = line.partition(":")
-            if name in fields:
-                total += int(value.split()[0]) * 1024
-    return total
-
-
-def _walked(pid: int, forked_from_large: bool) -> int:
-    """The size that needs a walk of the mappings: unique for a fork of a large process, else proportional."""
-    return _rollup(pid, ("Private_Clean", "Private_Dirty") if forked_from_large else ("Pss",))
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def tree_bytes(pid: int | None = None) -> int:
@@ -83,40 +75,37 @@ def own_peak_bytes() -> int:
 
 
 class _TreeReader:
-    """Reads a tree's memory, keeping each walked size for `refresh` seconds (or 20 times what reading it
-    took, for large processes), so that sampling costs little of the cores the tree itself runs on."""
+    """Reads a tree's memory as the module docstring describes, keeping what each walk found."""
 
     def __init__(self, pid: int, refresh: float):
         self.pid = pid
         self.refresh = refresh
-        self._walked: dict[int, tuple[float, float, int]] = {}
-        """pid -> (when read, seconds reading it took, size)."""
+        self._shared: dict[int, tuple[float, float, int]] = {}
+        """pid -> (when walked, seconds the walk took, resident less proportional size then)."""
 
     def read(self) -> int:
-        try:
-            total = _resident(self.pid)
-        except (OSError, ValueError, IndexError):
-            return 0
-        sizes: dict[int, int] = {self.pid: total}
-        walked: dict[int, tuple[float, float, int]] = {}
-        for child, parent in descendants(self.pid):
-            try:
-                resident = _resident(child)
-            except (OSError, ValueError, IndexError):
-                continue
-            sizes[child] = resident
-            if resident > _LARGE and sizes.get(parent, 0) <= _LARGE:
-                total += resident
+        tree = [(self.pid, 0), *descendants(self.pid)]
+        resident: dict[int, int] = {}
+        for pid, _ in tree:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                resident[pid] = _resident(pid)
+        # Pages a large process shares with another large one: only a fork does that.
+        forked = {pid for pid, parent in tree if resident.get(pid, 0) > _LARGE and resident.get(parent, 0) > _LARGE}
+        sharing = forked | {parent for pid, parent in tree if pid in forked}
+        total, shared = 0, {}
+        for pid, size in resident.items():
+            if size > _LARGE and pid not in sharing:
+                total += size
                 continue
             clock = time.monotonic()
-            read_at, cost, size = self._walked.get(child, (float("-inf"), 0.0, 0))
-            if clock - read_at > max(self.refresh, 20 * cost):
-                with contextlib.suppress(OSError, ValueError):
-                    size = _walked(child, resident > _LARGE)
-                    read_at, cost = clock, time.monotonic() - clock
-            walked[child] = (read_at, cost, size)
-            total += size
-        self._walked = walked
+            walked_at, cost, excess = self._shared.get(pid, (float("-inf"), 0.0, 0))
+            if clock - walked_at > max(self.refresh, 20 * cost):
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    excess = _resident(pid) - _proportional(pid)
+                    walked_at, cost = clock, time.monotonic() - clock
+            shared[pid] = (walked_at, cost, excess)
+            total += max(0, size - excess)
+        self._shared = shared
         return total
 
 

@@ -287,6 +287,7 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
     measure_precision = requested == "auto" and previous is None and bf16_supported(device)
     measure_memory = config.train.gradient_checkpointing == "auto"
     start = time.perf_counter()
+    loaded_peak = own_peak_bytes()  # before the layer pass below adds its own
     calls = _record(config, task, encoded) if measure_precision or measure_memory else {}
 
     estimated = available = loading = None
@@ -306,7 +307,7 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
             loader_bytes(data.num_workers, data.batch_size, data.resolution) if host else 0)
         available = _available_bytes(device) * 0.9
         checkpointing = training > available
-        loading = processes_per_machine * own_peak_bytes() if host else None
+        loading = processes_per_machine * loaded_peak if host else None
         estimated = max(training, loading or 0)
         estimated, available = estimated / 2**30, available / 2**30
         loading = loading / 2**30 if loading is not None else None
