@@ -229,13 +229,16 @@ def _available_bytes(device: torch.device) -> int:
 
 
 def training_bytes(trainable: list[nn.Parameter], frozen: list[nn.Parameter], activation_bytes_per_sample: int,
-                   batch_size: int, ema: bool, checkpointing: bool) -> int:
+                   batch_size: int, ema: bool, checkpointing: bool, bf16: bool = False) -> int:
     """Estimated peak of a training step: fp32 weights, gradients and two Adam moments of the trained
-    parameters (plus their average with EMA), the frozen weights, and the activations autograd keeps.
+    parameters (plus their average with EMA), the frozen weights, and the activations autograd keeps;
+    under bf16 autocast also the bf16 copies of the weights it casts, which it keeps for the backward.
     The recorded layer inputs miss the elementwise results between layers (activations, residual sums),
     hence the factor 1.5; with checkpointing about one block's worth stays, bounded here by a quarter."""
     state = sum(p.numel() * p.element_size() for p in trainable) * (4 + (1 if ema else 0))
     state += sum(p.numel() * p.element_size() for p in frozen)
+    if bf16:
+        state += sum(p.numel() * 2 for p in [*trainable, *frozen] if p.dtype == torch.float32)
     activations = 1.5 * activation_bytes_per_sample * batch_size
     return int(state + (activations / 4 if checkpointing else activations))
 
@@ -254,19 +257,22 @@ def loader_bytes(workers: int, batch_size: int, resolution: int) -> int:
     return LOADER_PROCESS_BYTES + workers * (LOADER_PROCESS_BYTES + 2 * batch)
 
 
-def run_bytes(step_bytes: int, held_bytes: int, model_bytes: int, loader: int) -> int:
-    """A training process's expected peak: the step's own (`training_bytes`), what the process holds beyond
-    its models' weights (libraries, allocator caches, what loading left behind: `held_bytes` measured now
-    less `model_bytes`), and the loader's processes."""
-    return step_bytes + max(0, held_bytes - model_bytes) + loader
+def run_bytes(step_bytes: int, held_bytes: int, model_bytes: int, baseline_bytes: int, loader: int) -> int:
+    """A training process's expected peak: the step's own (`training_bytes`), what the process holds beside
+    its models' weights, and the loader's processes. Beside the weights: what it held before building them
+    (`baseline_bytes`: the interpreter, the libraries), or, when loading left more behind (allocator caches),
+    `held_bytes` measured now less the weights. Not the latter alone: weights read from a safetensors file
+    may be mapped and not yet resident."""
+    return step_bytes + max(baseline_bytes, held_bytes - model_bytes) + loader
 
 
 def decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str, Any] | None, device: torch.device,
-           is_main: bool, processes_per_machine: int = 1) -> Tuning:
-    """Precision and checkpointing for this run; the main rank measures, every rank gets its answer."""
+           is_main: bool, processes_per_machine: int = 1, baseline_bytes: int = 0) -> Tuning:
+    """Precision and checkpointing for this run; the main rank measures, every rank gets its answer.
+    `baseline_bytes`: what the process held before it built the models (see `run_bytes`)."""
     tuning = None
     if is_main:
-        tuning = _decide(config, task, encoded, resumed_meta, device, processes_per_machine)
+        tuning = _decide(config, task, encoded, resumed_meta, device, processes_per_machine, baseline_bytes)
         log.info("precision %s (%s%s); gradient checkpointing %s%s%s", tuning.precision, tuning.precision_source,
                  f": fp32 {tuning.fp32_ms:.0f} ms, bf16 {tuning.bf16_ms:.0f} ms per sample forward+backward"
                  if tuning.fp32_ms is not None else "",
@@ -279,7 +285,7 @@ def decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str, 
 
 
 def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str, Any] | None,
-            device: torch.device, processes_per_machine: int) -> Tuning:
+            device: torch.device, processes_per_machine: int, baseline_bytes: int) -> Tuning:
     requested = config.train.mixed_precision
     previous = (resumed_meta or {}).get("tuning")
     if requested == "bf16" and not bf16_supported(device):
@@ -298,12 +304,15 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
         frozen = [p for m in _all_modules(task) for p in m.parameters() if id(p) not in ids and not p.is_meta]
         per_sample = sum(c.activation_bytes * c.calls for c in calls.values())
         data = config.data
-        step = training_bytes(trainable, frozen, per_sample, data.batch_size, config.ema.enabled, checkpointing=False)
+        # Before precision is measured, bf16 stays possible: its weight copies are counted unless fp32 is certain.
+        maybe_bf16 = bf16_supported(device) and requested != "fp32" and (previous or {}).get("precision") != "fp32"
+        step = training_bytes(trainable, frozen, per_sample, data.batch_size, config.ema.enabled, checkpointing=False,
+                              bf16=maybe_bf16)
         weights = sum(p.numel() * p.element_size() for p in [*trainable, *frozen])
         # On a GPU the step's memory is the device's; the host's share does not decide checkpointing there.
         host = device.type == "cpu"
         training = processes_per_machine * run_bytes(
-            step, tree_bytes() if host else 0, weights if host else 0,
+            step, tree_bytes() if host else 0, weights if host else 0, baseline_bytes if host else 0,
             loader_bytes(data.num_workers, data.batch_size, data.resolution) if host else 0)
         available = _available_bytes(device) * 0.9
         checkpointing = training > available

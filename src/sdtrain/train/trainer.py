@@ -45,6 +45,7 @@ from sdtrain.distributed import (
 )
 from sdtrain.errors import UserError, first_line
 from sdtrain.faults import FaultInjector
+from sdtrain.memory import tree_bytes
 from sdtrain.run import prepare_run_dir, resolve_device
 from sdtrain.train import autotune
 from sdtrain.train.ema import EMA
@@ -143,6 +144,8 @@ class TrainState:
 
 class Trainer:
     def __init__(self, config: RunConfig):
+        # What the process holds before any model: the floor of what it holds beside them while training.
+        self.baseline_bytes = tree_bytes()
         self.config = config
         self.topology = detect_topology()
         self.device = resolve_device(config.train.device, self.topology.local_rank)
@@ -271,7 +274,7 @@ class Trainer:
         measured on this machine."""
         meta = read_meta(self.resume_from) if self.resume_from is not None else None
         return autotune.decide(self.config, self.task, self.data.encoding is not None, meta, self.device,
-                               self.is_main, self.topology.local_world_size)
+                               self.is_main, self.topology.local_world_size, self.baseline_bytes)
 
     def _make_data(self) -> TrainBatches:
         def batches(config: DataConfig) -> TrainBatches:
