@@ -1,4 +1,4 @@
-"""`sdtrain benchmark train`: the real training step timed on synthetic batches."""
+"""`sdtrain benchmark train`: the path `sdtrain train` runs, timed, with the memory of its whole process tree."""
 
 from __future__ import annotations
 

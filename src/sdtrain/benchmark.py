@@ -35,6 +35,7 @@ from sdtrain.errors import UserError
 from sdtrain.memory import TreePeak, own_peak_bytes
 from sdtrain.models import build
 from sdtrain.models.tokenizer import train_clip_tokenizer
+from sdtrain.train import autotune
 from sdtrain.train.parallel import no_recompute
 from sdtrain.train.trainer import Trainer
 from sdtrain.utils import atomic_write_text
@@ -76,7 +77,7 @@ class Benchmark(Trainer):
             if model.text_encoder == str(self.run_dir / RANDOM_TEXT_ENCODER):
                 build.build_text_encoder(model, tokenizer).save_pretrained(model.text_encoder)
 
-    def _tune(self):
+    def _tune(self) -> autotune.Tuning:
         # Loading ends here: what autotune measures next is a training step's memory, not loading's. The
         # process's own high-water mark covers any peak between two samples.
         self.loading_peak = max(self.memory.peak("loading"), own_peak_bytes())

@@ -1,4 +1,5 @@
-"""`sdtrain benchmark train CONFIG [key=value ...]`: images/s, step and all-reduce time on synthetic batches."""
+"""`sdtrain benchmark train CONFIG [key=value ...]`: images/s, MFU, step and all-reduce time and the memory of the
+path `sdtrain train` runs; `sdtrain benchmark data`: the loader's rate beside the step's."""
 
 from __future__ import annotations
 
@@ -11,20 +12,23 @@ from sdtrain.errors import UserError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("benchmark", help="measure training speed on synthetic data")
+    parser = sub.add_parser("benchmark", help="measure training speed and memory")
     kinds = parser.add_subparsers(dest="kind", required=True, metavar="WHAT")
     train = kinds.add_parser(
-        "train", help="the training step of a config: images/s, step time, all-reduce time, peak memory",
-        description="Times the config's training step on fixed random batches. Run it plainly, under torchrun "
-                    "(every rank takes part), or with --nproc to compare process counts on this machine.")
+        "train", help="the training step of a config: images/s, MFU, step and all-reduce time, loading and training "
+                      "peak memory",
+        description="Runs what `sdtrain train` runs (model loading, the loader and its workers, the step, a save) "
+                    "and times it, over the config's shards or shards it writes itself; memory is the peak of every "
+                    "process of the run. Run it plainly, under torchrun (every rank takes part), or with --nproc to "
+                    "compare process counts on this machine.")
     train.add_argument("config", type=Path, help="the training YAML config")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     train.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     train.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     train.add_argument("--nproc", help="comma-separated process counts to compare under torchrun, e.g. 1,2")
     train.add_argument("--encoded", action="store_true",
-                       help="batches as pre-encoded shards give them: latents (and text embeddings for a frozen text "
-                            "encoder) instead of pixels")
+                       help="train on pre-encoded shards: latents (and text embeddings for a frozen text encoder) "
+                            "instead of pixels; without data.shards it writes such shards for the model's own VAE")
     train.add_argument("--sweep", action="append", metavar="KEY=V1,V2",
                        help="run every combination of these values, each in its own process, one table row each "
                             "(repeat the flag), e.g. --sweep data.batch_size=1,2,4 --sweep ema.enabled=true,false")
