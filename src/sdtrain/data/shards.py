@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO, Self
+from typing import Any, BinaryIO
 
 import webdataset as wds
 
@@ -164,7 +164,7 @@ class ShardWriter:
         if manifest:
             (self.out_dir / MANIFEST_NAME).unlink(missing_ok=True)
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(
