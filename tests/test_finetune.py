@@ -168,23 +168,23 @@ def test_objectives_change_the_loss_and_min_snr_stays_finite_at_zero_snr(tmp_pat
         assert torch.isfinite(changed).all() and not torch.allclose(changed, plain), option
     task, _ = loss("diffusion.zero_terminal_snr=true", "diffusion.snr_gamma=5", "diffusion.prediction_type=epsilon")
     last = task.noise_scheduler.config.num_train_timesteps - 1
-    assert task.alphas_cumprod[last] < 1e-4  # the last step is (nearly) pure noise
+    assert task.objective.alphas_cumprod[last] < 1e-4  # the last step is (nearly) pure noise
     steps = torch.tensor([0, 500, last])
-    weight = task.snr_weight(steps)
-    snr = task.alphas_cumprod[steps] / (1 - task.alphas_cumprod[steps])
+    weight = task.objective.snr_weight(steps)
+    snr = task.objective.alphas_cumprod[steps] / (1 - task.objective.alphas_cumprod[steps])
     assert torch.isfinite(weight).all()
     # min(snr, gamma) / snr, which is 1 wherever snr <= gamma, the zero-SNR step included.
     assert torch.allclose(weight, torch.where(snr <= 5, 1.0, 5 / snr))
     task, _ = loss("diffusion.prediction_type=v_prediction", "diffusion.snr_gamma=5")
-    snr = task.alphas_cumprod[steps] / (1 - task.alphas_cumprod[steps])
-    assert torch.allclose(task.snr_weight(steps), torch.minimum(snr, torch.tensor(5.0)) / (snr + 1))
+    snr = task.objective.alphas_cumprod[steps] / (1 - task.objective.alphas_cumprod[steps])
+    assert torch.allclose(task.objective.snr_weight(steps), torch.minimum(snr, torch.tensor(5.0)) / (snr + 1))
 
 
 def test_logit_normal_timesteps_favour_the_middle_and_a_positive_mean_the_noisy_end(tmp_path, pretrained,
                                                                                      shapes_dir):
     def draws(*overrides):
         task = _task(tmp_path, pretrained, shapes_dir, *overrides)
-        steps = task.sample_timesteps(20000, torch.Generator().manual_seed(0))
+        steps = task.objective.sample_timesteps(20000, torch.Generator().manual_seed(0))
         assert steps.min() >= 0 and steps.max() < task.noise_scheduler.config.num_train_timesteps
         return steps.float()
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from sdtrain.config import load_config
 from sdtrain.models import build
+from sdtrain.train.objectives import NoisePrediction
 from sdtrain.train.tasks import DiffusionTask
 
 from .conftest import config_path
@@ -31,13 +32,12 @@ class RecordingDenoiser(nn.Module):
 
 
 def objective(*overrides: str) -> DiffusionTask:
-    """The diffusion task's objective alone: its schedule and loss, around a recording denoiser."""
+    """The diffusion task's loss with its objective, around a recording denoiser."""
     config = load_config(config_path("diffusion.yaml"), ["run_dir=unused", "data.shards=unused", "model.vae=unused",
                                                          "diffusion.sample_latents=false", *overrides])
     task = DiffusionTask.__new__(DiffusionTask)
     task.config, task.device = config, torch.device("cpu")
-    task.noise_scheduler = build.build_noise_scheduler(config.diffusion)
-    task.alphas_cumprod = task.noise_scheduler.alphas_cumprod
+    task.objective = NoisePrediction(config.diffusion, build.build_noise_scheduler(config.diffusion), task.device)
     task.vae = SimpleNamespace(config=SimpleNamespace(scaling_factor=SCALING))
     task.unet = RecordingDenoiser()
     task.text_embeddings = True
@@ -120,8 +120,8 @@ def test_min_snr_weight(latent_mean, prediction):
 def test_min_snr_weight_is_finite_at_zero_terminal_snr():
     task = objective("diffusion.prediction_type=v_prediction", "diffusion.snr_gamma=5",
                      "diffusion.zero_terminal_snr=true")
-    assert task.alphas_cumprod[-1].item() == pytest.approx(0.0, abs=1e-6)
-    weights = task.snr_weight(torch.tensor([0, 500, 999]))
+    assert task.objective.alphas_cumprod[-1].item() == pytest.approx(0.0, abs=1e-6)
+    weights = task.objective.snr_weight(torch.tensor([0, 500, 999]))
     assert torch.isfinite(weights).all() and weights[-1].item() == pytest.approx(0.0, abs=1e-6)
 
 

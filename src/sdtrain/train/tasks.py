@@ -20,6 +20,7 @@ from sdtrain.config import DataConfig, RunConfig
 from sdtrain.errors import UserError
 from sdtrain.models import build
 from sdtrain.models.tokenizer import train_clip_tokenizer
+from sdtrain.train.objectives import NoisePrediction
 from sdtrain.utils import save_grid
 
 log = logging.getLogger(__name__)
@@ -233,10 +234,10 @@ class DiffusionTask(Task):
             )
         self._check_buckets(scale * 2 ** (len(self.unet.config.block_out_channels) - 1))
         self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model.pretrained, self.trust_pickle)
+        self.objective = NoisePrediction(config.diffusion, self.noise_scheduler, device)
         self.unet.to(device)
         self.text_encoder.to(device)
         self.trainable = self.make_trainable()
-        self.alphas_cumprod = self.noise_scheduler.alphas_cumprod.to(device)
 
     def make_trainable(self) -> dict[str, nn.Module]:
         """Set what trains (and freeze the rest); modes that train adapters or embeddings override this."""
@@ -326,41 +327,15 @@ class DiffusionTask(Task):
         return loss.mean(), {}
 
     def denoising_loss(self, batch, generator) -> torch.Tensor:
-        """The per-sample loss of predicting the noise (or velocity) of noised latents."""
-        cfg = self.config.diffusion
+        """The per-sample loss of the denoiser's prediction against the objective's target, weighted by it."""
         # Latents, noise and their mix stay in fp32 under bf16 autocast: in bf16 the noise coefficient
         # of the lowest timesteps rounds to zero and the target is quantised.
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
-            latents = self._latents(batch, generator)
-            noise = torch.randn(latents.shape, generator=generator, device=self.device, dtype=latents.dtype)
-            if cfg.noise_offset > 0:
-                # One constant per sample and channel: plain noise has zero mean, so the model never
-                # learns to move an image's overall brightness.
-                offset = torch.randn((*latents.shape[:2], 1, 1), generator=generator, device=self.device)
-                noise = noise + cfg.noise_offset * offset
-            timesteps = self.sample_timesteps(latents.shape[0], generator)
-            noised_with = noise
-            if cfg.input_perturbation > 0:
-                extra = torch.randn(latents.shape, generator=generator, device=self.device, dtype=latents.dtype)
-                noised_with = noise + cfg.input_perturbation * extra
-            noisy = self.noise_scheduler.add_noise(latents, noised_with, timesteps)
-            if self.noise_scheduler.config.prediction_type == "v_prediction":
-                target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
-            else:
-                target = noise
+            noisy, timesteps, target = self.objective.draw(self._latents(batch, generator), generator)
         context = self.text_context(batch)
         prediction = self.unet(noisy, timesteps, context).sample
         loss = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
-        return loss * self.snr_weight(timesteps) if cfg.snr_gamma > 0 else loss
-
-    def sample_timesteps(self, count: int, generator) -> torch.Tensor:
-        cfg = self.config.diffusion
-        steps = self.noise_scheduler.config.num_train_timesteps
-        if cfg.timestep_sampling == "logit_normal":
-            logits = torch.randn(count, generator=generator, device=self.device)
-            fraction = torch.sigmoid(cfg.timestep_mean + cfg.timestep_std * logits)
-            return (fraction * steps).long().clamp(max=steps - 1)
-        return torch.randint(0, steps, (count,), generator=generator, device=self.device)
+        return self.objective.weight(loss, timesteps)
 
     def text_context(self, batch) -> torch.Tensor:
         if self.text_embeddings and "text_emb" in batch:
@@ -370,17 +345,6 @@ class DiffusionTask(Task):
 
     def text_encoder_trains(self) -> bool:
         return self.config.diffusion.train_text_encoder
-
-    def snr_weight(self, timesteps: torch.Tensor) -> torch.Tensor:
-        """Min-SNR-gamma: min(snr, gamma) relative to the loss's own weighting of a timestep, which is snr for
-        epsilon and snr + 1 for v. Written so that snr = 0 (the last step of a zero-terminal-SNR schedule)
-        gives a finite weight: for epsilon min(snr, gamma) / snr is 1 whenever snr <= gamma."""
-        gamma = self.config.diffusion.snr_gamma
-        alpha = self.alphas_cumprod[timesteps].float()
-        snr = alpha / (1 - alpha)
-        if self.noise_scheduler.config.prediction_type == "v_prediction":
-            return torch.clamp(snr, max=gamma) / (snr + 1)
-        return torch.where(snr <= gamma, torch.ones_like(snr), gamma / snr.clamp(min=1e-12))
 
     def validates(self, batch):
         return bool(self.config.validation.prompts)
