@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from sdtrain.errors import UserError
 from sdtrain.models import build
 from sdtrain.models import single_file as sf
+from sdtrain.models.families.sd import PRESETS
 
 from .conftest import train
 
@@ -22,10 +23,10 @@ def _tiny_components(vocab: int = 600, **text):
     from transformers import CLIPTextConfig, CLIPTextModel
 
     torch.manual_seed(0)
-    vae = AutoencoderKL(**build.PRESETS["tiny"]["vae"])
-    unet = UNet2DConditionModel(**build.PRESETS["tiny"]["unet"], in_channels=4, out_channels=4, sample_size=8,
+    vae = AutoencoderKL(**PRESETS["tiny"]["vae"])
+    unet = UNet2DConditionModel(**PRESETS["tiny"]["unet"], in_channels=4, out_channels=4, sample_size=8,
                                 cross_attention_dim=64)
-    config = {**build.PRESETS["tiny"]["text_encoder"], "vocab_size": vocab, "max_position_embeddings": 16,
+    config = {**PRESETS["tiny"]["text_encoder"], "vocab_size": vocab, "max_position_embeddings": 16,
               "bos_token_id": vocab - 2, "eos_token_id": vocab - 1, "pad_token_id": vocab - 1, **text}
     return unet, vae, CLIPTextModel(CLIPTextConfig(**config))
 
@@ -257,7 +258,7 @@ def test_vae_alone_with_attention_as_convolutions_or_linear(tmp_path):
     from diffusers import AutoencoderKL
 
     torch.manual_seed(0)
-    vae = AutoencoderKL(**{**build.PRESETS["tiny"]["vae"], "mid_block_add_attention": True}, scaling_factor=0.3)
+    vae = AutoencoderKL(**{**PRESETS["tiny"]["vae"], "mid_block_add_attention": True}, scaling_factor=0.3)
     path = sf.save_single_file(tmp_path / "vae.safetensors", vae=vae)
     state = load_file(str(path))
     assert "encoder.conv_in.weight" in state and state["encoder.mid.attn_1.q.weight"].shape == (64, 64, 1, 1)
@@ -291,7 +292,7 @@ def test_any_levels_and_layers_per_block_round_trip(tmp_path):
         assert sf._normalize(loaded.config[key]) == sf._normalize(unet.config[key]), key
     with pytest.raises(UserError, match="single file"):  # weights the original layout has no place for
         sf.save_single_file(tmp_path / "x.safetensors", unet=UNet2DConditionModel(
-            **build.PRESETS["tiny"]["unet"], cross_attention_dim=64, class_embed_type="timestep"))
+            **PRESETS["tiny"]["unet"], cross_attention_dim=64, class_embed_type="timestep"))
 
 
 def test_stable_diffusion_sized_layouts_match_diffusers_converters():
@@ -309,13 +310,13 @@ def test_stable_diffusion_sized_layouts_match_diffusers_converters():
     sd1 = dict(block_out_channels=[320, 640, 1280, 1280], layers_per_block=2, attention_head_dim=8,
                cross_attention_dim=768, down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
                up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3, sample_size=64)
-    sd2 = {**sd1, **build.PRESETS["sd2"]["unet"], "cross_attention_dim": 1024, "sample_size": 96}
+    sd2 = {**sd1, **PRESETS["sd2"]["unet"], "cross_attention_dim": 1024, "sample_size": 96}
     clip_l = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12)
-    for unet_config, text_config, layout in ((sd1, clip_l, "clip"), (sd2, build.PRESETS["sd2"]["text_encoder"],
+    for unet_config, text_config, layout in ((sd1, clip_l, "clip"), (sd2, PRESETS["sd2"]["text_encoder"],
                                                                      "openclip")):
         with torch.device("meta"):
             unet = UNet2DConditionModel(**unet_config)
-            vae = AutoencoderKL(**build.PRESETS["sd2"]["vae"], sample_size=512 if layout == "clip" else 768)
+            vae = AutoencoderKL(**PRESETS["sd2"]["vae"], sample_size=512 if layout == "clip" else 768)
             # SD's own text encoder configs: pooling at the highest token id (eos 2), as a file without metadata reads.
             text = CLIPTextModel(CLIPTextConfig(**{**text_config, "projection_dim": text_config["hidden_size"]},
                                                 vocab_size=49408, max_position_embeddings=77, bos_token_id=0,

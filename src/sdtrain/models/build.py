@@ -22,61 +22,8 @@ from sdtrain.checkpoint import latest_checkpoint, load_run_modules, read_meta
 from sdtrain.config import DiffusionConfig, ModelConfig
 from sdtrain.errors import UserError, first_line
 from sdtrain.models import single_file
+from sdtrain.models.families.sd import SD
 from sdtrain.models.tokenizer import load_clip_tokenizer
-
-# 4x downsampling: 64 px images become 16x16x4 latents. No mid-block attention: on a CPU it costs
-# 15% of the step and flat shapes need no global context to reconstruct.
-_TINY_VAE = dict(
-    down_block_types=["DownEncoderBlock2D"] * 3,
-    up_block_types=["UpDecoderBlock2D"] * 3,
-    block_out_channels=[32, 32, 64],
-    layers_per_block=1,
-    latent_channels=4,
-    # 32 groups over 32 channels would normalise every channel on its own, which washes out colour.
-    norm_num_groups=8,
-    mid_block_add_attention=False,
-)
-_SD_VAE = dict(
-    down_block_types=["DownEncoderBlock2D"] * 4,
-    up_block_types=["UpDecoderBlock2D"] * 4,
-    block_out_channels=[128, 256, 512, 512],
-    layers_per_block=2,
-    latent_channels=4,
-    norm_num_groups=32,
-)
-_TINY_UNET = dict(
-    block_out_channels=[32, 64, 64],
-    layers_per_block=1,
-    down_block_types=["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
-    up_block_types=["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
-    attention_head_dim=8,
-    norm_num_groups=8,
-)
-_SMALL_UNET = {**_TINY_UNET, "block_out_channels": [64, 128, 128]}
-# Stable Diffusion 2 base: 865.9M parameters.
-_SD2_UNET = dict(
-    block_out_channels=[320, 640, 1280, 1280],
-    layers_per_block=2,
-    down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
-    up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
-    attention_head_dim=[5, 10, 20, 20],
-    use_linear_projection=True,
-    norm_num_groups=32,
-)
-_TINY_TEXT = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, projection_dim=64)
-_SMALL_TEXT = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
-                   projection_dim=128)
-# The OpenCLIP ViT-H/14 text tower as SD2 uses it (penultimate layer, hence 23 layers).
-_SD2_TEXT = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=23, num_attention_heads=16,
-                 projection_dim=512, hidden_act="gelu")
-
-PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "tiny": {"vae": _TINY_VAE, "unet": _TINY_UNET, "text_encoder": _TINY_TEXT},
-    "small": {"vae": _TINY_VAE, "unet": _SMALL_UNET, "text_encoder": _SMALL_TEXT},
-    "sd2": {"vae": _SD_VAE, "unet": _SD2_UNET, "text_encoder": _SD2_TEXT},
-}
-
-COMPONENT_CLASSES = {"vae": AutoencoderKL, "unet": UNet2DConditionModel, "text_encoder": CLIPTextModel}
 
 
 def vae_scale(block_out_channels: list[int] | tuple[int, ...]) -> int:
@@ -92,12 +39,12 @@ def _construct(cls: Any, key: str, kwargs: dict[str, Any]) -> Any:
 
 
 def build_vae(config: ModelConfig) -> AutoencoderKL:
-    kwargs = {**copy.deepcopy(PRESETS[config.preset]["vae"]), **config.vae_overrides}
+    kwargs = {**copy.deepcopy(SD.presets[config.preset]["vae"]), **config.vae_overrides}
     return _construct(AutoencoderKL, "vae_overrides", kwargs)
 
 
 def build_text_encoder(config: ModelConfig, tokenizer: Any) -> CLIPTextModel:
-    kwargs = {**copy.deepcopy(PRESETS[config.preset]["text_encoder"]), **config.text_encoder_overrides}
+    kwargs = {**copy.deepcopy(SD.presets[config.preset]["text_encoder"]), **config.text_encoder_overrides}
     # The pooled output is read at the eos position, so the ids must be the tokenizer's own.
     text_config = _construct(CLIPTextConfig, "text_encoder_overrides", dict(
         vocab_size=len(tokenizer),
@@ -112,7 +59,7 @@ def build_text_encoder(config: ModelConfig, tokenizer: Any) -> CLIPTextModel:
 
 def build_unet(config: ModelConfig, latent_channels: int, latent_size: int, cross_attention_dim: int):
     kwargs = {
-        **copy.deepcopy(PRESETS[config.preset]["unet"]),
+        **copy.deepcopy(SD.presets[config.preset]["unet"]),
         "in_channels": latent_channels,
         "out_channels": latent_channels,
         "sample_size": latent_size,
@@ -174,7 +121,7 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
     None: the SDTRAIN_TRUST_PICKLE environment variable decides.
     """
     kind = source_kind(source)
-    cls = COMPONENT_CLASSES[name]
+    cls = SD.components[name]
     if kind == "single_file":
         return single_file.load_single_file_component(name, source, trust_pickle=trust_pickle)
     if kind in ("run", "checkpoint"):

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from sdtrain.config import ParallelConfig
 from sdtrain.distributed import Topology
+from sdtrain.models import families
 
 
 class DataParallel:
@@ -32,7 +33,7 @@ class DataParallel:
         self.sharded: list[nn.Module] = []
 
     def apply(self, task, bf16: bool = False, checkpointing: bool = False, compile: bool = False) -> None:
-        for module in task.parallel_modules().values():
+        for module in task.parallel_modules().values() if compile or checkpointing else ():
             for block in shard_units(module):
                 if compile:
                     # Static shapes: training shapes are fixed, and dynamic-shape graphs hit inductor bugs here.
@@ -74,17 +75,14 @@ class DataParallel:
             yield
 
 
-
-# Containers whose elements are a model's repeated blocks: UNet and VAE down/up blocks, CLIP layers.
-_BLOCK_LISTS = ("down_blocks", "up_blocks", "layers")
-
-
 def shard_units(root: nn.Module) -> list[nn.Module]:
-    units = []
-    for name, module in root.named_modules():
-        parts = name.split(".")
-        if parts[-1] == "mid_block" or (len(parts) > 1 and parts[-1].isdigit() and parts[-2] in _BLOCK_LISTS):
-            units.append(module)
+    """The repeated blocks of the model components in `root`, as their family's spec lists them: the units
+    of activation checkpointing, compilation and FSDP sharding. A component no spec knows would silently
+    train without any of them, so it is an error."""
+    units = families.blocks(root)
+    if not units:
+        raise RuntimeError(f"{type(root).__name__}: no model family lists blocks for the components it holds; "
+                           "add them to the family's spec (sdtrain.models.families)")
     return units
 
 

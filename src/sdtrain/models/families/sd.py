@@ -1,0 +1,84 @@
+"""Stable Diffusion 1.x and 2.x: an AutoencoderKL, one CLIP text encoder (OpenAI CLIP for 1.x, OpenCLIP
+ViT-H for 2.x) and a UNet2DConditionModel conditioned on its hidden states."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diffusers import AutoencoderKL, UNet2DConditionModel
+from transformers import CLIPTextModel
+
+from sdtrain.models.families.spec import ModelFamily
+
+# 4x downsampling: 64 px images become 16x16x4 latents. No mid-block attention: on a CPU it costs
+# 15% of the step and flat shapes need no global context to reconstruct.
+_TINY_VAE = dict(
+    down_block_types=["DownEncoderBlock2D"] * 3,
+    up_block_types=["UpDecoderBlock2D"] * 3,
+    block_out_channels=[32, 32, 64],
+    layers_per_block=1,
+    latent_channels=4,
+    # 32 groups over 32 channels would normalise every channel on its own, which washes out colour.
+    norm_num_groups=8,
+    mid_block_add_attention=False,
+)
+_SD_VAE = dict(
+    down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4,
+    block_out_channels=[128, 256, 512, 512],
+    layers_per_block=2,
+    latent_channels=4,
+    norm_num_groups=32,
+)
+_TINY_UNET = dict(
+    block_out_channels=[32, 64, 64],
+    layers_per_block=1,
+    down_block_types=["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+    up_block_types=["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+    attention_head_dim=8,
+    norm_num_groups=8,
+)
+_SMALL_UNET = {**_TINY_UNET, "block_out_channels": [64, 128, 128]}
+# Stable Diffusion 2 base: 865.9M parameters.
+_SD2_UNET = dict(
+    block_out_channels=[320, 640, 1280, 1280],
+    layers_per_block=2,
+    down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+    up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
+    attention_head_dim=[5, 10, 20, 20],
+    use_linear_projection=True,
+    norm_num_groups=32,
+)
+_TINY_TEXT = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, projection_dim=64)
+_SMALL_TEXT = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+                   projection_dim=128)
+# The OpenCLIP ViT-H/14 text tower as SD2 uses it (penultimate layer, hence 23 layers).
+_SD2_TEXT = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=23, num_attention_heads=16,
+                 projection_dim=512, hidden_act="gelu")
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "tiny": {"vae": _TINY_VAE, "unet": _TINY_UNET, "text_encoder": _TINY_TEXT},
+    "small": {"vae": _TINY_VAE, "unet": _SMALL_UNET, "text_encoder": _SMALL_TEXT},
+    "sd2": {"vae": _SD_VAE, "unet": _SD2_UNET, "text_encoder": _SD2_TEXT},
+}
+
+
+def _unet_blocks(unet: UNet2DConditionModel) -> list:
+    return [*unet.down_blocks, unet.mid_block, *unet.up_blocks]
+
+
+def _vae_blocks(vae: AutoencoderKL) -> list:
+    return [*vae.encoder.down_blocks, vae.encoder.mid_block, vae.decoder.mid_block, *vae.decoder.up_blocks]
+
+
+def _text_blocks(text_encoder: CLIPTextModel) -> list:
+    # transformers 5 holds the transformer directly; 4.x under text_model.
+    return list(getattr(text_encoder, "text_model", text_encoder).encoder.layers)
+
+
+SD = ModelFamily(
+    name="sd",
+    components={"vae": AutoencoderKL, "text_encoder": CLIPTextModel, "unet": UNet2DConditionModel},
+    block_lists={UNet2DConditionModel: _unet_blocks, AutoencoderKL: _vae_blocks, CLIPTextModel: _text_blocks},
+    presets=PRESETS,
+)
