@@ -16,7 +16,8 @@ import torch
 from PIL import Image
 
 from sdtrain.config import DataConfig
-from sdtrain.data.pipeline import TrainBatches, resolve_shards, slot_range
+from sdtrain.data.order import resolve_shards, slot_range
+from sdtrain.data.pipeline import TrainBatches
 from sdtrain.data.shapes import write_shapes_dataset
 from sdtrain.data.shards import ShardWriter
 from sdtrain.errors import UserError
@@ -372,7 +373,7 @@ def test_pipe_shards_without_a_manifest_are_counted_by_reading_them(shapes: Path
 
 
 def test_buckets_keep_about_the_same_pixel_count_within_the_aspect_limit() -> None:
-    from sdtrain.data.pipeline import make_buckets
+    from sdtrain.data.decode import make_buckets
 
     buckets = make_buckets(DataConfig(shards="x", resolution=256, bucket_step=64, max_aspect=2.0))
     assert (256, 256) in buckets and len(buckets) >= 3
@@ -529,7 +530,8 @@ def _evil_shard(path: Path, outside: Path) -> None:
 
 
 def test_every_reader_refuses_tar_members_that_escape_or_lie_about_their_size(tmp_path: Path) -> None:
-    from sdtrain.data.pipeline import read_captions, read_shard
+    from sdtrain.data.order import read_shard
+    from sdtrain.data.pipeline import read_captions
     from sdtrain.data.prepare import reshard
 
     outside = tmp_path / "secret.png"

@@ -196,7 +196,7 @@ def test_prepare_urls_downloads_and_counts_failures(downloaded):
     assert seen == set(GOOD)
 
     # sdtrain's training data stream takes the folder as it is.
-    from sdtrain.data.pipeline import resolve_shards
+    from sdtrain.data.order import resolve_shards
 
     assert [(Path(s.url).name, s.samples) for s in resolve_shards(str(out))] == [
         (s["name"], s["samples"]) for s in manifest["shards"]

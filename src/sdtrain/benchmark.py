@@ -393,8 +393,6 @@ def run_sweep(config_path: Path, overrides: list[str], sweeps: list[str], steps:
 
 def loader_rate(config: RunConfig, tokenizer: Any | None, batches: int, warmup: int, encoded: bool) -> dict[str, Any]:
     """Samples per second the configured loader delivers on its own (this rank of one)."""
-    from sdtrain.data.pipeline import TrainBatches
-
     data = TrainBatches(config.data, tokenizer, config.seed, encoded=encoded)
     try:
         for _ in range(warmup):

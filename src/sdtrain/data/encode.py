@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from sdtrain.config import DataConfig
+from sdtrain.data.decode import SampleDecoder
 from sdtrain.data.encoded import DTYPES, EMPTY_CAPTION, LATENT_MEAN, LATENT_STD, TEXT_EMB, npy_bytes
-from sdtrain.data.pipeline import SampleDecoder, read_shard, resolve_shards
+from sdtrain.data.order import read_shard, resolve_shards
 from sdtrain.data.shards import (
     ShardInfo,
     ShardWriter,

@@ -87,7 +87,7 @@ def reference_images(source: str | Path, resolution: int) -> Iterator[Image.Imag
         return
     import io
 
-    from sdtrain.data.pipeline import read_shard, resolve_shards
+    from sdtrain.data.order import read_shard, resolve_shards
 
     try:
         shards = resolve_shards(str(source))

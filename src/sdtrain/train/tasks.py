@@ -261,7 +261,7 @@ class DiffusionTask(Task):
         from sdtrain.data.pipeline import read_captions
 
         if config.data.class_prompts:
-            from sdtrain.data.pipeline import load_class_prompts
+            from sdtrain.data.decode import load_class_prompts
 
             captions = [p for ps in load_class_prompts(config.data.class_prompts).values() for p in ps]
         else:

@@ -1,0 +1,166 @@
+"""From a raw WebDataset sample to tensors: the image cropped to its bucket, the caption (class prompts,
+templates, dropout), or a pre-encoded sample's latents and text embedding; filters applied."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from sdtrain.config import DataConfig
+from sdtrain.data.encoded import LATENT_MEAN, LATENT_STD, TEXT_EMB, load_npy
+from sdtrain.data.filters import parse_filters
+from sdtrain.data.prepare import DEFAULT_MAX_PIXELS
+from sdtrain.errors import UserError
+
+
+def load_class_prompts(path: str) -> dict[str, list[str]]:
+    """``data.class_prompts``: class index -> prompt or list of prompts, as lists."""
+    try:
+        mapping = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"data.class_prompts: cannot read {path} ({exc}); give a JSON object of index -> prompt") from None
+    if not isinstance(mapping, dict) or not mapping:
+        raise UserError(f"data.class_prompts: {path} is not a JSON object of class index -> prompt")
+    prompts = {}
+    for key, value in mapping.items():
+        values = [value] if isinstance(value, str) else value
+        if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
+            raise UserError(f"data.class_prompts: {path}: class {key} needs a prompt or a list of prompts")
+        prompts[str(key)] = values
+    return prompts
+
+
+def make_buckets(config: DataConfig) -> list[tuple[int, int]]:
+    """Aspect-ratio buckets: (width, height) pairs with sides multiples of `bucket_step`, about
+    resolution^2 pixels each, aspects from 1/max_aspect to max_aspect, widest first."""
+    step, area = config.bucket_step, config.resolution**2
+    buckets = set()
+    width = step
+    while width <= area // step:
+        height = int(area / width) // step * step
+        if height >= step and 1 / config.max_aspect <= width / height <= config.max_aspect:
+            buckets.update({(width, height), (height, width)})  # a tall bucket for every wide one
+        width += step
+    side = config.resolution // step * step
+    buckets.add((side, side))
+    return sorted(buckets, key=lambda wh: -wh[0] / wh[1])
+
+
+@dataclass(frozen=True)
+class Filtered:
+    """A sample that data.filters rejected, and why."""
+
+    reason: str
+
+
+class SampleDecoder:
+    """Turns a raw WebDataset sample into tensors; returns None for samples that cannot be used and
+    `Filtered` for samples the configured filters reject."""
+
+    def __init__(self, config: DataConfig, tokenizer: Any | None, seed: int, encoded: bool = False):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.encoded = encoded
+        self.image_keys = [k.strip() for k in config.image_key.split(";") if k.strip()]
+        self.filters = parse_filters(config.filters)
+        self.buckets = make_buckets(config) if config.aspect_buckets else []
+        self.class_prompts = load_class_prompts(config.class_prompts) if config.class_prompts else None
+
+    def _caption(self, raw: dict[str, Any], rng: np.random.Generator) -> str | Filtered | None:
+        """The sample's caption, None when it has none to offer, Filtered when a filter rejects it."""
+        if self.class_prompts is not None:
+            value = raw.get(self.config.class_key)
+            try:
+                prompts = self.class_prompts[str(int(value.decode() if isinstance(value, bytes) else value))]
+            except (TypeError, ValueError, KeyError, UnicodeDecodeError):
+                return None
+            caption = prompts[int(rng.integers(len(prompts)))]
+        else:
+            caption = raw.get(self.config.caption_key, b"")
+            caption = caption.decode("utf-8", "replace") if isinstance(caption, bytes) else str(caption)
+            caption = caption.strip()
+        if self.filters:
+            try:
+                meta = json.loads(raw.get("json", b"{}"))
+            except ValueError:
+                meta = {}
+            reason = self.filters.check(meta if isinstance(meta, dict) else {}, caption)
+            if reason is not None:
+                return Filtered(reason)
+        templates = self.config.prompt_templates
+        if templates:
+            caption = templates[int(rng.integers(len(templates)))].replace("{caption}", caption)
+        return caption
+
+    def __call__(self, raw: dict[str, Any], place: tuple[int, int, int]) -> dict[str, Any] | Filtered | None:
+        rng = np.random.default_rng([self.seed, *place, 0xDA7A])
+        caption = self._caption(raw, rng)
+        if caption is None or isinstance(caption, Filtered):
+            return caption
+        if self.encoded:
+            return self._encoded(raw, rng, caption)
+        image_bytes = next((raw[k] for k in self.image_keys if k in raw), None)
+        if image_bytes is None:
+            return None
+        try:
+            with Image.open(io.BytesIO(image_bytes)) as img:
+                # The header's size, before decoding: a shard not made by `prepare` may hold a bomb.
+                if img.width * img.height > DEFAULT_MAX_PIXELS:
+                    return None
+                img.load()
+                bucket = self._bucket(img.size)
+                target = self.buckets[bucket] if self.buckets else (self.config.resolution,) * 2
+                pixels = self._transform(img.convert("RGB"), rng, target)
+        except (OSError, ValueError, Image.DecompressionBombError, SyntaxError):
+            return None
+        drop = rng.random() < self.config.caption_dropout
+        return {"pixel_values": pixels, "caption": "" if drop else caption, "key": raw["__key__"], "bucket": bucket}
+
+    def _bucket(self, size: tuple[int, int]) -> int:
+        """The bucket whose aspect ratio is nearest the image's (0 without buckets)."""
+        if not self.buckets:
+            return 0
+        aspect = math.log(size[0] / size[1])
+        return min(range(len(self.buckets)), key=lambda b: abs(math.log(self.buckets[b][0] / self.buckets[b][1])
+                                                              - aspect))
+
+    def _encoded(self, raw: dict[str, Any], rng: np.random.Generator, caption: str) -> dict[str, Any] | None:
+        """A pre-encoded sample: the latent distribution (and text embedding) instead of pixels."""
+        if LATENT_MEAN not in raw or LATENT_STD not in raw:
+            return None
+        try:
+            sample = {"latent_mean": torch.from_numpy(load_npy(raw[LATENT_MEAN]).astype(np.float32)),
+                      "latent_std": torch.from_numpy(load_npy(raw[LATENT_STD]).astype(np.float32))}
+            if TEXT_EMB in raw:
+                sample["text_emb"] = torch.from_numpy(load_npy(raw[TEXT_EMB]).astype(np.float32))
+        except (OSError, ValueError):
+            return None
+        drop = bool(rng.random() < self.config.caption_dropout)
+        return {**sample, "caption": "" if drop else caption, "dropped": drop, "key": raw["__key__"], "bucket": 0}
+
+    def _transform(self, img: Image.Image, rng: np.random.Generator, target: tuple[int, int]) -> torch.Tensor:
+        width, height = target
+        scale = max(width / img.width, height / img.height)
+        if scale != 1.0 and (self.config.resize or scale > 1.0):
+            new_size = (max(width, round(img.width * scale)), max(height, round(img.height * scale)))
+            img = img.resize(new_size, Image.Resampling.BICUBIC)
+        if self.config.center_crop:
+            left, top = (img.width - width) // 2, (img.height - height) // 2
+        else:
+            left = int(rng.integers(0, img.width - width + 1))
+            top = int(rng.integers(0, img.height - height + 1))
+        img = img.crop((left, top, left + width, top + height))
+        if self.config.random_flip and rng.random() < 0.5:
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        array = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
+        return torch.from_numpy(array.transpose(2, 0, 1).copy())
