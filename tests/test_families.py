@@ -10,6 +10,7 @@ from torch import nn
 
 from sdtrain.config import ModelConfig, ParallelConfig
 from sdtrain.distributed import Topology
+from sdtrain.errors import UserError
 from sdtrain.models import build, families
 from sdtrain.models.families.sd import SD
 from sdtrain.train.parallel import DataParallel, shard_units
@@ -60,3 +61,35 @@ def test_checkpointing_and_compile_wrap_the_blocks_the_spec_lists(name, monkeypa
 def test_a_module_no_family_knows_is_an_error_not_a_silent_fallback():
     with pytest.raises(RuntimeError, match="no model family lists blocks"):
         shard_units(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+
+
+def test_a_pretrained_model_is_recognised_from_its_files(pretrained, tmp_path):
+    from safetensors.torch import save_file
+
+    assert families.detect(pretrained) is SD
+    sdxl = tmp_path / "sdxl"
+    sdxl.mkdir()
+    (sdxl / "model_index.json").write_text('{"_class_name": "StableDiffusionXLPipeline"}')
+    with pytest.raises(UserError, match="is SDXL, which this release does not train yet \\(StableDiffusionXLPipel"):
+        families.detect(sdxl)
+    flux = tmp_path / "flux.safetensors"
+    save_file({"double_blocks.0.img_attn.norm.key_norm.scale": torch.ones(2)}, str(flux))
+    with pytest.raises(UserError, match="is Flux.1, which"):
+        families.detect(flux)
+    unknown = tmp_path / "unknown.safetensors"
+    save_file({"some.weight": torch.ones(2)}, str(unknown))
+    with pytest.raises(UserError, match="of no model family this release knows \\(keys such as some.weight\\)"):
+        families.detect(unknown)
+
+
+def test_training_on_a_model_of_another_family_is_one_line(tmp_path, shapes_dir, capsys):
+    from sdtrain.cli.main import main
+
+    from .conftest import TINY, config_path
+
+    sdxl = tmp_path / "sdxl"
+    sdxl.mkdir()
+    (sdxl / "model_index.json").write_text('{"_class_name": "StableDiffusionXLPipeline"}')
+    assert main(["train", str(config_path("diffusion.yaml").parents[1] / "finetune-full.yaml"), *TINY,
+                 f"model.pretrained={sdxl}", f"data.shards={shapes_dir}", f"run_dir={tmp_path / 'run'}"]) == 2
+    assert "is SDXL, which this release does not train yet" in capsys.readouterr().err

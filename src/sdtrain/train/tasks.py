@@ -18,7 +18,7 @@ from torch import nn
 
 from sdtrain.config import DataConfig, RunConfig
 from sdtrain.errors import UserError
-from sdtrain.models import build
+from sdtrain.models import build, families
 from sdtrain.models.tokenizer import train_clip_tokenizer
 from sdtrain.train.objectives import NoisePrediction
 from sdtrain.utils import save_grid
@@ -209,6 +209,8 @@ class DiffusionTask(Task):
     def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, pinned: dict[str, str] | None = None):
         super().__init__(config, device, run_dir, pinned)
         model = config.model
+        if model.pretrained:
+            families.detect(model.pretrained)
         self.tokenizer = self._tokenizer()
         vae = self.load_source("vae")
         if vae is None:
