@@ -27,7 +27,9 @@ install-dev: $(VENV)/.installed-dev
 demo: install
 	$(BIN)/sdtrain demo --out runs/demo
 
+# lint-imports: the layers of pyproject.toml's [tool.importlinter] hold (no import cycle, local imports included).
 test: install-dev
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 # Fault injection through the CLI (kill -9, damaged checkpoints, a full disk, NaN steps, a second run):
@@ -47,6 +49,7 @@ bench-peer: install
 
 lint: install-dev
 	$(BIN)/ruff check src tests
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf runs .pytest_cache

@@ -519,6 +519,9 @@ def load_run_modules(
         if use_ema:
             state = {**_split_state(raw_weights, name), **state}
         if spec.get("partial"):
+            # The one import upward (pyproject.toml's [tool.importlinter] ignores it by name): the modes rebuild
+            # a partly trained module's base through models.build, which reads checkpoints itself. It goes
+            # when the rebuilders move into the models layer beside load_run_modules.
             from sdtrain.train.modes import rebuild_partial
 
             module = rebuild_partial(name, meta)

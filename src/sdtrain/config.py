@@ -18,6 +18,7 @@ from typing import Any, Union
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from sdtrain.data.filters import parse_filters
 from sdtrain.errors import UserError
 
 STAGES = ("autoencoder", "diffusion")
@@ -89,8 +90,6 @@ class DataConfig:
             _check(8 <= self.bucket_step <= self.resolution, "data.bucket_step",
                    "must be between 8 and data.resolution")
             _check(self.max_aspect >= 1.0, "data.max_aspect", "must be at least 1")
-        from sdtrain.data.filters import parse_filters
-
         try:
             parse_filters(self.filters)
         except UserError as exc:

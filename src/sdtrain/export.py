@@ -16,7 +16,7 @@ from typing import Any
 from sdtrain.checkpoint import latest_checkpoint, load_run_modules, pinned_sources, read_meta
 from sdtrain.config import RunConfig, load_config
 from sdtrain.errors import UserError
-from sdtrain.models import build
+from sdtrain.models import build, single_file
 from sdtrain.models.pipeline import assemble_pipeline, sampler_from
 from sdtrain.train.modes import merge_partial, save_trained_parts
 
@@ -147,8 +147,6 @@ def _swap_in_folder(out: Path, write: Callable[[Path], None]) -> None:
 
 def _check_replaceable_file(out: Path, run_dir: Path) -> None:
     """A single file may replace only an earlier single-file export, never the run or anything else."""
-    from sdtrain.models import single_file
-
     if out.resolve().is_relative_to(run_dir.resolve() / "checkpoints"):
         raise UserError(f"--out: {out} is inside the run's checkpoints; choose a path outside them")
     if out.suffix.lower() != ".safetensors":
@@ -172,8 +170,6 @@ def export_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: P
     OUT.tokenizer/ beside it; an autoencoder run gives a VAE-only file (bare ``encoder.*``/``decoder.*`` keys).
     EMA weights by default, fp32 unless `half`. The file is written under a temporary name and renamed.
     """
-    from sdtrain.models import single_file
-
     run_dir, out = Path(run_dir), Path(out)
     checkpoint = _checkpoint_to_export(run_dir, checkpoint)
     _check_replaceable_file(out, run_dir)

@@ -7,32 +7,25 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-from PIL import Image
+from diffusers import StableDiffusionPipeline
 
 from sdtrain.errors import UserError, first_line
+from sdtrain.export import pipeline_from_run
 from sdtrain.models import build
-from sdtrain.models.pipeline import sampler_from
+from sdtrain.models.pipeline import sample_images, sampler_from
+from sdtrain.models.single_file import TRUST_PICKLE_ENV, load_single_file_pipeline, trust_pickle_from_env
 from sdtrain.run import resolve_device
 from sdtrain.utils import make_grid, save_image_atomic
 
 
 def load_pipeline(model: str | Path, ema: bool = True, device: str = "auto",
                   tokenizer: str | Path | None = None) -> Any:
-    from diffusers import StableDiffusionPipeline
-
     kind = build.source_kind(model)
     if kind == "run":
-        from sdtrain.export import pipeline_from_run
-
         pipe = pipeline_from_run(Path(model), ema=ema)
     elif kind == "single_file":
-        from sdtrain.models.single_file import load_single_file_pipeline
-
         pipe = load_single_file_pipeline(model, tokenizer=tokenizer)
     elif kind == "pipeline":
-        from sdtrain.models.single_file import TRUST_PICKLE_ENV, trust_pickle_from_env
-
         trusted = trust_pickle_from_env()
         try:
             pipe = StableDiffusionPipeline.from_pretrained(
@@ -77,26 +70,6 @@ def apply_additions(pipe: Any, loras: Sequence[str | Path] = (), lora_scale: flo
             pipe.load_textual_inversion(str(path), local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
             raise UserError(f"--embedding: {path}: cannot load ({first_line(exc)})") from exc
-
-
-@torch.no_grad()
-def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int = 30, guidance: float = 5.0,
-                  negative_prompt: str | None = None, batch: int = 1, seeds: Sequence[int] | None = None
-                  ) -> list[Image.Image]:
-    """One image per prompt; prompt i uses seed + i (or ``seeds[i]``), so adding prompts never changes earlier
-    images. ``batch`` prompts run through the model together, each from the noise of its own seed: the same
-    images up to floating-point rounding, several times faster for small models on a CPU."""
-    pipe.set_progress_bar_config(disable=True)
-    seeds = list(seeds) if seeds is not None else [seed + i for i in range(len(prompts))]
-    images = []
-    for start in range(0, len(prompts), batch):
-        chunk = list(prompts[start:start + batch])
-        generators = [torch.Generator(pipe.device).manual_seed(s) for s in seeds[start:start + batch]]
-        result = pipe(chunk, num_inference_steps=steps, guidance_scale=guidance, generator=generators,
-                      negative_prompt=None if negative_prompt is None else [negative_prompt] * len(chunk),
-                      output_type="pil")
-        images += result.images
-    return images
 
 
 def _slug(text: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from sdtrain.config import to_yaml
 from sdtrain.utils import atomic_write_text
 
 RDZV_PORT = 29500
@@ -221,8 +222,6 @@ def job_config(config: Any, base: Path) -> str:
     """The resolved config as YAML, its relative paths made absolute against ``base`` (where ``sdtrain
     launch`` ran): a relative run_dir always, other keys when they (or their leading folder) exist there.
     URLs, ``pipe:`` commands and ``checkpoint.resume``'s words (auto, never) are left as they are."""
-    from sdtrain.config import to_yaml
-
     tree = yaml.safe_load(to_yaml(config))
     for key in PATH_KEYS:
         *parents, leaf = key.split(".")

@@ -24,6 +24,7 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
+from sdtrain import __version__
 from sdtrain.errors import UserError
 
 # A run of months logs hundreds of grids; past these the page would weigh more than the run's story is worth.
@@ -143,7 +144,7 @@ def _read_config(path: Path) -> tuple[str | None, dict[str, Any], list[Path]]:
 
 
 def _read_checkpoints(path: Path) -> list[tuple[Path, dict[str, Any] | None]]:
-    from sdtrain.checkpoint import list_checkpoints
+    from sdtrain.checkpoint import list_checkpoints  # torch: the report module itself loads none
 
     found = []
     for folder in list_checkpoints(path):
@@ -790,8 +791,7 @@ def _version(package: str) -> str:
 
 def environment() -> list[tuple[str, str]]:
     """The machine this report is written on, which is the training machine when the run ends with it."""
-    from sdtrain import __version__
-    from sdtrain.flops import cpu_flags
+    from sdtrain.flops import cpu_flags  # torch: the report module itself loads none
 
     rows = [("sdtrain", __version__)]
     rows += [(p, _version(p)) for p in ("torch", "diffusers", "transformers", "tokenizers", "peft")]
@@ -828,8 +828,6 @@ def _environment_html(run: Run) -> str:
 
 
 def render(run: Run, images: int = MAX_IMAGES) -> str:
-    from sdtrain import __version__
-
     judged = verdict(run.metrics)
     sections = [("summary", "Summary"), ("metrics", "Metrics"), ("samples", "Samples"),
                 ("checkpoints", "Checkpoints"), ("config", "Config"), ("environment", "Environment")]
@@ -855,7 +853,7 @@ def render(run: Run, images: int = MAX_IMAGES) -> str:
 
 def write_report(run_dir: Path, out: Path | None = None, images: int = MAX_IMAGES) -> Path:
     """Write the run's report (default RUN/report.html) whole or not at all; returns its path."""
-    from sdtrain.utils import atomic_write_text
+    from sdtrain.utils import atomic_write_text  # torch and PIL: the report module itself loads none
 
     run = load_run(Path(run_dir))
     out = Path(out) if out is not None else run.path / "report.html"

@@ -3,6 +3,8 @@ path `sdtrain train` runs; `sdtrain benchmark data`: the loader's rate beside th
 
 from __future__ import annotations
 
+# Commands import what they run inside their functions: `sdtrain --help` and a mistyped argument answer
+# without loading torch, diffusers or the data stack.
 import argparse
 import json
 import tempfile

@@ -5,6 +5,8 @@ Each stage is the same command a user would type, so the demo doubles as a worke
 
 from __future__ import annotations
 
+# Commands import what they run inside their functions: `sdtrain --help` and a mistyped argument answer
+# without loading torch, diffusers or the data stack.
 import argparse
 import time
 from importlib import resources
@@ -32,6 +34,8 @@ def config_path(name: str) -> Path:
 
 
 def _step(title: str, argv: list[str]) -> None:
+    # The demo is a script of the whole CLI, and the CLI lists the demo among its commands: main is
+    # looked up when a step runs (pyproject.toml's [tool.importlinter] ignores this import by name).
     from sdtrain.cli.main import main
 
     print(f"\n== {title}\n$ sdtrain {' '.join(argv)}", flush=True)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+# Commands import what they run inside their functions: `sdtrain --help` and a mistyped argument answer
+# without loading torch, diffusers or the data stack.
 import argparse
 from pathlib import Path
 

@@ -31,7 +31,7 @@ class ReferenceStats:
     def save(self, path: Path) -> Path:
         import io
 
-        from sdtrain.utils import atomic_write_bytes
+        from sdtrain.utils import atomic_write_bytes  # deferred: PIL, for a save only
 
         buffer = io.BytesIO()
         np.savez(buffer, mu=self.mu, sigma=self.sigma, count=np.array(self.count))

@@ -37,11 +37,11 @@ from sdtrain.distributed import gather_objects
 from sdtrain.errors import UserError
 from sdtrain.flops import cpu_flags
 from sdtrain.memory import own_peak_bytes, tree_bytes
+from sdtrain.paths import cache_dir
 from sdtrain.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "SDTRAIN_CACHE_DIR"
 # bf16 rounds every matmul input; it has to buy a clear gain, not a tie within timing noise.
 BF16_MIN_GAIN = 1.05
 _LEAVES = (nn.Conv2d, nn.Linear, nn.GroupNorm, nn.LayerNorm)
@@ -77,13 +77,6 @@ class LayerCall:
     calls: int
     activation_bytes: int
     """Bytes of the call's tensor inputs per sample, about what autograd keeps for its backward."""
-
-
-def cache_dir() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "sdtrain"
 
 
 def _machine_key(device: torch.device) -> str:
@@ -362,7 +355,7 @@ def _parameters(task: Any) -> list[nn.Parameter]:
 def _synthetic_step(config: RunConfig, task: Any, encoded: bool, samples: int) -> Iterator[Callable[[], Any]]:
     """The task's loss on a fixed synthetic batch of ``samples``, as a callable; the task's statistics and the
     RNG are as they were afterwards, so measuring changes nothing the run computes."""
-    from sdtrain.data.synthetic import SyntheticBatches
+    from sdtrain.data.synthetic import SyntheticBatches  # deferred: diffusers and transformers, for a trial only
 
     data = dataclasses.replace(config.data, batch_size=samples)
     batch = SyntheticBatches(data, task, seed=config.seed, rank=0, encoded=encoded).next()

@@ -44,6 +44,8 @@ from sdtrain.distributed import (
     record_progress,
 )
 from sdtrain.errors import UserError, first_line
+from sdtrain.evaluate.adherence import adherence_prompt_set
+from sdtrain.evaluate.run import EvalSettings, Evaluator, flat_metrics, read_prompts, target_met
 from sdtrain.faults import FaultInjector
 from sdtrain.memory import tree_bytes
 from sdtrain.run import prepare_run_dir, resolve_device
@@ -400,8 +402,6 @@ class Trainer:
 
     def evaluate(self) -> bool:
         """Score the averaged weights on every rank (each generates its share); True once the target is met."""
-        from sdtrain.evaluate.run import flat_metrics, target_met
-
         cfg = self.config.evaluation
         self.state.evaluations = self.state.samples // cfg.every_samples
         if self.evaluator is None:
@@ -424,9 +424,6 @@ class Trainer:
         return True
 
     def _make_evaluator(self):
-        from sdtrain.evaluate.adherence import adherence_prompt_set
-        from sdtrain.evaluate.run import EvalSettings, Evaluator, read_prompts
-
         cfg = self.config.evaluation
         prompts = read_prompts(cfg.prompts) if cfg.prompts else adherence_prompt_set(cfg.num)
         settings = EvalSettings(list(cfg.metrics), num=cfg.num or None, steps=cfg.steps, guidance=cfg.guidance,

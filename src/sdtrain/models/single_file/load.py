@@ -108,6 +108,7 @@ def load_single_file_pipeline(path: str | Path, tokenizer: str | Path | None = N
     noise schedule."""
     from diffusers import DDPMScheduler
 
+    # Deferred: diffusers and transformers load only when a whole pipeline is asked for.
     from sdtrain.models.pipeline import assemble_pipeline, sampler_from
     from sdtrain.models.tokenizer import load_clip_tokenizer
 

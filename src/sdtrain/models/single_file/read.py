@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from sdtrain.errors import UserError
+from sdtrain.paths import cache_dir
 
 SAFE_SUFFIXES = (".safetensors",)
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
@@ -493,8 +494,6 @@ def text_encoder_layout(path: str | Path, trust_pickle: bool | None = None) -> s
 
 
 def _cache_root() -> Path:
-    from sdtrain.train.autotune import cache_dir
-
     return cache_dir() / "single_file"
 
 

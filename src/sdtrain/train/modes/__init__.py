@@ -11,8 +11,14 @@ from torch import nn
 
 from sdtrain.errors import UserError
 from sdtrain.train.modes.dreambooth import DreamBoothLoraTask, DreamBoothTask
-from sdtrain.train.modes.lora import LoraTask, rebuild_lora
-from sdtrain.train.modes.textual_inversion import TextualInversionTask, rebuild_textual_inversion
+from sdtrain.train.modes.lora import LoraTask, merge_lora, rebuild_lora, save_lora
+from sdtrain.train.modes.textual_inversion import (
+    LEARNED_EMBEDS,
+    TextualInversionTask,
+    merge_token_rows,
+    rebuild_textual_inversion,
+    save_learned_embeds,
+)
 
 MODES = {"lora": LoraTask, "textual_inversion": TextualInversionTask, "dreambooth": DreamBoothTask}
 
@@ -43,9 +49,6 @@ def rebuild_partial(name: str, meta: dict[str, Any]) -> nn.Module:
 def merge_partial(module: nn.Module) -> nn.Module:
     """A partly trained module as a plain one: adapters folded into their layers, new token rows appended
     to the embedding table."""
-    from sdtrain.train.modes.lora import merge_lora
-    from sdtrain.train.modes.textual_inversion import merge_token_rows
-
     module = merge_lora(module)
     return merge_token_rows(module) if hasattr(module, "get_input_embeddings") else module
 
@@ -54,9 +57,6 @@ def save_trained_parts(modules: dict[str, nn.Module], meta: dict[str, Any], fold
     """The small files a fine-tuning mode produces, in the layouts diffusers' loaders read:
     ``pytorch_lora_weights.safetensors`` (``load_lora_weights``) and ``learned_embeds.safetensors``
     (``load_textual_inversion``)."""
-    from sdtrain.train.modes.lora import save_lora
-    from sdtrain.train.modes.textual_inversion import LEARNED_EMBEDS, save_learned_embeds
-
     task = meta.get("task", {})
     written = []
     if task.get("lora"):

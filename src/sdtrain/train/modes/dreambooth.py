@@ -13,10 +13,13 @@ from typing import Any
 import torch
 
 from sdtrain.config import DataConfig, RunConfig
+from sdtrain.data.prepare import prepare_folder
 from sdtrain.errors import UserError
 from sdtrain.models import build
+from sdtrain.models.pipeline import assemble_pipeline, sample_images, sampler_from
 from sdtrain.train.modes.lora import LoraTask
 from sdtrain.train.tasks import DiffusionTask
+from sdtrain.utils import save_image_atomic
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +36,6 @@ def class_shards(run_dir: Path) -> Path:
 
 def _base_pipeline(config: RunConfig) -> Any:
     """The model before fine-tuning, as a pipeline, from the same sources training loads."""
-    from sdtrain.models.pipeline import assemble_pipeline, sampler_from
-
     model = config.model
     trust = build.trusts_pickle(model)
     components = {}
@@ -53,9 +54,6 @@ def _base_pipeline(config: RunConfig) -> Any:
 def ensure_class_images(config: RunConfig, folder: Path) -> int:
     """Generate the class images the folder lacks, each from its own seed, so a run interrupted while
     generating continues with the same images."""
-    from sdtrain.generate import sample_images
-    from sdtrain.utils import save_image_atomic
-
     db = config.dreambooth
     folder.mkdir(parents=True, exist_ok=True)
     have = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
@@ -122,8 +120,6 @@ class DreamBoothTask(DiffusionTask):
         DiffusionTask.prepare(config, run_dir)
         if not config.dreambooth.class_prompt.strip():
             return
-        from sdtrain.data.prepare import prepare_folder
-
         folder = class_folder(config, run_dir)
         ensure_class_images(config, folder)
         # Rewritten at every start from the folder's images: the same images give the same shards.
