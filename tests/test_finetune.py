@@ -146,7 +146,7 @@ def test_a_lora_run_generates_and_exports_a_merged_pipeline(tmp_path, pretrained
 
 def _task(tmp_path, pretrained, shapes_dir, *overrides):
     from sdtrain.config import load_config
-    from sdtrain.train.tasks import make_task
+    from sdtrain.train.modes import make_task
 
     config = load_config(config_path("diffusion.yaml"), [
         *TINY, f"run_dir={tmp_path}", f"data.shards={shapes_dir}", f"model.pretrained={pretrained}",

@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from sdtrain.data.remote import is_remote, read_json
 from sdtrain.data.shards import MANIFEST_NAME, read_manifest, tar_keys, tar_samples
-from sdtrain.data.sources import expand_spec, is_remote, read_json
+from sdtrain.data.sources import expand_spec
 from sdtrain.errors import UserError, first_line
 
 log = logging.getLogger(__name__)

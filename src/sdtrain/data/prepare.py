@@ -40,8 +40,9 @@ from typing import Any
 from PIL import Image
 
 from sdtrain.data.filters import Filters
+from sdtrain.data.remote import is_remote
 from sdtrain.data.shards import MANIFEST_NAME, ShardInfo, ShardWriter, tar_samples, write_manifest
-from sdtrain.data.sources import expand_spec, is_remote
+from sdtrain.data.sources import expand_spec
 from sdtrain.errors import UserError, first_line
 
 log = logging.getLogger(__name__)

@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 
 import webdataset as wds
 
+from sdtrain.data.remote import open_url
 from sdtrain.errors import UserError
 from sdtrain.utils import atomic_write_text
 
@@ -326,7 +327,6 @@ def safe_members(stream: BinaryIO, url: str, handler: Any, select: Any = None) -
 def tar_samples(url: str, handler: Any, select: Any = None) -> Iterator[dict[str, Any]]:
     """The samples of one shard (webdataset's grouping of members by key), read through
     :func:`safe_members`; ``handler(exc)`` decides whether to go on after a bad member (True) or stop."""
-    from sdtrain.data.sources import open_url
 
     def members() -> Iterator[dict[str, Any]]:
         try:

@@ -19,6 +19,7 @@ from torch import nn
 from sdtrain.config import DataConfig, RunConfig
 from sdtrain.errors import UserError
 from sdtrain.models import build, families
+from sdtrain.models.pipeline import assemble_pipeline, sample_images, sampler_from
 from sdtrain.models.tokenizer import train_clip_tokenizer
 from sdtrain.train.objectives import NoisePrediction
 from sdtrain.utils import save_grid
@@ -357,8 +358,6 @@ class DiffusionTask(Task):
 
     def pipeline(self, modules: dict[str, nn.Module]) -> Any:
         """A pipeline of the given trained modules and this task's frozen ones."""
-        from sdtrain.models.pipeline import assemble_pipeline, sampler_from
-
         text_encoder = modules["text_encoder"] if "text_encoder" in modules else self.frozen("text_encoder")
         return assemble_pipeline(self.frozen("vae"), text_encoder, self.tokenizer, modules.get("unet", self.unet),
                                  sampler_from(self.noise_scheduler, "euler"))
@@ -366,8 +365,6 @@ class DiffusionTask(Task):
     @torch.no_grad()
     def render(self, modules: dict[str, nn.Module], out: Path, prompts: list[str], labels: list[str]) -> Path:
         """A grid of the prompts' images from the given trained modules and this task's frozen ones."""
-        from sdtrain.generate import sample_images
-
         pipe = self.pipeline(modules)
         val = self.config.validation
         images = sample_images(pipe, prompts, seed=val.seed, steps=val.steps, guidance=val.guidance)
@@ -375,19 +372,3 @@ class DiffusionTask(Task):
 
 
 TASKS: dict[str, type[Task]] = {"autoencoder": AutoencoderTask, "diffusion": DiffusionTask}
-
-
-def prepare_task(config: RunConfig, run_dir: Path) -> None:
-    task_class(config).prepare(config, run_dir)
-
-
-def task_class(config: RunConfig) -> type[Task]:
-    if config.stage == "diffusion" and config.mode != "full":
-        from sdtrain.train.modes import mode_task
-
-        return mode_task(config)
-    return TASKS[config.stage]
-
-
-def make_task(config: RunConfig, device: torch.device, run_dir: Path, pinned: dict[str, str] | None = None) -> Task:
-    return task_class(config)(config, device, run_dir, pinned)

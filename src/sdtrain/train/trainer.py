@@ -52,9 +52,10 @@ from sdtrain.run import prepare_run_dir, resolve_device
 from sdtrain.train import autotune
 from sdtrain.train.ema import EMA
 from sdtrain.train.logger import RunLogger
+from sdtrain.train.modes import make_task, prepare_task
 from sdtrain.train.optim import allocate_state, build_lr_schedule, build_optimizer
 from sdtrain.train.parallel import DataParallel
-from sdtrain.train.tasks import Task, make_task, prepare_task
+from sdtrain.train.tasks import Task
 from sdtrain.utils import atomic_write_text
 
 log = logging.getLogger(__name__)

@@ -7,8 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
+from sdtrain.config import RunConfig
 from sdtrain.errors import UserError
 from sdtrain.train.modes.dreambooth import DreamBoothLoraTask, DreamBoothTask
 from sdtrain.train.modes.lora import LoraTask, merge_lora, rebuild_lora, save_lora
@@ -19,6 +21,7 @@ from sdtrain.train.modes.textual_inversion import (
     rebuild_textual_inversion,
     save_learned_embeds,
 )
+from sdtrain.train.tasks import TASKS, Task
 
 MODES = {"lora": LoraTask, "textual_inversion": TextualInversionTask, "dreambooth": DreamBoothTask}
 
@@ -27,6 +30,21 @@ def mode_task(config: Any) -> type:
     if config.mode == "dreambooth" and config.dreambooth.lora:
         return DreamBoothLoraTask
     return MODES[config.mode]
+
+
+def task_class(config: RunConfig) -> type[Task]:
+    """What a run trains: a stage's task, or for fine-tuning the diffusion stage, its mode's."""
+    if config.stage == "diffusion" and config.mode != "full":
+        return mode_task(config)
+    return TASKS[config.stage]
+
+
+def prepare_task(config: RunConfig, run_dir: Path) -> None:
+    task_class(config).prepare(config, run_dir)
+
+
+def make_task(config: RunConfig, device: torch.device, run_dir: Path, pinned: dict[str, str] | None = None) -> Task:
+    return task_class(config)(config, device, run_dir, pinned)
 
 _REBUILDERS = {"lora": rebuild_lora, "textual_inversion": rebuild_textual_inversion}
 
