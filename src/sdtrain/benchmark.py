@@ -89,7 +89,8 @@ class Benchmark(Trainer):
             raise UserError(f"--encoded: the {self.config.stage} stage trains on images, not pre-encoded latents"
                             if not self.task.reads_encoded else "--encoded: data.use_encoded is false")
         synthetic = self.run_dir / SYNTHETIC
-        if Path(self.config.data.shards) == synthetic:
+        self.synthetic_data = Path(self.config.data.shards) == synthetic
+        if self.synthetic_data:
             if self.is_main:
                 write_synthetic_shards(synthetic, self.config.data, self.task, self._synthetic_samples(),
                                        self.encoded, self.config.seed)
@@ -165,7 +166,7 @@ class Benchmark(Trainer):
             "peak_memory_gib": training_peak,
             "loading_peak_memory_gib": self._peak_memory_gib("loading"),
             "loader_workers": self.config.data.num_workers,
-            "synthetic_data": Path(self.config.data.shards) == self.run_dir / SYNTHETIC,
+            "synthetic_data": self.synthetic_data,
             "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],
             "cpu_count": os.cpu_count(),
         }

@@ -63,10 +63,7 @@ def _proportional(pid: int) -> int:
 
 def tree_bytes(pid: int | None = None) -> int:
     """The memory of `pid` (this process by default) and everything it started, read now."""
-    pid = os.getpid() if pid is None else pid
-    if not Path(f"/proc/{pid}/statm").exists():
-        return own_peak_bytes() if pid == os.getpid() else 0
-    return _TreeReader(pid, refresh=0.0).read()
+    return _TreeReader(os.getpid() if pid is None else pid, refresh=0.0).read()
 
 
 def own_peak_bytes() -> int:
@@ -84,6 +81,8 @@ class _TreeReader:
         """pid -> (when walked, seconds the walk took, resident less proportional size then)."""
 
     def read(self) -> int:
+        if not Path(f"/proc/{self.pid}/statm").exists():  # not Linux: the process's own high-water mark
+            return own_peak_bytes() if self.pid == os.getpid() else 0
         tree = [(self.pid, 0), *descendants(self.pid)]
         resident: dict[int, int] = {}
         for pid, _ in tree:
@@ -118,7 +117,6 @@ class TreePeak:
         self.interval = interval
         self.peaks: dict[str, int] = {}
         self._reader = _TreeReader(self.pid, refresh)
-        self._linux = Path(f"/proc/{self.pid}/statm").exists()
         self._phase = phase
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -147,7 +145,7 @@ class TreePeak:
 
     def sample(self) -> int:
         with self._lock:
-            now = self._reader.read() if self._linux else tree_bytes(self.pid)
+            now = self._reader.read()
             self.peaks[self._phase] = max(self.peaks.get(self._phase, 0), now)
         return now
 

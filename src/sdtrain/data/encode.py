@@ -24,7 +24,7 @@ import torch
 
 from sdtrain.config import DataConfig
 from sdtrain.data.decode import SampleDecoder
-from sdtrain.data.encoded import DTYPES, EMPTY_CAPTION, LATENT_MEAN, LATENT_STD, TEXT_EMB, npy_bytes
+from sdtrain.data.encoded import DTYPES, EMPTY_CAPTION, LATENT_MEAN, LATENT_STD, TEXT_EMB, describe_encoding, npy_bytes
 from sdtrain.data.order import read_shard, resolve_shards
 from sdtrain.data.shards import (
     ShardInfo,
@@ -80,15 +80,8 @@ class Encoder:
         return self.text_encoder(tokens.input_ids.to(self.device))[0].float().cpu().numpy()
 
     def description(self) -> dict[str, Any]:
-        return {
-            "vae": self.vae_source,
-            "text_encoder": self.text_source,
-            "resolution": self.resolution,
-            "latent_channels": self.vae.config.latent_channels,
-            "scaling_factor": float(self.vae.config.scaling_factor),
-            "max_text_length": self.tokenizer.model_max_length if self.tokenizer else None,
-            "dtype": np.dtype(self.dtype).name,
-        }
+        return describe_encoding(self.vae_source, self.text_source, self.resolution, self.vae.config, self.tokenizer,
+                                 np.dtype(self.dtype).name)
 
 
 def encode_dataset(src: str, out: Path, encoder: Encoder, batch_size: int = 32, rank: int = 0,

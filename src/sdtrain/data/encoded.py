@@ -26,6 +26,20 @@ def load_npy(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
+def describe_encoding(vae_source: str | None, text_source: str | None, resolution: int, vae_config: Any,
+                      tokenizer: Any | None, dtype: str) -> dict[str, Any]:
+    """The manifest's `encoding` entry: which weights and settings produced the latents and embeddings."""
+    return {
+        "vae": vae_source,
+        "text_encoder": text_source,
+        "resolution": resolution,
+        "latent_channels": vae_config.latent_channels,
+        "scaling_factor": float(vae_config.scaling_factor),
+        "max_text_length": tokenizer.model_max_length if tokenizer is not None else None,
+        "dtype": dtype,
+    }
+
+
 def dataset_encoding(spec: str) -> tuple[dict[str, Any], Path] | None:
     """The `encoding` entry of the manifest of the folder `spec` names (directly or through its shards)."""
     folder = Path(spec) if os.path.isdir(spec) else Path(spec).parent

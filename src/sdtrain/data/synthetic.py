@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from sdtrain.config import DataConfig
-from sdtrain.data.encoded import EMPTY_CAPTION, LATENT_MEAN, LATENT_STD, TEXT_EMB, npy_bytes
+from sdtrain.data.encoded import EMPTY_CAPTION, LATENT_MEAN, LATENT_STD, TEXT_EMB, describe_encoding, npy_bytes
 from sdtrain.data.shapes import render_shapes_sample
 from sdtrain.data.shards import ShardWriter
 from sdtrain.models import build
@@ -89,12 +89,9 @@ def write_synthetic_shards(out: Path, config: DataConfig, task: Any, samples: in
 
 
 def _encoding(config: DataConfig, task: Any) -> dict[str, Any]:
-    vae = task.vae.config
     text_encoder = None if task.text_encoder_trains() else task.sources.get("text_encoder")
-    return {"vae": task.sources.get("vae"), "text_encoder": text_encoder, "resolution": config.resolution,
-            "latent_channels": vae.latent_channels, "scaling_factor": float(vae.scaling_factor),
-            "max_text_length": task.tokenizer.model_max_length if task.tokenizer is not None else None,
-            "dtype": "float16"}
+    return describe_encoding(task.sources.get("vae"), text_encoder, config.resolution, task.vae.config,
+                             task.tokenizer, "float16")
 
 
 def _text_shape(task: Any) -> tuple[int, int]:
