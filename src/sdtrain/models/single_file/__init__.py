@@ -1,4 +1,5 @@
-"""Stable Diffusion checkpoints as ONE file, in the original (CompVis/LDM, A1111/ComfyUI) layout.
+"""Stable Diffusion (1.x, 2.x, XL base) checkpoints as ONE file, in the original (CompVis/LDM and Stability's
+SGM, A1111/ComfyUI) layout.
 
 Reading: the diffusers configs of the UNet, VAE and text encoder are inferred from the file's tensor
 shapes and key names (plus the settings weights cannot tell, from the file's safetensors metadata when
@@ -15,6 +16,20 @@ Original layout, by component:
 - text encoder: ``cond_stage_model.transformer.text_model.*`` (CLIP, SD 1.x) or ``cond_stage_model.model.*``
   (OpenCLIP, SD 2.x: fused ``in_proj`` attention, ``transformer.resblocks.N``)
 
+SDXL (``info.family == "sdxl"``; ``"sd"`` otherwise), told by its ``conditioner.embedders.*`` keys (or, for a
+UNet alone, by SDXL's added embedding ``label_emb.0.*``): the same UNet and VAE prefixes, the UNet with
+``label_emb.0.0``/``label_emb.0.2`` (diffusers' ``add_embedding``, addition_embed_type ``text_time``) and a
+transformer depth per level; the text encoders at
+
+- ``conditioner.embedders.0.transformer.text_model.*``: CLIP ViT-L, in the transformers key layout;
+- ``conditioner.embedders.1.model.*``: OpenCLIP bigG (diffusers' CLIPTextModelWithProjection ``text_encoder_2``),
+  every layer a block (SDXL conditions on the whole tower: the penultimate layer's output, and the pooled last
+  one), ``text_projection`` as OpenCLIP multiplies by it (the transpose of the Linear's weight), ``logit_scale``.
+
+Read without metadata, an SDXL file gets SDXL base's settings: 64-wide UNet heads, the time width of the added
+embedding from what its projection's input leaves beside the pooled width (else 256), VAE scaling 0.13025,
+``gelu`` for bigG, the schedule `SDXL_SCHEDULER` (SD's betas, "leading" timesteps) and epsilon prediction.
+
 Metadata keys written (all strings, as safetensors requires):
 
 - ``prediction_type``: ``epsilon`` / ``v_prediction`` / ``sample``. Without it (nor a ModelSpec
@@ -25,6 +40,8 @@ Metadata keys written (all strings, as safetensors requires):
   weights cannot tell (attention heads, norm groups, the VAE's ``scaling_factor``, activation, token ids...).
   Sizes (channels, levels, layers, vocabulary...) are always read from the tensors, never from these.
 - ``text_encoder_layout``: ``clip`` or ``openclip``, informative (the keys say it too).
+- SDXL only: ``text_encoder_2_config``; ``text_encoder_2_layout`` (``openclip``); ``model_family``: ``sdxl``
+  (the keys say it too; a VAE-only file, whose keys are SD's, is read as SDXL's when its metadata says so).
 - ``sdtrain_format``: ``2``; marks a file ``sdtrain export --single-file`` wrote (and may replace). Files of
   format ``1`` (earlier sdtrain) are read and replaced as well: they differ only in the OpenCLIP text tower.
 
@@ -50,7 +67,8 @@ layers, except that 24 blocks are SD 2.x's own (23 layers) either way. diffusers
 the blocks conditioned on: it drops block 23 alone, and would convert any other unused block as one more layer.
 
 A single file holds no tokenizer: ``sdtrain export --single-file`` writes it beside OUT.safetensors as
-OUT.tokenizer/, which the loader finds; otherwise ``model.tokenizer`` must name one. The inferred configs
+OUT.tokenizer/ (and SDXL's second as OUT.tokenizer_2/, `tokenizer_folder(path, 2)`), which the loader finds;
+otherwise ``model.tokenizer`` must name one. The inferred configs
 are cached in ``<sdtrain cache dir>/single_file/<fingerprint of keys, shapes and metadata>`` (the cache dir
 is ``SDTRAIN_CACHE_DIR``, else ``~/.cache/sdtrain``).
 
@@ -64,6 +82,7 @@ from __future__ import annotations
 from sdtrain.models.single_file.load import load_single_file_component, load_single_file_pipeline
 from sdtrain.models.single_file.read import (
     CLIP_PREFIX,
+    FAMILIES,
     FORMAT_KEY,
     FORMAT_VERSION,
     OPENCLIP_PREFIX,
@@ -71,7 +90,11 @@ from sdtrain.models.single_file.read import (
     PREDICTION_TYPES,
     SAFE_SUFFIXES,
     SD_SCHEDULER,
+    SDXL_CLIP_PREFIX,
+    SDXL_OPENCLIP_PREFIX,
+    SDXL_SCHEDULER,
     SUFFIXES,
+    TEXT_ENCODERS,
     TEXT_EXTRA_KEYS,
     TEXT_LAYOUTS,
     TEXT_SHAPE_KEYS,
@@ -82,9 +105,11 @@ from sdtrain.models.single_file.read import (
     VAE_SHAPE_KEYS,
     SingleFileInfo,
     config_folder,
+    family_of,
     inspect_single_file,
     is_single_file,
     looks_like_single_file,
+    model_family,
     prediction_type,
     scheduler_config,
     text_encoder_layout,
@@ -97,6 +122,7 @@ from sdtrain.models.single_file.write import _module_config as _module_config
 from sdtrain.models.single_file.write import _normalize as _normalize
 from sdtrain.models.single_file.write import (
     choose_text_layout,
+    original_unet_path,
     save_single_file,
     single_file_metadata,
     to_original_state_dict,
@@ -105,11 +131,13 @@ from sdtrain.models.single_file.write import (
 
 # _infer, _module_config and _normalize are private: re-exported (by redundant aliases) for the tests.
 __all__ = [
-    "CLIP_PREFIX", "FORMAT_KEY", "FORMAT_VERSION", "OPENCLIP_PREFIX", "PICKLE_SUFFIXES", "PREDICTION_TYPES",
-    "SAFE_SUFFIXES", "SD_SCHEDULER", "SUFFIXES", "TEXT_EXTRA_KEYS", "TEXT_LAYOUTS", "TEXT_SHAPE_KEYS",
-    "TRUST_PICKLE_ENV", "UNET_PREFIX", "UNET_SHAPE_KEYS", "VAE_PREFIX", "VAE_SHAPE_KEYS", "SingleFileInfo",
-    "choose_text_layout", "config_folder", "inspect_single_file", "is_single_file", "load_single_file_component",
-    "load_single_file_pipeline", "looks_like_single_file", "prediction_type", "save_single_file",
+    "CLIP_PREFIX", "FAMILIES", "FORMAT_KEY", "FORMAT_VERSION", "OPENCLIP_PREFIX", "PICKLE_SUFFIXES",
+    "PREDICTION_TYPES", "SAFE_SUFFIXES", "SDXL_CLIP_PREFIX", "SDXL_OPENCLIP_PREFIX", "SDXL_SCHEDULER", "SD_SCHEDULER",
+    "SUFFIXES", "TEXT_ENCODERS", "TEXT_EXTRA_KEYS", "TEXT_LAYOUTS", "TEXT_SHAPE_KEYS", "TRUST_PICKLE_ENV",
+    "UNET_PREFIX", "UNET_SHAPE_KEYS", "VAE_PREFIX", "VAE_SHAPE_KEYS", "SingleFileInfo", "choose_text_layout",
+    "config_folder", "family_of", "inspect_single_file", "is_single_file", "load_single_file_component",
+    "original_unet_path",
+    "load_single_file_pipeline", "looks_like_single_file", "model_family", "prediction_type", "save_single_file",
     "scheduler_config", "single_file_metadata", "text_encoder_layout", "to_original_state_dict", "tokenizer_folder",
     "tokenizer_for", "trust_pickle_from_env", "written_by_sdtrain",
 ]

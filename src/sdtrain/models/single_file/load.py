@@ -18,6 +18,7 @@ from sdtrain.models.single_file.read import (
     _open,
     _past_layers,
     config_folder,
+    inspect_single_file,
     scheduler_config,
     tokenizer_for,
 )
@@ -27,7 +28,8 @@ from sdtrain.models.single_file.write import _module_config, _to_original
 log = logging.getLogger(__package__)
 
 _COMPONENT_LABELS = {"unet": "UNet (model.diffusion_model.*)", "vae": "VAE (first_stage_model.*)",
-                     "text_encoder": "text encoder (cond_stage_model.*)"}
+                     "text_encoder": "text encoder (cond_stage_model.* or conditioner.embedders.0.*)",
+                     "text_encoder_2": "second text encoder (SDXL's conditioner.embedders.1.model.*)"}
 
 
 # --------------------------------------------------------------------------------------------------- loading
@@ -38,29 +40,35 @@ def _missing_parameters(module: torch.nn.Module) -> list[str]:
 
 
 def load_single_file_component(name: str, path: str | Path, trust_pickle: bool | None = None) -> Any:
-    """Component `name` ('unet', 'vae', 'text_encoder') of a single file, in fp32, through diffusers'
-    single-file loaders with a local config folder; never a download."""
+    """Component `name` ('unet', 'vae', 'text_encoder', or SDXL's 'text_encoder_2') of a single file, in fp32,
+    through diffusers' single-file loaders with a local config folder; never a download."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from diffusers.loaders.single_file_utils import SingleFileComponentError, create_diffusers_clip_model_from_ldm
-    from transformers import CLIPTextModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
+    if name not in _COMPONENT_LABELS:
+        raise UserError(f"{path}: no component '{name}' in a single file; use one of {', '.join(_COMPONENT_LABELS)}")
     file = _open(path, trust_pickle)
     info = _info(file)
     if name in info.errors:
         raise UserError(f"{path}: unrecognized {name} layout ({info.errors[name]}); pass a Stable Diffusion "
-                        "1.x/2.x checkpoint in the original layout")
+                        "1.x/2.x or SDXL checkpoint in the original layout")
     if name not in info.configs:
         raise UserError(f"{path}: holds no {_COMPONENT_LABELS[name]}; point model.{name} at a file or folder "
                         "that has one")
     prefix = info.prefixes[name]
     if name == "vae" and prefix == "":
         keys = [k for k in file.shapes if k.startswith(("encoder.", "decoder.", "quant_conv.", "post_quant_conv."))]
-    elif name == "text_encoder":
+    elif name == "text_encoder" and info.family == "sd":
         keys = [k for k in file.shapes if k.startswith("cond_stage_model.")]
+    elif name in ("text_encoder", "text_encoder_2"):
+        # Only this encoder's keys: diffusers tells SDXL's two apart by width, which tiny models may share.
+        embedder = prefix[: prefix.index(".", len("conditioner.embedders.")) + 1]
+        keys = [k for k in file.shapes if k.startswith(embedder)]
     else:
         keys = [k for k in file.shapes if k.startswith(prefix)]
     handed = keys
-    if name == "text_encoder" and info.text_layout == "openclip":
+    if name == "text_encoder" and info.family == "sd" and info.text_layout == "openclip":
         layers = info.configs[name]["num_hidden_layers"]
         handed = [k for k in keys if not _past_layers(k, prefix, layers)]
     # fp32 whatever the file stores (an fp16 file trains from fp32 master weights like any other source).
@@ -73,7 +81,8 @@ def load_single_file_component(name: str, path: str | Path, trust_pickle: bool |
         elif name == "vae":
             module = AutoencoderKL.from_single_file(tensors, **common)
         else:
-            module = create_diffusers_clip_model_from_ldm(CLIPTextModel, checkpoint=tensors, **common)
+            cls = CLIPTextModelWithProjection if name == "text_encoder_2" else CLIPTextModel
+            module = create_diffusers_clip_model_from_ldm(cls, checkpoint=tensors, **common)
     except (ValueError, KeyError, RuntimeError, OSError, TypeError, SingleFileComponentError) as exc:
         raise UserError(f"{path}: cannot load the {name} ({_first_line(exc)})") from exc
     missing = _missing_parameters(module)
@@ -102,18 +111,29 @@ def _warn_unused(name: str, module: Any, keys: list[str], info: SingleFileInfo, 
 
 
 def load_single_file_pipeline(path: str | Path, tokenizer: str | Path | None = None,
-                              trust_pickle: bool | None = None) -> Any:
-    """A StableDiffusionPipeline from a single file: its components as `load_single_file_component` reads
-    them, the tokenizer from `tokenizer` (or the file's OUT.tokenizer/ sibling), an Euler sampler on its
-    noise schedule."""
+                              trust_pickle: bool | None = None, tokenizer_2: str | Path | None = None) -> Any:
+    """A StableDiffusionPipeline (StableDiffusionXLPipeline for an SDXL file) from a single file: its components
+    as `load_single_file_component` reads them, the tokenizers from `tokenizer` and `tokenizer_2` (or the file's
+    OUT.tokenizer/ and OUT.tokenizer_2/ siblings), an Euler sampler on its noise schedule."""
     from diffusers import DDPMScheduler
 
     # Deferred: diffusers and transformers load only when a whole pipeline is asked for.
     from sdtrain.models.pipeline import assemble_pipeline, sampler_from
     from sdtrain.models.tokenizer import load_clip_tokenizer
 
-    modules = {name: load_single_file_component(name, path, trust_pickle) for name in ("vae", "text_encoder", "unet")}
-    noise = DDPMScheduler.from_config(scheduler_config(path, trust_pickle))
+    xl = inspect_single_file(path, trust_pickle).family == "sdxl"
+    # The tokenizers first: a missing one is said before the weights are read.
     tok = load_clip_tokenizer(Path(tokenizer or tokenizer_for(path)))
-    return assemble_pipeline(modules["vae"], modules["text_encoder"], tok, modules["unet"],
-                             sampler_from(noise, "euler"))
+    tok_2 = load_clip_tokenizer(Path(tokenizer_2 or tokenizer_for(path, 2))) if xl else None
+    names = ("vae", "text_encoder", "text_encoder_2", "unet") if xl else ("vae", "text_encoder", "unet")
+    modules = {name: load_single_file_component(name, path, trust_pickle) for name in names}
+    noise = DDPMScheduler.from_config(scheduler_config(path, trust_pickle))
+    sampler = sampler_from(noise, "euler")
+    if not xl:
+        return assemble_pipeline(modules["vae"], modules["text_encoder"], tok, modules["unet"], sampler)
+    from diffusers import StableDiffusionXLPipeline
+
+    # No invisible watermark: it needs a package sdtrain does not install, and changes the images it returns.
+    return StableDiffusionXLPipeline(vae=modules["vae"], text_encoder=modules["text_encoder"],
+                                     text_encoder_2=modules["text_encoder_2"], tokenizer=tok, tokenizer_2=tok_2,
+                                     unet=modules["unet"], scheduler=sampler, add_watermarker=False)

@@ -33,9 +33,14 @@ UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
 CLIP_PREFIX = "cond_stage_model.transformer.text_model."
 OPENCLIP_PREFIX = "cond_stage_model.model."
+# SDXL (Stability's SGM layout): CLIP ViT-L in the transformers key layout, then OpenCLIP bigG.
+SDXL_CLIP_PREFIX = "conditioner.embedders.0.transformer.text_model."
+SDXL_OPENCLIP_PREFIX = "conditioner.embedders.1.model."
 _VAE_PREFIXES = (VAE_PREFIX, "vae.", "")
+FAMILIES = ("sd", "sdxl")
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 # Bumped when the inference below changes, so a cached config folder is never reused across versions.
-_CONFIG_VERSION = "2"
+_CONFIG_VERSION = "3"
 # diffusers' converter drops block 23 of an OpenCLIP text tower: SD 2.x conditions on the penultimate
 # of its 24 layers (diffusers' SD_2_TEXT_ENCODER_KEYS_TO_IGNORE). Files with more blocks would load with a hole.
 _OPENCLIP_DROPPED_BLOCK = 23
@@ -58,6 +63,11 @@ TEXT_EXTRA_KEYS = ("hidden_act", "num_attention_heads", "layer_norm_eps", "bos_t
 # Stable Diffusion's training schedule, for files that do not say theirs.
 SD_SCHEDULER = dict(num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
                     clip_sample=False, steps_offset=1)
+# SDXL base's: the same betas, sampled with "leading" spacing (its EulerDiscreteScheduler config), which a sampler
+# made from_config would otherwise replace with its own default.
+SDXL_SCHEDULER = {**SD_SCHEDULER, "timestep_spacing": "leading"}
+# SDXL's UNet settings its weights cannot tell, for files without our metadata (stable-diffusion-xl-base-1.0's).
+_SDXL_TIME_EMBED_DIM, _SDXL_POOLED_DIM = 256, 1280
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 
 
@@ -84,19 +94,23 @@ def trust_pickle_from_env() -> bool:
     return os.environ.get(TRUST_PICKLE_ENV, "").strip() == "1"
 
 
-def tokenizer_folder(path: str | Path) -> Path:
-    """Where ``sdtrain export --single-file`` puts the tokenizer of OUT.safetensors: OUT.tokenizer/."""
-    return Path(path).with_suffix(".tokenizer")
+def tokenizer_folder(path: str | Path, index: int = 1) -> Path:
+    """Where ``sdtrain export --single-file`` puts the tokenizers of OUT.safetensors: OUT.tokenizer/ for the first
+    text encoder, OUT.tokenizer_2/ for SDXL's second (`index` 2), named as a diffusers pipeline's folders."""
+    if index not in (1, 2):
+        raise ValueError(f"tokenizer index {index} is not 1 or 2")
+    return Path(path).with_suffix(".tokenizer" if index == 1 else f".tokenizer_{index}")
 
 
-def tokenizer_for(path: str | Path) -> str:
+def tokenizer_for(path: str | Path, index: int = 1) -> str:
     """The tokenizer folder beside a single file; a UserError says how to name one otherwise."""
-    folder = tokenizer_folder(path)
+    folder = tokenizer_folder(path, index)
     if folder.is_dir():
         return str(folder)
+    setting, pipeline_folder = ("model.tokenizer", "tokenizer/") if index == 1 else ("tokenizer_2", "tokenizer_2/")
     raise UserError(
-        f"{path}: a single-file checkpoint holds no tokenizer; set model.tokenizer to a CLIP tokenizer folder "
-        f"(e.g. the tokenizer/ of a diffusers pipeline), or put one at {folder}"
+        f"{path}: a single-file checkpoint holds no tokenizer; set {setting} to a CLIP tokenizer folder "
+        f"(e.g. the {pipeline_folder} of a diffusers pipeline), or put one at {folder}"
     )
 
 
@@ -197,11 +211,13 @@ class SingleFileInfo:
 
     path: Path
     configs: dict[str, dict[str, Any]]
-    """Component name ('unet', 'vae', 'text_encoder') -> its diffusers/transformers config."""
+    """Component name ('unet', 'vae', 'text_encoder', SDXL's 'text_encoder_2') -> its diffusers/transformers
+    config."""
     prefixes: dict[str, str]
     """Component name -> the key prefix of its tensors in the file."""
     text_layout: str | None
-    """'clip' (SD 1.x), 'openclip' (SD 2.x) or None without a text encoder."""
+    """The first text encoder's: 'clip' (SD 1.x, SDXL), 'openclip' (SD 2.x) or None without one. SDXL's second
+    text encoder is always OpenCLIP."""
     prediction_type: str
     scheduler_config: dict[str, Any]
     """A DDPMScheduler config: the metadata's schedule, else Stable Diffusion's."""
@@ -210,6 +226,8 @@ class SingleFileInfo:
     errors: dict[str, str] = field(default_factory=dict)
     """Components the file has keys of but in a structure the converters do not read: name -> why. Only
     loading that component fails (a VAE can still be read from a checkpoint whose UNet is not SD's)."""
+    family: str = "sd"
+    """'sdxl' (Stable Diffusion XL base: SGM layout, two text encoders) or 'sd' (1.x/2.x)."""
 
 
 def _indices(shapes: dict[str, Any], prefix: str) -> list[int]:
@@ -226,7 +244,7 @@ def _need(shapes: dict[str, tuple[int, ...]], key: str) -> tuple[int, ...]:
     return shapes[key]
 
 
-def _unet_shape_config(s: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+def _unet_shape_config(s: dict[str, tuple[int, ...]], family: str = "sd") -> dict[str, Any]:
     conv_in = _need(s, "input_blocks.0.0.weight")
 
     def depth(prefix: str) -> int:
@@ -248,13 +266,13 @@ def _unet_shape_config(s: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     if len(per_level) != 1:
         raise _Unrecognized(f"levels have different numbers of layers ({sorted(per_level)})")
     layers = per_level.pop()
-    channels, attention, depths = [], [], set()
+    channels, down_depths = [], []
     for level in levels:
-        if len({c for c, _ in level}) != 1 or len({d > 0 for _, d in level}) != 1:
-            raise _Unrecognized("a level mixes channel counts or attention")
+        if len({c for c, _ in level}) != 1 or len({d for _, d in level}) != 1:
+            raise _Unrecognized("a level mixes channel counts or transformer depths")
         channels.append(level[0][0])
-        attention.append(level[0][1] > 0)
-        depths |= {d for _, d in level if d}
+        down_depths.append(level[0][1])
+    attention = [d > 0 for d in down_depths]
     n = len(levels)
     outputs = _indices(s, "output_blocks.")
     if len(outputs) != n * (layers + 1):
@@ -263,8 +281,9 @@ def _unet_shape_config(s: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     for u in range(n):
         blocks = range(u * (layers + 1), (u + 1) * (layers + 1))
         found = [depth(f"output_blocks.{k}.1.") for k in blocks]
-        if len({d > 0 for d in found}) != 1:
-            raise _Unrecognized(f"up level {u} mixes attention")
+        # diffusers' up levels take the down levels' depths in reverse (reverse_transformer_layers_per_block unset).
+        if set(found) != {down_depths[n - 1 - u]}:
+            raise _Unrecognized(f"up level {u}: transformer depths {found} do not mirror down level {n - 1 - u}'s")
         for k in blocks:
             if _need(s, f"output_blocks.{k}.0.out_layers.3.weight")[0] != channels[n - 1 - u]:
                 raise _Unrecognized(f"output_blocks.{k}: channels do not mirror the down levels")
@@ -273,17 +292,25 @@ def _unet_shape_config(s: dict[str, tuple[int, ...]]) -> dict[str, Any]:
         if upsample != (u < n - 1):
             raise _Unrecognized(f"output_blocks.{last}: an upsample where none belongs, or none where one does")
         up_attention.append(found[0] > 0)
-        depths |= {d for d in found if d}
     _need(s, "middle_block.0.in_layers.0.weight")
     _need(s, "middle_block.2.in_layers.0.weight")
     mid_depth = depth("middle_block.1.")
     if not mid_depth:
         raise _Unrecognized("the middle block has no cross-attention (only UNetMidBlock2DCrossAttn is supported)")
-    depths.add(mid_depth)
-    if len(depths) != 1:
-        raise _Unrecognized(f"transformer depths differ between blocks ({sorted(depths)})")
+    # diffusers' middle block takes the last level's depth: they can differ only when that level has no attention.
+    if attention[-1] and down_depths[-1] != mid_depth:
+        raise _Unrecognized(f"the middle block's transformer depth {mid_depth} differs from the last level's "
+                            f"{down_depths[-1]}")
+    # A level without attention ignores its entry; 1 there, as SDXL's own config has it.
+    per_block = [d or 1 for d in down_depths[:-1]] + [mid_depth]
+    uniform = {d for d in down_depths if d} | {mid_depth} == {mid_depth}
     attn = "middle_block.1."
     time_embed = _need(s, "time_embed.0.weight")[0]
+    extra: dict[str, Any] = {}
+    if family == "sdxl":
+        # The added (pooled text + size) embedding's projection; its time-embedding width is not in the weights.
+        extra = {"addition_embed_type": "text_time",
+                 "projection_class_embeddings_input_dim": _need(s, "label_emb.0.0.weight")[1]}
     return {
         "in_channels": conv_in[1],
         "out_channels": _need(s, "out.2.weight")[0],
@@ -294,10 +321,12 @@ def _unet_shape_config(s: dict[str, tuple[int, ...]]) -> dict[str, Any]:
         "mid_block_type": "UNetMidBlock2DCrossAttn",
         "cross_attention_dim": _need(s, attn + "transformer_blocks.0.attn2.to_k.weight")[1],
         "use_linear_projection": len(_need(s, attn + "proj_in.weight")) == 2,
-        "transformer_layers_per_block": mid_depth,
+        # SD's own configs say one depth, SDXL's one per level.
+        "transformer_layers_per_block": mid_depth if uniform and family == "sd" else per_block,
         "time_embedding_dim": None if time_embed == 4 * channels[0] else time_embed,
         "conv_in_kernel": conv_in[-1],
         "conv_out_kernel": _need(s, "out.2.weight")[-1],
+        **extra,
     }
 
 
@@ -369,6 +398,24 @@ def _openclip_shape_config(s: dict[str, tuple[int, ...]]) -> dict[str, Any]:
             "intermediate_size": _need(s, "transformer.resblocks.0.mlp.c_fc.weight")[0]}
 
 
+def _bigg_shape_config(s: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """SDXL's OpenCLIP tower: conditioned on whole (the penultimate layer's output, and the last one's pooled
+    through ``text_projection``), so every block is a layer, and diffusers' converter drops none of them."""
+    vocab, hidden = _need(s, "token_embedding.weight")
+    blocks = len(_indices(s, "transformer.resblocks."))
+    if not blocks:
+        raise _Unrecognized("no transformer.resblocks")
+    _need(s, "ln_final.weight")
+    # OpenCLIP's x @ text_projection: [width, projection]; diffusers splits the fused in_proj at its first dimension.
+    projection = _need(s, "text_projection")
+    if len(projection) != 2 or projection[0] != hidden:
+        raise _Unrecognized(f"text_projection is {list(projection)}, not [{hidden}, ...] (the width first)")
+    return {"vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": blocks,
+            "max_position_embeddings": _need(s, "positional_embedding")[0],
+            "intermediate_size": _need(s, "transformer.resblocks.0.mlp.c_fc.weight")[0],
+            "projection_dim": projection[1]}
+
+
 def _past_layers(key: str, prefix: str, layers: int) -> bool:
     """Whether `key` is of an OpenCLIP block past the encoder's `layers`: the tower's unused last block. diffusers'
     converter drops only block 23 (SD 2.x's) and would convert any other as one more layer: it is never handed these."""
@@ -396,6 +443,28 @@ def _default_heads(hidden: int) -> int:
     return hidden // 64 if hidden % 64 == 0 else 1
 
 
+def family_of(shapes: Iterable[str], metadata: dict[str, str] | None = None) -> str:
+    """'sdxl' or 'sd' for a file of these keys: SDXL's SGM text encoders (``conditioner.embedders.*``), or a UNet
+    with SDXL's added embedding (``label_emb``) and no SD text encoder beside it; else the metadata's
+    ``model_family`` (a VAE alone), else 'sd'."""
+    keys = set(shapes)
+    if any(k.startswith("conditioner.embedders.") for k in keys):
+        return "sdxl"
+    if not any(k.startswith("cond_stage_model.") for k in keys):
+        if UNET_PREFIX + "label_emb.0.0.weight" in keys:
+            return "sdxl"
+        if (metadata or {}).get("model_family") in FAMILIES:
+            return (metadata or {})["model_family"]
+    return "sd"
+
+
+def _time_embed_dim(projection_input: int, pooled: int) -> int:
+    """SDXL's added embedding takes the pooled text embedding and 6 sinusoidal embeddings of the sizes and crop:
+    the time width is what remains of the projection's input, when that divides evenly."""
+    rest = projection_input - pooled
+    return rest // 6 if rest > 0 and rest % 6 == 0 else _SDXL_TIME_EMBED_DIM
+
+
 def _infer(shapes: dict[str, tuple[int, ...]], metadata: dict[str, str], file: _File | None = None):
     """(configs, prefixes, text_layout, prediction_type, scheduler, errors); raises _Unrecognized when the file
     holds no component at all."""
@@ -403,26 +472,34 @@ def _infer(shapes: dict[str, tuple[int, ...]], metadata: dict[str, str], file: _
     errors: dict[str, str] = {}
     shape_configs: dict[str, dict[str, Any]] = {}
     text_layout = None
+    family = family_of(shapes, metadata)
     if any(k.startswith(UNET_PREFIX) for k in shapes):
         prefixes["unet"] = UNET_PREFIX
     for prefix in _VAE_PREFIXES:
         if prefix + "encoder.conv_in.weight" in shapes and prefix + "decoder.conv_in.weight" in shapes:
             prefixes["vae"] = prefix
             break
-    if OPENCLIP_PREFIX + "token_embedding.weight" in shapes:
+    if family == "sdxl":
+        if any(k.startswith(SDXL_CLIP_PREFIX) for k in shapes):
+            prefixes["text_encoder"], text_layout = SDXL_CLIP_PREFIX, "clip"
+        if any(k.startswith(SDXL_OPENCLIP_PREFIX) for k in shapes):
+            prefixes["text_encoder_2"] = SDXL_OPENCLIP_PREFIX
+    elif OPENCLIP_PREFIX + "token_embedding.weight" in shapes:
         prefixes["text_encoder"], text_layout = OPENCLIP_PREFIX, "openclip"
     elif any(k.startswith(CLIP_PREFIX) for k in shapes):
         prefixes["text_encoder"], text_layout = CLIP_PREFIX, "clip"
     if not prefixes:
-        raise _Unrecognized("none of model.diffusion_model.*, first_stage_model.*, cond_stage_model.* "
-                            "(not a Stable Diffusion checkpoint in the original layout)")
+        raise _Unrecognized("none of model.diffusion_model.*, first_stage_model.*, cond_stage_model.*, "
+                            "conditioner.embedders.* (not a Stable Diffusion checkpoint in the original layout)")
     for name, prefix in prefixes.items():
         part = _strip(shapes, prefix) if prefix else shapes
         try:
             if name == "unet":
-                shape_configs[name] = _unet_shape_config(part)
+                shape_configs[name] = _unet_shape_config(part, family)
             elif name == "vae":
                 shape_configs[name] = _vae_shape_config(part)
+            elif name == "text_encoder_2":
+                shape_configs[name] = _bigg_shape_config(part)
             elif text_layout == "openclip":
                 shape_configs[name] = _openclip_shape_config(part)
             else:
@@ -438,24 +515,38 @@ def _infer(shapes: dict[str, tuple[int, ...]], metadata: dict[str, str], file: _
         raise UserError(f"{file.path if file else 'file'}: metadata prediction_type '{prediction}' is not one of "
                         f"{', '.join(PREDICTION_TYPES)}")
     sd2 = text_layout == "openclip"
+    xl = family == "sdxl"
     configs: dict[str, dict[str, Any]] = {}
     if "unet" in shape_configs:
         shape = shape_configs["unet"]
-        heads = ([max(c // 64, 1) for c in shape["block_out_channels"]] if shape["use_linear_projection"] else 8)
-        configs["unet"] = {"sample_size": 96 if sd2 else 64, "attention_head_dim": heads,
-                           **_metadata_json(file, metadata, "unet_config"), **shape}
+        # SDXL's heads are 64 wide at every level, as SD 2.x's (linear projections); SD 1.x has 8 heads.
+        linear = shape["use_linear_projection"] or xl
+        heads = [max(c // 64, 1) for c in shape["block_out_channels"]] if linear else 8
+        defaults: dict[str, Any] = {"sample_size": 128 if xl else 96 if sd2 else 64, "attention_head_dim": heads}
+        if xl:
+            pooled = shape_configs.get("text_encoder_2", {}).get("projection_dim", _SDXL_POOLED_DIM)
+            defaults["addition_time_embed_dim"] = _time_embed_dim(shape["projection_class_embeddings_input_dim"],
+                                                                  pooled)
+        configs["unet"] = {**defaults, **_metadata_json(file, metadata, "unet_config"), **shape}
     if "vae" in shape_configs:
-        configs["vae"] = {"sample_size": 768 if sd2 else 512, "scaling_factor": 0.18215,
+        configs["vae"] = {"sample_size": 1024 if xl else 768 if sd2 else 512,
+                          "scaling_factor": 0.13025 if xl else 0.18215,
                           **_metadata_json(file, metadata, "vae_config"), **shape_configs["vae"]}
-    if "text_encoder" in shape_configs:
-        shape = shape_configs["text_encoder"]
-        # SD's own text encoder configs: ids 0/2 (pooling at the highest token id), CLIP's quick_gelu, OpenCLIP's gelu.
-        configs["text_encoder"] = {
-            "hidden_act": "gelu" if sd2 else "quick_gelu", "num_attention_heads": _default_heads(shape["hidden_size"]),
+    for name in TEXT_ENCODERS:
+        if name not in shape_configs:
+            continue
+        shape = shape_configs[name]
+        # SD's own text encoder configs (SDXL's too): ids 0/2 (pooling at the highest token id), CLIP's quick_gelu,
+        # OpenCLIP's gelu.
+        openclip = sd2 or name == "text_encoder_2"
+        configs[name] = {
+            "hidden_act": "gelu" if openclip else "quick_gelu",
+            "num_attention_heads": _default_heads(shape["hidden_size"]),
             "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1, "projection_dim": shape["hidden_size"],
-            **_metadata_json(file, metadata, "text_encoder_config"), **shape,
+            **_metadata_json(file, metadata, f"{name}_config"), **shape,
         }
-    scheduler = {**SD_SCHEDULER, **_metadata_json(file, metadata, "scheduler_config"), "prediction_type": prediction}
+    base = SDXL_SCHEDULER if xl else SD_SCHEDULER
+    scheduler = {**base, **_metadata_json(file, metadata, "scheduler_config"), "prediction_type": prediction}
     return configs, prefixes, text_layout, prediction, scheduler, errors
 
 
@@ -465,10 +556,10 @@ def _info(file: _File) -> SingleFileInfo:
             configs, prefixes, layout, prediction, scheduler, errors = _infer(file.shapes, file.metadata, file)
         except _Unrecognized as exc:
             raise UserError(f"{file.path}: unrecognized checkpoint layout ({exc}); pass a Stable Diffusion 1.x/2.x "
-                            "checkpoint in the original layout") from exc
+                            "or SDXL checkpoint in the original layout") from exc
         file._info = SingleFileInfo(file.path, configs, prefixes, layout, prediction, scheduler, file.metadata,
                                     hashlib.sha256(f"{_CONFIG_VERSION}:{file.fingerprint}".encode()).hexdigest()[:24],
-                                    errors)
+                                    errors, family_of(file.shapes, file.metadata))
     return file._info
 
 
@@ -488,6 +579,11 @@ def scheduler_config(path: str | Path, trust_pickle: bool | None = None) -> dict
 
 def text_encoder_layout(path: str | Path, trust_pickle: bool | None = None) -> str | None:
     return inspect_single_file(path, trust_pickle).text_layout
+
+
+def model_family(path: str | Path, trust_pickle: bool | None = None) -> str:
+    """'sdxl' or 'sd' (see `family_of`)."""
+    return inspect_single_file(path, trust_pickle).family
 
 
 # --------------------------------------------------------------------------------------------------- config folder
@@ -521,18 +617,21 @@ def config_folder(info: SingleFileInfo) -> Path:
         final = Path(tempfile.mkdtemp(prefix="sdtrain-single-file-")) / info.fingerprint
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         tmp.mkdir()
-    index: dict[str, Any] = {"_class_name": "StableDiffusionPipeline", "_diffusers_version": diffusers.__version__}
-    classes = {"unet": "UNet2DConditionModel", "vae": "AutoencoderKL"}
+    pipeline = "StableDiffusionXLPipeline" if info.family == "sdxl" else "StableDiffusionPipeline"
+    index: dict[str, Any] = {"_class_name": pipeline, "_diffusers_version": diffusers.__version__}
+    classes = {"unet": "UNet2DConditionModel", "vae": "AutoencoderKL", "text_encoder": "CLIPTextModel",
+               "text_encoder_2": "CLIPTextModelWithProjection"}
     for name, config in info.configs.items():
-        if name == "text_encoder":
+        if name in TEXT_ENCODERS:
             try:
                 text_config = CLIPTextConfig(**config)
             except (TypeError, ValueError) as exc:
-                raise UserError(f"{info.path}: text encoder settings are invalid ({_first_line(exc)})") from exc
-            text_config.architectures = ["CLIPTextModel"]
+                label = "text encoder" if name == "text_encoder" else "second text encoder"
+                raise UserError(f"{info.path}: {label} settings are invalid ({_first_line(exc)})") from exc
+            text_config.architectures = [classes[name]]
             (tmp / name).mkdir(parents=True, exist_ok=True)
             text_config.to_json_file(str(tmp / name / "config.json"))
-            index[name] = ["transformers", "CLIPTextModel"]
+            index[name] = ["transformers", classes[name]]
         else:
             _write_json(tmp / name / "config.json",
                         {"_class_name": classes[name], "_diffusers_version": diffusers.__version__, **config})

@@ -21,6 +21,9 @@ from sdtrain.models.single_file.read import (
     FORMAT_KEY,
     FORMAT_VERSION,
     OPENCLIP_PREFIX,
+    SDXL_CLIP_PREFIX,
+    SDXL_OPENCLIP_PREFIX,
+    TEXT_ENCODERS,
     TEXT_EXTRA_KEYS,
     TEXT_LAYOUTS,
     TEXT_SHAPE_KEYS,
@@ -73,6 +76,10 @@ def _unet_blocks(config: dict[str, Any]) -> dict[str, tuple[str, dict[str, str]]
         "mid_block.resnets.0": ("middle_block.0", _UNET_RESNET), "mid_block.attentions.0": ("middle_block.1", {}),
         "mid_block.resnets.1": ("middle_block.2", _UNET_RESNET),
     }
+    if config.get("addition_embed_type") == "text_time":
+        # SDXL's embedding of the pooled text and the image sizes, added to the time embedding.
+        blocks["add_embedding.linear_1"] = ("label_emb.0.0", {})
+        blocks["add_embedding.linear_2"] = ("label_emb.0.2", {})
     k = 1
     for b in range(n):
         for j in range(layers):
@@ -118,22 +125,36 @@ def _vae_blocks(config: dict[str, Any]) -> dict[str, tuple[str, dict[str, str]]]
     return blocks
 
 
+def _original_key(key: str, blocks: dict[str, tuple[str, dict[str, str]]]) -> str | None:
+    """`key` (a weight or module path) in the original layout, by its longest mapped prefix; None when unmapped."""
+    parts = key.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:cut])
+        if prefix in blocks:
+            target, table = blocks[prefix]
+            return target + "." + _rename(".".join(parts[cut:]), table)
+    return None
+
+
 def _map_by_blocks(name: str, state: dict[str, torch.Tensor], blocks: dict[str, tuple[str, dict[str, str]]]):
     out, unmapped = {}, []
     for key, tensor in state.items():
-        parts = key.split(".")
-        for cut in range(len(parts) - 1, 0, -1):
-            prefix = ".".join(parts[:cut])
-            if prefix in blocks:
-                target, table = blocks[prefix]
-                out[target + "." + _rename(".".join(parts[cut:]), table)] = tensor
-                break
-        else:
+        original = _original_key(key, blocks)
+        if original is None:
             unmapped.append(key)
+        else:
+            out[original] = tensor
     if unmapped:
         raise UserError(f"{name}: {len(unmapped)} weights have no place in the original layout (e.g. {unmapped[0]}); "
                         "this architecture cannot be written as a single file")
     return out
+
+
+def original_unet_path(path: str, config: dict[str, Any]) -> str:
+    """A diffusers UNet module's path in the original layout (``down_blocks.1.attentions.0.proj_in`` ->
+    ``input_blocks.4.1.proj_in``), as kohya names SDXL LoRA modules; a path with no place there is kept."""
+    original = _original_key(path + ".weight", _unet_blocks(dict(config)))
+    return original.removesuffix(".weight") if original else path
 
 
 def _vae_to_original(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -146,7 +167,9 @@ def _vae_to_original(state: dict[str, torch.Tensor], config: dict[str, Any]) -> 
     return out
 
 
-def _text_to_original(state: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+def _text_to_original(state: dict[str, torch.Tensor], layout: str, whole: bool = False) -> dict[str, torch.Tensor]:
+    """`whole`: SDXL's OpenCLIP tower, conditioned on as it is (every layer, and its projection), where SD 2.x's
+    is completed by one block it does not use (`_complete_openclip_tower`)."""
     state = {k.removeprefix("text_model."): v for k, v in state.items() if not k.endswith("position_ids")}
     if layout == "clip":
         return dict(state)
@@ -160,6 +183,9 @@ def _text_to_original(state: dict[str, torch.Tensor], layout: str) -> dict[str, 
             out["positional_embedding"] = tensor
         elif key.startswith("final_layer_norm."):
             out["ln_final." + key.removeprefix("final_layer_norm.")] = tensor
+        elif key == "text_projection.weight" and whole:
+            # A Linear's weight is [projection, width]; OpenCLIP multiplies by its transpose, x @ text_projection.
+            out["text_projection"] = tensor.t().contiguous()
         elif m := re.match(r"encoder\.layers\.(\d+)\.(.+)$", key):
             layer, rest = int(m.group(1)), m.group(2)
             if q := re.match(r"self_attn\.([qkv])_proj\.(weight|bias)$", rest):
@@ -178,6 +204,16 @@ def _text_to_original(state: dict[str, torch.Tensor], layout: str) -> dict[str, 
                     [parts["q" + kind], parts["k" + kind], parts["v" + kind]])
             except KeyError:
                 unmapped.append(f"encoder.layers.{layer}.self_attn (incomplete q/k/v {kind})")
+    if whole:
+        if unmapped:
+            raise UserError(f"text_encoder_2: {len(unmapped)} weights have no place in SDXL's OpenCLIP layout "
+                            f"(e.g. {unmapped[0]}); this architecture cannot be written as a single file")
+        if "text_projection" not in out:
+            raise UserError("text_encoder_2: no text_projection; SDXL's second text encoder is a "
+                            "CLIPTextModelWithProjection (its projected pooled output conditions the UNet)")
+        embedding = out["token_embedding.weight"]
+        out["logit_scale"] = torch.tensor(_OPENCLIP_LOGIT_SCALE, dtype=embedding.dtype, device=embedding.device)
+        return out
     if unmapped:
         raise UserError(f"text_encoder: {len(unmapped)} weights have no place in the OpenCLIP layout "
                         f"(e.g. {unmapped[0]}); write it in the CLIP layout")
@@ -207,7 +243,7 @@ def _complete_openclip_tower(out: dict[str, torch.Tensor], layers: int) -> None:
 
 
 def _module_config(name: str, module: Any) -> dict[str, Any]:
-    if name == "text_encoder":
+    if name in TEXT_ENCODERS:
         config = module.config
         return {k: getattr(config, k) for k in (*TEXT_SHAPE_KEYS, *TEXT_EXTRA_KEYS) if hasattr(config, k)}
     return {k: v for k, v in dict(module.config).items() if not k.startswith("_")}
@@ -220,6 +256,8 @@ def _to_original(name: str, state: dict[str, torch.Tensor], config: dict[str, An
         return _map_by_blocks("unet", state, _unet_blocks(config))
     if name == "vae":
         return _vae_to_original(state, config)
+    if name == "text_encoder_2":
+        return _text_to_original(state, "openclip", whole=True)
     return _text_to_original(state, text_layout or "clip")
 
 
@@ -257,12 +295,30 @@ def _normalize(value: Any) -> Any:
     return value
 
 
+def _effective_depths(value: Any, down_block_types: list[str]) -> list[int | None]:
+    """transformer_layers_per_block as diffusers uses it: one depth per level, None where a level has no
+    attention; the last level's always counts (the middle block takes it)."""
+    n = len(down_block_types)
+    depths = list(value) if isinstance(value, (list, tuple)) else [value] * n
+    return [d if "CrossAttn" in kind or i == n - 1 else None
+            for i, (d, kind) in enumerate(zip(depths, down_block_types))]
+
+
+def _sdxl(unet: Any = None, text_encoder_2: Any = None) -> bool:
+    """Whether components are written in SDXL's layout: a second text encoder, or a UNet with SDXL's added
+    embedding of the pooled text and sizes."""
+    return text_encoder_2 is not None or (unet is not None and unet.config.get("addition_embed_type") == "text_time")
+
+
 def _config_differences(expected: dict[str, Any], inferred: dict[str, Any]) -> list[str]:
     differ = []
     for key, value in expected.items():
         got = inferred.get(key)
         a, b = _normalize(value), _normalize(got)
-        if key in ("transformer_layers_per_block", "layers_per_block") and isinstance(a, list) and len(set(a)) == 1:
+        if key == "transformer_layers_per_block" and "down_block_types" in expected and got is not None:
+            # A level without attention ignores its depth: [1, 2, 10] and [3, 2, 10] are the same SDXL UNet.
+            a, b = (_effective_depths(v, expected["down_block_types"]) for v in (a, b))
+        if key == "layers_per_block" and isinstance(a, list) and len(set(a)) == 1:
             a = a[0]
         if key == "time_embedding_dim" and a == 4 * expected["block_out_channels"][0]:
             a = None  # the default, spelled out
@@ -272,18 +328,25 @@ def _config_differences(expected: dict[str, Any], inferred: dict[str, Any]) -> l
 
 
 def to_original_state_dict(unet: Any = None, vae: Any = None, text_encoder: Any = None,
-                           text_layout: str = "clip") -> dict[str, torch.Tensor]:
+                           text_layout: str = "clip", text_encoder_2: Any = None) -> dict[str, torch.Tensor]:
     """The components' weights in the original single-file layout (keys with their component prefix).
 
-    A VAE alone is written with bare keys (``encoder.*``, ``decoder.*``), as standalone VAE files are.
+    With `text_encoder_2` (or a UNet with SDXL's ``text_time`` added embedding), SDXL's SGM layout: the text
+    encoders at ``conditioner.embedders.0.transformer.text_model.*`` (CLIP) and ``conditioner.embedders.1.model.*``
+    (OpenCLIP, whole, with its ``text_projection``). A VAE alone is written with bare keys (``encoder.*``,
+    ``decoder.*``), as standalone VAE files are.
     """
     if text_encoder is not None and text_layout not in TEXT_LAYOUTS:
         raise UserError(f"text layout '{text_layout}' is not one of {', '.join(TEXT_LAYOUTS)}")
+    sdxl = _sdxl(unet, text_encoder_2)
+    if sdxl and text_encoder is not None and text_layout != "clip":
+        raise UserError(f"text layout '{text_layout}': SDXL's first text encoder is written in the CLIP layout")
     out: dict[str, torch.Tensor] = {}
-    vae_only = unet is None and text_encoder is None
+    vae_only = unet is None and text_encoder is None and text_encoder_2 is None
+    text_prefix = SDXL_CLIP_PREFIX if sdxl else OPENCLIP_PREFIX if text_layout == "openclip" else CLIP_PREFIX
     for name, module, prefix in (("unet", unet, UNET_PREFIX), ("vae", vae, "" if vae_only else VAE_PREFIX),
-                                 ("text_encoder", text_encoder,
-                                  OPENCLIP_PREFIX if text_layout == "openclip" else CLIP_PREFIX)):
+                                 ("text_encoder", text_encoder, text_prefix),
+                                 ("text_encoder_2", text_encoder_2, SDXL_OPENCLIP_PREFIX)):
         if module is None:
             continue
         mapped = _to_original(name, module.state_dict(), _module_config(name, module), text_layout)
@@ -292,9 +355,13 @@ def to_original_state_dict(unet: Any = None, vae: Any = None, text_encoder: Any 
 
 
 def single_file_metadata(unet: Any = None, vae: Any = None, text_encoder: Any = None, scheduler: Any = None,
-                         text_layout: str | None = None) -> dict[str, str]:
+                         text_layout: str | None = None, text_encoder_2: Any = None) -> dict[str, str]:
     """The metadata a written file carries: what its weights cannot tell (see the module docstring)."""
     metadata = {"format": "pt", FORMAT_KEY: FORMAT_VERSION}
+    if _sdxl(unet, text_encoder_2):
+        # The keys say it too; this is for readers that go by metadata (a VAE-only file, whose keys are SD's, says
+        # it only when the caller's `metadata` does).
+        metadata["model_family"] = "sdxl"
     if scheduler is not None:
         config = dict(scheduler.config)
         # Settings left at their defaults stay unsaid, as in a diffusers folder: a sampler made from the schedule
@@ -304,12 +371,15 @@ def single_file_metadata(unet: Any = None, vae: Any = None, text_encoder: Any = 
         metadata["prediction_type"] = str(settings.pop("prediction_type", "epsilon"))
         metadata["scheduler_config"] = json.dumps(settings, sort_keys=True)
     for name, module, shape_keys in (("unet", unet, UNET_SHAPE_KEYS), ("vae", vae, VAE_SHAPE_KEYS),
-                                     ("text_encoder", text_encoder, TEXT_SHAPE_KEYS)):
+                                     ("text_encoder", text_encoder, TEXT_SHAPE_KEYS),
+                                     ("text_encoder_2", text_encoder_2, TEXT_SHAPE_KEYS)):
         if module is not None:
             extras = {k: v for k, v in _module_config(name, module).items() if k not in shape_keys}
             metadata[f"{name}_config"] = json.dumps(extras, sort_keys=True)
     if text_encoder is not None and text_layout:
         metadata["text_encoder_layout"] = text_layout
+    if text_encoder_2 is not None:
+        metadata["text_encoder_2_layout"] = "openclip"
     return metadata
 
 
@@ -329,6 +399,9 @@ def _diffusers_converted_keys(name: str, state: dict[str, torch.Tensor], module:
         return set(convert_ldm_unet_checkpoint(state, config))
     if name == "vae":
         return set(convert_ldm_vae_checkpoint(state, dict(module.config)))
+    if name == "text_encoder_2":
+        converted = convert_open_clip_checkpoint(module, state, prefix=SDXL_OPENCLIP_PREFIX)
+        return {k.removeprefix("text_model.") for k in converted}
     if OPENCLIP_PREFIX + "token_embedding.weight" in state:
         layers = module.config.num_hidden_layers
         # As the loader hands them: without the tower's unused last block.
@@ -358,7 +431,8 @@ def _check_reads_back(components: dict[str, Any], state: dict[str, torch.Tensor]
         if differ:
             raise UserError(f"{out}: the {name} would not read back as it is ({differ[0]}); this architecture "
                             "cannot be written as a single file")
-        wanted = {k for k in module.state_dict() if not k.endswith("position_ids")}
+        # CLIPTextModel's keys have no text_model. prefix (transformers 5), CLIPTextModelWithProjection's do.
+        wanted = {k.removeprefix("text_model.") for k in module.state_dict() if not k.endswith("position_ids")}
         converted = _diffusers_converted_keys(name, meta, module)
         if converted != wanted:
             odd = sorted(converted ^ wanted)
@@ -367,24 +441,37 @@ def _check_reads_back(components: dict[str, Any], state: dict[str, torch.Tensor]
 
 
 def save_single_file(out: str | Path, *, unet: Any = None, vae: Any = None, text_encoder: Any = None,
-                     scheduler: Any = None, text_layout: str = "auto", text_source: str | Path | None = None,
-                     half: bool = False, metadata: dict[str, str] | None = None) -> Path:
+                     text_encoder_2: Any = None, scheduler: Any = None, text_layout: str = "auto",
+                     text_source: str | Path | None = None, half: bool = False,
+                     metadata: dict[str, str] | None = None) -> Path:
     """Write the given components as ONE safetensors file in the original SD layout, atomically.
 
+    With `text_encoder_2` (SDXL's CLIPTextModelWithProjection), or a UNet with SDXL's ``text_time`` added
+    embedding, the file is in SDXL's SGM layout (see `to_original_state_dict`) and says ``model_family: sdxl``.
     `scheduler` (the training noise scheduler) gives ``prediction_type`` and ``scheduler_config``; without it
-    the file says neither and readers assume SD's (v_prediction for an OpenCLIP file, else epsilon).
+    the file says neither and readers assume SD's (v_prediction for an SD 2.x OpenCLIP file, else epsilon).
     `text_layout` is 'auto' (see `choose_text_layout`, `text_source` being where the text encoder came
-    from), 'clip' or 'openclip'. fp32 unless `half`. Returns `out`.
+    from), 'clip' or 'openclip' (never for SDXL, whose first text encoder is CLIP). fp32 unless `half`.
+    Returns `out`.
     """
     from safetensors.torch import save_file
 
     out = Path(out)
-    components = {n: m for n, m in (("unet", unet), ("vae", vae), ("text_encoder", text_encoder)) if m is not None}
+    components = {n: m for n, m in (("unet", unet), ("vae", vae), ("text_encoder", text_encoder),
+                                    ("text_encoder_2", text_encoder_2)) if m is not None}
     if not components:
         raise UserError(f"{out}: nothing to write (no UNet, VAE or text encoder)")
-    layout = choose_text_layout(text_encoder, text_source, text_layout) if text_encoder is not None else None
-    state = to_original_state_dict(unet, vae, text_encoder, layout or "clip")
-    info = single_file_metadata(unet, vae, text_encoder, scheduler, layout)
+    if text_encoder is None:
+        layout = None
+    elif _sdxl(unet, text_encoder_2):
+        if text_layout not in ("auto", "clip"):
+            raise UserError(f"{out}: text layout '{text_layout}' does not apply to SDXL, whose first text encoder "
+                            "is written in the CLIP layout; use auto or clip")
+        layout = "clip"
+    else:
+        layout = choose_text_layout(text_encoder, text_source, text_layout)
+    state = to_original_state_dict(unet, vae, text_encoder, layout or "clip", text_encoder_2)
+    info = single_file_metadata(unet, vae, text_encoder, scheduler, layout, text_encoder_2)
     info.update(metadata or {})
     _check_reads_back(components, state, info, out)
     dtype = torch.float16 if half else torch.float32
