@@ -30,20 +30,21 @@ def _losses(run: Path) -> list[float]:
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("family", ["sd", "sdxl"])
 def test_torchrun_ddp_and_fsdp_match_one_process_at_the_same_global_batch(tmp_path, shapes_dir,
-                                                                          autoencoder_run):
+                                                                          autoencoder_run, family):
     single = tmp_path / "single"
     config = str(config_path("diffusion.yaml"))
     # One process: two loader workers feed two micro-batches per step, as two ranks would.
     assert main(["train", config, *_overrides(single, shapes_dir, autoencoder_run, "data.num_workers=2",
-                                              "train.grad_accum=2", "logging.every=1")]) == 0
+                                              "train.grad_accum=2", "logging.every=1", f"model.family={family}")]) == 0
     expected = load_file(str(single / "checkpoints" / "step_00000003" / "model.safetensors"))
     for strategy in ("ddp", "fsdp"):
         run = tmp_path / strategy
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                    "-m", "sdtrain", "train", config,
                    *_overrides(run, shapes_dir, autoencoder_run, "data.num_workers=0", "logging.every=1",
-                               f"parallel.strategy={strategy}")]
+                               f"parallel.strategy={strategy}", f"model.family={family}")]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]

@@ -13,6 +13,7 @@ from sdtrain.distributed import Topology
 from sdtrain.errors import UserError
 from sdtrain.models import build, families
 from sdtrain.models.families.sd import SD
+from sdtrain.models.families.sdxl import SDXL
 from sdtrain.train.parallel import DataParallel, shard_units
 
 
@@ -29,6 +30,13 @@ def sd_components() -> dict[str, nn.Module]:
             "unet": build.build_unet(config, latent_channels=4, latent_size=8, cross_attention_dim=64)}
 
 
+def sdxl_components() -> dict[str, nn.Module]:
+    config = ModelConfig(family="sdxl", preset="tiny")
+    text = {name: build.build_text_encoder(config, _Tokenizer(), name) for name in SDXL.text_encoders}
+    return {"vae": build.build_vae(config), **text,
+            "unet": build.build_unet(config, latent_channels=4, latent_size=8, text_encoders=text)}
+
+
 def test_sd_lists_every_block_of_its_components():
     parts = sd_components()
     assert set(parts) == set(SD.components)
@@ -42,9 +50,36 @@ def test_sd_lists_every_block_of_its_components():
     assert len(families.blocks(holder)) == 7 + 8 + 2
 
 
-@pytest.mark.parametrize("name", ["unet", "vae", "text_encoder"])
-def test_checkpointing_and_compile_wrap_the_blocks_the_spec_lists(name, monkeypatch):
-    module = sd_components()[name]
+def test_sdxl_lists_every_block_of_its_components_and_conditions_as_sdxl_does():
+    parts = sdxl_components()
+    assert set(parts) == set(SDXL.components)
+    assert all(isinstance(module, SDXL.components[name]) for name, module in parts.items())
+    unet = parts["unet"]
+    assert len(SDXL.blocks(unet)) == len(unet.down_blocks) + 1 + len(unet.up_blocks) == 7
+    for name in SDXL.text_encoders:
+        assert len(SDXL.blocks(parts[name])) == parts[name].config.num_hidden_layers == 2
+    # Cross-attention reads both encoders' states side by side; the added embedding the second's pooled
+    # projection and six size ids.
+    first, second = parts["text_encoder"].config, parts["text_encoder_2"].config
+    assert unet.config.cross_attention_dim == first.hidden_size + second.hidden_size
+    assert unet.config.addition_embed_type == "text_time"
+    assert unet.add_embedding.linear_1.in_features == 6 * unet.config.addition_time_embed_dim + second.projection_dim
+    ids = [torch.tensor([[98, 5, 6, 99] + [99] * 12])] * 2
+    text = SDXL.encode_text([parts["text_encoder"], parts["text_encoder_2"]], ids, ["a circle"])
+    assert text["text_emb"].shape == (1, 16, first.hidden_size + second.hidden_size)
+    assert text["text_pooled"].shape == (1, second.projection_dim)
+    # The penultimate layer's states, as SDXL and its pipeline read them.
+    hidden = parts["text_encoder"](ids[0], output_hidden_states=True).hidden_states[-2]
+    torch.testing.assert_close(text["text_emb"][..., :first.hidden_size], hidden)
+    # An empty caption (caption dropout) conditions on zeros, as the pipeline's unconditional half does.
+    empty = SDXL.encode_text([parts["text_encoder"], parts["text_encoder_2"]], ids, [""])
+    assert not empty["text_emb"].any() and not empty["text_pooled"].any()
+
+
+@pytest.mark.parametrize("family,name", [("sd", "unet"), ("sd", "vae"), ("sd", "text_encoder"),
+                                         ("sdxl", "unet"), ("sdxl", "text_encoder"), ("sdxl", "text_encoder_2")])
+def test_checkpointing_and_compile_wrap_the_blocks_the_spec_lists(family, name, monkeypatch):
+    module = (sd_components if family == "sd" else sdxl_components)()[name]
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda forward, **_: compiled.append(forward) or forward)
 
@@ -53,7 +88,7 @@ def test_checkpointing_and_compile_wrap_the_blocks_the_spec_lists(name, monkeypa
             return {name: module}
 
     DataParallel(ParallelConfig(), Topology(), torch.device("cpu")).apply(Task(), checkpointing=True, compile=True)
-    listed = SD.blocks(module)
+    listed = families.get(family).blocks(module)
     wrapped = [m for m in module.modules() if "forward" in vars(m)]  # the instance's forward, not the class's
     assert wrapped == listed and len(compiled) == len(listed) > 0
 
@@ -70,8 +105,17 @@ def test_a_pretrained_model_is_recognised_from_its_files(pretrained, tmp_path):
     sdxl = tmp_path / "sdxl"
     sdxl.mkdir()
     (sdxl / "model_index.json").write_text('{"_class_name": "StableDiffusionXLPipeline"}')
-    with pytest.raises(UserError, match="is SDXL, which this release does not train yet \\(StableDiffusionXLPipel"):
-        families.detect(sdxl)
+    assert families.detect(sdxl) is SDXL
+    # An SDXL single file holds SD's UNet and VAE prefixes too; its conditioner decides.
+    single = tmp_path / "sdxl.safetensors"
+    save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.ones(2),
+               "conditioner.embedders.1.model.text_projection": torch.ones(2)}, str(single))
+    assert families.detect(single) is SDXL
+    sd3 = tmp_path / "sd3.safetensors"
+    save_file({"first_stage_model.decoder.conv_in.weight": torch.ones(2),
+               "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight": torch.ones(2)}, str(sd3))
+    with pytest.raises(UserError, match="is SD3, which this release does not train yet"):
+        families.detect(sd3)
     flux = tmp_path / "flux.safetensors"
     save_file({"double_blocks.0.img_attn.norm.key_norm.scale": torch.ones(2)}, str(flux))
     with pytest.raises(UserError, match="is Flux.1, which"):
@@ -82,14 +126,41 @@ def test_a_pretrained_model_is_recognised_from_its_files(pretrained, tmp_path):
         families.detect(unknown)
 
 
+def test_the_family_comes_from_the_config_the_pretrained_files_or_the_preset(pretrained):
+    assert families.for_model(ModelConfig()) is SD
+    assert families.for_model(ModelConfig(preset="sdxl")) is SDXL
+    assert families.for_model(ModelConfig(family="sdxl")) is SDXL
+    assert families.for_model(ModelConfig(pretrained=str(pretrained))) is SD
+    with pytest.raises(UserError, match="model.family: sdxl, but model.pretrained .* is Stable Diffusion"):
+        families.for_model(ModelConfig(family="sdxl", pretrained=str(pretrained)))
+    with pytest.raises(UserError, match="model.family: 'flux' is not one of sd, sdxl"):
+        families.for_model(ModelConfig(family="flux"))
+    with pytest.raises(UserError, match="model.preset: 'sd2' is not a SDXL preset; choose one of tiny, sdxl"):
+        build.build_vae(ModelConfig(family="sdxl", preset="sd2"))
+
+
+def test_params_reports_the_real_sdxl_unet(capsys):
+    from sdtrain.cli.main import main
+
+    from .conftest import config_path
+
+    assert main(["params", str(config_path("diffusion.yaml")), "run_dir=x", "data.shards=x", "model.vae=null",
+                 "model.preset=sdxl", "model.unet_overrides={}", "data.resolution=1024", "--json"]) == 0
+    import json
+
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows["unet"]["parameters"] == 2_567_463_684
+    assert rows["text_encoder_2"]["cls"] == "CLIPTextModelWithProjection"
+
+
 def test_training_on_a_model_of_another_family_is_one_line(tmp_path, shapes_dir, capsys):
     from sdtrain.cli.main import main
 
     from .conftest import TINY, config_path
 
-    sdxl = tmp_path / "sdxl"
-    sdxl.mkdir()
-    (sdxl / "model_index.json").write_text('{"_class_name": "StableDiffusionXLPipeline"}')
+    flux = tmp_path / "flux"
+    flux.mkdir()
+    (flux / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
     assert main(["train", str(config_path("diffusion.yaml").parents[1] / "finetune-full.yaml"), *TINY,
-                 f"model.pretrained={sdxl}", f"data.shards={shapes_dir}", f"run_dir={tmp_path / 'run'}"]) == 2
-    assert "is SDXL, which this release does not train yet" in capsys.readouterr().err
+                 f"model.pretrained={flux}", f"data.shards={shapes_dir}", f"run_dir={tmp_path / 'run'}"]) == 2
+    assert "is Flux.1, which this release does not train yet" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from sdtrain.config import load_config
-from sdtrain.models import build
+from sdtrain.models import build, families
 from sdtrain.train.objectives import NoisePrediction
 from sdtrain.train.tasks import DiffusionTask
 
@@ -26,7 +26,8 @@ SCALING = 0.5
 class RecordingDenoiser(nn.Module):
     """Predicts zeros and keeps what it was called with: the loss is then the target's mean square."""
 
-    def forward(self, noisy: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor) -> SimpleNamespace:
+    def forward(self, noisy: torch.Tensor, timesteps: torch.Tensor, encoder_hidden_states: torch.Tensor
+                ) -> SimpleNamespace:
         self.seen = (noisy.clone(), timesteps.clone())
         return SimpleNamespace(sample=torch.zeros_like(noisy))
 
@@ -36,7 +37,7 @@ def objective(*overrides: str) -> DiffusionTask:
     config = load_config(config_path("diffusion.yaml"), ["run_dir=unused", "data.shards=unused", "model.vae=unused",
                                                          "diffusion.sample_latents=false", *overrides])
     task = DiffusionTask.__new__(DiffusionTask)
-    task.config, task.device = config, torch.device("cpu")
+    task.config, task.device, task.family = config, torch.device("cpu"), families.SD
     task.objective = NoisePrediction(config.diffusion, build.build_noise_scheduler(config.diffusion), task.device)
     task.vae = SimpleNamespace(config=SimpleNamespace(scaling_factor=SCALING))
     task.unet = RecordingDenoiser()

@@ -424,7 +424,7 @@ def benchmark_data(config: RunConfig, worker_counts: list[int], batches: int, tr
         for workers in worker_counts:
             variant = dataclasses.replace(config, data=dataclasses.replace(config.data, num_workers=workers))
             log.info("loader with %d workers", workers)
-            rates.append(loader_rate(variant, trainer.task.tokenizer, batches, warmup=max(1, workers),
+            rates.append(loader_rate(variant, trainer.task.caption_tokenizer, batches, warmup=max(1, workers),
                                      encoded=stage_reads_encoded))
         consumption = trainer.measure(train_steps, warmup=2, peak_seconds=0.2, save=False)["images_per_s"] \
             if train_steps else None

@@ -461,11 +461,12 @@ def _fsync_tree(folder: Path) -> None:
 
 def instantiate(spec: dict[str, Any]) -> nn.Module:
     from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     cls_name, config = spec["class"], spec["config"]
-    if cls_name == "CLIPTextModel":
-        return CLIPTextModel(CLIPTextConfig.from_dict(config))
+    text_classes = {"CLIPTextModel": CLIPTextModel, "CLIPTextModelWithProjection": CLIPTextModelWithProjection}
+    if cls_name in text_classes:
+        return text_classes[cls_name](CLIPTextConfig.from_dict(config))
     classes = {"AutoencoderKL": AutoencoderKL, "UNet2DConditionModel": UNet2DConditionModel}
     if cls_name not in classes:
         raise UserError(f"checkpoint names an unknown module class {cls_name}")

@@ -100,9 +100,13 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
+    family: str | None = None
+    """The model family: ``sd`` (Stable Diffusion 1.x/2.x) or ``sdxl``. Unset: the pretrained model's own (from
+    its model_index.json or single-file keys), else the family of ``preset`` (``sdxl``), else ``sd``."""
     preset: str = "tiny"
-    """Architecture for components built from scratch: ``tiny`` (tests, demo), ``small`` or ``sd2``
-    (the real Stable Diffusion 2 base UNet, 865.9M parameters)."""
+    """Architecture for components built from scratch, one of the family's: ``tiny`` (tests, demo), ``small`` or
+    ``sd2`` (the real Stable Diffusion 2 base UNet, 865.9M parameters) for sd; ``tiny`` or ``sdxl`` (the SDXL
+    1.0 base UNet, 2,567.5M parameters) for sdxl."""
     pretrained: str | None = None
     """A local diffusers pipeline folder, or a single-file checkpoint in the original Stable Diffusion layout
     (``.safetensors``: SD 1.x or 2.x, sizes and prediction type read from the file; set ``tokenizer`` unless
@@ -111,9 +115,15 @@ class ModelConfig:
     """Autoencoder source: a diffusers ``vae`` folder, a pipeline folder, or an sdtrain autoencoder run."""
     text_encoder: str | None = None
     """Text encoder source: a CLIPTextModel folder, a pipeline folder, or an sdtrain run."""
+    text_encoder_2: str | None = None
+    """SDXL's second text encoder (OpenCLIP bigG with projection): a CLIPTextModelWithProjection folder, a
+    pipeline folder, or an sdtrain run."""
     tokenizer: str | None = None
     """Tokenizer folder; when neither this nor ``pretrained`` is set, a BPE tokenizer is trained on
     the training captions and saved in the run folder."""
+    tokenizer_2: str | None = None
+    """SDXL's second tokenizer folder; unset: the ``tokenizer_2/`` beside the second text encoder, else the
+    first tokenizer."""
     unet: str | None = None
     """UNet source: a UNet2DConditionModel folder, a pipeline folder, or an sdtrain run."""
     trust_pickle: bool = False
@@ -131,9 +141,11 @@ class ModelConfig:
     """Keyword arguments that replace the preset's AutoencoderKL settings."""
     text_encoder_overrides: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments that replace the preset's CLIPTextConfig settings."""
+    text_encoder_2_overrides: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments that replace the preset's settings of SDXL's second text encoder."""
 
     def validate(self) -> None:
-        _check(self.preset in ("tiny", "small", "sd2"), "model.preset", "must be tiny, small or sd2")
+        _check(self.preset in ("tiny", "small", "sd2", "sdxl"), "model.preset", "must be tiny, small, sd2 or sdxl")
         _check(self.max_text_length is None or self.max_text_length >= 4, "model.max_text_length",
                "must be at least 4 (or unset: the pretrained length, else 77)")
 

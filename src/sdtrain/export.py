@@ -16,8 +16,8 @@ from typing import Any
 from sdtrain.checkpoint import latest_checkpoint, load_run_modules, pinned_sources, read_meta
 from sdtrain.config import RunConfig, load_config
 from sdtrain.errors import UserError
-from sdtrain.models import build, single_file
-from sdtrain.models.pipeline import assemble_pipeline, sampler_from
+from sdtrain.models import build, families, single_file
+from sdtrain.models.pipeline import sampler_from
 from sdtrain.train.modes import merge_partial, save_trained_parts
 
 log = logging.getLogger(__name__)
@@ -29,8 +29,9 @@ def run_config(run_dir: Path) -> RunConfig:
 
 def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None = None,
                       trained: dict[str, Any] | None = None) -> Any:
-    """A StableDiffusionPipeline from a diffusion run: trained weights from its checkpoint (or `trained`, the
-    checkpoint's modules already loaded), the rest from the sources its config names."""
+    """The family's pipeline (StableDiffusionPipeline, StableDiffusionXLPipeline) from a diffusion run: trained
+    weights from its checkpoint (or `trained`, the checkpoint's modules already loaded), the rest from the sources
+    its config names."""
     run_dir = Path(run_dir)
     config = run_config(run_dir)
     if config.stage != "diffusion":
@@ -42,6 +43,7 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
     pinned = pinned_sources(checkpoint)
     model = config.model
     trust = build.trusts_pickle(model)
+    family = families.for_model(model)
 
     def component(name: str) -> Any:
         if name in trained:
@@ -49,15 +51,16 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
         source = pinned.get(name) or build.component_source(model, name)
         if source is None:
             raise UserError(f"{run_dir}: the {name} was neither trained nor loaded from a folder")
-        return build.load_component(name, source, trust_pickle=trust)
+        return build.load_component(name, source, trust_pickle=trust, family=family)
 
-    tokenizer = build.load_text_tokenizer(model, run_dir, pinned.get("text_encoder"))
+    tokenizers = build.load_text_tokenizers(model, run_dir, pinned.get("text_encoder"))
     added_tokens = read_meta(checkpoint).get("task", {}).get("tokens")
-    if added_tokens:  # textual inversion: the merged text encoder's new rows belong to these
-        tokenizer.add_tokens(added_tokens)
+    if added_tokens:  # textual inversion: the merged text encoders' new rows belong to these
+        for tokenizer in tokenizers:
+            tokenizer.add_tokens(added_tokens)
     noise = build.build_noise_scheduler(config.diffusion, model.pretrained, trust)
-    return assemble_pipeline(component("vae"), component("text_encoder"), tokenizer, component("unet"),
-                             sampler_from(noise, "euler"))
+    return family.assemble({name: component(name) for name in family.components}, tokenizers,
+                           sampler_from(noise, "euler"))
 
 
 def _check_replaceable(out: Path, run_dir: Path) -> None:
@@ -185,9 +188,12 @@ def export_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: P
     noise = build.build_noise_scheduler(config.diffusion, model.pretrained, build.trusts_pickle(model))
     text_source = pinned_sources(checkpoint).get("text_encoder") or build.component_source(model, "text_encoder")
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Beside the file, as OUT.tokenizer/, swapped in whole like every export.
-    _swap_in_folder(single_file.tokenizer_folder(out), pipe.tokenizer.save_pretrained)
-    single_file.save_single_file(out, unet=pipe.unet, vae=pipe.vae, text_encoder=pipe.text_encoder, scheduler=noise,
-                                 text_layout=text_layout, text_source=text_source, half=half)
+    # Beside the file, as OUT.tokenizer/ (and SDXL's OUT.tokenizer_2/), swapped in whole like every export.
+    second = getattr(pipe, "text_encoder_2", None)
+    for index, tokenizer in enumerate([pipe.tokenizer] + ([pipe.tokenizer_2] if second is not None else []), 1):
+        _swap_in_folder(single_file.tokenizer_folder(out, index), tokenizer.save_pretrained)
+    single_file.save_single_file(out, unet=pipe.unet, vae=pipe.vae, text_encoder=pipe.text_encoder,
+                                 text_encoder_2=second, scheduler=noise, text_layout=text_layout,
+                                 text_source=text_source, half=half)
     log.info("exported %s -> %s", run_dir, out)
     return out

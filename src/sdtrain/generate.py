@@ -7,11 +7,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from diffusers import StableDiffusionPipeline
-
 from sdtrain.errors import UserError, first_line
 from sdtrain.export import pipeline_from_run
-from sdtrain.models import build
+from sdtrain.models import build, families
 from sdtrain.models.pipeline import sample_images, sampler_from
 from sdtrain.models.single_file import TRUST_PICKLE_ENV, load_single_file_pipeline, trust_pickle_from_env
 from sdtrain.run import resolve_device
@@ -28,9 +26,11 @@ def load_pipeline(model: str | Path, ema: bool = True, device: str = "auto",
     elif kind == "pipeline":
         trusted = trust_pickle_from_env()
         try:
-            pipe = StableDiffusionPipeline.from_pretrained(
-                model, local_files_only=True, safety_checker=None, requires_safety_checker=False,
-                use_safetensors=not trusted or None)
+            family = families.detect(model)
+            # SD's safety checker is not part of a trained model; other families have none.
+            extra = {"safety_checker": None, "requires_safety_checker": False} if family is families.SD else {}
+            pipe = family.pipeline_class.from_pretrained(model, local_files_only=True,
+                                                         use_safetensors=not trusted or None, **extra)
         except (OSError, ValueError) as exc:
             hint = "" if trusted else (f"; a pipeline with pickled .bin weights loads with {TRUST_PICKLE_ENV}=1 "
                                        "if you trust it")
@@ -67,7 +67,7 @@ def apply_additions(pipe: Any, loras: Sequence[str | Path] = (), lora_scale: flo
         if path.suffix != ".safetensors":
             raise UserError(f"--embedding: {path}: only .safetensors embeddings are read (pickle files can run code)")
         try:
-            pipe.load_textual_inversion(str(path), local_files_only=True)
+            families.of_pipeline(pipe).load_embedding(pipe, str(path))
         except (OSError, ValueError, KeyError) as exc:
             raise UserError(f"--embedding: {path}: cannot load ({first_line(exc)})") from exc
 

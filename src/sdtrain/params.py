@@ -12,9 +12,8 @@ from typing import Any
 import torch
 
 from sdtrain.config import RunConfig
-from sdtrain.models import build
-
-STAGE_COMPONENTS = {"autoencoder": ("vae",), "diffusion": ("unet", "vae", "text_encoder")}
+from sdtrain.models import build, families
+from sdtrain.models.families.spec import ModelFamily
 
 
 @dataclass
@@ -46,46 +45,55 @@ class _TokenizerShape:
         return self.size
 
 
-def _component(config: RunConfig, name: str, built: dict[str, Any]) -> tuple[Any, str]:
+def _component(config: RunConfig, family: ModelFamily, name: str, built: dict[str, Any]) -> tuple[Any, str]:
     source = build.component_source(config.model, name)
     if source is not None:
-        return build.load_component(name, source, trust_pickle=build.trusts_pickle(config.model)), source
+        return build.load_component(name, source, trust_pickle=build.trusts_pickle(config.model), family=family), source
     model = config.model
     with torch.device("meta"):
         if name == "vae":
             module = build.build_vae(model)
-        elif name == "text_encoder":
-            module = build.build_text_encoder(model, _TokenizerShape(_vocab_size(config), build.text_length(model)))
+        elif name in family.text_encoders:
+            shape = _TokenizerShape(_vocab_size(config), build.text_length(model))
+            module = build.build_text_encoder(model, shape, name)
         else:
-            vae, text = built["vae"], built["text_encoder"]
+            vae = built["vae"]
             side = config.data.resolution // build.vae_scale(vae.config.block_out_channels)
-            module = build.build_unet(model, vae.config.latent_channels, side, text.config.hidden_size)
+            module = build.build_unet(model, vae.config.latent_channels, side,
+                                      text_encoders={te: built[te] for te in family.text_encoders})
     return module, f"preset {model.preset}"
 
 
 def count(config: RunConfig) -> list[ComponentCount]:
-    trained = {"vae"} if config.stage == "autoencoder" else {"unet"}
-    if config.stage == "diffusion" and config.diffusion.train_text_encoder:
-        trained.add("text_encoder")
+    family = families.for_model(config.model)
+    if config.stage == "autoencoder":
+        names, trained = ["vae"], {"vae"}
+    else:
+        # The denoiser's shape depends on the others, so it is built last and listed first.
+        names, trained = list(family.components), {family.denoiser}
+        if config.diffusion.train_text_encoder:
+            trained.update(family.text_encoders)
     built: dict[str, Any] = {}
-    # The UNet's shape depends on the other two, so they are built first.
-    for name in sorted(STAGE_COMPONENTS[config.stage], key=lambda n: n == "unet"):
-        built[name], source = _component(config, name, built)
-        built[name + ".source"] = source
+    sources = {}
+    for name in names:
+        built[name], sources[name] = _component(config, family, name, built)
     rows = []
-    for name in STAGE_COMPONENTS[config.stage]:
+    for name in sorted(names, key=lambda n: n != family.denoiser):
         total = build.count_parameters(built[name])
         rows.append(ComponentCount(name, type(built[name]).__name__, total, total if name in trained else 0,
-                                   built[name + ".source"]))
+                                   sources[name]))
     return rows
 
 
 def format_counts(rows: list[ComponentCount]) -> str:
-    lines = [f"{'component':<13} {'class':<22} {'parameters':>15} {'trainable':>15}  source"]
+    name_width = max(13, *(len(r.name) for r in rows))
+    class_width = max(22, *(len(r.cls) for r in rows))
+    lines = [f"{'component':<{name_width}} {'class':<{class_width}} {'parameters':>15} {'trainable':>15}  source"]
     for r in rows:
-        lines.append(f"{r.name:<13} {r.cls:<22} {r.parameters:>15,} {r.trainable:>15,}  {r.source}")
+        lines.append(f"{r.name:<{name_width}} {r.cls:<{class_width}} {r.parameters:>15,} {r.trainable:>15,}  "
+                     f"{r.source}")
     total, trainable = sum(r.parameters for r in rows), sum(r.trainable for r in rows)
-    lines.append(f"{'total':<13} {'':<22} {total:>15,} {trainable:>15,}")
+    lines.append(f"{'total':<{name_width}} {'':<{class_width}} {total:>15,} {trainable:>15,}")
     # The MosaicML benchmark script's line, so figures can be compared with its published ones.
     lines.append(f"Model has {total / 1e6:.6f} M parameters and {trainable / 1e6:.6f} M trainable_params")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from sdtrain.config import DataConfig
-from sdtrain.data.encoded import LATENT_MEAN, LATENT_STD, TEXT_EMB, load_npy
+from sdtrain.data.encoded import LATENT_MEAN, LATENT_STD, SIZE_IDS, TEXT_FIELDS, load_npy
 from sdtrain.data.filters import parse_filters
 from sdtrain.data.prepare import DEFAULT_MAX_PIXELS
 from sdtrain.errors import UserError
@@ -120,11 +120,12 @@ class SampleDecoder:
                 img.load()
                 bucket = self._bucket(img.size)
                 target = self.buckets[bucket] if self.buckets else (self.config.resolution,) * 2
-                pixels = self._transform(img.convert("RGB"), rng, target)
+                pixels, size_ids = self._transform(img.convert("RGB"), rng, target)
         except (OSError, ValueError, Image.DecompressionBombError, SyntaxError):
             return None
         drop = rng.random() < self.config.caption_dropout
-        return {"pixel_values": pixels, "caption": "" if drop else caption, "key": raw["__key__"], "bucket": bucket}
+        return {"pixel_values": pixels, "size_ids": size_ids, "caption": "" if drop else caption,
+                "key": raw["__key__"], "bucket": bucket}
 
     def _bucket(self, size: tuple[int, int]) -> int:
         """The bucket whose aspect ratio is nearest the image's (0 without buckets)."""
@@ -141,15 +142,25 @@ class SampleDecoder:
         try:
             sample = {"latent_mean": torch.from_numpy(load_npy(raw[LATENT_MEAN]).astype(np.float32)),
                       "latent_std": torch.from_numpy(load_npy(raw[LATENT_STD]).astype(np.float32))}
-            if TEXT_EMB in raw:
-                sample["text_emb"] = torch.from_numpy(load_npy(raw[TEXT_EMB]).astype(np.float32))
+            for key, field in TEXT_FIELDS.items():
+                if field in raw:
+                    sample[key] = torch.from_numpy(load_npy(raw[field]).astype(np.float32))
+            # Shards encoded before size ids were kept: centre crops of images taken to be square.
+            side = self.config.resolution
+            sample["size_ids"] = torch.from_numpy(load_npy(raw[SIZE_IDS]).astype(np.int64)) if SIZE_IDS in raw \
+                else torch.tensor([side, side, 0, 0, side, side])
         except (OSError, ValueError):
             return None
         drop = bool(rng.random() < self.config.caption_dropout)
         return {**sample, "caption": "" if drop else caption, "dropped": drop, "key": raw["__key__"], "bucket": 0}
 
-    def _transform(self, img: Image.Image, rng: np.random.Generator, target: tuple[int, int]) -> torch.Tensor:
+    def _transform(self, img: Image.Image, rng: np.random.Generator, target: tuple[int, int]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The image resized and cropped to `target`, and its size ids: original height and width, the crop's
+        top and left in the resized image (mirrored when flipped, so they still say what was cut off), and
+        the target height and width."""
         width, height = target
+        original = (img.height, img.width)
         scale = max(width / img.width, height / img.height)
         if scale != 1.0 and (self.config.resize or scale > 1.0):
             new_size = (max(width, round(img.width * scale)), max(height, round(img.height * scale)))
@@ -159,8 +170,11 @@ class SampleDecoder:
         else:
             left = int(rng.integers(0, img.width - width + 1))
             top = int(rng.integers(0, img.height - height + 1))
+        resized_width = img.width
         img = img.crop((left, top, left + width, top + height))
         if self.config.random_flip and rng.random() < 0.5:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            left = resized_width - left - width
         array = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
-        return torch.from_numpy(array.transpose(2, 0, 1).copy())
+        size_ids = torch.tensor([*original, top, left, height, width])
+        return torch.from_numpy(array.transpose(2, 0, 1).copy()), size_ids

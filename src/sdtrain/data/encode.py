@@ -24,7 +24,16 @@ import torch
 
 from sdtrain.config import DataConfig
 from sdtrain.data.decode import SampleDecoder
-from sdtrain.data.encoded import DTYPES, EMPTY_CAPTION, LATENT_MEAN, LATENT_STD, TEXT_EMB, describe_encoding, npy_bytes
+from sdtrain.data.encoded import (
+    DTYPES,
+    LATENT_MEAN,
+    LATENT_STD,
+    SIZE_IDS,
+    TEXT_FIELDS,
+    describe_encoding,
+    empty_caption_file,
+    npy_bytes,
+)
 from sdtrain.data.order import read_shard, resolve_shards
 from sdtrain.data.shards import (
     ShardInfo,
@@ -35,7 +44,7 @@ from sdtrain.data.shards import (
     write_manifest,
 )
 from sdtrain.errors import UserError
-from sdtrain.models import build
+from sdtrain.models import build, families
 from sdtrain.utils import atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -46,7 +55,7 @@ def output_name(index: int) -> str:
 
 
 class Encoder:
-    """The frozen VAE (and text encoder) that turn decoded samples into what training consumes."""
+    """The frozen VAE (and text encoders) that turn decoded samples into what training consumes."""
 
     def __init__(self, vae_source: str, text_source: str | None, resolution: int | None, device: torch.device,
                  dtype: str = "float16"):
@@ -62,11 +71,19 @@ class Encoder:
         if resolution % scale:
             raise UserError(f"--resolution {resolution}: not a multiple of the VAE's downsampling factor {scale}")
         self.text_source = build.pin_source(text_source) if text_source else None
-        self.text_encoder = self.tokenizer = None
-        if self.text_source:
-            self.text_encoder = build.load_component("text_encoder", self.text_source).to(device).eval()
-            self.tokenizer = build.load_tokenizer(self.text_source)
+        self.family = families.detect(self.text_source) if self.text_source else None
+        self.text_encoders: list[torch.nn.Module] = []
+        self.tokenizers: list[Any] = []
+        if self.family is not None:
+            for name, folder in zip(self.family.text_encoders, self.family.tokenizers):
+                module = build.load_component(name, self.text_source, family=self.family)
+                self.text_encoders.append(module.to(device).eval())
+                self.tokenizers.append(build.load_tokenizer(self.text_source, folder=folder))
         self.resolution = resolution
+
+    @property
+    def tokenizer(self) -> Any | None:
+        return self.tokenizers[0] if self.tokenizers else None
 
     @torch.no_grad()
     def latents(self, pixels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -74,13 +91,16 @@ class Encoder:
         return posterior.mean.float().cpu().numpy(), posterior.std.float().cpu().numpy()
 
     @torch.no_grad()
-    def text(self, captions: list[str]) -> np.ndarray:
-        tokens = self.tokenizer(captions, padding="max_length", truncation=True,
-                                max_length=self.tokenizer.model_max_length, return_tensors="pt")
-        return self.text_encoder(tokens.input_ids.to(self.device))[0].float().cpu().numpy()
+    def text(self, captions: list[str]) -> dict[str, np.ndarray]:
+        """The captions' text conditioning as the family's conditioner makes it, field -> array."""
+        ids = [tokenizer(captions, padding="max_length", truncation=True, max_length=tokenizer.model_max_length,
+                         return_tensors="pt").input_ids.to(self.device) for tokenizer in self.tokenizers]
+        encoded = self.family.encode_text(self.text_encoders, ids, captions)
+        return {field: value.float().cpu().numpy() for field, value in encoded.items()}
 
     def description(self) -> dict[str, Any]:
-        return describe_encoding(self.vae_source, self.text_source, self.resolution, self.vae.config, self.tokenizer,
+        sources = {name: self.text_source for name in self.family.text_encoders} if self.family else {}
+        return describe_encoding(self.vae_source, sources, self.resolution, self.vae.config, self.tokenizer,
                                  np.dtype(self.dtype).name)
 
 
@@ -99,8 +119,9 @@ def encode_dataset(src: str, out: Path, encoder: Encoder, batch_size: int = 32, 
         written, dropped = _encode_shard(shards[index].url, decoder, encoder, index, out, batch_size)
         log.info("%s -> %s: %d samples%s", shards[index].url, output_name(index), written,
                  f", {dropped} undecodable dropped" if dropped else "")
-    if encoder.text_encoder is not None:
-        atomic_write_bytes(out / EMPTY_CAPTION, npy_bytes(encoder.text([""])[0].astype(encoder.dtype)))
+    if encoder.text_encoders:
+        for field, value in encoder.text([""]).items():
+            atomic_write_bytes(out / empty_caption_file(field), npy_bytes(value[0].astype(encoder.dtype)))
     missing = [output_name(i) for i in range(len(shards)) if not (out / output_name(i)).exists()]
     if missing:
         log.info("%d shards still being encoded by other processes; the last to finish writes the manifest",
@@ -128,13 +149,14 @@ def _encode_shard(url: str, decoder: SampleDecoder, encoder: Encoder, index: int
             if not usable:
                 continue
             mean, std = encoder.latents(torch.stack([d["pixel_values"] for _, d in usable]))
-            embeddings = encoder.text([d["caption"] for _, d in usable]) if encoder.text_encoder else None
-            for i, (sample, _) in enumerate(usable):
+            embeddings = encoder.text([d["caption"] for _, d in usable]) if encoder.text_encoders else {}
+            for i, (sample, decoded_sample) in enumerate(usable):
                 fields = {k: v for k, v in sample.items() if not k.startswith("__")}
                 fields[LATENT_MEAN] = npy_bytes(mean[i].astype(encoder.dtype))
                 fields[LATENT_STD] = npy_bytes(std[i].astype(encoder.dtype))
-                if embeddings is not None:
-                    fields[TEXT_EMB] = npy_bytes(embeddings[i].astype(encoder.dtype))
+                fields[SIZE_IDS] = npy_bytes(decoded_sample["size_ids"].numpy().astype(np.int32))
+                for field, values in embeddings.items():
+                    fields[TEXT_FIELDS[field]] = npy_bytes(values[i].astype(encoder.dtype))
                 writer.write({"__key__": sample["__key__"], **fields})
                 written += 1
     if not written:  # still a finished shard: reruns skip it and the manifest counts it

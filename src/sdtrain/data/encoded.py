@@ -13,6 +13,16 @@ from sdtrain.data.shards import MANIFEST_NAME, read_manifest
 
 EMPTY_CAPTION = "empty_caption.npy"
 LATENT_MEAN, LATENT_STD, TEXT_EMB = "latent_mean.npy", "latent_std.npy", "text_emb.npy"
+SIZE_IDS = "size_ids.npy"
+"""A sample's original height and width, crop top and left, and encoded height and width (SDXL's size ids)."""
+TEXT_FIELDS = {"text_emb": TEXT_EMB, "text_pooled": "text_pooled.npy"}
+"""Text conditioning a sample may carry, batch key -> sample field: the sequence the denoiser attends to, and a
+family's pooled vector (SDXL's)."""
+
+
+def empty_caption_file(field: str) -> str:
+    """The file beside the manifest holding the empty caption's `field`, which caption dropout substitutes."""
+    return EMPTY_CAPTION if field == "text_emb" else f"empty_caption.{field}.npy"
 DTYPES = {"float16": np.float16, "float32": np.float32}
 
 
@@ -26,12 +36,14 @@ def load_npy(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
-def describe_encoding(vae_source: str | None, text_source: str | None, resolution: int, vae_config: Any,
+def describe_encoding(vae_source: str | None, text_sources: dict[str, str | None], resolution: int, vae_config: Any,
                       tokenizer: Any | None, dtype: str) -> dict[str, Any]:
-    """The manifest's `encoding` entry: which weights and settings produced the latents and embeddings."""
+    """The manifest's `encoding` entry: which weights and settings produced the latents and embeddings
+    (`text_sources`: each text encoder's, by component name; empty when the shards hold no embeddings)."""
     return {
         "vae": vae_source,
-        "text_encoder": text_source,
+        "text_encoder": None,
+        **text_sources,
         "resolution": resolution,
         "latent_channels": vae_config.latent_channels,
         "scaling_factor": float(vae_config.scaling_factor),

@@ -18,7 +18,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader
 
 from sdtrain.config import DataConfig
-from sdtrain.data.encoded import EMPTY_CAPTION, dataset_encoding, load_npy
+from sdtrain.data.encoded import TEXT_FIELDS, dataset_encoding, empty_caption_file, load_npy
 from sdtrain.data.order import DataPosition, relayout, resolve_shards
 from sdtrain.data.shards import tar_samples
 from sdtrain.data.stream import ShardStream
@@ -48,7 +48,7 @@ class TrainBatches:
             )
         self._iterator: Iterator[dict[str, Any]] | None = None
         self.encoding: dict[str, Any] | None = None
-        self.empty_caption: torch.Tensor | None = None
+        self.empty_caption: dict[str, torch.Tensor] | None = None
         found = dataset_encoding(config.shards) if encoded else None
         if found is not None:
             self.encoding, folder = found
@@ -60,9 +60,11 @@ class TrainBatches:
                     f"data.resolution: the shards in {folder} were encoded at {self.encoding['resolution']} px; "
                     f"set data.resolution={self.encoding['resolution']} or encode them again"
                 )
-            empty = folder / EMPTY_CAPTION
-            self.empty_caption = torch.from_numpy(load_npy(empty.read_bytes()).astype(np.float32)) \
-                if empty.is_file() else torch.empty(0)
+            self.empty_caption = {}
+            for field in TEXT_FIELDS:
+                empty = folder / empty_caption_file(field)
+                if empty.is_file():
+                    self.empty_caption[field] = torch.from_numpy(load_npy(empty.read_bytes()).astype(np.float32))
 
     @property
     def num_samples(self) -> int:
@@ -194,7 +196,7 @@ def worker_context(tokenizer: Any | None = None) -> multiprocessing.context.Base
     context = multiprocessing.get_context("forkserver")
     modules = ["sdtrain.data.pipeline", "sdtrain.data.stream"]
     if tokenizer is not None:
-        modules.append(type(tokenizer).__module__)
+        modules += getattr(tokenizer, "modules", [type(tokenizer).__module__])
     # Takes effect when the server starts, i.e. at the first loader of the process.
     context.set_forkserver_preload(modules)
     return context

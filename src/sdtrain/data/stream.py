@@ -13,6 +13,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from sdtrain.config import DataConfig
 from sdtrain.data.decode import Filtered, SampleDecoder
+from sdtrain.data.encoded import TEXT_FIELDS
 from sdtrain.data.order import (
     Intervals,
     Shard,
@@ -43,7 +44,7 @@ class ShardStream(IterableDataset):
         rotation: int = 0,
         filtered: dict[int, int] | None = None,
         plans: dict[int, list[Intervals]] | None = None,
-        empty_caption: torch.Tensor | None = None,
+        empty_caption: dict[str, torch.Tensor] | None = None,
     ):
         self.shards = shards
         self.config = config
@@ -57,7 +58,7 @@ class ShardStream(IterableDataset):
         self.filtered = filtered or {}
         self.rotation = rotation
         self.plans = plans or {}
-        # Pre-encoded shards: caption dropout swaps in the empty caption's embedding.
+        # Pre-encoded shards: caption dropout swaps in the empty caption's embeddings (text field -> tensor).
         self.empty_caption = empty_caption
         self.decoder = SampleDecoder(config, tokenizer, seed, encoded=empty_caption is not None)
         self.total = sum(s.samples for s in shards)
@@ -166,16 +167,17 @@ class ShardStream(IterableDataset):
 
     def _collate(self, batch: list[dict[str, Any]], position: dict[str, Any]) -> dict:
         captions = [s["caption"] for s in batch]
-        out: dict[str, Any] = {"captions": captions, "keys": [s["key"] for s in batch], "position": position}
+        out: dict[str, Any] = {"captions": captions, "keys": [s["key"] for s in batch], "position": position,
+                               "size_ids": torch.stack([s["size_ids"] for s in batch])}
         if "pixel_values" in batch[0]:
             out["pixel_values"] = torch.stack([s["pixel_values"] for s in batch])
         else:
             out["latent_mean"] = torch.stack([s["latent_mean"] for s in batch])
             out["latent_std"] = torch.stack([s["latent_std"] for s in batch])
-            if all("text_emb" in s for s in batch) and self.empty_caption.numel():
-                out["text_emb"] = torch.stack([self.empty_caption if s["dropped"] else s["text_emb"] for s in batch])
+            for field in TEXT_FIELDS:
+                empty = self.empty_caption.get(field)
+                if empty is not None and all(field in s for s in batch):
+                    out[field] = torch.stack([empty if s["dropped"] else s[field] for s in batch])
         if self.tokenizer is not None:
-            tokens = self.tokenizer(captions, padding="max_length", truncation=True,
-                                    max_length=self.tokenizer.model_max_length, return_tensors="pt")
-            out["input_ids"] = tokens.input_ids
+            out.update(self.tokenizer(captions))
         return out

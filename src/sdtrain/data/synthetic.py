@@ -12,7 +12,14 @@ import numpy as np
 import torch
 
 from sdtrain.config import DataConfig
-from sdtrain.data.encoded import EMPTY_CAPTION, LATENT_MEAN, LATENT_STD, TEXT_EMB, describe_encoding, npy_bytes
+from sdtrain.data.encoded import (
+    LATENT_MEAN,
+    LATENT_STD,
+    TEXT_FIELDS,
+    describe_encoding,
+    empty_caption_file,
+    npy_bytes,
+)
 from sdtrain.data.shapes import render_shapes_sample
 from sdtrain.data.shards import ShardWriter
 from sdtrain.models import build
@@ -36,10 +43,10 @@ class SyntheticBatches:
             "captions": ["synthetic"] * count,
             "keys": [f"synthetic-{i}" for i in range(count)],
         }
-        tokenizer = task.tokenizer
-        if tokenizer is not None:
-            length = tokenizer.model_max_length
-            self.batch["input_ids"] = torch.randint(0, len(tokenizer), (count, length), generator=generator)
+        captions = task.caption_tokenizer
+        for key, tokenizer in zip(captions.keys, captions.tokenizers) if captions is not None else ():
+            self.batch[key] = torch.randint(0, len(tokenizer), (count, tokenizer.model_max_length), generator=generator)
+        self.batch["size_ids"] = torch.tensor([[size, size, 0, 0, size, size]] * count)
         if not encoded:
             self.batch["pixel_values"] = torch.rand(count, 3, size, size, generator=generator) * 2 - 1
             return
@@ -48,8 +55,8 @@ class SyntheticBatches:
         self.batch["latent_mean"] = torch.randn(count, vae.latent_channels, side, side, generator=generator)
         self.batch["latent_std"] = torch.full_like(self.batch["latent_mean"], 0.1)
         if task.text_embeddings:
-            hidden = task.text_encoder.config.hidden_size
-            self.batch["text_emb"] = torch.randn(count, tokenizer.model_max_length, hidden, generator=generator)
+            for key, shape in text_shapes(task).items():
+                self.batch[key] = torch.randn(count, *shape, generator=generator)
 
     def next(self) -> dict[str, Any]:
         return self.batch
@@ -83,19 +90,23 @@ def write_synthetic_shards(out: Path, config: DataConfig, task: Any, samples: in
                 sample |= _encoded_fields(encoding, task, rng)
             writer.write(sample)
     if encoding is not None and encoding["text_encoder"] is not None:
-        empty = rng.standard_normal(_text_shape(task)).astype(np.float16)
-        atomic_write_bytes(out / EMPTY_CAPTION, npy_bytes(empty))
+        for field, shape in text_shapes(task).items():
+            empty = rng.standard_normal(shape).astype(np.float16)
+            atomic_write_bytes(out / empty_caption_file(field), npy_bytes(empty))
     return out
 
 
 def _encoding(config: DataConfig, task: Any) -> dict[str, Any]:
-    text_encoder = None if task.text_encoder_trains() else task.sources.get("text_encoder")
-    return describe_encoding(task.sources.get("vae"), text_encoder, config.resolution, task.vae.config,
+    text_encoders = {} if task.text_encoder_trains() else {name: task.sources.get(name)
+                                                           for name in task.family.text_encoders}
+    return describe_encoding(task.sources.get("vae"), text_encoders, config.resolution, task.vae.config,
                              task.tokenizer, "float16")
 
 
-def _text_shape(task: Any) -> tuple[int, int]:
-    return task.tokenizer.model_max_length, task.text_encoder.config.hidden_size
+def text_shapes(task: Any) -> dict[str, tuple[int, ...]]:
+    """The shape of one sample's text conditioning, each field the task's family encodes."""
+    configs = {name: module.config for name, module in task.text_encoders.items()}
+    return task.family.text_shapes(configs, task.tokenizer.model_max_length)
 
 
 def _encoded_fields(encoding: dict[str, Any], task: Any, rng: np.random.Generator) -> dict[str, bytes]:
@@ -104,5 +115,6 @@ def _encoded_fields(encoding: dict[str, Any], task: Any, rng: np.random.Generato
     fields = {LATENT_MEAN: npy_bytes(rng.standard_normal(shape).astype(np.float16)),
               LATENT_STD: npy_bytes(np.full(shape, 0.1, dtype=np.float16))}
     if encoding["text_encoder"] is not None:
-        fields[TEXT_EMB] = npy_bytes(rng.standard_normal(_text_shape(task)).astype(np.float16))
+        for field, shape in text_shapes(task).items():
+            fields[TEXT_FIELDS[field]] = npy_bytes(rng.standard_normal(shape).astype(np.float16))
     return fields

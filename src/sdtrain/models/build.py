@@ -10,19 +10,18 @@ cluster node behaves exactly like a laptop.
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any
 
 from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-from transformers import CLIPTextConfig, CLIPTextModel
+from torch import nn
 
 from sdtrain.checkpoint import latest_checkpoint, load_run_modules, read_meta
 from sdtrain.config import DiffusionConfig, ModelConfig
 from sdtrain.errors import UserError, first_line
-from sdtrain.models import single_file
-from sdtrain.models.families.sd import SD
+from sdtrain.models import families, single_file
+from sdtrain.models.families.spec import ModelFamily, construct
 from sdtrain.models.tokenizer import load_clip_tokenizer
 
 
@@ -31,42 +30,29 @@ def vae_scale(block_out_channels: list[int] | tuple[int, ...]) -> int:
     return 2 ** (len(block_out_channels) - 1)
 
 
-def _construct(cls: Any, key: str, kwargs: dict[str, Any]) -> Any:
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise UserError(f"model.{key}: {first_line(exc)}; fix the override") from exc
-
-
 def build_vae(config: ModelConfig) -> AutoencoderKL:
-    kwargs = {**copy.deepcopy(SD.presets[config.preset]["vae"]), **config.vae_overrides}
-    return _construct(AutoencoderKL, "vae_overrides", kwargs)
+    kwargs = {**families.for_model(config).preset(config.preset, "vae"), **config.vae_overrides}
+    return construct(AutoencoderKL, "vae_overrides", kwargs)
 
 
-def build_text_encoder(config: ModelConfig, tokenizer: Any) -> CLIPTextModel:
-    kwargs = {**copy.deepcopy(SD.presets[config.preset]["text_encoder"]), **config.text_encoder_overrides}
-    # The pooled output is read at the eos position, so the ids must be the tokenizer's own.
-    text_config = _construct(CLIPTextConfig, "text_encoder_overrides", dict(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=tokenizer.model_max_length,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **kwargs,
-    ))
-    return CLIPTextModel(text_config)
+def build_text_encoder(config: ModelConfig, tokenizer: Any, name: str = "text_encoder") -> nn.Module:
+    """Text encoder `name` of the model's family from its preset, its ids those of `tokenizer`."""
+    family = families.for_model(config)
+    key = f"{name}_overrides"
+    settings = {**family.preset(config.preset, name), **getattr(config, key)}
+    return family.build_text_encoder(name, settings, tokenizer, key)
 
 
-def build_unet(config: ModelConfig, latent_channels: int, latent_size: int, cross_attention_dim: int):
-    kwargs = {
-        **copy.deepcopy(SD.presets[config.preset]["unet"]),
-        "in_channels": latent_channels,
-        "out_channels": latent_channels,
-        "sample_size": latent_size,
-        "cross_attention_dim": cross_attention_dim,
-        **config.unet_overrides,
-    }
-    return _construct(UNet2DConditionModel, "unet_overrides", kwargs)
+def build_unet(config: ModelConfig, latent_channels: int, latent_size: int, cross_attention_dim: int | None = None,
+               text_encoders: dict[str, nn.Module] | None = None) -> UNet2DConditionModel:
+    """The denoiser from its preset, shaped for the latents and for the text encoders it reads (the family says
+    what it takes from them); `cross_attention_dim` alone serves a family with one text encoder."""
+    family = families.for_model(config)
+    kwargs = {**family.preset(config.preset, "unet"), "in_channels": latent_channels,
+              "out_channels": latent_channels, "sample_size": latent_size}
+    derived = family.denoiser_settings({**kwargs, **config.unet_overrides}, text_encoders) if text_encoders \
+        else {"cross_attention_dim": cross_attention_dim}
+    return construct(UNet2DConditionModel, "unet_overrides", {**kwargs, **derived, **config.unet_overrides})
 
 
 def build_noise_scheduler(config: DiffusionConfig, pretrained: str | None = None,
@@ -114,14 +100,16 @@ def source_kind(path: str | Path) -> str:
     )
 
 
-def load_component(name: str, source: str | Path, trust_pickle: bool | None = None) -> Any:
-    """Load component `name` ('vae', 'unet', 'text_encoder') from a local source folder or single file.
+def load_component(name: str, source: str | Path, trust_pickle: bool | None = None,
+                   family: ModelFamily | None = None) -> Any:
+    """Load component `name` ('vae', 'unet', 'text_encoder', ...; of `family`, else of whichever family has it)
+    from a local source folder or single file.
 
     `trust_pickle` lets a pickle single file (.ckpt, .pt...) be read with torch.load(weights_only=True);
     None: the SDTRAIN_TRUST_PICKLE environment variable decides.
     """
     kind = source_kind(source)
-    cls = SD.components[name]
+    cls = families.component_class(name, family)
     if kind == "single_file":
         return single_file.load_single_file_component(name, source, trust_pickle=trust_pickle)
     if kind in ("run", "checkpoint"):
@@ -145,20 +133,23 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
         raise UserError(f"{folder}: cannot load the {name} ({first_line(exc)}){hint}") from exc
 
 
-def _tokenizer_folder(source: str | Path) -> Path:
-    """A tokenizer folder, or the tokenizer/ inside a pipeline or run folder (or beside a single file)."""
-    folder = Path(source)
-    if single_file.looks_like_single_file(folder):
-        folder = Path(single_file.tokenizer_for(folder))
-    if (folder / "tokenizer").is_dir():
-        folder = folder / "tokenizer"
-    return folder
+def _tokenizer_folder(source: str | Path, folder: str = "tokenizer") -> Path:
+    """A tokenizer folder, or the `folder` (tokenizer/, tokenizer_2/) inside a pipeline or run folder, or beside a
+    single file. A second tokenizer falls back to the first: a run trained from scratch trains one for both."""
+    path = Path(source)
+    if single_file.looks_like_single_file(path):
+        beside = path.with_suffix(f".{folder}")  # OUT.tokenizer/, OUT.tokenizer_2/, as export writes them
+        return beside if beside.is_dir() else Path(single_file.tokenizer_for(path))
+    for name in dict.fromkeys((folder, "tokenizer")):
+        if (path / name).is_dir():
+            return path / name
+    return path
 
 
-def load_tokenizer(source: str | Path, max_length: int | None = None) -> Any:
-    """From a tokenizer folder, or the tokenizer/ inside a pipeline or run folder (or beside a single file);
-    `max_length` replaces its saved model_max_length. A run's tokenizer is `load_text_tokenizer`'s."""
-    return load_clip_tokenizer(_tokenizer_folder(source), max_length=max_length)
+def load_tokenizer(source: str | Path, max_length: int | None = None, folder: str = "tokenizer") -> Any:
+    """From a tokenizer folder, or the `folder` inside a pipeline or run folder (or beside a single file);
+    `max_length` replaces its saved model_max_length. A run's tokenizers are `load_text_tokenizers`'."""
+    return load_clip_tokenizer(_tokenizer_folder(source, folder), max_length=max_length)
 
 
 DEFAULT_TEXT_LENGTH = 77
@@ -226,31 +217,45 @@ def text_length(config: ModelConfig, fallback: str | Path | None = None,
     return min(lengths) if lengths else DEFAULT_TEXT_LENGTH
 
 
-def load_text_tokenizer(config: ModelConfig, fallback: str | Path | None = None,
-                        text_encoder: str | Path | None = None) -> Any:
-    """The tokenizer a run encodes captions with, its model_max_length the run's `text_length` (same
-    arguments)."""
+def load_text_tokenizers(config: ModelConfig, fallback: str | Path | None = None,
+                         text_encoder: str | Path | None = None) -> list[Any]:
+    """The tokenizers a run encodes captions with, one per text encoder of its family, each's model_max_length
+    the run's `text_length` (same arguments)."""
     source = tokenizer_source(config) or fallback
     if source is None:
         raise UserError("model.tokenizer: no tokenizer to load; set model.tokenizer or model.pretrained")
-    return load_tokenizer(source, text_length(config, fallback, text_encoder))
+    length = text_length(config, fallback, text_encoder)
+    tokenizers = []
+    for folder in families.for_model(config).tokenizers:
+        named = getattr(config, folder, None) if folder != "tokenizer" else None
+        tokenizers.append(load_tokenizer(named or source, length, folder))
+    return tokenizers
+
+
+def load_text_tokenizer(config: ModelConfig, fallback: str | Path | None = None,
+                        text_encoder: str | Path | None = None) -> Any:
+    """The first of `load_text_tokenizers` (a family with one text encoder has only that one)."""
+    return load_text_tokenizers(config, fallback, text_encoder)[0]
 
 
 def tokenizer_source(config: ModelConfig) -> str | None:
     """The tokenizer belongs with the text encoder: loaded from wherever that comes from, unless named.
 
-    A single file holds no tokenizer: its OUT.tokenizer/ sibling (which ``sdtrain export --single-file``
-    writes) is used, else a UserError asks for model.tokenizer.
+    A single file holds no tokenizer: its OUT.tokenizer/ sibling (and OUT.tokenizer_2/, which ``sdtrain export
+    --single-file`` writes) is used, so the file itself is returned; without one a UserError asks for
+    model.tokenizer.
     """
     if config.tokenizer:
         return config.tokenizer
     text_encoder = component_source(config, "text_encoder")
     if text_encoder and single_file.looks_like_single_file(text_encoder):
-        return single_file.tokenizer_for(text_encoder)
+        single_file.tokenizer_for(text_encoder)
+        return text_encoder
     if text_encoder and (Path(text_encoder) / "tokenizer").is_dir():
         return text_encoder
     if config.pretrained and single_file.looks_like_single_file(config.pretrained):
-        return single_file.tokenizer_for(config.pretrained)
+        single_file.tokenizer_for(config.pretrained)
+        return config.pretrained
     return config.pretrained
 
 

@@ -11,7 +11,9 @@ import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
+import torch
 from tokenizers import Tokenizer, models, trainers
 from transformers import CLIPTokenizer
 
@@ -121,3 +123,23 @@ def load_clip_tokenizer(path: str | Path, max_length: int | None = None) -> CLIP
     if tok.model_max_length > 100_000:
         raise UserError(f"tokenizer in {path} has no model_max_length: pass max_length or re-train it")
     return tok
+
+
+class CaptionTokenizer:
+    """A family's tokenizers as one callable, which the loader runs when it collates a batch: captions -> the
+    token ids of each text encoder, under the batch keys the family reads them by (input_ids, input_ids_2).
+    Picklable, so loader workers receive it."""
+
+    def __init__(self, tokenizers: list[Any], keys: list[str]):
+        self.tokenizers = tokenizers
+        self.keys = keys
+
+    @property
+    def modules(self) -> list[str]:
+        """What a fresh loader process imports to run it (see data.pipeline.worker_context)."""
+        return list(dict.fromkeys([__name__, *(type(t).__module__ for t in self.tokenizers)]))
+
+    def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        return {key: tokenizer(captions, padding="max_length", truncation=True,
+                               max_length=tokenizer.model_max_length, return_tensors="pt").input_ids
+                for key, tokenizer in zip(self.keys, self.tokenizers)}

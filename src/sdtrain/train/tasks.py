@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdtrain.config import DataConfig, RunConfig
+from sdtrain.data.encoded import TEXT_FIELDS
 from sdtrain.errors import UserError
 from sdtrain.models import build, families
-from sdtrain.models.pipeline import assemble_pipeline, sample_images, sampler_from
-from sdtrain.models.tokenizer import train_clip_tokenizer
+from sdtrain.models.pipeline import sample_images, sampler_from
+from sdtrain.models.tokenizer import CaptionTokenizer, train_clip_tokenizer
 from sdtrain.train.objectives import NoisePrediction
 from sdtrain.utils import save_grid
 
@@ -35,6 +36,8 @@ class Task:
     """Whether the loss can take pre-encoded samples (latents, text embeddings) instead of pixels."""
     trainable: dict[str, nn.Module]
     tokenizer: Any = None
+    caption_tokenizer: Any = None
+    """What the loader tokenizes captions with (models.tokenizer.CaptionTokenizer), or None."""
 
     def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, pinned: dict[str, str] | None = None):
         self.config = config
@@ -43,6 +46,7 @@ class Task:
         self.pinned = dict(pinned or {})
         self.sources: dict[str, str] = {}
         self.trust_pickle = build.trusts_pickle(config.model)
+        self.family = families.for_model(config.model)
 
     def load_source(self, name: str) -> Any | None:
         """Load component `name` from its configured source, pinned at the run's first start; None when the
@@ -51,7 +55,7 @@ class Task:
         if source is None:
             return None
         self.sources[name] = build.pin_source(source)
-        return build.load_component(name, self.sources[name], trust_pickle=self.trust_pickle)
+        return build.load_component(name, self.sources[name], trust_pickle=self.trust_pickle, family=self.family)
 
     def parallel_modules(self) -> dict[str, nn.Module]:
         """The attributes the loss calls the trained modules through, for a data-parallel wrapper."""
@@ -91,7 +95,8 @@ class Task:
 
     def checkpoint_meta(self) -> dict[str, Any]:
         """What a checkpoint's reader needs to rebuild partly trained modules on their base (meta.json)."""
-        return {"mode": self.config.mode, **({"trust_pickle": True} if self.trust_pickle else {})}
+        return {"mode": self.config.mode, "family": self.family.name,
+                **({"trust_pickle": True} if self.trust_pickle else {})}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         pass
@@ -201,7 +206,8 @@ class AutoencoderTask(Task):
 
 
 class DiffusionTask(Task):
-    """Denoising loss of a UNet conditioned on text, in the latent space of a frozen autoencoder."""
+    """Denoising loss of a text-conditioned denoiser in the latent space of a frozen autoencoder; what the model
+    is (its components, conditioning and denoiser call) comes from its family's spec."""
 
     needs_captions = True
     reads_encoded = True
@@ -209,10 +215,9 @@ class DiffusionTask(Task):
 
     def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, pinned: dict[str, str] | None = None):
         super().__init__(config, device, run_dir, pinned)
-        model = config.model
-        if model.pretrained:
-            families.detect(model.pretrained)
-        self.tokenizer = self._tokenizer()
+        model, family = config.model, self.family
+        self.tokenizers = self._tokenizers()
+        self.tokenizer = self.tokenizers[0]
         vae = self.load_source("vae")
         if vae is None:
             raise UserError(
@@ -221,38 +226,47 @@ class DiffusionTask(Task):
             )
         self.vae = vae.to(device).eval().requires_grad_(False)
         scale = self._check_resolution(self.vae)
-        self.text_encoder = self.load_source("text_encoder")
-        if self.text_encoder is None:
-            if not config.diffusion.train_text_encoder:
-                raise UserError(
-                    "diffusion.train_text_encoder: a text encoder built from scratch must be trained; set it to "
-                    "true, or load one with model.text_encoder or model.pretrained"
-                )
-            self.text_encoder = build.build_text_encoder(model, self.tokenizer)
+        for name, tokenizer in zip(family.text_encoders, self.tokenizers):
+            text_encoder = self.load_source(name)
+            if text_encoder is None:
+                if not config.diffusion.train_text_encoder:
+                    raise UserError(
+                        "diffusion.train_text_encoder: a text encoder built from scratch must be trained; set it to "
+                        f"true, or load one with model.{name} or model.pretrained"
+                    )
+                text_encoder = build.build_text_encoder(model, tokenizer, name)
+            setattr(self, name, text_encoder.to(device))
         self.unet = self.load_source("unet")
         if self.unet is None:
-            self.unet = build.build_unet(
-                model, self.vae.config.latent_channels, config.data.resolution // scale,
-                self.text_encoder.config.hidden_size,
-            )
-        self._check_buckets(scale * 2 ** (len(self.unet.config.block_out_channels) - 1))
+            self.unet = build.build_unet(model, self.vae.config.latent_channels, config.data.resolution // scale,
+                                         text_encoders=self.text_encoders)
+        self._check_buckets(scale * family.downsampling(self.unet.config))
         self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model.pretrained, self.trust_pickle)
         self.objective = NoisePrediction(config.diffusion, self.noise_scheduler, device)
         self.unet.to(device)
-        self.text_encoder.to(device)
+        keys = [family.ids_key(i) for i in range(len(self.tokenizers))]
+        self.caption_tokenizer = CaptionTokenizer(self.tokenizers, keys)
         self.trainable = self.make_trainable()
+
+    @property
+    def text_encoders(self) -> dict[str, nn.Module]:
+        """The family's text encoders, by component name, as the loss calls them (wrapped when they train)."""
+        return {name: getattr(self, name) for name in self.family.text_encoders}
 
     def make_trainable(self) -> dict[str, nn.Module]:
         """Set what trains (and freeze the rest); modes that train adapters or embeddings override this."""
         self.unet.train()
+        text_encoders = self.text_encoders
         if not self.config.diffusion.train_text_encoder:
-            self.text_encoder.eval().requires_grad_(False)
+            for text_encoder in text_encoders.values():
+                text_encoder.eval().requires_grad_(False)
             return {"unet": self.unet}
-        self.text_encoder.train()
-        return {"unet": self.unet, "text_encoder": self.text_encoder}
+        for text_encoder in text_encoders.values():
+            text_encoder.train()
+        return {"unet": self.unet, **text_encoders}
 
-    def _tokenizer(self):
-        return build.load_text_tokenizer(self.config.model, self.run_dir, self.pinned.get("text_encoder"))
+    def _tokenizers(self) -> list[Any]:
+        return build.load_text_tokenizers(self.config.model, self.run_dir, self.pinned.get("text_encoder"))
 
     @staticmethod
     def prepare(config: RunConfig, run_dir: Path) -> None:
@@ -272,11 +286,16 @@ class DiffusionTask(Task):
         log.info("training a %d-token BPE tokenizer on %d captions", model.tokenizer_vocab_size, len(captions))
         train_clip_tokenizer(captions, saved, model.tokenizer_vocab_size, build.text_length(model))
 
-    def encode_text(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if next(self.text_encoder.parameters()).is_meta:
-            log.warning("a batch without text embeddings: loading the released text encoder back")
-            self.text_encoder = self.frozen("text_encoder")
-        return self.text_encoder(input_ids.to(self.device, non_blocking=True))[0]
+    def encode_text(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The batch's text conditioning from its token ids, through the family's conditioner."""
+        encoders = []
+        for name in self.family.text_encoders:
+            if next(getattr(self, name).parameters()).is_meta:
+                log.warning("a batch without text embeddings: loading the released %s back", name)
+                setattr(self, name, self.frozen(name))
+            encoders.append(getattr(self, name))
+        ids = [batch[self.family.ids_key(i)].to(self.device, non_blocking=True) for i in range(len(encoders))]
+        return self.family.encode_text(encoders, ids, batch.get("captions"))
 
     def use_encoded(self, encoding: dict[str, Any] | None) -> None:
         """Check pre-encoded shards against this task's frozen weights; text embeddings are used only
@@ -291,7 +310,8 @@ class DiffusionTask(Task):
             )
         # Embeddings were made from the shards' own captions; templates write other ones.
         frozen_text = not self.text_encoder_trains() and not self.data_config().prompt_templates
-        self.text_embeddings = frozen_text and encoding.get("text_encoder") == self.sources.get("text_encoder")
+        self.text_embeddings = frozen_text and all(encoding.get(name) == self.sources.get(name)
+                                                   for name in self.family.text_encoders)
         log.info("pre-encoded shards: VAE encoder skipped%s", ", text encoder skipped" if self.text_embeddings else "")
         self.release_unread()
 
@@ -300,7 +320,7 @@ class DiffusionTask(Task):
         weights move to the meta device, keeping module and config, and validation loads them again from
         their pinned sources. That frees SD2's 1.7 GB wherever they were read into memory (from a run's
         checkpoint, say); weights safetensors maps from a file were never resident and gain nothing."""
-        unread = ["vae"] + (["text_encoder"] if self.text_embeddings else [])
+        unread = ["vae"] + (list(self.family.text_encoders) if self.text_embeddings else [])
         for name in unread:
             if name not in self.trainable:
                 getattr(self, name).to("meta")
@@ -310,7 +330,7 @@ class DiffusionTask(Task):
         module = getattr(self, name)
         if next(module.parameters()).device.type != "meta":
             return module
-        module = build.load_component(name, self.sources[name], trust_pickle=self.trust_pickle)
+        module = build.load_component(name, self.sources[name], trust_pickle=self.trust_pickle, family=self.family)
         return module.to(self.device).eval().requires_grad_(False)
 
     def _latents(self, batch, generator) -> torch.Tensor:
@@ -335,16 +355,19 @@ class DiffusionTask(Task):
         # of the lowest timesteps rounds to zero and the target is quantised.
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
             noisy, timesteps, target = self.objective.draw(self._latents(batch, generator), generator)
-        context = self.text_context(batch)
-        prediction = self.unet(noisy, timesteps, context).sample
+        prediction = self.family.denoise(self.unet, noisy, timesteps, self.conditioning(batch))
         loss = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
         return self.objective.weight(loss, timesteps)
 
-    def text_context(self, batch) -> torch.Tensor:
+    def conditioning(self, batch) -> dict[str, Any]:
+        """The denoiser's conditioning: the shards' text embeddings when they can stand in for the frozen text
+        encoders, else the encoders' output, with what else the family conditions on."""
         if self.text_embeddings and "text_emb" in batch:
-            return batch["text_emb"].to(self.device, non_blocking=True)
-        with torch.set_grad_enabled(self.text_encoder_trains()):
-            return self.encode_text(batch["input_ids"])
+            text = {key: batch[key].to(self.device, non_blocking=True) for key in TEXT_FIELDS if key in batch}
+        else:
+            with torch.set_grad_enabled(self.text_encoder_trains()):
+                text = self.encode_text(batch)
+        return self.family.condition(text, batch, self.device)
 
     def text_encoder_trains(self) -> bool:
         return self.config.diffusion.train_text_encoder
@@ -358,9 +381,10 @@ class DiffusionTask(Task):
 
     def pipeline(self, modules: dict[str, nn.Module]) -> Any:
         """A pipeline of the given trained modules and this task's frozen ones."""
-        text_encoder = modules["text_encoder"] if "text_encoder" in modules else self.frozen("text_encoder")
-        return assemble_pipeline(self.frozen("vae"), text_encoder, self.tokenizer, modules.get("unet", self.unet),
-                                 sampler_from(self.noise_scheduler, "euler"))
+        components = {name: modules[name] if name in modules else self.frozen(name)
+                      for name in ("vae", *self.family.text_encoders)}
+        components["unet"] = modules.get("unet", self.unet)
+        return self.family.assemble(components, self.tokenizers, sampler_from(self.noise_scheduler, "euler"))
 
     @torch.no_grad()
     def render(self, modules: dict[str, nn.Module], out: Path, prompts: list[str], labels: list[str]) -> Path:

@@ -281,7 +281,7 @@ class Trainer:
 
     def _make_data(self) -> TrainBatches:
         def batches(config: DataConfig) -> TrainBatches:
-            return TrainBatches(config, self.task.tokenizer, self.config.seed, self.topology.rank,
+            return TrainBatches(config, self.task.caption_tokenizer, self.config.seed, self.topology.rank,
                                 self.topology.world_size, pin_memory=self.device.type == "cuda",
                                 encoded=self.task.reads_encoded and config.use_encoded)
 

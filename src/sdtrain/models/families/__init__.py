@@ -1,23 +1,62 @@
-"""Model families: one spec per family says which components it has and of which classes, and which
-repeated blocks each component has (the units of activation checkpointing, compilation and FSDP sharding).
+"""Model families: one spec per family (see spec.py) says which components it has and of which classes,
+how they are built, conditioned and called, their repeated blocks, and their pipeline.
 
-Code outside a family's module asks its spec rather than naming the family's classes. Stable Diffusion
-1.x/2.x is the first family (`sd`); the spec grows (conditioning, pipeline, file layouts) as families join.
+Code outside a family's module asks its spec rather than naming the family's classes. Adding a family is
+its module, its tests and its entry in FAMILIES.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from sdtrain.checkpoint import latest_checkpoint, read_meta
 from sdtrain.errors import UserError
 from sdtrain.models.families.sd import SD
+from sdtrain.models.families.sdxl import SDXL
 from sdtrain.models.families.spec import ModelFamily
 
-FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (SD,)}
+FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (SD, SDXL)}
+
+
+def get(name: str) -> ModelFamily:
+    if name not in FAMILIES:
+        raise UserError(f"model.family: '{name}' is not one of {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def for_model(config: Any) -> ModelFamily:
+    """The family of a run's model (a ModelConfig): ``model.family`` when set (checked against a pretrained
+    model's own files), else the pretrained model's, else the family whose presets alone name
+    ``model.preset``, else Stable Diffusion."""
+    found = detect(config.pretrained) if config.pretrained else None
+    if config.family:
+        family = get(config.family)
+        if found is not None and found is not family:
+            raise UserError(f"model.family: {family.name}, but model.pretrained {config.pretrained} is {found.title}; "
+                            f"set model.family={found.name} or leave it unset")
+        return family
+    if found is not None:
+        return found
+    owners = [family for family in FAMILIES.values() if config.preset in family.presets]
+    return owners[0] if len(owners) == 1 else SD
+
+
+def of_pipeline(pipe: Any) -> ModelFamily:
+    """The family whose pipeline class `pipe` is."""
+    return next((family for family in FAMILIES.values() if isinstance(pipe, family.pipeline_class)), SD)
+
+
+def component_class(name: str, family: ModelFamily | None = None) -> type[nn.Module]:
+    """The class of component `name` in `family`, or in whichever family has it."""
+    for candidate in [family] if family else FAMILIES.values():
+        if name in candidate.components:
+            return candidate.components[name]
+    raise UserError(f"no model family has a component named {name}")
 
 
 def blocks(root: nn.Module) -> list[nn.Module]:
@@ -27,27 +66,29 @@ def blocks(root: nn.Module) -> list[nn.Module]:
 
 
 # Families this release recognises but does not train yet: a pipeline class or single-file key -> its name.
-_OTHER_PIPELINES = {"StableDiffusionXLPipeline": "SDXL", "StableDiffusionXLImg2ImgPipeline": "SDXL",
-                    "StableDiffusion3Pipeline": "SD3", "FluxPipeline": "Flux.1"}
-_OTHER_KEYS = {"conditioner.embedders.": "SDXL", "model.diffusion_model.joint_blocks.": "SD3",
-               "double_blocks.": "Flux.1", "model.diffusion_model.double_blocks.": "Flux.1"}
-_SD_PIPELINES = ("StableDiffusionPipeline",)
-_SD_KEYS = ("model.diffusion_model.input_blocks.", "cond_stage_model.", "first_stage_model.")
+_OTHER_PIPELINES = {"StableDiffusion3Pipeline": "SD3", "FluxPipeline": "Flux.1"}
+_OTHER_KEYS = {"model.diffusion_model.joint_blocks.": "SD3", "double_blocks.": "Flux.1",
+               "model.diffusion_model.double_blocks.": "Flux.1"}
 
 
 def detect(source: str | Path) -> ModelFamily:
-    """The family of a pretrained pipeline folder or single file, from its files alone (the pipeline class in
-    model_index.json; a single file's key names). Other sources (a run, a component folder) are this
-    release's own family. A model of a family this release does not train is one line naming what was found."""
+    """The family of a pretrained pipeline folder, single file or sdtrain run, from its files alone (the pipeline
+    class in model_index.json; a single file's key names; the family a run's checkpoint records). Other sources
+    (a component folder, a run of an earlier release) are taken for Stable Diffusion. A model of a family this
+    release does not train is one line naming what was found."""
     path = Path(source)
     found = None
+    checkpoint = path if (path / "meta.json").is_file() else latest_checkpoint(path) if path.is_dir() else None
+    if checkpoint is not None:
+        return FAMILIES.get(read_meta(checkpoint).get("task", {}).get("family"), SD)
     if (path / "model_index.json").is_file():
         try:
             found = json.loads((path / "model_index.json").read_text()).get("_class_name")
         except (OSError, ValueError, AttributeError):
             return SD  # the pipeline loader reports what is wrong with the file
-        if found in _SD_PIPELINES:
-            return SD
+        known = next((f for f in FAMILIES.values() if found in f.pipeline_names), None)
+        if known is not None:
+            return known
         family = _OTHER_PIPELINES.get(found)
     elif path.is_file() and path.suffix == ".safetensors":
         try:
@@ -55,12 +96,16 @@ def detect(source: str | Path) -> ModelFamily:
                 keys = list(file.keys())
         except (OSError, SafetensorError):
             return SD  # the single-file loader reports what is wrong with the file
-        if any(key.startswith(_SD_KEYS) for key in keys):
-            return SD
+        # SDXL and SD3 files hold SD's VAE (and SDXL its UNet) prefixes too: the most specific keys decide.
+        for candidate in FAMILIES.values():
+            if candidate is not SD and any(key.startswith(candidate.single_file_keys) for key in keys):
+                return candidate
         family = next((name for prefix, name in _OTHER_KEYS.items() if any(k.startswith(prefix) for k in keys)), None)
+        if family is None and any(key.startswith(SD.single_file_keys) for key in keys):
+            return SD
         found = f"keys such as {', '.join(keys[:3])}"
     else:
         return SD
+    trained = ", ".join(f.title for f in FAMILIES.values())
     what = f"{family}, which this release does not train yet" if family else "of no model family this release knows"
-    raise UserError(f"model.pretrained: {path} is {what} ({found}); sdtrain trains Stable Diffusion 1.x and 2.x "
-                    "(StableDiffusionPipeline folders and single files in the original SD layout)")
+    raise UserError(f"model.pretrained: {path} is {what} ({found}); sdtrain trains {trained}")

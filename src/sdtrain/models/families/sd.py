@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from diffusers import AutoencoderKL, UNet2DConditionModel
-from transformers import CLIPTextModel
+import torch
+from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
+from torch import nn
+from transformers import CLIPTextConfig, CLIPTextModel
 
-from sdtrain.models.families.spec import ModelFamily
+from sdtrain.models.families.spec import ModelFamily, construct
 
 # 4x downsampling: 64 px images become 16x16x4 latents. No mid-block attention: on a CPU it costs
 # 15% of the step and flat shapes need no global context to reconstruct.
@@ -76,9 +78,50 @@ def _text_blocks(text_encoder: CLIPTextModel) -> list:
     return list(getattr(text_encoder, "text_model", text_encoder).encoder.layers)
 
 
-SD = ModelFamily(
-    name="sd",
-    components={"vae": AutoencoderKL, "text_encoder": CLIPTextModel, "unet": UNet2DConditionModel},
-    block_lists={UNet2DConditionModel: _unet_blocks, AutoencoderKL: _vae_blocks, CLIPTextModel: _text_blocks},
-    presets=PRESETS,
-)
+def clip_text_config(settings: dict[str, Any], tokenizer: Any, key: str) -> CLIPTextConfig:
+    """A CLIP text tower's config from preset settings, its vocabulary, length and special ids the tokenizer's
+    (the pooled output is read at the eos position, so the ids must be the tokenizer's own)."""
+    return construct(CLIPTextConfig, key, dict(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=tokenizer.model_max_length,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **settings,
+    ))
+
+
+class StableDiffusion(ModelFamily):
+    name = "sd"
+    title = "Stable Diffusion 1.x/2.x"
+    components = {"vae": AutoencoderKL, "text_encoder": CLIPTextModel, "unet": UNet2DConditionModel}
+    pipeline_class = StableDiffusionPipeline
+    pipeline_names = ("StableDiffusionPipeline",)
+    single_file_keys = ("model.diffusion_model.input_blocks.", "cond_stage_model.", "first_stage_model.")
+    block_lists = {UNet2DConditionModel: _unet_blocks, AutoencoderKL: _vae_blocks, CLIPTextModel: _text_blocks}
+    presets = PRESETS
+    kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
+
+    def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
+        return CLIPTextModel(clip_text_config(settings, tokenizer, key))
+
+    def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
+        return {"cross_attention_dim": text_encoders["text_encoder"].config.hidden_size}
+
+    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None
+                    ) -> dict[str, torch.Tensor]:
+        # The last layer's states: SD 2's tower already ends at its penultimate layer (23 of 24 kept).
+        return {"text_emb": encoders[0](ids[0])[0]}
+
+    def text_shapes(self, text_encoders: dict[str, Any], length: int) -> dict[str, tuple[int, ...]]:
+        return {"text_emb": (length, text_encoders["text_encoder"].hidden_size)}
+
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+        # Models trained here have no safety checker; the pipeline must be told so explicitly.
+        return StableDiffusionPipeline(
+            vae=components["vae"], text_encoder=components["text_encoder"], tokenizer=tokenizers[0],
+            unet=components["unet"], scheduler=scheduler, safety_checker=None, feature_extractor=None,
+            requires_safety_checker=False)
+
+
+SD = StableDiffusion()

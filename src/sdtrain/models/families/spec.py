@@ -1,23 +1,61 @@
-"""What a model family is: the spec every family module fills in (see the package docstring)."""
+"""What a model family is: the spec every family module fills in (see the package docstring).
+
+A family says which components it has and of which classes, how each is built from a preset, which
+repeated blocks each has (the units of activation checkpointing, compilation and FSDP), how its text
+encoders turn token ids into conditioning (the conditioner), how the denoiser is called with that
+conditioning (the backbone adapter), and which diffusers pipeline holds it. The trainer, EMA, checkpoints,
+data order and evaluation ask the spec and name no family's classes.
+"""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
+from sdtrain.errors import UserError, first_line
 
-@dataclass(frozen=True)
+
+def construct(cls: Any, key: str, kwargs: dict[str, Any]) -> Any:
+    """``cls(**kwargs)``; settings the class refuses are one line naming the config key that gave them."""
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"model.{key}: {first_line(exc)}; fix the override") from exc
+
+
 class ModelFamily:
     name: str
+    """The config's ``model.family`` value."""
+    title: str
+    """What users call it, in messages."""
     components: dict[str, type[nn.Module]]
-    """Component name (vae, text_encoder, unet, ...) -> its class."""
-    block_lists: dict[type[nn.Module], Callable[[nn.Module], list[nn.Module | None]]] = field(default_factory=dict)
+    """Component name (vae, text_encoder, unet, ...) -> its class, in the order they are built."""
+    text_encoders: tuple[str, ...] = ("text_encoder",)
+    """The text encoder components, in the order the conditioner reads them."""
+    tokenizers: tuple[str, ...] = ("tokenizer",)
+    """The tokenizer folder of each text encoder (in a pipeline folder), same order."""
+    denoiser: str = "unet"
+    """The component trained to denoise."""
+    pipeline_class: type
+    """The diffusers pipeline export writes and generate loads."""
+    pipeline_names: tuple[str, ...] = ()
+    """model_index.json ``_class_name`` values of pretrained folders of this family."""
+    single_file_keys: tuple[str, ...] = ()
+    """Key prefixes that mark a single file as this family's (the original layout)."""
+    block_lists: dict[type[nn.Module], Callable[[nn.Module], list[nn.Module | None]]] = {}
     """Component class -> its repeated blocks, in forward order (None entries, an absent mid block, are skipped)."""
-    presets: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    presets: dict[str, dict[str, dict[str, Any]]] = {}
     """Preset name -> component name -> constructor settings."""
+    kohya_prefixes: dict[str, str] = {}
+    """Component name -> the prefix of its modules in kohya's LoRA files (``lora_unet_``, ``lora_te_``)."""
+    embedding_keys: tuple[str, ...] = ()
+    """The key of each text encoder's vectors in a textual-inversion file, in text encoder order; empty: the file
+    holds one key, the placeholder (diffusers' and A1111's layout for one text encoder)."""
 
     def blocks(self, root: nn.Module) -> list[nn.Module]:
         """The blocks of every component of this family inside `root` (a component itself, or a module that
@@ -28,3 +66,95 @@ class ModelFamily:
             if lister is not None:
                 listed.update(id(block) for block in lister(module) if block is not None)
         return [module for module in root.modules() if id(module) in listed]
+
+    def preset(self, preset: str, component: str) -> dict[str, Any]:
+        """A copy of a preset's settings for one component; an unknown preset is one line listing this family's."""
+        if preset not in self.presets:
+            raise UserError(f"model.preset: '{preset}' is not a {self.title} preset; choose one of "
+                            f"{', '.join(self.presets)} (or set model.family)")
+        return copy.deepcopy(self.presets[preset][component])
+
+    def ids_key(self, index: int) -> str:
+        """The batch key of the token ids for text encoder `index` (diffusers' names: input_ids, input_ids_2)."""
+        return "input_ids" if index == 0 else f"input_ids_{index + 1}"
+
+    # ----------------------------------------------------------------------------- building from presets
+
+    def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
+        """Text encoder `name` from a preset's settings, its ids those of `tokenizer` (the pooled output is read
+        at the eos position, so they must agree)."""
+        raise NotImplementedError
+
+    def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
+        """What the denoiser's shape takes from the text encoders (the width it attends to, pooled sizes), given
+        its other `settings` (preset and overrides)."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------------------- the conditioner
+
+    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None
+                    ) -> dict[str, torch.Tensor]:
+        """The text conditioning of a batch, from each text encoder's token ids: ``text_emb`` (the sequence the
+        denoiser attends to) and any pooled vectors, under the names pre-encoded shards store them by. `captions`
+        (None when unknown) tell a family that conditions empty captions on zeros which rows are empty."""
+        raise NotImplementedError
+
+    def text_shapes(self, text_encoders: dict[str, Any], length: int) -> dict[str, tuple[int, ...]]:
+        """The shape of one sample's entry of each `encode_text` output, from the encoders' configs (by name) and
+        the tokens per caption."""
+        raise NotImplementedError
+
+    def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
+                  ) -> dict[str, Any]:
+        """The denoiser's keyword arguments for a batch, from its text conditioning and what the batch carries
+        (``size_ids``: each image's original size, crop corner and training size)."""
+        return {"encoder_hidden_states": text["text_emb"]}
+
+    # ----------------------------------------------------------------------------- the backbone adapter
+
+    def denoise(self, denoiser: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                condition: dict[str, Any]) -> torch.Tensor:
+        return denoiser(noisy, timesteps, **condition).sample
+
+    def downsampling(self, denoiser_config: Any) -> int:
+        """How much smaller than the latent the denoiser's coarsest level is (bucket sides must survive it)."""
+        return 2 ** (len(denoiser_config.block_out_channels) - 1)
+
+    # ----------------------------------------------------------------------------- file layouts
+
+    def kohya_lora_name(self, component: str, path: str, config: Any) -> str:
+        """kohya's name of the adapted module at `path` in `component` (whose config is `config`)."""
+        if component in self.text_encoders and not path.startswith("text_model."):
+            # transformers 5 dropped CLIPTextModel's text_model level; kohya's names keep it.
+            path = "text_model." + path
+        return self.kohya_prefixes[component] + self.original_module_path(component, path, config).replace(".", "_")
+
+    def original_module_path(self, component: str, path: str, config: Any) -> str:
+        """A module's path in the layout kohya names it by; SD's kohya files use diffusers' own paths."""
+        return path
+
+    def load_embedding(self, pipe: Any, path: str) -> None:
+        """A textual-inversion file into the family's pipeline through diffusers' loader: a one-key file as it is;
+        a file keyed by text encoder (SDXL's clip_l/clip_g) one encoder at a time, under the token its metadata
+        names, else its file name (A1111's convention)."""
+        if not self.embedding_keys:
+            pipe.load_textual_inversion(path, local_files_only=True)
+            return
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as file:
+            missing = [key for key in self.embedding_keys if key not in file.keys()]  # noqa: SIM118 - safe_open is no dict
+            if missing:
+                raise KeyError(f"no '{missing[0]}' entry: a {self.title} embedding holds "
+                               f"{', '.join(self.embedding_keys)}")
+            vectors = {key: file.get_tensor(key) for key in self.embedding_keys}
+            token = (file.metadata() or {}).get("placeholder_token") or Path(path).stem
+        for key, encoder, tokenizer in zip(self.embedding_keys, self.text_encoders, self.tokenizers):
+            pipe.load_textual_inversion(vectors[key], token=token, text_encoder=getattr(pipe, encoder),
+                                        tokenizer=getattr(pipe, tokenizer))
+
+    # ----------------------------------------------------------------------------- the pipeline
+
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+        """The family's diffusers pipeline of these components."""
+        raise NotImplementedError

@@ -12,6 +12,7 @@ from torch import nn
 
 from sdtrain.config import RunConfig
 from sdtrain.errors import UserError
+from sdtrain.models import families
 from sdtrain.train.modes.dreambooth import DreamBoothLoraTask, DreamBoothTask
 from sdtrain.train.modes.lora import LoraTask, merge_lora, rebuild_lora, save_lora
 from sdtrain.train.modes.textual_inversion import (
@@ -76,9 +77,10 @@ def save_trained_parts(modules: dict[str, nn.Module], meta: dict[str, Any], fold
     ``pytorch_lora_weights.safetensors`` (``load_lora_weights``) and ``learned_embeds.safetensors``
     (``load_textual_inversion``)."""
     task = meta.get("task", {})
+    family = families.get(task.get("family", "sd"))
     written = []
     if task.get("lora"):
-        written.append(save_lora(modules, folder))
+        written.append(save_lora(modules, folder, family))
     if task.get("tokens"):
-        written.append(save_learned_embeds(modules["text_encoder"], task["placeholder_token"], folder / LEARNED_EMBEDS))
+        written.append(save_learned_embeds(modules, family, task["placeholder_token"], folder / LEARNED_EMBEDS))
     return written

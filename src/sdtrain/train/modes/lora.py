@@ -11,7 +11,8 @@ from torch import nn
 
 from sdtrain.config import LoraConfig
 from sdtrain.errors import UserError, first_line
-from sdtrain.models import build
+from sdtrain.models import build, families
+from sdtrain.models.families.spec import ModelFamily
 from sdtrain.train.tasks import DiffusionTask
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
@@ -32,12 +33,18 @@ def lora_settings(config: LoraConfig, text_encoder: bool = False) -> dict[str, A
 
 
 def add_lora(module: nn.Module, settings: dict[str, Any], key: str) -> None:
+    """Adapters on `module` through peft itself. transformers' own add_adapter (its text encoders') refuses every
+    peft release before 0.22, which PyPI does not carry; peft's injection is what both libraries call anyway."""
     from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
 
+    config = PeftLoraConfig(**settings)
     try:
-        module.add_adapter(PeftLoraConfig(**settings))
+        inject_adapter_in_model(config, module, adapter_name="default")
     except ValueError as exc:
         raise UserError(f"{key}: {first_line(exc)}; name modules the model has, e.g. to_q") from exc
+    # What peft's state-dict helpers and the savers read the adapter's settings from.
+    module.peft_config = {"default": config}
 
 
 class LoraTask(DiffusionTask):
@@ -47,14 +54,17 @@ class LoraTask(DiffusionTask):
         self.unet.requires_grad_(False)
         add_lora(self.unet, self.adapters["unet"], "lora.target_modules")
         self.unet.train()
-        self.text_encoder.requires_grad_(False)
-        if not cfg.text_encoder:
-            self.text_encoder.eval()
-            return {"unet": self.unet}
-        self.adapters["text_encoder"] = lora_settings(cfg, text_encoder=True)
-        add_lora(self.text_encoder, self.adapters["text_encoder"], "lora.text_encoder_target_modules")
-        self.text_encoder.train()
-        return {"unet": self.unet, "text_encoder": self.text_encoder}
+        trainable = {"unet": self.unet}
+        for name, text_encoder in self.text_encoders.items():
+            text_encoder.requires_grad_(False)
+            if not cfg.text_encoder:
+                text_encoder.eval()
+                continue
+            self.adapters[name] = lora_settings(cfg, text_encoder=True)
+            add_lora(text_encoder, self.adapters[name], "lora.text_encoder_target_modules")
+            text_encoder.train()
+            trainable[name] = text_encoder
+        return trainable
 
     def text_encoder_trains(self) -> bool:
         return self.config.lora.text_encoder
@@ -64,7 +74,8 @@ class LoraTask(DiffusionTask):
 
 
 def rebuild_lora(name: str, source: str, task_meta: dict[str, Any]) -> nn.Module:
-    module = build.load_component(name, source, trust_pickle=task_meta.get("trust_pickle"))
+    family = families.get(task_meta.get("family", "sd"))
+    module = build.load_component(name, source, trust_pickle=task_meta.get("trust_pickle"), family=family)
     module.requires_grad_(False)
     add_lora(module, task_meta["lora"][name], "checkpoint")
     return module
@@ -78,14 +89,12 @@ def lora_state(module: nn.Module) -> dict[str, Any]:
     return convert_state_dict_to_diffusers(get_peft_model_state_dict(module))
 
 
-KOHYA_PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
-
-
-def kohya_state(modules: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+def kohya_state(modules: dict[str, nn.Module], family: ModelFamily) -> dict[str, torch.Tensor]:
     """The same adapters in kohya's layout, the one A1111, ComfyUI and diffusers all read:
-    ``lora_unet_<module path, dots as underscores>.lora_down.weight / .lora_up.weight / .alpha`` (SD 1.x and
-    2.x kohya LoRAs name UNet modules as diffusers does), ``lora_te_...`` for the single text encoder, and a
-    true scalar alpha per module (the scale is alpha / rank)."""
+    ``<prefix><module path, dots as underscores>.lora_down.weight / .lora_up.weight / .alpha``, the prefix and
+    the module paths the family's (``lora_unet_``, ``lora_te_`` for SD's one text encoder, ``lora_te1_`` and
+    ``lora_te2_`` for SDXL's two; SDXL's UNet paths in its original layout), and a true scalar alpha per module
+    (the scale is alpha / rank)."""
     from peft.tuners.lora import LoraLayer
 
     state = {}
@@ -93,30 +102,26 @@ def kohya_state(modules: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
         for path, layer in module.named_modules():
             if not isinstance(layer, LoraLayer) or "default" not in layer.lora_A:
                 continue
-            if name == "text_encoder" and not path.startswith("text_model."):
-                # transformers 5 dropped CLIPTextModel's text_model level; kohya's names keep it.
-                path = "text_model." + path
-            key = KOHYA_PREFIXES[name] + path.replace(".", "_")
+            key = family.kohya_lora_name(name, path, module.config)
             state[f"{key}.lora_down.weight"] = layer.lora_A["default"].weight.detach().float().cpu().contiguous()
             state[f"{key}.lora_up.weight"] = layer.lora_B["default"].weight.detach().float().cpu().contiguous()
             state[f"{key}.alpha"] = torch.tensor(float(layer.lora_alpha["default"]))
     return state
 
 
-def save_lora(modules: dict[str, nn.Module], folder: Path) -> Path:
-    """Write ``pytorch_lora_weights.safetensors``, which ``pipe.load_lora_weights(folder)`` loads, and the
-    same adapters as ``lora_kohya.safetensors`` for A1111 and ComfyUI."""
-    from diffusers import StableDiffusionPipeline
+def save_lora(modules: dict[str, nn.Module], folder: Path, family: ModelFamily) -> Path:
+    """Write ``pytorch_lora_weights.safetensors``, which the family pipeline's ``load_lora_weights(folder)``
+    loads, and the same adapters as ``lora_kohya.safetensors`` for A1111 and ComfyUI."""
     from safetensors.torch import save_file
 
     adapted = {name: m for name, m in modules.items() if _has_lora(m)}
     layers = {f"{name}_lora_layers": lora_state(m) for name, m in adapted.items()}
     # Without its config in the file, diffusers' loader takes alpha = rank: wrong whenever lora.alpha differs.
     metadata = {f"{name}_lora_adapter_metadata": m.peft_config["default"].to_dict() for name, m in adapted.items()}
-    StableDiffusionPipeline.save_lora_weights(folder, safe_serialization=True, weight_name=LORA_WEIGHTS, **layers,
-                                              **metadata)
+    family.pipeline_class.save_lora_weights(folder, safe_serialization=True, weight_name=LORA_WEIGHTS, **layers,
+                                            **metadata)
     tmp = folder / f".{KOHYA_WEIGHTS}.tmp"
-    save_file(kohya_state(modules), str(tmp), metadata={"ss_network_module": "networks.lora"})
+    save_file(kohya_state(adapted, family), str(tmp), metadata={"ss_network_module": "networks.lora"})
     tmp.replace(folder / KOHYA_WEIGHTS)
     return folder / LORA_WEIGHTS
 

@@ -14,7 +14,8 @@ from torch import nn
 
 from sdtrain.config import DataConfig, TextualInversionConfig
 from sdtrain.errors import UserError
-from sdtrain.models import build
+from sdtrain.models import build, families
+from sdtrain.models.families.spec import ModelFamily
 from sdtrain.train.tasks import DiffusionTask
 
 LEARNED_EMBEDS = "learned_embeds.safetensors"
@@ -82,41 +83,49 @@ def merge_token_rows(text_encoder: nn.Module) -> nn.Module:
     return text_encoder
 
 
+def _initial_vector(tokenizer: Any, text_encoder: nn.Module, tokens: list[str], initializer_token: str) -> torch.Tensor:
+    """The embedding the new vectors start from, after checking the tokens are new and the initializer one token."""
+    taken = [t for t in tokens if t in tokenizer.get_vocab()]
+    if taken:
+        raise UserError(f"textual_inversion.placeholder_token: {taken[0]} is already a token of this tokenizer; "
+                        "choose a new word such as <my-concept>")
+    initializer = tokenizer.encode(initializer_token, add_special_tokens=False)
+    if len(initializer) != 1:
+        raise UserError(f"textual_inversion.initializer_token: '{initializer_token}' is {len(initializer)} "
+                        "tokens for this tokenizer; choose a word that is one token")
+    table = text_encoder.get_input_embeddings()
+    if table.num_embeddings != len(tokenizer):
+        raise UserError(f"model.tokenizer: {len(tokenizer)} tokens, but the text encoder has "
+                        f"{table.num_embeddings} embeddings; use the tokenizer that came with it")
+    return table.weight[initializer[0]].detach().float().clone()
+
+
 class TextualInversionTask(DiffusionTask):
+    """New token vectors in every text encoder of the family (SDXL: one in CLIP-L's table, one in bigG's)."""
+
     def make_trainable(self) -> dict[str, nn.Module]:
         cfg = self.config.textual_inversion
-        tokenizer, text_encoder = self.tokenizer, self.text_encoder
         self.tokens = placeholder_tokens(cfg)
-        taken = [t for t in self.tokens if t in tokenizer.get_vocab()]
-        if taken:
-            raise UserError(f"textual_inversion.placeholder_token: {taken[0]} is already a token of this tokenizer; "
-                            "choose a new word such as <my-concept>")
-        initializer = tokenizer.encode(cfg.initializer_token, add_special_tokens=False)
-        if len(initializer) != 1:
-            raise UserError(f"textual_inversion.initializer_token: '{cfg.initializer_token}' is {len(initializer)} "
-                            "tokens for this tokenizer; choose a word that is one token")
-        table = text_encoder.get_input_embeddings()
-        if table.num_embeddings != len(tokenizer):
-            raise UserError(f"model.tokenizer: {len(tokenizer)} tokens, but the text encoder has "
-                            f"{table.num_embeddings} embeddings; use the tokenizer that came with it")
-        self.vocab = len(tokenizer)
-        tokenizer.add_tokens(self.tokens)
         self.unet.eval().requires_grad_(False)
-        text_encoder.requires_grad_(False)
-        start = table.weight[initializer[0]].detach().float().clone()
-        add_token_rows(text_encoder, start.repeat(cfg.num_vectors, 1))
-        text_encoder.train()
-        return {"text_encoder": text_encoder}
+        self.vocab = len(self.tokenizer)
+        trainable = {}
+        for (name, text_encoder), tokenizer in zip(self.text_encoders.items(), self.tokenizers):
+            start = _initial_vector(tokenizer, text_encoder, self.tokens, cfg.initializer_token)
+            tokenizer.add_tokens(self.tokens)
+            text_encoder.requires_grad_(False)
+            add_token_rows(text_encoder, start.repeat(cfg.num_vectors, 1))
+            trainable[name] = text_encoder.train()
+        return trainable
 
     def parallel_modules(self) -> dict[str, nn.Module]:
-        return {"text_encoder": self.text_encoder}
+        return dict(self.text_encoders)
 
     def text_encoder_trains(self) -> bool:
         return True
 
     def backward_modules(self) -> dict[str, nn.Module]:
         # The new vectors' gradient comes back through the whole frozen UNet: most of the step's cost.
-        return {"unet": self.unet, "text_encoder": self.text_encoder}
+        return {"unet": self.unet, **self.text_encoders}
 
     @property
     def phrase(self) -> str:
@@ -141,23 +150,31 @@ class TextualInversionTask(DiffusionTask):
 
 
 def rebuild_textual_inversion(name: str, source: str, task_meta: dict[str, Any]) -> nn.Module:
-    module = build.load_component(name, source, trust_pickle=task_meta.get("trust_pickle"))
+    family = families.get(task_meta.get("family", "sd"))
+    module = build.load_component(name, source, trust_pickle=task_meta.get("trust_pickle"), family=family)
     module.requires_grad_(False)
     width = module.get_input_embeddings().embedding_dim
     add_token_rows(module, torch.zeros(len(task_meta["tokens"]), width))
     return module
 
 
-def learned_embeds(text_encoder: nn.Module, placeholder: str) -> dict[str, torch.Tensor]:
-    """diffusers' textual-inversion file: one key, the placeholder, holding all its vectors."""
-    embedding = text_encoder.get_input_embeddings()
-    return {placeholder: embedding.added.detach().float().cpu().contiguous()}
+def learned_embeds(modules: dict[str, nn.Module], family: ModelFamily, placeholder: str) -> dict[str, torch.Tensor]:
+    """The textual-inversion file's tensors: for one text encoder diffusers' layout, one key (the placeholder)
+    holding all its vectors; for several, one key per text encoder as the family names them (SDXL: clip_l,
+    clip_g, as A1111 and ComfyUI write SDXL embeddings)."""
+    def vectors(name: str) -> torch.Tensor:
+        return modules[name].get_input_embeddings().added.detach().float().cpu().contiguous()
+
+    if not family.embedding_keys:
+        return {placeholder: vectors(family.text_encoders[0])}
+    return {key: vectors(name) for key, name in zip(family.embedding_keys, family.text_encoders)}
 
 
-def save_learned_embeds(text_encoder: nn.Module, placeholder: str, path: Path) -> Path:
+def save_learned_embeds(modules: dict[str, nn.Module], family: ModelFamily, placeholder: str, path: Path) -> Path:
+    """The file, with the placeholder in its metadata: a file keyed by text encoder does not name its token."""
     from safetensors.torch import save_file
 
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(learned_embeds(text_encoder, placeholder), str(tmp))
+    save_file(learned_embeds(modules, family, placeholder), str(tmp), metadata={"placeholder_token": placeholder})
     tmp.replace(path)
     return path

@@ -1,0 +1,133 @@
+"""Stable Diffusion XL (Podell et al., 2023), the base model: an AutoencoderKL, two text encoders (OpenAI
+CLIP ViT-L and OpenCLIP ViT-bigG with its projection) and a UNet2DConditionModel with ``text_time``
+micro-conditioning.
+
+The conditioner follows SDXL's own: both encoders' penultimate hidden states concatenated (768 + 1280 =
+2048 wide) for cross-attention, the projected pooled output of the second for the added embedding, and
+each image's original size, crop corner and training size as six ids. An empty caption (caption dropout)
+conditions on zeros, as SDXL was trained and as its pipeline samples the unconditional half
+(``force_zeros_for_empty_prompt``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKL, StableDiffusionXLPipeline, UNet2DConditionModel
+from torch import nn
+from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+from sdtrain.models import single_file
+from sdtrain.models.families.sd import _SD_VAE, _TINY_VAE, _text_blocks, _unet_blocks, _vae_blocks, clip_text_config
+from sdtrain.models.families.spec import ModelFamily
+
+_SDXL_VAE = {**_SD_VAE, "scaling_factor": 0.13025, "sample_size": 1024}
+# CLIP ViT-L/14's text tower, whole: SDXL reads its penultimate layer's states.
+_SDXL_TEXT = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                  projection_dim=768, hidden_act="quick_gelu")
+# OpenCLIP ViT-bigG/14's text tower with its projection.
+_SDXL_TEXT_2 = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+                    projection_dim=1280, hidden_act="gelu")
+# The SDXL 1.0 base UNet: 2,567,463,684 parameters (its cross-attention width and added-embedding input
+# come from the text encoders, see denoiser_settings).
+_SDXL_UNET = dict(
+    block_out_channels=[320, 640, 1280],
+    layers_per_block=2,
+    down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+    transformer_layers_per_block=[1, 2, 10],
+    attention_head_dim=[5, 10, 20],
+    use_linear_projection=True,
+    addition_embed_type="text_time",
+    addition_time_embed_dim=256,
+    norm_num_groups=32,
+)
+_TINY_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, projection_dim=32)
+# Wider than the first, as bigG is than ViT-L: diffusers' single-file loader tells the two towers apart by width.
+_TINY_TEXT_2 = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    projection_dim=48)
+_TINY_UNET = dict(
+    block_out_channels=[32, 64, 64],
+    layers_per_block=1,
+    down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+    transformer_layers_per_block=[1, 1, 2],
+    attention_head_dim=[2, 4, 4],
+    use_linear_projection=True,
+    addition_embed_type="text_time",
+    addition_time_embed_dim=8,
+    norm_num_groups=8,
+)
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "tiny": {"vae": _TINY_VAE, "text_encoder": _TINY_TEXT, "text_encoder_2": _TINY_TEXT_2, "unet": _TINY_UNET},
+    "sdxl": {"vae": _SDXL_VAE, "text_encoder": _SDXL_TEXT, "text_encoder_2": _SDXL_TEXT_2, "unet": _SDXL_UNET},
+}
+
+SIZE_IDS = 6
+"""Original height and width, crop top and left, target height and width."""
+
+
+class StableDiffusionXL(ModelFamily):
+    name = "sdxl"
+    title = "SDXL"
+    components = {"vae": AutoencoderKL, "text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection,
+                  "unet": UNet2DConditionModel}
+    text_encoders = ("text_encoder", "text_encoder_2")
+    tokenizers = ("tokenizer", "tokenizer_2")
+    pipeline_class = StableDiffusionXLPipeline
+    pipeline_names = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline")
+    single_file_keys = ("conditioner.embedders.",)
+    block_lists = {UNet2DConditionModel: _unet_blocks, AutoencoderKL: _vae_blocks, CLIPTextModel: _text_blocks,
+                   CLIPTextModelWithProjection: _text_blocks}
+    presets = PRESETS
+    kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
+    # A1111's and ComfyUI's SDXL embeddings: one entry per text encoder.
+    embedding_keys = ("clip_l", "clip_g")
+
+    def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
+        cls = self.components[name]
+        return cls(clip_text_config(settings, tokenizer, key))
+
+    def original_module_path(self, component: str, path: str, config: Any) -> str:
+        # kohya's SDXL LoRAs name UNet modules in the original (SGM) layout: input_blocks.4.1..., not down_blocks.
+        return single_file.original_unet_path(path, config) if component == "unet" else path
+
+    def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
+        first, second = (text_encoders[name].config for name in self.text_encoders)
+        return {"cross_attention_dim": first.hidden_size + second.hidden_size,
+                "projection_class_embeddings_input_dim": SIZE_IDS * settings["addition_time_embed_dim"]
+                + second.projection_dim}
+
+    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None
+                    ) -> dict[str, torch.Tensor]:
+        states = []
+        for encoder, tokens in zip(encoders, ids):
+            output = encoder(tokens, output_hidden_states=True)
+            states.append(output.hidden_states[-2])
+        pooled = output.text_embeds  # the second encoder's projection of its eos state
+        text_emb = torch.cat(states, dim=-1)
+        if captions is None:
+            return {"text_emb": text_emb, "text_pooled": pooled}
+        keep = torch.tensor([bool(c) for c in captions], device=text_emb.device, dtype=text_emb.dtype)
+        return {"text_emb": text_emb * keep[:, None, None], "text_pooled": pooled * keep[:, None]}
+
+    def text_shapes(self, text_encoders: dict[str, Any], length: int) -> dict[str, tuple[int, ...]]:
+        first, second = (text_encoders[name] for name in self.text_encoders)
+        return {"text_emb": (length, first.hidden_size + second.hidden_size), "text_pooled": (second.projection_dim,)}
+
+    def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
+                  ) -> dict[str, Any]:
+        size_ids = batch["size_ids"].to(device, dtype=torch.float32, non_blocking=True)
+        return {"encoder_hidden_states": text["text_emb"],
+                "added_cond_kwargs": {"text_embeds": text["text_pooled"], "time_ids": size_ids}}
+
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+        return StableDiffusionXLPipeline(
+            vae=components["vae"], text_encoder=components["text_encoder"],
+            text_encoder_2=components["text_encoder_2"], tokenizer=tokenizers[0], tokenizer_2=tokenizers[-1],
+            unet=components["unet"], scheduler=scheduler, force_zeros_for_empty_prompt=True, add_watermarker=False)
+
+
+SDXL = StableDiffusionXL()
