@@ -33,7 +33,7 @@ from sdtrain.data.synthetic import write_synthetic_shards
 from sdtrain.distributed import barrier, gather_objects
 from sdtrain.errors import UserError
 from sdtrain.memory import TreePeak, own_peak_bytes
-from sdtrain.models import build
+from sdtrain.models import build, families
 from sdtrain.models.tokenizer import train_clip_tokenizer
 from sdtrain.train import autotune
 from sdtrain.train.parallel import no_recompute
@@ -48,8 +48,9 @@ SYNTHETIC_SAMPLES = (64, 2048)
 """Least and most samples of synthetic shards: a few epochs of a short benchmark, written in seconds."""
 RANDOM_VAE = "random-vae"
 """Where in its run folder the benchmark puts an untrained VAE of the preset, when a config names none."""
-RANDOM_TEXT_ENCODER = "random-text-encoder"
-"""The same for a frozen text encoder a config does not name."""
+def random_text_encoder(name: str) -> str:
+    """The same for each frozen text encoder a config does not name (text_encoder, SDXL's text_encoder_2)."""
+    return f"random-{name.replace('_', '-')}"
 
 
 class Benchmark(Trainer):
@@ -74,8 +75,9 @@ class Benchmark(Trainer):
             words = [f"token{i} word{i % 97} thing{i % 13}" for i in range(self.config.model.tokenizer_vocab_size)]
             tokenizer = train_clip_tokenizer(words, self.run_dir / "tokenizer", model.tokenizer_vocab_size,
                                              build.text_length(model))
-            if model.text_encoder == str(self.run_dir / RANDOM_TEXT_ENCODER):
-                build.build_text_encoder(model, tokenizer).save_pretrained(model.text_encoder)
+            for name in families.for_model(model).text_encoders:
+                if getattr(model, name) == str(self.run_dir / random_text_encoder(name)):
+                    build.build_text_encoder(model, tokenizer, name).save_pretrained(getattr(model, name))
 
     def _tune(self) -> autotune.Tuning:
         # Loading ends here: what autotune measures next is a training step's memory, not loading's. The
@@ -262,9 +264,11 @@ def benchmark_overrides(config_path: Path, overrides: list[str], run_dir: str | 
                                 "shares, for the benchmark's scratch files")
             filled.append(f"{key}={value}")
     frozen_text = not OmegaConf.select(given, "diffusion.train_text_encoder", default=False)
-    if frozen_text and all(OmegaConf.select(given, k, default=None) is None for k in ("model.text_encoder",
-                                                                                       "model.pretrained")):
-        filled.append("model.text_encoder=${run_dir}/" + RANDOM_TEXT_ENCODER)
+    # Both of SDXL's encoders; a family with one reads only model.text_encoder.
+    for name in ("text_encoder", "text_encoder_2"):
+        if frozen_text and all(OmegaConf.select(given, k, default=None) is None for k in (f"model.{name}",
+                                                                                           "model.pretrained")):
+            filled.append(f"model.{name}=${{run_dir}}/{random_text_encoder(name)}")
     quiet = ["logging.progress=false", "logging.tensorboard=false", "logging.wandb=false", "validation.prompts=[]",
              "checkpoint.every=0", "checkpoint.resume=never"]
     return [*filled, *overrides, *quiet]

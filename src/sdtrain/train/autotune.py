@@ -304,11 +304,23 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
         weights = sum(p.numel() * p.element_size() for p in [*trainable, *frozen])
         # On a GPU the step's memory is the device's; the host's share does not decide checkpointing there.
         host = device.type == "cpu"
-        training = processes_per_machine * run_bytes(
-            step, tree_bytes() if host else 0, weights if host else 0, baseline_bytes if host else 0,
-            loader_bytes(data.num_workers, data.batch_size, data.resolution) if host else 0)
+
+        def whole_run(step: int) -> int:
+            return processes_per_machine * run_bytes(
+                step, tree_bytes() if host else 0, weights if host else 0, baseline_bytes if host else 0,
+                loader_bytes(data.num_workers, data.batch_size, data.resolution) if host else 0)
+
+        training = whole_run(step)
         available = _available_bytes(device) * 0.9
         checkpointing = training > available
+        if checkpointing:
+            least = whole_run(training_bytes(trainable, frozen, per_sample, data.batch_size, config.ema.enabled,
+                                             checkpointing=True, bf16=maybe_bf16))
+            if least > available:
+                # Said before the first step, which the kernel would otherwise end minutes in, without a word.
+                log.warning("this run needs about %.1f GiB even with gradient checkpointing, more than the %.1f GiB "
+                            "available: it will likely be killed for memory. Train fewer weights (mode=lora), "
+                            "lower data.batch_size, or turn ema off", least / 2**30, available / 2**30)
         loading = processes_per_machine * loaded_peak if host else None
         estimated = max(training, loading or 0)
         estimated, available = estimated / 2**30, available / 2**30
@@ -338,7 +350,7 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
 
 def _all_modules(task: Any) -> list[nn.Module]:
     seen: dict[int, nn.Module] = {}
-    for name in ("vae", "text_encoder", "unet"):
+    for name in task.family.components:
         module = getattr(task, name, None)
         if isinstance(module, nn.Module):
             seen[id(module)] = module

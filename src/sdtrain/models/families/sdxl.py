@@ -69,6 +69,22 @@ SIZE_IDS = 6
 """Original height and width, crop top and left, target height and width."""
 
 
+def _with_penultimate_states(encoder: nn.Module, tokens: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """The encoder's output and its penultimate layer's states (what ``output_hidden_states`` gives as
+    hidden_states[-2]), read by a hook on that layer: transformers collects hidden states by layer class, which
+    FSDP2 replaces, and a wrapped encoder (DDP) forwards no such option."""
+    layers = _text_blocks(getattr(encoder, "module", encoder))
+    captured = []
+    handle = layers[-2].register_forward_hook(
+        lambda _module, _inputs, out: captured.append(out[0] if isinstance(out, tuple) else out))
+    try:
+        output = encoder(tokens)
+    finally:
+        # Before backward: a checkpointed layer runs again there, and must not be captured twice.
+        handle.remove()
+    return output, captured[0]
+
+
 class StableDiffusionXL(ModelFamily):
     name = "sdxl"
     title = "SDXL"
@@ -104,8 +120,10 @@ class StableDiffusionXL(ModelFamily):
                     ) -> dict[str, torch.Tensor]:
         states = []
         for encoder, tokens in zip(encoders, ids):
-            output = encoder(tokens, output_hidden_states=True)
-            states.append(output.hidden_states[-2])
+            output, penultimate = _with_penultimate_states(encoder, tokens)
+            # The last layer and the final norm take part with weight zero, so that every parameter of a trained
+            # encoder gets a gradient each step, as DDP requires.
+            states.append(penultimate + 0 * output.last_hidden_state)
         pooled = output.text_embeds  # the second encoder's projection of its eos state
         text_emb = torch.cat(states, dim=-1)
         if captions is None:
