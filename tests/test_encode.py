@@ -89,7 +89,7 @@ def test_latents_of_another_vae_or_resolution_are_one_clear_error(tmp_path, enco
     from .conftest import TINY, config_path
 
     other = tmp_path / "other-vae"
-    from sdtrain.checkpoint import load_run_modules
+    from sdtrain.loaders.components import load_run_modules
 
     load_run_modules(autoencoder_run)["vae"].save_pretrained(other)
     base = ["train", str(config_path("diffusion.yaml")), f"run_dir={tmp_path / 'run'}", f"data.shards={encoded}",

@@ -84,7 +84,7 @@ def test_export_never_deletes_the_run_or_an_unrelated_folder(tmp_path, autoencod
 def test_frozen_autoencoder_stays_the_one_the_run_trained_with(tmp_path, shapes_dir):
     import torch
 
-    from sdtrain.checkpoint import load_run_modules
+    from sdtrain.loaders.components import load_run_modules
 
     from .conftest import train
 

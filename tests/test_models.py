@@ -7,6 +7,7 @@ import torch
 
 from sdtrain.config import ModelConfig, load_config
 from sdtrain.errors import UserError
+from sdtrain.loaders.components import load_component
 from sdtrain.models import build
 
 from .conftest import config_path
@@ -37,9 +38,9 @@ def test_components_load_from_pipeline_component_and_run_folders(tmp_path, diffu
     from sdtrain.export import export_run
 
     pipeline = export_run(diffusion_run, tmp_path / "pipeline")
-    from_pipeline = build.load_component("unet", pipeline)
-    from_component = build.load_component("unet", pipeline / "unet")
-    from_run = build.load_component("unet", diffusion_run)
+    from_pipeline = load_component("unet", pipeline)
+    from_component = load_component("unet", pipeline / "unet")
+    from_run = load_component("unet", diffusion_run)
     for a, b, c in zip(from_pipeline.parameters(), from_component.parameters(), from_run.parameters()):
         assert torch.equal(a, b) and torch.equal(a, c)
     tokenizer = build.load_tokenizer(pipeline)
@@ -48,9 +49,9 @@ def test_components_load_from_pipeline_component_and_run_folders(tmp_path, diffu
 
 def test_unknown_source_folder_is_one_clear_error(tmp_path):
     with pytest.raises(UserError, match="not a diffusers component folder"):
-        build.load_component("vae", tmp_path)
+        load_component("vae", tmp_path)
 
 
 def test_a_run_without_the_component_says_so(autoencoder_run):
     with pytest.raises(UserError, match="did not train a unet"):
-        build.load_component("unet", autoencoder_run)
+        load_component("unet", autoencoder_run)

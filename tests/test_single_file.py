@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from sdtrain.errors import UserError
+from sdtrain.loaders.components import load_component
 from sdtrain.models import build
 from sdtrain.models import single_file as sf
 from sdtrain.models.families.sd import PRESETS
@@ -67,9 +68,9 @@ def test_round_trip_loads_in_diffusers_and_sdtrain_with_the_runs_weights(exporte
 
     reference = pipeline_from_run(diffusion_run)  # EMA weights, as the export
     for name in ("unet", "vae", "text_encoder"):
-        loaded = build.load_component(name, path)
+        loaded = load_component(name, path)
         _assert_same_weights(loaded, getattr(reference, name), f"sdtrain {name}")
-    assert build.load_component("vae", path).config.scaling_factor == reference.vae.config.scaling_factor
+    assert load_component("vae", path).config.scaling_factor == reference.vae.config.scaling_factor
 
     single = StableDiffusionPipeline.from_single_file(str(path), config=str(folder), local_files_only=True)
     for name in ("unet", "vae", "text_encoder"):
@@ -92,8 +93,8 @@ def test_cli_exports_half_precision_and_refuses_a_foreign_file(exported, diffusi
     half = tmp_path / "half.safetensors"
     assert main(["export", str(diffusion_run), str(half), "--single-file", "--half"]) == 0
     assert {t.dtype for t in load_file(str(half)).values()} == {torch.float16}
-    unet = build.load_component("unet", half)
-    reference = build.load_component("unet", path)
+    unet = load_component("unet", half)
+    reference = load_component("unet", path)
     assert all(torch.equal(a, b.half().float()) for a, b in zip(unet.parameters(), reference.parameters()))
     assert main(["export", str(diffusion_run), str(half), "--single-file"]) == 0  # an earlier export is replaced
     foreign = tmp_path / "downloaded.safetensors"
@@ -129,14 +130,14 @@ def test_sd2_layout_reads_as_v_prediction_with_the_same_text_encoder(tmp_path):
     assert build.build_noise_scheduler(DiffusionConfig(prediction_type="epsilon"), str(path)).config.prediction_type \
         == "epsilon"
 
-    loaded = build.load_component("text_encoder", path)
+    loaded = load_component("text_encoder", path)
     assert isinstance(loaded, CLIPTextModel)
     ids = torch.tensor([[598, 5, 17, 200, 599, 599], [598, 42, 599, 599, 599, 599]])
     with torch.no_grad():
         want, got = text.eval()(ids), loaded(ids)
     assert torch.equal(want.last_hidden_state, got.last_hidden_state)
     assert torch.equal(want.pooler_output, got.pooler_output)
-    _assert_same_weights(build.load_component("unet", path), unet, "unet")
+    _assert_same_weights(load_component("unet", path), unet, "unet")
     # Exported again from an SD 2.x-layout source, the text encoder keeps that layout.
     assert sf.choose_text_layout(loaded, source=path) == "openclip"
 
@@ -158,7 +159,7 @@ def test_sd2_layout_reads_as_v_prediction_with_the_same_text_encoder(tmp_path):
         want = deep(ids).last_hidden_state
     for name, tensors in (("sd2-24", stability), ("sd2-24-stripped", stripped)):
         save_file(tensors, str(tmp_path / f"{name}.safetensors"), metadata=metadata)
-        read = build.load_component("text_encoder", tmp_path / f"{name}.safetensors")
+        read = load_component("text_encoder", tmp_path / f"{name}.safetensors")
         assert read.config.num_hidden_layers == 23 and read.config.hidden_act == "gelu", name
         with torch.no_grad():
             assert torch.equal(want, read(ids).last_hidden_state), name
@@ -229,7 +230,7 @@ def test_sd2_file_holds_the_whole_openclip_tower_and_reads_back_the_same(tmp_pat
 
     # Read back by sdtrain (diffusers' converter, as sdtrain drives it): the same N layers, weights and outputs.
     with caplog.at_level("WARNING"):
-        loaded = build.load_component("text_encoder", path)
+        loaded = load_component("text_encoder", path)
     assert "not used" not in caplog.text
     assert isinstance(loaded, CLIPTextModel) and loaded.config.num_hidden_layers == layers
     _assert_same_weights(loaded, text, "text encoder")
@@ -249,7 +250,7 @@ def test_sd2_file_holds_the_whole_openclip_tower_and_reads_back_the_same(tmp_pat
         metadata = {**f.metadata(), sf.FORMAT_KEY: "1"}
     save_file(old, str(tmp_path / "old.safetensors"), metadata=metadata)
     assert sf.written_by_sdtrain(tmp_path / "old.safetensors")  # an export may replace it
-    read = build.load_component("text_encoder", tmp_path / "old.safetensors")
+    read = load_component("text_encoder", tmp_path / "old.safetensors")
     assert read.config.num_hidden_layers == layers
     _assert_same_weights(read, text, "format 1 text encoder")
 
@@ -262,7 +263,7 @@ def test_vae_alone_with_attention_as_convolutions_or_linear(tmp_path):
     path = sf.save_single_file(tmp_path / "vae.safetensors", vae=vae)
     state = load_file(str(path))
     assert "encoder.conv_in.weight" in state and state["encoder.mid.attn_1.q.weight"].shape == (64, 64, 1, 1)
-    loaded = build.load_component("vae", path)
+    loaded = load_component("vae", path)
     _assert_same_weights(loaded, vae, "vae")
     assert loaded.config.scaling_factor == 0.3
     # Some files store the attention projections as linear weights.
@@ -270,9 +271,9 @@ def test_vae_alone_with_attention_as_convolutions_or_linear(tmp_path):
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata()
     save_file(linear, str(tmp_path / "linear.safetensors"), metadata=metadata)
-    _assert_same_weights(build.load_component("vae", tmp_path / "linear.safetensors"), vae, "linear vae")
+    _assert_same_weights(load_component("vae", tmp_path / "linear.safetensors"), vae, "linear vae")
     with pytest.raises(UserError, match="holds no UNet"):
-        build.load_component("unet", path)
+        load_component("unet", path)
 
 
 def test_any_levels_and_layers_per_block_round_trip(tmp_path):
@@ -285,7 +286,7 @@ def test_any_levels_and_layers_per_block_round_trip(tmp_path):
         use_linear_projection=True, transformer_layers_per_block=2, cross_attention_dim=24, in_channels=3,
         out_channels=5, sample_size=8, upcast_attention=True)
     path = sf.save_single_file(tmp_path / "unet.safetensors", unet=unet)
-    loaded = build.load_component("unet", path)
+    loaded = load_component("unet", path)
     _assert_same_weights(loaded, unet, "unet")
     for key in ("attention_head_dim", "block_out_channels", "down_block_types", "up_block_types",
                 "use_linear_projection", "transformer_layers_per_block", "upcast_attention", "out_channels"):
@@ -355,13 +356,13 @@ def test_a_planted_pickle_payload_never_runs(tmp_path, monkeypatch):
     torch.save({"state_dict": {"first_stage_model.encoder.conv_in.weight": torch.zeros(1), "x": Payload()}}, evil)
     monkeypatch.delenv(sf.TRUST_PICKLE_ENV, raising=False)
     with pytest.raises(UserError, match="SDTRAIN_TRUST_PICKLE") as refused:
-        build.load_component("vae", evil)
+        load_component("vae", evil)
     assert str(evil) in str(refused.value) and "\n" not in str(refused.value)
     with pytest.raises(UserError, match="more than tensors"):
-        build.load_component("vae", evil, trust_pickle=True)
+        load_component("vae", evil, trust_pickle=True)
     monkeypatch.setenv(sf.TRUST_PICKLE_ENV, "1")
     with pytest.raises(UserError, match="more than tensors"):
-        build.load_component("vae", evil)
+        load_component("vae", evil)
     with pytest.raises(UserError, match="more than tensors"):
         build.build_noise_scheduler(DiffusionConfig(), str(evil))
     assert not marker.exists()
@@ -370,7 +371,7 @@ def test_a_planted_pickle_payload_never_runs(tmp_path, monkeypatch):
     _, vae, _ = _tiny_components()
     plain = tmp_path / "vae.ckpt"
     torch.save({"state_dict": sf.to_original_state_dict(vae=vae), "global_step": 3}, plain)
-    _assert_same_weights(build.load_component("vae", plain), vae, "pickled vae")
+    _assert_same_weights(load_component("vae", plain), vae, "pickled vae")
     assert build.source_kind(plain) == "single_file" and build.pin_source(plain) == str(plain.resolve())
 
 
@@ -382,20 +383,20 @@ def test_bad_files_are_one_clear_error(tmp_path):
         bad = tmp_path / f"{name}.safetensors"
         bad.write_bytes(content)
         with pytest.raises(UserError, match="truncated") as caught:
-            build.load_component("unet", bad)
+            load_component("unet", bad)
         assert str(bad) in str(caught.value) and "\n" not in str(caught.value)
     unknown = tmp_path / "lora.safetensors"
     save_file({"lora_unet_down.alpha": torch.ones(1)}, str(unknown))
     with pytest.raises(UserError, match="unrecognized checkpoint layout") as caught:
-        build.load_component("unet", unknown)
+        load_component("unet", unknown)
     assert str(unknown) in str(caught.value) and "\n" not in str(caught.value)
     # Keys of the right kind in a structure the converters do not handle: one line too.
     broken = {k: v for k, v in load_file(str(good)).items() if ".middle_block.1." not in k}
     save_file(broken, str(tmp_path / "broken.safetensors"))
     with pytest.raises(UserError, match="unrecognized unet layout.*middle block") as caught:
-        build.load_component("unet", tmp_path / "broken.safetensors")
+        load_component("unet", tmp_path / "broken.safetensors")
     assert "\n" not in str(caught.value)
-    _assert_same_weights(build.load_component("vae", tmp_path / "broken.safetensors"), vae, "vae beside a bad unet")
+    _assert_same_weights(load_component("vae", tmp_path / "broken.safetensors"), vae, "vae beside a bad unet")
     with pytest.raises(UserError, match="no such file"):
         build.source_kind(tmp_path / "missing.safetensors")
 
@@ -421,4 +422,4 @@ def test_training_starts_from_a_single_file(tmp_path, exported, shapes_dir):
     # The frozen VAE is the file's; the run exports back to one file in the same layout.
     again = export_single_file(run, tmp_path / "again.safetensors")
     assert sf.text_encoder_layout(again) == "clip"
-    _assert_same_weights(build.load_component("vae", again), build.load_component("vae", path), "vae")
+    _assert_same_weights(load_component("vae", again), load_component("vae", path), "vae")

@@ -73,7 +73,7 @@ def test_keep_last_prunes_old_checkpoints_and_leaves_no_temporaries(tmp_path, sh
 
 
 def test_autoencoder_checkpoint_records_a_latent_scaling_factor(autoencoder_run):
-    from sdtrain.checkpoint import load_run_modules
+    from sdtrain.loaders.components import load_run_modules
 
     vae = load_run_modules(autoencoder_run)["vae"]
     assert vae.config.scaling_factor != 0.18215 and vae.config.scaling_factor > 0

@@ -100,11 +100,6 @@ def module_spec(module: nn.Module) -> dict[str, Any]:
     return {"class": _class_name(module), "config": config}  # diffusers
 
 
-def _split_state(flat: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    cut = len(prefix) + 1
-    return {k[cut:]: v for k, v in flat.items() if k.startswith(prefix + ".")}
-
-
 def list_checkpoints(run_dir: Path) -> list[Path]:
     folder = Path(run_dir) / "checkpoints"
     if not folder.is_dir():
@@ -459,33 +454,6 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def instantiate(spec: dict[str, Any]) -> nn.Module:
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
-    cls_name, config = spec["class"], spec["config"]
-    text_classes = {"CLIPTextModel": CLIPTextModel, "CLIPTextModelWithProjection": CLIPTextModelWithProjection}
-    if cls_name in text_classes:
-        return text_classes[cls_name](CLIPTextConfig.from_dict(config))
-    classes = {"AutoencoderKL": AutoencoderKL, "UNet2DConditionModel": UNet2DConditionModel}
-    if cls_name not in classes:
-        raise UserError(f"checkpoint names an unknown module class {cls_name}")
-    return classes[cls_name].from_config(config)
-
-
-def instantiate_with(spec: dict[str, Any], weights: dict[str, torch.Tensor]) -> nn.Module:
-    """A module built around `weights` without allocating and initialising its own first (which, for
-    an 866M UNet, costs seconds and 3.5 GB): built on the meta device, then given the tensors."""
-    with torch.device("meta"):
-        module = instantiate(spec)
-    module.load_state_dict(weights, strict=True, assign=True)
-    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-        # Buffers the state dict does not carry (non-persistent ones) need a real construction.
-        module = instantiate(spec)
-        module.load_state_dict(weights)
-    return module
-
-
 def read_weights(checkpoint: Path, group: str) -> dict[str, torch.Tensor]:
     """A checkpoint's ``model`` or ``ema`` weights as whole tensors, full or sharded (consolidated here)."""
     try:
@@ -497,43 +465,3 @@ def read_weights(checkpoint: Path, group: str) -> dict[str, torch.Tensor]:
                         "use an earlier checkpoint of the run") from exc
 
 
-def load_run_modules(
-    run_dir: Path, names: list[str] | None = None, ema: bool = True, checkpoint: Path | None = None
-) -> dict[str, nn.Module]:
-    """Rebuild the trained modules of a run from its newest (or a given) checkpoint, EMA weights by default."""
-    path = checkpoint or latest_checkpoint(run_dir)
-    if path is None:
-        raise UserError(f"{run_dir}: no complete checkpoint yet; train the run first")
-    meta = read_meta(path)
-    use_ema = ema and meta.get("ema", False)
-    # A sharded checkpoint keeps weights and optimizer state in the same files, so all are checked.
-    require_intact(path, None if sharded.is_sharded(path) else
-                   ["model.safetensors", "ema.safetensors"] if use_ema else ["model.safetensors"])
-    weights = read_weights(path, "ema" if use_ema else "model")
-    # The EMA holds trained parameters only; buffers come from the raw weights.
-    raw_weights = read_weights(path, "model") if use_ema else {}
-    modules = {}
-    for name, spec in meta["modules"].items():
-        if names is not None and name not in names:
-            continue
-        state = _split_state(weights, name)
-        if use_ema:
-            state = {**_split_state(raw_weights, name), **state}
-        if spec.get("partial"):
-            # The one import upward (pyproject.toml's [tool.importlinter] ignores it by name): the modes rebuild
-            # a partly trained module's base through models.build, which reads checkpoints itself. It goes
-            # when the rebuilders move into the models layer beside load_run_modules.
-            from sdtrain.train.modes import rebuild_partial
-
-            module = rebuild_partial(name, meta)
-            missing = set(state) - set(module.state_dict())
-            if missing:
-                raise UserError(f"{path}: {name} weights {sorted(missing)[0]} do not fit its base; the run's "
-                                "sources changed since it saved")
-            module.load_state_dict(state, strict=False)
-        else:
-            module = instantiate(spec)
-            module.load_state_dict(state)
-        module.eval()
-        modules[name] = module
-    return modules

@@ -11,56 +11,16 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from sdtrain.checkpoint import latest_checkpoint, load_run_modules, pinned_sources, read_meta
-from sdtrain.config import RunConfig, load_config
+from sdtrain.checkpoint import latest_checkpoint, pinned_sources, read_meta
+from sdtrain.config import RunConfig
 from sdtrain.errors import UserError
-from sdtrain.models import build, families, single_file
-from sdtrain.models.pipeline import sampler_from
-from sdtrain.train.modes import merge_partial, save_trained_parts
+from sdtrain.loaders.components import load_run_modules
+from sdtrain.loaders.pipelines import pipeline_from_run, run_config
+from sdtrain.models import build, single_file
+from sdtrain.train.modes import save_trained_parts
 
 log = logging.getLogger(__name__)
-
-
-def run_config(run_dir: Path) -> RunConfig:
-    return load_config(Path(run_dir) / "config.yaml")
-
-
-def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None = None,
-                      trained: dict[str, Any] | None = None) -> Any:
-    """The family's pipeline (StableDiffusionPipeline, StableDiffusionXLPipeline) from a diffusion run: trained
-    weights from its checkpoint (or `trained`, the checkpoint's modules already loaded), the rest from the sources
-    its config names."""
-    run_dir = Path(run_dir)
-    config = run_config(run_dir)
-    if config.stage != "diffusion":
-        raise UserError(f"{run_dir}: a {config.stage} run has no pipeline; export it to get its {config.stage} folder")
-    checkpoint = checkpoint or latest_checkpoint(run_dir)
-    if trained is None:
-        trained = load_run_modules(run_dir, ema=ema, checkpoint=checkpoint)
-    trained = {name: merge_partial(m) for name, m in trained.items()}
-    pinned = pinned_sources(checkpoint)
-    model = config.model
-    trust = build.trusts_pickle(model)
-    family = families.for_model(model)
-
-    def component(name: str) -> Any:
-        if name in trained:
-            return trained[name]
-        source = pinned.get(name) or build.component_source(model, name)
-        if source is None:
-            raise UserError(f"{run_dir}: the {name} was neither trained nor loaded from a folder")
-        return build.load_component(name, source, trust_pickle=trust, family=family)
-
-    tokenizers = build.load_text_tokenizers(model, run_dir, pinned.get("text_encoder"))
-    added_tokens = read_meta(checkpoint).get("task", {}).get("tokens")
-    if added_tokens:  # textual inversion: the merged text encoders' new rows belong to these
-        for tokenizer in tokenizers:
-            tokenizer.add_tokens(added_tokens)
-    noise = build.build_noise_scheduler(config.diffusion, model.pretrained, trust)
-    return family.assemble({name: component(name) for name in family.components}, tokenizers,
-                           sampler_from(noise, "euler"))
 
 
 def _check_replaceable(out: Path, run_dir: Path) -> None:

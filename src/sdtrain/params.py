@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from sdtrain.config import RunConfig
+from sdtrain.loaders.components import load_component
 from sdtrain.models import build, families
 from sdtrain.models.families.spec import ModelFamily
 
@@ -48,7 +49,7 @@ class _TokenizerShape:
 def _component(config: RunConfig, family: ModelFamily, name: str, built: dict[str, Any]) -> tuple[Any, str]:
     source = build.component_source(config.model, name)
     if source is not None:
-        return build.load_component(name, source, trust_pickle=build.trusts_pickle(config.model), family=family), source
+        return load_component(name, source, trust_pickle=build.trusts_pickle(config.model), family=family), source
     model = config.model
     with torch.device("meta"):
         if name == "vae":

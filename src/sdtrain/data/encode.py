@@ -44,6 +44,7 @@ from sdtrain.data.shards import (
     write_manifest,
 )
 from sdtrain.errors import UserError
+from sdtrain.loaders.components import load_component
 from sdtrain.models import build, families
 from sdtrain.utils import atomic_write_bytes
 
@@ -62,7 +63,7 @@ class Encoder:
         self.device = device
         self.dtype = DTYPES[dtype]
         self.vae_source = build.pin_source(vae_source)
-        self.vae = build.load_component("vae", self.vae_source).to(device).eval()
+        self.vae = load_component("vae", self.vae_source).to(device).eval()
         scale = build.vae_scale(self.vae.config.block_out_channels)
         if resolution is None:
             # What the VAE was made for, as diffusers records it.
@@ -76,7 +77,7 @@ class Encoder:
         self.tokenizers: list[Any] = []
         if self.family is not None:
             for name, folder in zip(self.family.text_encoders, self.family.tokenizers):
-                module = build.load_component(name, self.text_source, family=self.family)
+                module = load_component(name, self.text_source, family=self.family)
                 self.text_encoders.append(module.to(device).eval())
                 self.tokenizers.append(build.load_tokenizer(self.text_source, folder=folder))
         self.resolution = resolution

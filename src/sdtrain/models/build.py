@@ -17,11 +17,11 @@ from typing import Any
 from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 from torch import nn
 
-from sdtrain.checkpoint import latest_checkpoint, load_run_modules, read_meta
+from sdtrain.checkpoint import latest_checkpoint, read_meta
 from sdtrain.config import DiffusionConfig, ModelConfig
-from sdtrain.errors import UserError, first_line
+from sdtrain.errors import UserError
 from sdtrain.models import families, single_file
-from sdtrain.models.families.spec import ModelFamily, construct
+from sdtrain.models.families.spec import construct
 from sdtrain.models.tokenizer import load_clip_tokenizer
 
 
@@ -98,39 +98,6 @@ def source_kind(path: str | Path) -> str:
         f"{path}: not a diffusers component folder (config.json), pipeline folder (model_index.json), "
         "sdtrain run folder (config.yaml + checkpoints/) or single-file checkpoint (.safetensors); fix the path"
     )
-
-
-def load_component(name: str, source: str | Path, trust_pickle: bool | None = None,
-                   family: ModelFamily | None = None) -> Any:
-    """Load component `name` ('vae', 'unet', 'text_encoder', ...; of `family`, else of whichever family has it)
-    from a local source folder or single file.
-
-    `trust_pickle` lets a pickle single file (.ckpt, .pt...) be read with torch.load(weights_only=True);
-    None: the SDTRAIN_TRUST_PICKLE environment variable decides.
-    """
-    kind = source_kind(source)
-    cls = families.component_class(name, family)
-    if kind == "single_file":
-        return single_file.load_single_file_component(name, source, trust_pickle=trust_pickle)
-    if kind in ("run", "checkpoint"):
-        checkpoint = Path(source) if kind == "checkpoint" else None
-        run = Path(source).parent.parent if checkpoint else Path(source)
-        modules = load_run_modules(run, names=[name], checkpoint=checkpoint)
-        if name not in modules:
-            raise UserError(f"{source}: this run did not train a {name}; point model.{name} at a run that did")
-        return modules[name]
-    folder = Path(source) / name if kind == "pipeline" else Path(source)
-    if not (folder / "config.json").is_file():
-        raise UserError(f"{folder}: no config.json for the {name}; point model.{name} at a folder that has one")
-    trusted = trust_pickle or single_file.trust_pickle_from_env()
-    try:
-        # Safetensors only, unless the user trusts this folder's pickles (.bin): those load with
-        # weights_only in today's diffusers and transformers, but a pickle is still code to be trusted.
-        return cls.from_pretrained(folder, local_files_only=True, use_safetensors=not trusted or None)
-    except (OSError, ValueError) as exc:
-        hint = "" if trusted else ("; a folder with only pickled .bin weights loads with model.trust_pickle=true "
-                                   f"(or {single_file.TRUST_PICKLE_ENV}=1) if you trust it")
-        raise UserError(f"{folder}: cannot load the {name} ({first_line(exc)}){hint}") from exc
 
 
 def _tokenizer_folder(source: str | Path, folder: str = "tokenizer") -> Path:

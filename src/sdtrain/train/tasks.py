@@ -19,6 +19,7 @@ from torch import nn
 from sdtrain.config import DataConfig, RunConfig
 from sdtrain.data.encoded import TEXT_FIELDS
 from sdtrain.errors import UserError
+from sdtrain.loaders.components import load_component
 from sdtrain.models import build, families
 from sdtrain.models.pipeline import sample_images, sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer, train_clip_tokenizer
@@ -55,7 +56,7 @@ class Task:
         if source is None:
             return None
         self.sources[name] = build.pin_source(source)
-        return build.load_component(name, self.sources[name], trust_pickle=self.trust_pickle, family=self.family)
+        return load_component(name, self.sources[name], trust_pickle=self.trust_pickle, family=self.family)
 
     def parallel_modules(self) -> dict[str, nn.Module]:
         """The attributes the loss calls the trained modules through, for a data-parallel wrapper."""
@@ -330,7 +331,7 @@ class DiffusionTask(Task):
         module = getattr(self, name)
         if next(module.parameters()).device.type != "meta":
             return module
-        module = build.load_component(name, self.sources[name], trust_pickle=self.trust_pickle, family=self.family)
+        module = load_component(name, self.sources[name], trust_pickle=self.trust_pickle, family=self.family)
         return module.to(self.device).eval().requires_grad_(False)
 
     def _latents(self, batch, generator) -> torch.Tensor:

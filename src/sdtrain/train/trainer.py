@@ -22,7 +22,6 @@ from sdtrain.checkpoint import (
     Checkpointer,
     Snapshot,
     capture,
-    instantiate_with,
     is_partial,
     module_spec,
     pinned_sources,
@@ -47,6 +46,7 @@ from sdtrain.errors import UserError, first_line
 from sdtrain.evaluate.adherence import adherence_prompt_set
 from sdtrain.evaluate.run import EvalSettings, Evaluator, flat_metrics, read_prompts, target_met
 from sdtrain.faults import FaultInjector
+from sdtrain.loaders.components import instantiate_with
 from sdtrain.memory import tree_bytes
 from sdtrain.run import prepare_run_dir, resolve_device
 from sdtrain.train import autotune

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from sdtrain.errors import UserError, first_line
@@ -140,8 +141,6 @@ class ModelFamily:
         if not self.embedding_keys:
             pipe.load_textual_inversion(path, local_files_only=True)
             return
-        from safetensors import safe_open
-
         with safe_open(path, framework="pt") as file:
             missing = [key for key in self.embedding_keys if key not in file.keys()]  # noqa: SIM118 - safe_open is no dict
             if missing:

@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import nn
 
 from sdtrain.config import DataConfig, TextualInversionConfig
 from sdtrain.errors import UserError
-from sdtrain.models import build, families
+from sdtrain.loaders.adapters import add_token_rows
 from sdtrain.models.families.spec import ModelFamily
 from sdtrain.train.tasks import DiffusionTask
 
@@ -40,47 +40,6 @@ def placeholder_tokens(config: TextualInversionConfig) -> list[str]:
     prompt to all of them, as training does here."""
     token = config.placeholder_token
     return [token] + [f"{token}_{i}" for i in range(1, config.num_vectors)]
-
-
-class AddedTokens(nn.Module):
-    """A frozen token embedding with trainable rows for tokens appended after its vocabulary. The base
-    table never receives a gradient, so it stays bitwise what it was, and only the new rows are trained,
-    saved and averaged."""
-
-    def __init__(self, base: nn.Embedding, added: torch.Tensor):
-        super().__init__()
-        self.base = base.requires_grad_(False)
-        self.added = nn.Parameter(added)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return torch.cat([self.base.weight, self.added])
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        vocab = self.base.num_embeddings
-        is_new = (ids >= vocab).unsqueeze(-1)
-        old = self.base(ids.clamp(max=vocab - 1))
-        new = F.embedding((ids - vocab).clamp(min=0), self.added)
-        return torch.where(is_new, new.to(old.dtype), old)
-
-
-def add_token_rows(text_encoder: nn.Module, rows: torch.Tensor) -> AddedTokens:
-    embedding = AddedTokens(text_encoder.get_input_embeddings(), rows)
-    text_encoder.set_input_embeddings(embedding)
-    return embedding
-
-
-def merge_token_rows(text_encoder: nn.Module) -> nn.Module:
-    """Back to a plain text encoder whose vocabulary includes the new tokens (for a full pipeline)."""
-    embedding = text_encoder.get_input_embeddings()
-    if not isinstance(embedding, AddedTokens):
-        return text_encoder
-    text_encoder.set_input_embeddings(embedding.base)
-    vocab = embedding.base.num_embeddings
-    text_encoder.resize_token_embeddings(vocab + embedding.added.shape[0])
-    with torch.no_grad():
-        text_encoder.get_input_embeddings().weight[vocab:] = embedding.added.detach()
-    return text_encoder
 
 
 def _initial_vector(tokenizer: Any, text_encoder: nn.Module, tokens: list[str], initializer_token: str) -> torch.Tensor:
@@ -149,15 +108,6 @@ class TextualInversionTask(DiffusionTask):
         return self.render(modules, out, prompts, labels=self.config.validation.prompts)
 
 
-def rebuild_textual_inversion(name: str, source: str, task_meta: dict[str, Any]) -> nn.Module:
-    family = families.get(task_meta.get("family", "sd"))
-    module = build.load_component(name, source, trust_pickle=task_meta.get("trust_pickle"), family=family)
-    module.requires_grad_(False)
-    width = module.get_input_embeddings().embedding_dim
-    add_token_rows(module, torch.zeros(len(task_meta["tokens"]), width))
-    return module
-
-
 def learned_embeds(modules: dict[str, nn.Module], family: ModelFamily, placeholder: str) -> dict[str, torch.Tensor]:
     """The textual-inversion file's tensors: for one text encoder diffusers' layout, one key (the placeholder)
     holding all its vectors; for several, one key per text encoder as the family names them (SDXL: clip_l,
@@ -172,8 +122,6 @@ def learned_embeds(modules: dict[str, nn.Module], family: ModelFamily, placehold
 
 def save_learned_embeds(modules: dict[str, nn.Module], family: ModelFamily, placeholder: str, path: Path) -> Path:
     """The file, with the placeholder in its metadata: a file keyed by text encoder does not name its token."""
-    from safetensors.torch import save_file
-
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(learned_embeds(modules, family, placeholder), str(tmp), metadata={"placeholder_token": placeholder})
     tmp.replace(path)

@@ -1,0 +1,154 @@
+"""Materialising modules: a component from wherever a config points (a diffusers folder, a pipeline, a single
+file, an sdtrain run or checkpoint), a run's trained modules from its checkpoint, and partly trained ones
+(adapters, new tokens) rebuilt on their pinned base."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sdtrain import sharded
+from sdtrain.checkpoint import latest_checkpoint, read_meta, read_weights, require_intact
+from sdtrain.errors import UserError, first_line
+from sdtrain.loaders.adapters import add_lora, add_token_rows
+from sdtrain.models import families, single_file
+from sdtrain.models.build import source_kind
+from sdtrain.models.families.spec import ModelFamily
+
+
+def load_component(name: str, source: str | Path, trust_pickle: bool | None = None,
+                   family: ModelFamily | None = None) -> Any:
+    """Load component `name` ('vae', 'unet', 'text_encoder', ...; of `family`, else of whichever family has it)
+    from a local source folder or single file.
+
+    `trust_pickle` lets a pickle single file (.ckpt, .pt...) be read with torch.load(weights_only=True);
+    None: the SDTRAIN_TRUST_PICKLE environment variable decides.
+    """
+    kind = source_kind(source)
+    cls = families.component_class(name, family)
+    if kind == "single_file":
+        return single_file.load_single_file_component(name, source, trust_pickle=trust_pickle)
+    if kind in ("run", "checkpoint"):
+        checkpoint = Path(source) if kind == "checkpoint" else None
+        run = Path(source).parent.parent if checkpoint else Path(source)
+        modules = load_run_modules(run, names=[name], checkpoint=checkpoint)
+        if name not in modules:
+            raise UserError(f"{source}: this run did not train a {name}; point model.{name} at a run that did")
+        return modules[name]
+    folder = Path(source) / name if kind == "pipeline" else Path(source)
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{folder}: no config.json for the {name}; point model.{name} at a folder that has one")
+    trusted = trust_pickle or single_file.trust_pickle_from_env()
+    try:
+        # Safetensors only, unless the user trusts this folder's pickles (.bin): those load with
+        # weights_only in today's diffusers and transformers, but a pickle is still code to be trusted.
+        return cls.from_pretrained(folder, local_files_only=True, use_safetensors=not trusted or None)
+    except (OSError, ValueError) as exc:
+        hint = "" if trusted else ("; a folder with only pickled .bin weights loads with model.trust_pickle=true "
+                                   f"(or {single_file.TRUST_PICKLE_ENV}=1) if you trust it")
+        raise UserError(f"{folder}: cannot load the {name} ({first_line(exc)}){hint}") from exc
+
+
+def _split_state(flat: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    cut = len(prefix) + 1
+    return {k[cut:]: v for k, v in flat.items() if k.startswith(prefix + ".")}
+
+
+def instantiate(spec: dict[str, Any]) -> nn.Module:
+    """A module of a checkpoint's meta.json spec (class name and config), of a class some family has."""
+    cls_name, config = spec["class"], spec["config"]
+    classes = {cls.__name__: cls for family in families.FAMILIES.values() for cls in family.components.values()}
+    if cls_name not in classes:
+        raise UserError(f"checkpoint names an unknown module class {cls_name}")
+    cls = classes[cls_name]
+    if hasattr(cls, "config_class"):  # transformers
+        return cls(cls.config_class.from_dict(config))
+    return cls.from_config(config)
+
+
+def instantiate_with(spec: dict[str, Any], weights: dict[str, torch.Tensor]) -> nn.Module:
+    """A module built around `weights` without allocating and initialising its own first (which, for
+    an 866M UNet, costs seconds and 3.5 GB): built on the meta device, then given the tensors."""
+    with torch.device("meta"):
+        module = instantiate(spec)
+    module.load_state_dict(weights, strict=True, assign=True)
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        # Buffers the state dict does not carry (non-persistent ones) need a real construction.
+        module = instantiate(spec)
+        module.load_state_dict(weights)
+    return module
+
+
+def rebuild_lora(name: str, source: str, task_meta: dict[str, Any]) -> nn.Module:
+    family = families.get(task_meta.get("family", "sd"))
+    module = load_component(name, source, trust_pickle=task_meta.get("trust_pickle"), family=family)
+    module.requires_grad_(False)
+    add_lora(module, task_meta["lora"][name], "checkpoint")
+    return module
+
+
+def rebuild_textual_inversion(name: str, source: str, task_meta: dict[str, Any]) -> nn.Module:
+    family = families.get(task_meta.get("family", "sd"))
+    module = load_component(name, source, trust_pickle=task_meta.get("trust_pickle"), family=family)
+    module.requires_grad_(False)
+    width = module.get_input_embeddings().embedding_dim
+    add_token_rows(module, torch.zeros(len(task_meta["tokens"]), width))
+    return module
+
+
+_REBUILDERS = {"lora": rebuild_lora, "textual_inversion": rebuild_textual_inversion}
+
+
+def rebuild_partial(name: str, meta: dict[str, Any]) -> nn.Module:
+    """A partly trained module of a checkpoint (see meta.json), without its trained tensors yet: its base
+    loaded from the pinned source, with the structure its mode added (adapters, new token rows)."""
+    task = meta.get("task", {})
+    mode = task.get("mode")
+    if task.get("lora"):
+        mode = "lora"  # DreamBooth with LoRA records its adapters the same way
+    rebuild = _REBUILDERS.get(mode)
+    source = meta.get("sources", {}).get(name)
+    if rebuild is None or source is None:
+        raise UserError(f"checkpoint: the {name} was partly trained in mode {mode!r}, which this sdtrain cannot "
+                        "rebuild; use the sdtrain version that wrote it")
+    return rebuild(name, source, task)
+
+
+def load_run_modules(
+    run_dir: Path, names: list[str] | None = None, ema: bool = True, checkpoint: Path | None = None
+) -> dict[str, nn.Module]:
+    """Rebuild the trained modules of a run from its newest (or a given) checkpoint, EMA weights by default."""
+    path = checkpoint or latest_checkpoint(run_dir)
+    if path is None:
+        raise UserError(f"{run_dir}: no complete checkpoint yet; train the run first")
+    meta = read_meta(path)
+    use_ema = ema and meta.get("ema", False)
+    # A sharded checkpoint keeps weights and optimizer state in the same files, so all are checked.
+    require_intact(path, None if sharded.is_sharded(path) else
+                   ["model.safetensors", "ema.safetensors"] if use_ema else ["model.safetensors"])
+    weights = read_weights(path, "ema" if use_ema else "model")
+    # The EMA holds trained parameters only; buffers come from the raw weights.
+    raw_weights = read_weights(path, "model") if use_ema else {}
+    modules = {}
+    for name, spec in meta["modules"].items():
+        if names is not None and name not in names:
+            continue
+        state = _split_state(weights, name)
+        if use_ema:
+            state = {**_split_state(raw_weights, name), **state}
+        if spec.get("partial"):
+            module = rebuild_partial(name, meta)
+            missing = set(state) - set(module.state_dict())
+            if missing:
+                raise UserError(f"{path}: {name} weights {sorted(missing)[0]} do not fit its base; the run's "
+                                "sources changed since it saved")
+            module.load_state_dict(state, strict=False)
+        else:
+            module = instantiate(spec)
+            module.load_state_dict(state)
+        module.eval()
+        modules[name] = module
+    return modules

@@ -1,0 +1,55 @@
+"""The pipeline of a diffusion run: its trained modules from a checkpoint, the rest from the sources it pinned, in
+its family's diffusers pipeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sdtrain.checkpoint import latest_checkpoint, pinned_sources, read_meta
+from sdtrain.config import RunConfig, load_config
+from sdtrain.errors import UserError
+from sdtrain.loaders.adapters import merge_partial
+from sdtrain.loaders.components import load_component, load_run_modules
+from sdtrain.models import build, families
+from sdtrain.models.pipeline import sampler_from
+
+
+def run_config(run_dir: Path) -> RunConfig:
+    return load_config(Path(run_dir) / "config.yaml")
+
+
+def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None = None,
+                      trained: dict[str, Any] | None = None) -> Any:
+    """The family's pipeline (StableDiffusionPipeline, StableDiffusionXLPipeline) from a diffusion run: trained
+    weights from its checkpoint (or `trained`, the checkpoint's modules already loaded), the rest from the sources
+    its config names."""
+    run_dir = Path(run_dir)
+    config = run_config(run_dir)
+    if config.stage != "diffusion":
+        raise UserError(f"{run_dir}: a {config.stage} run has no pipeline; export it to get its {config.stage} folder")
+    checkpoint = checkpoint or latest_checkpoint(run_dir)
+    if trained is None:
+        trained = load_run_modules(run_dir, ema=ema, checkpoint=checkpoint)
+    trained = {name: merge_partial(m) for name, m in trained.items()}
+    pinned = pinned_sources(checkpoint)
+    model = config.model
+    trust = build.trusts_pickle(model)
+    family = families.for_model(model)
+
+    def component(name: str) -> Any:
+        if name in trained:
+            return trained[name]
+        source = pinned.get(name) or build.component_source(model, name)
+        if source is None:
+            raise UserError(f"{run_dir}: the {name} was neither trained nor loaded from a folder")
+        return load_component(name, source, trust_pickle=trust, family=family)
+
+    tokenizers = build.load_text_tokenizers(model, run_dir, pinned.get("text_encoder"))
+    added_tokens = read_meta(checkpoint).get("task", {}).get("tokens")
+    if added_tokens:  # textual inversion: the merged text encoders' new rows belong to these
+        for tokenizer in tokenizers:
+            tokenizer.add_tokens(added_tokens)
+    noise = build.build_noise_scheduler(config.diffusion, model.pretrained, trust)
+    return family.assemble({name: component(name) for name in family.components}, tokenizers,
+                           sampler_from(noise, "euler"))
