@@ -130,9 +130,15 @@ def test_lora_files_load_in_diffusers_kohya_names_included_and_change_the_image(
     # kohya names SDXL's UNet modules in the original layout, as A1111 and ComfyUI expect.
     assert any(k.startswith("lora_unet_input_blocks_") for k in kohya)
     assert not any(k.startswith("lora_unet_down_blocks_") for k in kohya)
+    # Text encoder keys keep CLIP's text_model level, without which ComfyUI places none of them.
+    diffusers_keys = list(load_file(str(out / "pytorch_lora_weights.safetensors")))
+    assert {k.split(".")[0] for k in diffusers_keys} == {"unet", "text_encoder", "text_encoder_2"}
+    assert all(k.split(".")[1] == "text_model" for k in diffusers_keys if k.startswith("text_encoder"))
     before = _image(_pipeline(sdxl_pretrained))
     with_lora = _pipeline(sdxl_pretrained)
     with_lora.load_lora_weights(out)
+    assert not torch.equal(with_lora.text_encoder(torch.tensor([[0, 5, 1]]))[0],
+                           _pipeline(sdxl_pretrained).text_encoder(torch.tensor([[0, 5, 1]]))[0])
     image = _image(with_lora)
     assert np.abs(image - before).max() > 1e-3
     # The kohya file is the same adapters: every module found, the same image.

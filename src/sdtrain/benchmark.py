@@ -36,7 +36,7 @@ from sdtrain.memory import TreePeak, own_peak_bytes
 from sdtrain.models import build, families
 from sdtrain.models.tokenizer import train_clip_tokenizer
 from sdtrain.train import autotune
-from sdtrain.train.parallel import no_recompute
+from sdtrain.train.parallel import uncounted_recomputation
 from sdtrain.train.trainer import Trainer
 from sdtrain.utils import atomic_write_text
 
@@ -122,7 +122,7 @@ class Benchmark(Trainer):
         first = self._timed_step()
         for _ in range(max(warmup - 1, 0)):
             self.train_step()
-        with no_recompute():  # model FLOPs: a checkpointed block's second forward is not the model's work
+        with uncounted_recomputation():  # model FLOPs: a checkpointed block's second forward is not the model's work
             step_flops = flops.count_flops(self.train_step)
         times = [self._timed_step() for _ in range(steps)]
         training_peak = self._peak_memory_gib("training")

@@ -1,5 +1,4 @@
-"""Assembling trained components into a diffusers StableDiffusionPipeline, choosing its sampler, and sampling
-images from it."""
+"""Choosing a pipeline's sampler, sampling images from it, and assembling a Stable Diffusion 1/2 pipeline."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ from diffusers import (
 from PIL import Image
 
 from sdtrain.errors import UserError
+from sdtrain.models.families.sd import SD
 
 SAMPLERS = {
     "euler": EulerDiscreteScheduler,
@@ -27,17 +27,8 @@ SAMPLERS = {
 def assemble_pipeline(
     vae: Any, text_encoder: Any, tokenizer: Any, unet: Any, scheduler: Any
 ) -> StableDiffusionPipeline:
-    # Models trained here have no safety checker; the pipeline must be told so explicitly.
-    return StableDiffusionPipeline(
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        unet=unet,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
+    """A Stable Diffusion 1/2 pipeline of these components (other families: their spec's ``assemble``)."""
+    return SD.assemble({"vae": vae, "text_encoder": text_encoder, "unet": unet}, [tokenizer], scheduler)
 
 
 def sampler_from(scheduler: Any, name: str) -> Any:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from sdtrain.config import ParallelConfig
@@ -86,18 +87,20 @@ def shard_units(root: nn.Module) -> list[nn.Module]:
     return units
 
 
-_recompute = True
+_uncounted = False
 
 
 @contextlib.contextmanager
-def no_recompute() -> Iterator[None]:
-    """Run checkpointed blocks plainly, e.g. to count a step's model FLOPs without the recomputation."""
-    global _recompute
-    previous, _recompute = _recompute, False
+def uncounted_recomputation() -> Iterator[None]:
+    """Within it, a checkpointed block's recomputation during backward runs outside every dispatch mode, so a FLOP
+    counter sees the model's own work only; memory stays as checkpointing keeps it. (Running the blocks plainly
+    instead would need the very memory checkpointing was turned on to save.)"""
+    global _uncounted
+    previous, _uncounted = _uncounted, True
     try:
         yield
     finally:
-        _recompute = previous
+        _uncounted = previous
 
 
 def _checkpointed(forward: Callable) -> Callable:
@@ -108,10 +111,15 @@ def _checkpointed(forward: Callable) -> Callable:
     around the module call, stay outside the recomputed part.
     """
 
+    def again(*args, **kwargs):
+        # The autograd engine runs a graph task only in backward, where the block's forward is the recomputation.
+        if _uncounted and torch._C._current_graph_task_id() != -1:
+            with _disable_current_modes():
+                return forward(*args, **kwargs)
+        return forward(*args, **kwargs)
+
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        if not _recompute:
-            return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(again, *args, use_reentrant=False, **kwargs)
 
     return run

@@ -61,9 +61,14 @@ class LoraTask(DiffusionTask):
         return {**super().checkpoint_meta(), "lora": self.adapters}
 
 
-def lora_state(module: nn.Module) -> dict[str, Any]:
-    """The adapter weights in the key layout diffusers' loaders read."""
-    return convert_state_dict_to_diffusers(get_peft_model_state_dict(module))
+def lora_state(module: nn.Module, text_encoder: bool = False) -> dict[str, Any]:
+    """The adapter weights in the key layout diffusers' loaders read. A text encoder's keep CLIP's
+    ``text_model.`` level, which transformers 5 dropped from CLIPTextModel: diffusers reads them either way, and
+    ComfyUI and older diffusers only with it."""
+    state = convert_state_dict_to_diffusers(get_peft_model_state_dict(module))
+    if not text_encoder:
+        return state
+    return {key if key.startswith("text_model.") else f"text_model.{key}": value for key, value in state.items()}
 
 
 def kohya_state(modules: dict[str, nn.Module], family: ModelFamily) -> dict[str, torch.Tensor]:
@@ -88,7 +93,7 @@ def save_lora(modules: dict[str, nn.Module], folder: Path, family: ModelFamily) 
     """Write ``pytorch_lora_weights.safetensors``, which the family pipeline's ``load_lora_weights(folder)``
     loads, and the same adapters as ``lora_kohya.safetensors`` for A1111 and ComfyUI."""
     adapted = {name: m for name, m in modules.items() if has_lora(m)}
-    layers = {f"{name}_lora_layers": lora_state(m) for name, m in adapted.items()}
+    layers = {f"{name}_lora_layers": lora_state(m, name in family.text_encoders) for name, m in adapted.items()}
     # Without its config in the file, diffusers' loader takes alpha = rank: wrong whenever lora.alpha differs.
     metadata = {f"{name}_lora_adapter_metadata": m.peft_config["default"].to_dict() for name, m in adapted.items()}
     family.pipeline_class.save_lora_weights(folder, safe_serialization=True, weight_name=LORA_WEIGHTS, **layers,
