@@ -224,7 +224,9 @@ def test_resume_is_bitwise_with_every_speed_option_on(tmp_path, shapes_dir, auto
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_checkpointing_auto_turns_on_when_the_machine_is_too_small(tmp_path, shapes_dir, autoencoder_run, monkeypatch):
+def test_checkpointing_auto_turns_on_when_the_machine_is_too_small(tmp_path, shapes_dir, autoencoder_run, monkeypatch,
+                                                                   caplog):
+    caplog.set_level("WARNING")
     monkeypatch.setattr(autotune, "_available_bytes", lambda device: 2**20)  # a 1 MiB machine
     run = tmp_path / "run"
     assert main(["train", str(config_path("diffusion.yaml")), f"run_dir={run}", f"data.shards={shapes_dir}",
@@ -232,6 +234,8 @@ def test_checkpointing_auto_turns_on_when_the_machine_is_too_small(tmp_path, sha
                  "validation.prompts=[]"]) == 0
     tuning = read_meta(latest_checkpoint(run))["tuning"]
     assert tuning["checkpointing"] is True and tuning["estimated_gib"] > tuning["available_gib"]
+    # Even checkpointed it cannot fit in 1 MiB: said before the first step, not left to the kernel's OOM killer.
+    assert "even with gradient checkpointing" in caplog.text and "likely be killed for memory" in caplog.text
 
 
 def test_a_save_without_validation_builds_no_second_model(tmp_path, shapes_dir, autoencoder_run, monkeypatch):
