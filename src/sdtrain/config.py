@@ -109,7 +109,7 @@ class ModelConfig:
     1.0 base UNet, 2,567.5M parameters) for sdxl."""
     pretrained: str | None = None
     """A local diffusers pipeline folder, or a single-file checkpoint in the original Stable Diffusion layout
-    (``.safetensors``: SD 1.x or 2.x, sizes and prediction type read from the file; set ``tokenizer`` unless
+    (``.safetensors``: SD 1.x, 2.x or SDXL, sizes and prediction type read from the file; set ``tokenizer`` unless
     a ``NAME.tokenizer/`` folder lies beside it). Components not named below load from it."""
     vae: str | None = None
     """Autoencoder source: a diffusers ``vae`` folder, a pipeline folder, or an sdtrain autoencoder run."""
