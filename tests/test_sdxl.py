@@ -69,6 +69,13 @@ def _command(mode: str, run: Path, pretrained: Path, shapes_dir: Path, steps: in
             "validation.prompts=[]", "data.caption_dropout=0.25", *extra]
 
 
+def _scratch_command(run: Path, vae: Path, shapes_dir: Path, steps: int) -> list[str]:
+    """SDXL from scratch: both text encoders and the UNet train, the tokenizer is trained on the captions."""
+    return ["train", str(config_path("diffusion.yaml")), f"run_dir={run}", *TINY, "model.family=sdxl",
+            f"model.vae={vae}", f"data.shards={shapes_dir}", "data.batch_size=2", f"train.max_steps={steps}",
+            "checkpoint.every=1", "validation.prompts=[]", "evaluation.every_samples=0", "data.caption_dropout=0.25"]
+
+
 def _assert_same_checkpoints(a: Path, b: Path) -> None:
     for name in ("model.safetensors", "ema.safetensors"):
         if not (a / name).is_file():
@@ -79,17 +86,23 @@ def _assert_same_checkpoints(a: Path, b: Path) -> None:
         assert not different, f"{name}: {len(different)} tensors differ, e.g. {different[:3]}"
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_every_mode_resumes_bitwise_after_kill_9(mode, tmp_path, sdxl_pretrained, shapes_dir):
+@pytest.mark.parametrize("mode", ["scratch", *MODES])
+def test_every_mode_resumes_bitwise_after_kill_9(mode, tmp_path, sdxl_pretrained, shapes_dir, autoencoder_run):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    assert main(_command(mode, straight, sdxl_pretrained, shapes_dir, 3)) == 0
+
+    def command(run: Path) -> list[str]:
+        if mode == "scratch":
+            return _scratch_command(run, autoencoder_run, shapes_dir, 3)
+        return _command(mode, run, sdxl_pretrained, shapes_dir, 3)
+
+    assert main(command(straight)) == 0
     # SIGKILL right after step 2, with no chance to save beyond the checkpoint of step 2.
-    command = [sys.executable, "-m", "sdtrain", *_command(mode, killed, sdxl_pretrained, shapes_dir, 3)]
-    result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "2", "SDTRAIN_KILL_AT_STEP": "2"},
+    result = subprocess.run([sys.executable, "-m", "sdtrain", *command(killed)],
+                            env={**os.environ, "OMP_NUM_THREADS": "2", "SDTRAIN_KILL_AT_STEP": "2"},
                             capture_output=True, text=True)
     assert result.returncode == -9, result.stderr[-2000:]
     assert not (killed / "checkpoints" / "step_00000003").exists()
-    assert main(_command(mode, killed, sdxl_pretrained, shapes_dir, 3)) == 0
+    assert main(command(killed)) == 0
     _assert_same_checkpoints(straight / "checkpoints" / "step_00000003", killed / "checkpoints" / "step_00000003")
 
 
