@@ -46,6 +46,7 @@ from sdtrain.data.shards import (
 from sdtrain.errors import UserError
 from sdtrain.loaders.components import load_component
 from sdtrain.models import build, families
+from sdtrain.models.tokenizer import CaptionTokenizer
 from sdtrain.utils import atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -74,17 +75,19 @@ class Encoder:
         self.text_source = build.pin_source(text_source) if text_source else None
         self.family = families.detect(self.text_source) if self.text_source else None
         self.text_encoders: list[torch.nn.Module] = []
-        self.tokenizers: list[Any] = []
+        tokenizers: list[Any] = []
         if self.family is not None:
             for name, folder in zip(self.family.text_encoders, self.family.tokenizers):
                 module = load_component(name, self.text_source, family=self.family)
                 self.text_encoders.append(module.to(device).eval())
-                self.tokenizers.append(build.load_tokenizer(self.text_source, folder=folder))
+                tokenizers.append(build.load_tokenizer(self.text_source, folder=folder))
+        keys = [self.family.ids_key(i) for i in range(len(tokenizers))] if self.family else []
+        self.captions = CaptionTokenizer(tokenizers, keys)
         self.resolution = resolution
 
     @property
     def tokenizer(self) -> Any | None:
-        return self.tokenizers[0] if self.tokenizers else None
+        return self.captions.tokenizers[0] if self.captions.tokenizers else None
 
     @torch.no_grad()
     def latents(self, pixels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -94,8 +97,7 @@ class Encoder:
     @torch.no_grad()
     def text(self, captions: list[str]) -> dict[str, np.ndarray]:
         """The captions' text conditioning as the family's conditioner makes it, field -> array."""
-        ids = [tokenizer(captions, padding="max_length", truncation=True, max_length=tokenizer.model_max_length,
-                         return_tensors="pt").input_ids.to(self.device) for tokenizer in self.tokenizers]
+        ids = [tokens.to(self.device) for tokens in self.captions(captions).values()]
         encoded = self.family.encode_text(self.text_encoders, ids, captions)
         return {field: value.float().cpu().numpy() for field, value in encoded.items()}
 

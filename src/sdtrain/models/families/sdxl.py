@@ -47,18 +47,10 @@ _TINY_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num
 # Wider than the first, as bigG is than ViT-L: diffusers' single-file loader tells the two towers apart by width.
 _TINY_TEXT_2 = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                     projection_dim=48)
-_TINY_UNET = dict(
-    block_out_channels=[32, 64, 64],
-    layers_per_block=1,
-    down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
-    up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
-    transformer_layers_per_block=[1, 1, 2],
-    attention_head_dim=[2, 4, 4],
-    use_linear_projection=True,
-    addition_embed_type="text_time",
-    addition_time_embed_dim=8,
-    norm_num_groups=8,
-)
+# SDXL's structure (attention from the second level on, linear projections, text_time) at a size tests train.
+_TINY_UNET = {**_SDXL_UNET, "block_out_channels": [32, 64, 64], "layers_per_block": 1,
+              "transformer_layers_per_block": [1, 1, 2], "attention_head_dim": [2, 4, 4],
+              "addition_time_embed_dim": 8, "norm_num_groups": 8}
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "tiny": {"vae": _TINY_VAE, "text_encoder": _TINY_TEXT, "text_encoder_2": _TINY_TEXT_2, "unet": _TINY_UNET},
