@@ -30,7 +30,7 @@ def _losses(run: Path) -> list[float]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("family", ["sd", "sdxl"])
+@pytest.mark.parametrize("family", ["sd", "sdxl", "flux", pytest.param("sd3", marks=pytest.mark.slow)])
 def test_torchrun_ddp_and_fsdp_match_one_process_at_the_same_global_batch(tmp_path, shapes_dir,
                                                                           autoencoder_run, family):
     single = tmp_path / "single"
@@ -57,7 +57,8 @@ def test_torchrun_ddp_and_fsdp_match_one_process_at_the_same_global_batch(tmp_pa
             torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5, msg=f"{strategy} {key}")
     from sdtrain.export import export_run
 
-    assert (export_run(tmp_path / "fsdp", tmp_path / "pipe") / "unet").is_dir()
+    denoiser = "transformer" if family in ("flux", "sd3") else "unet"
+    assert (export_run(tmp_path / "fsdp", tmp_path / "pipe") / denoiser).is_dir()
 
 
 def test_sigterm_saves_stops_and_the_rerun_ends_equal_to_an_uninterrupted_run(tmp_path, shapes_dir,

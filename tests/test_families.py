@@ -12,7 +12,9 @@ from sdtrain.config import ModelConfig, ParallelConfig
 from sdtrain.distributed import Topology
 from sdtrain.errors import UserError
 from sdtrain.models import build, families
+from sdtrain.models.families.flux import FLUX
 from sdtrain.models.families.sd import SD
+from sdtrain.models.families.sd3 import SD3
 from sdtrain.models.families.sdxl import SDXL
 from sdtrain.train.parallel import DataParallel, shard_units
 
@@ -34,7 +36,7 @@ def sdxl_components() -> dict[str, nn.Module]:
     config = ModelConfig(family="sdxl", preset="tiny")
     text = {name: build.build_text_encoder(config, _Tokenizer(), name) for name in SDXL.text_encoders}
     return {"vae": build.build_vae(config), **text,
-            "unet": build.build_unet(config, latent_channels=4, latent_size=8, text_encoders=text)}
+            "unet": build.build_denoiser(config, latent_channels=4, latent_size=8, text_encoders=text)}
 
 
 def test_sd_lists_every_block_of_its_components():
@@ -114,12 +116,17 @@ def test_a_pretrained_model_is_recognised_from_its_files(pretrained, tmp_path):
     sd3 = tmp_path / "sd3.safetensors"
     save_file({"first_stage_model.decoder.conv_in.weight": torch.ones(2),
                "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight": torch.ones(2)}, str(sd3))
-    with pytest.raises(UserError, match="is SD3, which this release does not train yet"):
-        families.detect(sd3)
-    flux = tmp_path / "flux.safetensors"
-    save_file({"double_blocks.0.img_attn.norm.key_norm.scale": torch.ones(2)}, str(flux))
-    with pytest.raises(UserError, match="is Flux.1, which"):
-        families.detect(flux)
+    assert families.detect(sd3) is SD3
+    # Black Forest Labs' files hold the transformer alone; ComfyUI's all-in-one files put it under a prefix.
+    for name, prefix in (("flux", ""), ("flux-comfy", "model.diffusion_model.")):
+        flux = tmp_path / f"{name}.safetensors"
+        save_file({f"{prefix}double_blocks.0.img_attn.norm.key_norm.scale": torch.ones(2)}, str(flux))
+        assert families.detect(flux) is FLUX
+    for cls, family in (("FluxPipeline", FLUX), ("StableDiffusion3Pipeline", SD3)):
+        folder = tmp_path / cls
+        folder.mkdir()
+        (folder / "model_index.json").write_text(f'{{"_class_name": "{cls}"}}')
+        assert families.detect(folder) is family
     unknown = tmp_path / "unknown.safetensors"
     save_file({"some.weight": torch.ones(2)}, str(unknown))
     with pytest.raises(UserError, match="of no model family this release knows \\(keys such as some.weight\\)"):
@@ -130,11 +137,13 @@ def test_the_family_comes_from_the_config_the_pretrained_files_or_the_preset(pre
     assert families.for_model(ModelConfig()) is SD
     assert families.for_model(ModelConfig(preset="sdxl")) is SDXL
     assert families.for_model(ModelConfig(family="sdxl")) is SDXL
+    assert families.for_model(ModelConfig(preset="flux-schnell")) is FLUX
+    assert families.for_model(ModelConfig(preset="sd3-medium")) is SD3
     assert families.for_model(ModelConfig(pretrained=str(pretrained))) is SD
     with pytest.raises(UserError, match="model.family: sdxl, but model.pretrained .* is Stable Diffusion"):
         families.for_model(ModelConfig(family="sdxl", pretrained=str(pretrained)))
-    with pytest.raises(UserError, match="model.family: 'flux' is not one of sd, sdxl"):
-        families.for_model(ModelConfig(family="flux"))
+    with pytest.raises(UserError, match="model.family: 'kandinsky' is not one of sd, sdxl, sd3, flux"):
+        families.for_model(ModelConfig(family="kandinsky"))
     with pytest.raises(UserError, match="model.preset: 'sd2' is not a SDXL preset; choose one of tiny, sdxl"):
         build.build_vae(ModelConfig(family="sdxl", preset="sd2"))
 
@@ -153,14 +162,32 @@ def test_params_reports_the_real_sdxl_unet(capsys):
     assert rows["text_encoder_2"]["cls"] == "CLIPTextModelWithProjection"
 
 
+@pytest.mark.parametrize(("preset", "transformer"), [("sd3-medium", 2_028_328_000), ("flux-dev", 11_901_408_320),
+                                                     ("flux-schnell", 11_891_178_560)])
+def test_params_reports_the_released_transformers(preset, transformer, capsys):
+    from sdtrain.cli.main import main
+
+    from .conftest import config_path
+
+    assert main(["params", str(config_path("diffusion.yaml")), "run_dir=x", "data.shards=x", "model.vae=null",
+                 f"model.preset={preset}", "model.unet_overrides={}", "data.resolution=1024", "--json"]) == 0
+    import json
+
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows["transformer"]["parameters"] == transformer
+    assert rows["vae"]["cls"] == "AutoencoderKL" and rows[list(rows)[-1]]["cls"] == "T5EncoderModel"
+
+
 def test_training_on_a_model_of_another_family_is_one_line(tmp_path, shapes_dir, capsys):
     from sdtrain.cli.main import main
 
     from .conftest import TINY, config_path
 
-    flux = tmp_path / "flux"
-    flux.mkdir()
-    (flux / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    other = tmp_path / "kandinsky"
+    other.mkdir()
+    (other / "model_index.json").write_text('{"_class_name": "KandinskyV22Pipeline"}')
     assert main(["train", str(config_path("diffusion.yaml").parents[1] / "finetune-full.yaml"), *TINY,
-                 f"model.pretrained={flux}", f"data.shards={shapes_dir}", f"run_dir={tmp_path / 'run'}"]) == 2
-    assert "is Flux.1, which this release does not train yet" in capsys.readouterr().err
+                 f"model.pretrained={other}", f"data.shards={shapes_dir}", f"run_dir={tmp_path / 'run'}"]) == 2
+    error = capsys.readouterr().err
+    assert "is of no model family this release knows (KandinskyV22Pipeline)" in error
+    assert "sdtrain trains Stable Diffusion 1.x/2.x, SDXL, SD3, Flux.1" in error

@@ -10,11 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.configuration_utils import FrozenDict
 from torch import nn
 
-from sdtrain.config import load_config
+from sdtrain.config import DiffusionConfig, load_config
 from sdtrain.models import build, families
-from sdtrain.train.objectives import NoisePrediction
+from sdtrain.train.objectives import FlowMatching, NoisePrediction
 from sdtrain.train.tasks import DiffusionTask
 
 from .conftest import config_path
@@ -25,6 +27,8 @@ SCALING = 0.5
 
 class RecordingDenoiser(nn.Module):
     """Predicts zeros and keeps what it was called with: the loss is then the target's mean square."""
+
+    config = FrozenDict()  # the task asks a denoiser's config whether it takes guidance (Flux.1-dev's does)
 
     def forward(self, noisy: torch.Tensor, timesteps: torch.Tensor, encoder_hidden_states: torch.Tensor
                 ) -> SimpleNamespace:
@@ -39,7 +43,8 @@ def objective(*overrides: str) -> DiffusionTask:
     task = DiffusionTask.__new__(DiffusionTask)
     task.config, task.device, task.family = config, torch.device("cpu"), families.SD
     task.objective = NoisePrediction(config.diffusion, build.build_noise_scheduler(config.diffusion), task.device)
-    task.vae = SimpleNamespace(config=SimpleNamespace(scaling_factor=SCALING))
+    # A FrozenDict as a diffusers model's config is: read by attribute and by .get (shift_factor, unset here).
+    task.vae = SimpleNamespace(config=FrozenDict(scaling_factor=SCALING))
     task.unet = RecordingDenoiser()
     task.text_embeddings = True
     return task
@@ -140,3 +145,169 @@ def test_offset_noise_and_input_perturbation(latent_mean):
         expected = math.sqrt(abar[t]) * x0[i] + math.sqrt(1 - abar[t]) * noised_with
         torch.testing.assert_close(task.unet.seen[0][i].double(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(loss.double(), per_sample(noise), rtol=1e-5, atol=1e-6)
+
+
+# Flow matching (rectified flow, SD3 and Flux.1): x_t = (1 - sigma) x0 + sigma noise, target noise - x0, the
+# sigmas drawn, shifted and weighted as the formulas of SD3's paper and diffusers' scheduler say.
+
+FLOW_BATCH = 6
+
+
+def flow(scheduler: FlowMatchEulerDiscreteScheduler | None = None, **fields) -> FlowMatching:
+    config = DiffusionConfig(**fields)
+    config.validate()
+    return FlowMatching(config, scheduler or FlowMatchEulerDiscreteScheduler(), torch.device("cpu"))
+
+
+def dynamic_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """Flux.1-dev's: mu from 0.5 at 256 image tokens to 1.15 at 4096."""
+    return FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                           base_image_seq_len=256, max_image_seq_len=4096)
+
+
+def hand_unshifted(sampling: str, seed: int, count: int = FLOW_BATCH, mean: float = 0.0, std: float = 1.0,
+                   mode_scale: float = 1.29) -> torch.Tensor:
+    """The sigmas before any shift, in float64 from the same generator's draws (one per sample)."""
+    generator = torch.Generator().manual_seed(seed)
+    if sampling == "logit_normal":
+        return torch.sigmoid(mean + std * torch.randn(count, generator=generator).double())
+    u = torch.rand(count, generator=generator).double()
+    if sampling == "mode":
+        return 1 - u - mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+    if sampling == "cosmap":
+        return 1 - 1 / (torch.tan(math.pi * u / 2) + 1)
+    return u
+
+
+def hand_static_shift(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def scheduler_sigmas(scheduler: FlowMatchEulerDiscreteScheduler, unshifted: torch.Tensor, **kwargs) -> torch.Tensor:
+    """What the scheduler samples at for these unshifted sigmas (its last, appended terminal 0 dropped)."""
+    scheduler.set_timesteps(sigmas=unshifted.float().tolist(), **kwargs)
+    return scheduler.sigmas[:-1]
+
+
+@pytest.mark.parametrize("sampling", ["uniform", "logit_normal", "mode", "cosmap"])
+def test_flow_sigma_sampling(sampling):
+    fields = {"timestep_mean": 0.4, "timestep_std": 1.3, "mode_scale": 0.8}
+    sigmas = flow(timestep_sampling=sampling, **fields).sample_sigmas(FLOW_BATCH, torch.Generator().manual_seed(21))
+    expected = hand_unshifted(sampling, 21, mean=0.4, std=1.3, mode_scale=0.8)
+    assert sigmas.dtype == torch.float32 and sigmas.shape == (FLOW_BATCH,)
+    torch.testing.assert_close(sigmas.double(), expected, rtol=1e-6, atol=1e-6)
+    assert ((sigmas >= 0) & (sigmas <= 1)).all()
+
+
+def test_flow_static_shift_matches_formula_and_scheduler():
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    sigmas = flow(scheduler).sample_sigmas(FLOW_BATCH, torch.Generator().manual_seed(4))
+    unshifted = hand_unshifted("uniform", 4)
+    torch.testing.assert_close(sigmas.double(), hand_static_shift(unshifted, 3.0), rtol=1e-6, atol=1e-6)
+    # Training and sampling shift alike: the scheduler's own schedule at the same unshifted sigmas.
+    torch.testing.assert_close(sigmas, scheduler_sigmas(FlowMatchEulerDiscreteScheduler(shift=3.0), unshifted))
+    assert (sigmas.double() >= unshifted - 1e-7).all()  # a shift above 1 moves every sigma towards noise
+
+
+@pytest.mark.parametrize(("tokens", "mu"), [(256, 0.5), (1024, 0.63), (4096, 1.15)])
+def test_flow_dynamic_shift_matches_formula_and_scheduler(tokens, mu):
+    objective = flow(dynamic_scheduler())
+    assert objective.mu(tokens) == pytest.approx(mu, abs=1e-12)
+    sigmas = objective.sample_sigmas(FLOW_BATCH, torch.Generator().manual_seed(8), image_tokens=tokens)
+    unshifted = hand_unshifted("uniform", 8)
+    expected = math.exp(mu) / (math.exp(mu) + (1 / unshifted - 1))
+    torch.testing.assert_close(sigmas.double(), expected, rtol=1e-6, atol=1e-6)
+    # The static shift of 3.0 in the same scheduler is not used once the shift is dynamic.
+    torch.testing.assert_close(sigmas, scheduler_sigmas(dynamic_scheduler(), unshifted, mu=objective.mu(tokens)))
+
+
+def test_flow_dynamic_shift_counts_the_latents_tokens():
+    objective = flow(dynamic_scheduler())
+    latents = torch.zeros(2, 1, 32, 32)  # 2x2 patches: 16 x 16 = 256 tokens, mu = 0.5
+    _, timesteps, _ = objective.draw(latents, torch.Generator().manual_seed(6))
+    generator = torch.Generator().manual_seed(6)
+    torch.randn(latents.shape, generator=generator)  # the noise comes first
+    expected = objective.sample_sigmas(2, generator, image_tokens=256) * 1000
+    torch.testing.assert_close(timesteps, expected)
+    with pytest.raises(ValueError, match="token count"):
+        objective.sample_sigmas(2, generator)
+
+
+def test_flow_noisy_input_and_target(latent_mean):
+    objective = flow(FlowMatchEulerDiscreteScheduler(shift=3.0), timestep_sampling="logit_normal")
+    noisy, timesteps, target = objective.draw(latent_mean, torch.Generator().manual_seed(9))
+    generator = torch.Generator().manual_seed(9)
+    noise = torch.randn(SHAPE, generator=generator).double()  # then the sigmas: one normal per sample
+    sigmas = hand_static_shift(torch.sigmoid(torch.randn(SHAPE[0], generator=generator).double()), 3.0)
+    x0, sigma = latent_mean.double(), sigmas.reshape(-1, 1, 1, 1)
+    assert noisy.dtype == timesteps.dtype == target.dtype == torch.float32
+    torch.testing.assert_close(timesteps.double(), sigmas * 1000, rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(noisy.double(), (1 - sigma) * x0 + sigma * noise, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(target.double(), noise - x0, rtol=1e-6, atol=1e-6)
+    assert objective.prediction(target, noisy, timesteps) is target  # unconditioned: the output itself
+
+
+@pytest.mark.parametrize("weighting", ["none", "sigma_sqrt", "cosmap"])
+def test_flow_loss_weighting(weighting):
+    sigmas = [0.05, 0.3, 0.5, 0.9]
+    loss = torch.tensor([1.0, 2.0, 0.5, 3.0])
+    weighted = flow(loss_weighting=weighting).weight(loss, torch.tensor(sigmas) * 1000)
+    formula = {"none": lambda s: 1.0, "sigma_sqrt": lambda s: s**-2,
+               "cosmap": lambda s: 2 / (math.pi * (1 - 2 * s + 2 * s**2))}[weighting]
+    expected = [value * formula(s) for value, s in zip(loss.tolist(), sigmas)]
+    torch.testing.assert_close(weighted.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=0)
+
+
+def test_flow_sigma_sqrt_weight_is_finite_at_sigma_zero():
+    weighted = flow(loss_weighting="sigma_sqrt").weight(torch.ones(2), torch.tensor([0.0, 1000.0]))
+    assert torch.isfinite(weighted).all() and weighted[1].item() == 1.0
+
+
+def test_flow_preconditioning(latent_mean):
+    objective = flow(precondition_outputs=True)
+    noisy, timesteps, target = objective.draw(latent_mean, torch.Generator().manual_seed(12))
+    noise = torch.randn(SHAPE, generator=torch.Generator().manual_seed(12))
+    # The target is the clean latents; the exact velocity, preconditioned, gives them back.
+    assert torch.equal(target, latent_mean)
+    prediction = objective.prediction(noise - latent_mean, noisy, timesteps)
+    torch.testing.assert_close(prediction, latent_mean, rtol=1e-5, atol=1e-5)
+
+
+def test_flow_draw_at_fixed_sigmas(latent_mean):
+    # A shifting scheduler: draw_at must not shift what it is given.
+    objective = flow(FlowMatchEulerDiscreteScheduler(shift=3.0))
+    noise = torch.randn(SHAPE, generator=torch.Generator().manual_seed(1))
+    noisy, timesteps, target = objective.draw_at(latent_mean, noise, torch.tensor([0.0, 1.0]))
+    assert torch.equal(noisy[0], latent_mean[0]) and torch.equal(noisy[1], noise[1])
+    assert timesteps.tolist() == [0.0, 1000.0] and torch.equal(target, noise - latent_mean)
+    # MLPerf's Flux validation: sigma = k/8 for k = 0..7, one sigma for the whole batch.
+    for k in range(8):
+        noisy, timesteps, _ = objective.draw_at(latent_mean, noise, k / 8)
+        assert timesteps.tolist() == [k * 125.0] * SHAPE[0]
+        torch.testing.assert_close(noisy, (1 - k / 8) * latent_mean + k / 8 * noise)
+
+
+@pytest.mark.parametrize("sampling", ["uniform", "logit_normal", "mode", "cosmap"])
+def test_flow_draws_repeat_bitwise_from_the_same_generator_state(latent_mean, sampling):
+    objective = flow(dynamic_scheduler(), timestep_sampling=sampling)
+    generator = torch.Generator().manual_seed(30)
+    objective.draw(latent_mean, generator)  # a step before the checkpoint
+    state = generator.get_state()
+    first = objective.draw(latent_mean, generator)
+    generator.set_state(state)  # as a resumed run restores it
+    second = objective.draw(latent_mean, generator)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_objectives_name_themselves_and_flow_ignores_ddpm_options_out_loud(latent_mean, caplog):
+    assert NoisePrediction.name == "noise_prediction" and flow().name == "flow_matching"
+    output = torch.ones(SHAPE)
+    assert objective("diffusion.snr_gamma=0").objective.prediction(output, output, torch.zeros(2)) is output
+    # The shared fine-tuning recipes set min-SNR: a flow model trains with them, told what is left out.
+    caplog.set_level("WARNING")
+    weighted = flow(snr_gamma=5.0, noise_offset=0.1)
+    assert "diffusion.noise_offset, diffusion.snr_gamma" in caplog.text and "ignored" in caplog.text
+    plain = flow()
+    assert all(torch.equal(a, b) for a, b in zip(weighted.draw(latent_mean, torch.Generator().manual_seed(3)),
+                                                 plain.draw(latent_mean, torch.Generator().manual_seed(3))))
+    assert torch.equal(weighted.weight(torch.ones(2), torch.tensor([10.0, 900.0])), torch.ones(2))

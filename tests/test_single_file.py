@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from sdtrain.config import DiffusionConfig, ModelConfig
 from sdtrain.errors import UserError
 from sdtrain.loaders.components import load_component
 from sdtrain.models import build
@@ -113,7 +114,6 @@ def test_cli_exports_half_precision_and_refuses_a_foreign_file(exported, diffusi
 def test_sd2_layout_reads_as_v_prediction_with_the_same_text_encoder(tmp_path):
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from sdtrain.config import DiffusionConfig
 
     unet, vae, text = _tiny_components()
     path = sf.save_single_file(tmp_path / "sd2.safetensors", unet=unet, vae=vae, text_encoder=text,
@@ -123,12 +123,12 @@ def test_sd2_layout_reads_as_v_prediction_with_the_same_text_encoder(tmp_path):
         fused = f.get_slice("cond_stage_model.model.transformer.resblocks.0.attn.in_proj_weight").get_shape()
     assert "prediction_type" not in metadata and fused == [3 * 64, 64]
     assert sf.prediction_type(path) == "v_prediction"
-    noise = build.build_noise_scheduler(DiffusionConfig(), str(path))
+    noise = build.build_noise_scheduler(DiffusionConfig(), ModelConfig(pretrained=str(path)))
     assert noise.config.prediction_type == "v_prediction"
     assert (noise.config.beta_schedule, noise.config.beta_start, noise.config.beta_end,
             noise.config.num_train_timesteps) == ("scaled_linear", 0.00085, 0.012, 1000)
-    assert build.build_noise_scheduler(DiffusionConfig(prediction_type="epsilon"), str(path)).config.prediction_type \
-        == "epsilon"
+    epsilon = build.build_noise_scheduler(DiffusionConfig(prediction_type="epsilon"), ModelConfig(pretrained=str(path)))
+    assert epsilon.config.prediction_type == "epsilon"
 
     loaded = load_component("text_encoder", path)
     assert isinstance(loaded, CLIPTextModel)
@@ -344,7 +344,6 @@ def test_stable_diffusion_sized_layouts_match_diffusers_converters():
 
 
 def test_a_planted_pickle_payload_never_runs(tmp_path, monkeypatch):
-    from sdtrain.config import DiffusionConfig
 
     marker = tmp_path / "pwned"
 
@@ -364,7 +363,7 @@ def test_a_planted_pickle_payload_never_runs(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="more than tensors"):
         load_component("vae", evil)
     with pytest.raises(UserError, match="more than tensors"):
-        build.build_noise_scheduler(DiffusionConfig(), str(evil))
+        build.build_noise_scheduler(DiffusionConfig(), ModelConfig(pretrained=str(evil)))
     assert not marker.exists()
 
     # A plain trusted checkpoint loads through the same conversion.

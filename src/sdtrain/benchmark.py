@@ -49,7 +49,7 @@ SYNTHETIC_SAMPLES = (64, 2048)
 RANDOM_VAE = "random-vae"
 """Where in its run folder the benchmark puts an untrained VAE of the preset, when a config names none."""
 def random_text_encoder(name: str) -> str:
-    """The same for each frozen text encoder a config does not name (text_encoder, SDXL's text_encoder_2)."""
+    """The same for each frozen text encoder a config does not name (text_encoder, text_encoder_2, ...)."""
     return f"random-{name.replace('_', '-')}"
 
 
@@ -264,8 +264,8 @@ def benchmark_overrides(config_path: Path, overrides: list[str], run_dir: str | 
                                 "shares, for the benchmark's scratch files")
             filled.append(f"{key}={value}")
     frozen_text = not OmegaConf.select(given, "diffusion.train_text_encoder", default=False)
-    # Both of SDXL's encoders; a family with one reads only model.text_encoder.
-    for name in ("text_encoder", "text_encoder_2"):
+    # Every encoder a family may have (SDXL's two, SD3's three); a family with fewer reads only its own.
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
         if frozen_text and all(OmegaConf.select(given, k, default=None) is None for k in (f"model.{name}",
                                                                                            "model.pretrained")):
             filled.append(f"model.{name}=${{run_dir}}/{random_text_encoder(name)}")

@@ -83,7 +83,20 @@ def capture(modules: dict[str, nn.Module], ema: Any, optimizer: torch.optim.Opti
         model, optim = get_model_state_dict(nn.ModuleDict(modules), options=_FULL), {}
     else:
         model, optim = get_state_dict(nn.ModuleDict(modules), optimizer, options=_FULL)
-    return Snapshot({k: v.contiguous() for k, v in model.items()}, ema.full_state(keep) if ema else None, optim)
+    return Snapshot(_untied(model), ema.full_state(keep) if ema else None, optim)
+
+
+def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state with tied weights (T5's shared and encoder.embed_tokens) stored once each under both names:
+    safetensors refuses tensors that share memory, and loading either name restores the tie's one tensor."""
+    seen: set[int] = set()
+    untied = {}
+    for key, value in state.items():
+        value = value.contiguous()
+        pointer = value.data_ptr()
+        untied[key] = value.clone() if pointer in seen and value.numel() else value
+        seen.add(pointer)
+    return untied
 
 
 def _class_name(module: nn.Module) -> str:

@@ -98,15 +98,21 @@ class DataConfig:
                "class_key and class_prompts go together: set both (e.g. cls and a JSON of index -> prompt) or neither")
 
 
+PRESETS = ("tiny", "small", "sd2", "sdxl", "sd3-medium", "flux-dev", "flux-schnell")
+"""Every family's preset names (each family module lists the ones it has)."""
+
+
 @dataclass
 class ModelConfig:
     family: str | None = None
-    """The model family: ``sd`` (Stable Diffusion 1.x/2.x) or ``sdxl``. Unset: the pretrained model's own (from
-    its model_index.json or single-file keys), else the family of ``preset`` (``sdxl``), else ``sd``."""
+    """The model family: ``sd`` (Stable Diffusion 1.x/2.x), ``sdxl``, ``sd3`` (SD3/3.5) or ``flux`` (Flux.1).
+    Unset: the pretrained model's own (from its model_index.json or single-file keys), else the family whose
+    presets alone name ``preset`` (``sdxl``, ``sd3-medium``, ``flux-dev``...), else ``sd``."""
     preset: str = "tiny"
     """Architecture for components built from scratch, one of the family's: ``tiny`` (tests, demo), ``small`` or
     ``sd2`` (the real Stable Diffusion 2 base UNet, 865.9M parameters) for sd; ``tiny`` or ``sdxl`` (the SDXL
-    1.0 base UNet, 2,567.5M parameters) for sdxl."""
+    1.0 base UNet, 2,567.5M parameters) for sdxl; ``tiny`` or ``sd3-medium`` (2,028.3M) for sd3; ``tiny``,
+    ``flux-dev`` (11,901.4M) or ``flux-schnell`` (11,891.2M) for flux."""
     pretrained: str | None = None
     """A local diffusers pipeline folder, or a single-file checkpoint in the original Stable Diffusion layout
     (``.safetensors``: SD 1.x, 2.x or SDXL, sizes and prediction type read from the file; set ``tokenizer`` unless
@@ -124,8 +130,16 @@ class ModelConfig:
     tokenizer_2: str | None = None
     """SDXL's second tokenizer folder; unset: the ``tokenizer_2/`` beside the second text encoder, else the
     first tokenizer."""
+    text_encoder_3: str | None = None
+    """SD3's T5 text encoder: a T5EncoderModel folder, a pipeline folder, or an sdtrain run."""
+    tokenizer_3: str | None = None
+    """SD3's T5 tokenizer folder; unset: the ``tokenizer_3/`` beside the third text encoder, else the first
+    tokenizer."""
     unet: str | None = None
     """UNet source: a UNet2DConditionModel folder, a pipeline folder, or an sdtrain run."""
+    transformer: str | None = None
+    """Transformer source (SD3, Flux.1): an SD3Transformer2DModel or FluxTransformer2DModel folder, a pipeline
+    folder, a single file of the transformer alone, or an sdtrain run."""
     trust_pickle: bool = False
     """Allow ``.ckpt``/``.pt``/``.bin`` checkpoints (pickle files) as sources. They are still read with
     ``torch.load(weights_only=True)``, which refuses code, but convert them to safetensors if you can."""
@@ -135,17 +149,27 @@ class ModelConfig:
     """Tokens per caption. Unset: the pretrained tokenizer's ``model_max_length`` (no more than its text encoder's
     ``max_position_embeddings``), or 77 (CLIP's) for a tokenizer trained from scratch; a set value longer than
     the pretrained text encoder's positions is an error."""
+    t5_text_length: int | None = None
+    """Tokens per caption for a T5 text encoder (Flux.1's, SD3's): unset 512 for Flux.1-dev, 256 for
+    Flux.1-schnell (and MLPerf's recipe) and SD3, as their pipelines sample; CLIP encoders keep their 77."""
     unet_overrides: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments that replace the preset's UNet2DConditionModel settings."""
+    transformer_overrides: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments that replace the preset's transformer settings (SD3, Flux.1)."""
     vae_overrides: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments that replace the preset's AutoencoderKL settings."""
     text_encoder_overrides: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments that replace the preset's CLIPTextConfig settings."""
     text_encoder_2_overrides: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments that replace the preset's settings of SDXL's second text encoder."""
+    """Keyword arguments that replace the preset's settings of the second text encoder (SDXL's and SD3's CLIP-G,
+    Flux.1's T5)."""
+    text_encoder_3_overrides: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments that replace the preset's settings of SD3's T5 text encoder."""
 
     def validate(self) -> None:
-        _check(self.preset in ("tiny", "small", "sd2", "sdxl"), "model.preset", "must be tiny, small, sd2 or sdxl")
+        _check(self.preset in PRESETS, "model.preset", f"must be one of {', '.join(PRESETS)}")
+        _check(self.t5_text_length is None or self.t5_text_length >= 4, "model.t5_text_length",
+               "must be at least 4 (or unset: the family's length)")
         _check(self.max_text_length is None or self.max_text_length >= 4, "model.max_text_length",
                "must be at least 4 (or unset: the pretrained length, else 77)")
 
@@ -164,13 +188,34 @@ class DiffusionConfig:
     beta_end: float = 0.012
     """Last beta of the schedule."""
     timestep_sampling: str = "uniform"
-    """How training draws timesteps: ``uniform`` over the schedule, or ``logit_normal`` (Esser et al., 2024,
-    as SD3 trains): t / T = sigmoid(x) with x ~ N(timestep_mean, timestep_std), which spends the steps on the
-    middle of the schedule, and with a positive mean on the noisier part, where layout and count are decided."""
+    """How training draws timesteps (for flow matching, as SD3 and Flux.1 train: sigmas): ``uniform`` over the
+    schedule, ``logit_normal`` (Esser et al., 2024, as SD3 trains): t / T = sigmoid(x) with
+    x ~ N(timestep_mean, timestep_std), which spends the steps on the middle of the schedule, and with a positive
+    mean on the noisier part, where layout and count are decided; flow matching also ``mode`` (SD3 paper's mode sampling, scale ``mode_scale``) and
+    ``cosmap``."""
     timestep_mean: float = 0.0
     """Mean of the logit-normal draw; positive favours noisier timesteps, negative cleaner ones."""
     timestep_std: float = 1.0
     """Spread of the logit-normal draw; larger approaches uniform with heavier ends."""
+    mode_scale: float = 1.29
+    """Scale of ``mode`` timestep sampling (SD3's paper: 1.29); 0 is uniform."""
+    flow_shift: float | None = None
+    """Flow matching: the static shift s of the sigmas, sigma' = s sigma / (1 + (s - 1) sigma), in training and
+    sampling alike (SD3: 3.0; Flux.1-schnell: 1.0, none). Unset: the pretrained scheduler's, else the preset's."""
+    flow_dynamic_shift: bool | None = None
+    """Flow matching: Flux.1-dev's resolution-dependent shift instead of ``flow_shift`` (exp(mu), mu rising
+    linearly from 0.5 at 256 image tokens to 1.15 at 4096). Unset: the pretrained scheduler's, else the preset's."""
+    loss_weighting: str = "none"
+    """Flow matching: each sample's loss weight by its sigma: ``none``, ``sigma_sqrt`` (1 / sigma^2) or
+    ``cosmap`` (2 / (pi (1 - 2 sigma + 2 sigma^2))), as diffusers' SD3 scripts offer."""
+    precondition_outputs: bool = False
+    """Flow matching: SD3's output preconditioning: the prediction becomes x_t - sigma * output and is compared
+    with the clean latents (the same optimum, weighted by sigma^2)."""
+    guidance: float = 3.5
+    """Flux.1-dev's guidance embedding during training: the constant it is fed (kohya's and diffusers' scripts
+    default to 3.5; 1.0 is also common). Ignored by models without one (schnell, SD3)."""
+    guidance_range: list[float] = field(default_factory=list)
+    """[low, high]: draw Flux.1-dev's guidance per sample uniformly from this range instead of ``guidance``."""
     snr_gamma: float = 0.0
     """Min-SNR loss weighting (Hang et al., 2023): clamp each timestep's weight at this signal-to-noise
     ratio, so the many easy low-noise steps stop dominating; 5 is the paper's value, 0 turns it off."""
@@ -197,8 +242,14 @@ class DiffusionConfig:
         _check(self.num_train_timesteps >= 2, "diffusion.num_train_timesteps", "must be at least 2")
         _check(self.beta_schedule in ("linear", "scaled_linear", "squaredcos_cap_v2"), "diffusion.beta_schedule",
                "must be linear, scaled_linear or squaredcos_cap_v2")
-        _check(self.timestep_sampling in ("uniform", "logit_normal"), "diffusion.timestep_sampling",
-               "must be uniform or logit_normal")
+        _check(self.timestep_sampling in ("uniform", "logit_normal", "mode", "cosmap"), "diffusion.timestep_sampling",
+               "must be uniform, logit_normal, mode or cosmap")
+        _check(self.flow_shift is None or self.flow_shift > 0, "diffusion.flow_shift", "must be positive")
+        _check(self.loss_weighting in ("none", "sigma_sqrt", "cosmap"), "diffusion.loss_weighting",
+               "must be none, sigma_sqrt or cosmap")
+        _check(not self.guidance_range or (len(self.guidance_range) == 2
+                                           and 0 <= self.guidance_range[0] <= self.guidance_range[1]),
+               "diffusion.guidance_range", "must be [low, high] with 0 <= low <= high (or empty)")
         _check(self.timestep_std > 0, "diffusion.timestep_std", "must be positive")
         _check(self.snr_gamma >= 0, "diffusion.snr_gamma", "must be 0 (off) or positive")
 
@@ -471,15 +522,18 @@ class ValidationConfig:
 @dataclass
 class EvaluationConfig:
     every_samples: int = 0
-    """Evaluate the current (EMA) weights every this many training samples, on every rank (MLPerf: 512,000);
-    0 turns it off. Results go to the metrics (metrics.jsonl, TensorBoard, W&B) as fid, clip, adherence_*."""
+    """Evaluate the current (EMA) weights every this many training samples, on every rank (MLPerf: 512,000 for
+    SD2, 262,144 for Flux.1); 0 turns it off. Results go to the metrics (metrics.jsonl, TensorBoard, W&B) as fid,
+    clip, adherence_*, val_loss."""
     prompts: str | None = None
     """Prompt file: one per line, or a TSV/CSV with a caption column. Unset with metrics [adherence]: the
     shapes demo's prompt set."""
     num: int = 0
-    """Prompts used (the first N); 0 uses all."""
+    """Prompts used (the first N), or for val_loss samples of ``val_shards`` (the first N in shard order);
+    0 uses all."""
     metrics: list[str] = field(default_factory=lambda: ["fid", "clip"])
-    """Any of fid, clip, adherence."""
+    """Any of fid, clip, adherence (scored on generated images) and val_loss (the training loss on
+    ``val_shards`` at fixed timesteps and noise: MLPerf's Flux.1 metric, no images generated)."""
     steps: int = 50
     """Sampling steps (MLPerf: DDIM, 50)."""
     guidance: float = 8.0
@@ -487,32 +541,45 @@ class EvaluationConfig:
     scheduler: str = "ddim"
     """Sampler: ddim, euler or dpmpp."""
     seed: int = 0
-    """Prompt i is generated from seed + i, on whichever rank draws it."""
+    """Prompt i is generated from seed + i, on whichever rank draws it; for val_loss, sample i's noise is drawn
+    from (seed, i) alone, so the value does not depend on batch size or rank count."""
     batch: int = 8
-    """Images generated together (each from its own seed) and added to the metrics at once."""
+    """Images generated together (each from its own seed) and added to the metrics at once; for val_loss, the
+    held-out samples per forward pass."""
     reference: str | None = None
     """FID reference: statistics (.npz with mu and sigma, e.g. MLPerf's val2014_512x512_30k_stats.npz) or images."""
     inception: str | None = None
     """Path of the FID Inception weights (pt_inception-2015-12-05-6726825d.pth)."""
     clip: str | None = None
     """A transformers CLIP model folder for the CLIP score (MLPerf: CLIP-ViT-H-14-laion2B-s32B-b79K)."""
+    val_shards: str | None = None
+    """Held-out shards for val_loss (folder, glob or brace pattern): image shards, encoded online, or shards from
+    ``sdtrain prepare encode`` with the run's autoencoder (their latents, and with frozen text encoders their
+    embeddings, are used). MLPerf's Flux.1: the 29,696-image COCO-2014 subset at 256 px."""
+    val_timesteps: int = 8
+    """val_loss evaluates sample i at timestep t = (i mod N) / N of the schedule (flow matching: sigma = t;
+    noise prediction: timestep t * num_train_timesteps) and reports the mean of the N per-timestep means
+    (MLPerf's Flux.1: 8, t = 0, 1/8, ..., 7/8)."""
     target: dict[str, float] = field(default_factory=dict)
-    """Stop training once every metric here meets its target: fid at most, the others at least, e.g. MLPerf's
-    {fid: 90, clip: 0.15} or {adherence_overall: 0.9}. The step, samples and wall time of that point are
-    recorded in target.json and the metrics."""
+    """Stop training once every metric here meets its target: fid and val_loss at most, the others at least,
+    e.g. MLPerf's {fid: 90, clip: 0.15}, MLPerf Flux.1's {val_loss: 0.586} or {adherence_overall: 0.9}. The
+    step, samples and wall time of that point are recorded in target.json and the metrics."""
 
     def validate(self) -> None:
         _check(self.every_samples >= 0, "evaluation.every_samples", "must be 0 (off) or positive")
-        _check(set(self.metrics) <= {"fid", "clip", "adherence"} and bool(self.metrics), "evaluation.metrics",
-               "choose from fid, clip, adherence")
+        _check(set(self.metrics) <= {"fid", "clip", "adherence", "val_loss"} and bool(self.metrics),
+               "evaluation.metrics", "choose from fid, clip, adherence, val_loss")
         _check(self.scheduler in ("ddim", "euler", "dpmpp"), "evaluation.scheduler", "must be ddim, euler or dpmpp")
         _check(self.steps >= 1 and self.batch >= 1 and self.num >= 0, "evaluation",
                "steps and batch at least 1, num 0 or more")
+        _check(self.val_timesteps >= 1, "evaluation.val_timesteps", "must be at least 1 (MLPerf's Flux.1: 8)")
         if self.every_samples:
-            _check(self.prompts is not None or self.metrics == ["adherence"], "evaluation.prompts",
+            _check(self.prompts is not None or not {"fid", "clip"} & set(self.metrics), "evaluation.prompts",
                    "required for fid and clip: a prompt file (MLPerf: the COCO-2014 captions TSV)")
-        known = {"fid", "clip"} | {f"adherence_{k}" for k in ("colour_accuracy", "shape_accuracy",
-                                                              "two_shape_accuracy", "count_accuracy", "overall")}
+            _check(self.val_shards is not None or "val_loss" not in self.metrics, "evaluation.val_shards",
+                   "required for val_loss: the held-out shards (MLPerf's Flux.1: the COCO-2014 subset, encoded)")
+        known = {"fid", "clip", "val_loss"} | {f"adherence_{k}" for k in (
+            "colour_accuracy", "shape_accuracy", "two_shape_accuracy", "count_accuracy", "overall")}
         _check(set(self.target) <= known, "evaluation.target", f"keys must be among {', '.join(sorted(known))}")
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from sdtrain.errors import UserError, first_line
-from sdtrain.loaders.pipelines import pipeline_from_run
+from sdtrain.loaders.pipelines import pipeline_from_run, run_config
 from sdtrain.models import build, families
 from sdtrain.models.pipeline import sample_images, sampler_from
 from sdtrain.models.single_file import TRUST_PICKLE_ENV, load_single_file_pipeline, trust_pickle_from_env
@@ -79,14 +79,19 @@ def _slug(text: str) -> str:
 def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int = 30, guidance: float = 5.0,
              seed: int = 0, scheduler: str = "euler", ema: bool = True, device: str = "auto",
              negative_prompt: str | None = None, loras: Sequence[str | Path] = (), lora_scale: float = 1.0,
-             embeddings: Sequence[str | Path] = (), tokenizer: str | Path | None = None) -> list[Path]:
+             embeddings: Sequence[str | Path] = (), tokenizer: str | Path | None = None,
+             size: int | None = None) -> list[Path]:
+    """Images of `prompts` into `out`, one file each plus a grid; `size` None: a run's training resolution, else
+    the pipeline's default."""
     if not prompts:
         raise UserError("no prompts: pass --prompt TEXT or --prompts FILE with one prompt per line")
+    if size is None and build.source_kind(model) == "run":
+        size = run_config(Path(model)).data.resolution
     pipe = load_pipeline(model, ema=ema, device=device, tokenizer=tokenizer)
     apply_additions(pipe, loras, lora_scale, embeddings)
     pipe.scheduler = sampler_from(pipe.scheduler, scheduler)
     images = sample_images(pipe, prompts, seed=seed, steps=steps, guidance=guidance,
-                           negative_prompt=negative_prompt)
+                           negative_prompt=negative_prompt, size=size)
     out = Path(out)
     paths = [save_image_atomic(img, out / f"{i:03d}-{_slug(p)}.png") for i, (img, p) in enumerate(zip(images, prompts))]
     rows = max(1, round(len(images) ** 0.5))

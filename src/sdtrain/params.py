@@ -60,8 +60,8 @@ def _component(config: RunConfig, family: ModelFamily, name: str, built: dict[st
         else:
             vae = built["vae"]
             side = config.data.resolution // build.vae_scale(vae.config.block_out_channels)
-            module = build.build_unet(model, vae.config.latent_channels, side,
-                                      text_encoders={te: built[te] for te in family.text_encoders})
+            module = build.build_denoiser(model, vae.config.latent_channels, side,
+                                          text_encoders={te: built[te] for te in family.text_encoders})
     return module, f"preset {model.preset}"
 
 

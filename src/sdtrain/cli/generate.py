@@ -24,7 +24,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first prompt; prompt i uses seed + i")
-    parser.add_argument("--scheduler", default="euler", choices=["euler", "ddim", "dpmpp"])
+    parser.add_argument("--size", type=int, default=None,
+                        help="image side in pixels (default: a run's training resolution, else the pipeline's "
+                        "default: Flux.1's is 1024 whatever it trained on)")
+    parser.add_argument("--scheduler", default="euler", choices=["euler", "ddim", "dpmpp"],
+                        help="sampler of DDPM-schedule models; flow-matching ones (SD3, Flux.1) use their Euler")
     parser.add_argument("--negative-prompt", default=None)
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     parser.add_argument("--no-ema", dest="ema", action="store_false", help="with a run: use the raw weights")
@@ -47,9 +51,11 @@ def run(args: argparse.Namespace) -> int:
         prompts = args.prompt
     if args.steps < 1:
         raise UserError("--steps: must be at least 1")
+    if args.size is not None and (args.size < 8 or args.size % 8):
+        raise UserError(f"--size: {args.size} is not a positive multiple of 8")
     paths = generate(args.model, prompts, args.out, steps=args.steps, guidance=args.guidance, seed=args.seed,
                      scheduler=args.scheduler, ema=args.ema, device=args.device,
                      negative_prompt=args.negative_prompt, loras=args.lora, lora_scale=args.lora_scale,
-                     embeddings=args.embedding, tokenizer=args.tokenizer)
+                     embeddings=args.embedding, tokenizer=args.tokenizer, size=args.size)
     print(f"wrote {len(paths) - 1} images and {paths[-1]}")
     return 0

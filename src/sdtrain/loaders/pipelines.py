@@ -50,6 +50,6 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
     if added_tokens:  # textual inversion: the merged text encoders' new rows belong to these
         for tokenizer in tokenizers:
             tokenizer.add_tokens(added_tokens)
-    noise = build.build_noise_scheduler(config.diffusion, model.pretrained, trust)
+    noise = build.build_noise_scheduler(config.diffusion, model)
     return family.assemble({name: component(name) for name in family.components}, tokenizers,
                            sampler_from(noise, "euler"))

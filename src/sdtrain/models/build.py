@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+from diffusers import AutoencoderKL, DDPMScheduler, FlowMatchEulerDiscreteScheduler
 from torch import nn
 
 from sdtrain.checkpoint import latest_checkpoint, read_meta
@@ -22,7 +22,7 @@ from sdtrain.config import DiffusionConfig, ModelConfig
 from sdtrain.errors import UserError
 from sdtrain.models import families, single_file
 from sdtrain.models.families.spec import construct
-from sdtrain.models.tokenizer import load_clip_tokenizer
+from sdtrain.models.tokenizer import load_tokenizer_folder
 
 
 def vae_scale(block_out_channels: list[int] | tuple[int, ...]) -> int:
@@ -43,22 +43,35 @@ def build_text_encoder(config: ModelConfig, tokenizer: Any, name: str = "text_en
     return family.build_text_encoder(name, settings, tokenizer, key)
 
 
-def build_unet(config: ModelConfig, latent_channels: int, latent_size: int, cross_attention_dim: int | None = None,
-               text_encoders: dict[str, nn.Module] | None = None) -> UNet2DConditionModel:
-    """The denoiser from its preset, shaped for the latents and for the text encoders it reads (the family says
-    what it takes from them); `cross_attention_dim` alone serves a family with one text encoder."""
+def build_denoiser(config: ModelConfig, latent_channels: int, latent_size: int,
+                   text_encoders: dict[str, nn.Module] | None = None, derived: dict[str, Any] | None = None
+                   ) -> nn.Module:
+    """The family's denoiser (UNet, transformer) from its preset, shaped for the latents and for the text encoders
+    it reads (the family says what it takes from either), or with the `derived` settings given instead."""
     family = families.for_model(config)
-    kwargs = {**family.preset(config.preset, "unet"), "in_channels": latent_channels,
-              "out_channels": latent_channels, "sample_size": latent_size}
-    derived = family.denoiser_settings({**kwargs, **config.unet_overrides}, text_encoders) if text_encoders \
-        else {"cross_attention_dim": cross_attention_dim}
-    return construct(UNet2DConditionModel, "unet_overrides", {**kwargs, **derived, **config.unet_overrides})
+    name = family.denoiser
+    overrides = getattr(config, f"{name}_overrides")
+    kwargs = {**family.preset(config.preset, name), **family.denoiser_shape(latent_channels, latent_size)}
+    if derived is None:
+        derived = family.denoiser_settings({**kwargs, **overrides}, text_encoders)
+    return construct(family.components[name], f"{name}_overrides", {**kwargs, **derived, **overrides})
 
 
-def build_noise_scheduler(config: DiffusionConfig, pretrained: str | None = None,
-                          trust_pickle: bool | None = None) -> DDPMScheduler:
+def build_unet(config: ModelConfig, latent_channels: int, latent_size: int, cross_attention_dim: int) -> nn.Module:
+    """A UNet family's denoiser for text of width `cross_attention_dim`, with no text encoder at hand."""
+    return build_denoiser(config, latent_channels, latent_size, derived={"cross_attention_dim": cross_attention_dim})
+
+
+def build_noise_scheduler(config: DiffusionConfig, model: ModelConfig | None = None
+                          ) -> DDPMScheduler | FlowMatchEulerDiscreteScheduler:
     """The training noise schedule: a pretrained pipeline's own when there is one (a single file's from its
-    metadata, else Stable Diffusion's), else from config. ``diffusion.prediction_type`` overrides either."""
+    metadata, else Stable Diffusion's), else the preset's or the config's. ``diffusion.prediction_type`` (and for
+    flow matching ``flow_shift``, ``flow_dynamic_shift``) override either."""
+    model = model or ModelConfig()
+    family = families.for_model(model)
+    if family.objective == "flow_matching":
+        return _flow_scheduler(config, model, family)
+    pretrained, trust_pickle = model.pretrained, trusts_pickle(model)
     overrides = {"prediction_type": config.prediction_type} if config.prediction_type else {}
     if config.zero_terminal_snr:
         overrides["rescale_betas_zero_snr"] = True
@@ -77,6 +90,22 @@ def build_noise_scheduler(config: DiffusionConfig, pretrained: str | None = None
         steps_offset=1,
         rescale_betas_zero_snr=config.zero_terminal_snr,
     )
+
+
+def _flow_scheduler(config: DiffusionConfig, model: ModelConfig, family: families.ModelFamily
+                    ) -> FlowMatchEulerDiscreteScheduler:
+    """A flow-matching schedule: the pretrained pipeline's scheduler settings, else the preset's, with the
+    config's shift on top (a static ``flow_shift`` alone turns the dynamic shift off)."""
+    folder = Path(model.pretrained) / "scheduler" if model.pretrained else None
+    if folder is not None and (folder / "scheduler_config.json").is_file():
+        settings = dict(FlowMatchEulerDiscreteScheduler.load_config(folder))
+    else:
+        settings = family.preset(model.preset, "scheduler")
+    if config.flow_shift is not None:
+        settings.update(shift=config.flow_shift, use_dynamic_shifting=bool(config.flow_dynamic_shift))
+    elif config.flow_dynamic_shift is not None:
+        settings["use_dynamic_shifting"] = config.flow_dynamic_shift
+    return FlowMatchEulerDiscreteScheduler.from_config(settings)
 
 
 def source_kind(path: str | Path) -> str:
@@ -116,7 +145,7 @@ def _tokenizer_folder(source: str | Path, folder: str = "tokenizer") -> Path:
 def load_tokenizer(source: str | Path, max_length: int | None = None, folder: str = "tokenizer") -> Any:
     """From a tokenizer folder, or the `folder` inside a pipeline or run folder (or beside a single file);
     `max_length` replaces its saved model_max_length. A run's tokenizers are `load_text_tokenizers`'."""
-    return load_clip_tokenizer(_tokenizer_folder(source, folder), max_length=max_length)
+    return load_tokenizer_folder(_tokenizer_folder(source, folder), max_length=max_length)
 
 
 DEFAULT_TEXT_LENGTH = 77
@@ -130,6 +159,12 @@ def _json_value(path: Path, key: str) -> Any:
         return json.loads(path.read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return None  # the loader of that file reports what is wrong with it
+
+
+def _saved_length(tokenizer_file: Path | None) -> int | None:
+    """A tokenizer_config.json's model_max_length, unless absent or "no limit"."""
+    saved = _json_value(tokenizer_file, "model_max_length") if tokenizer_file else None
+    return saved if isinstance(saved, int) and saved < _NO_LIMIT else None
 
 
 def text_encoder_positions(source: str | Path | None, trust_pickle: bool | None = None) -> tuple[int, str] | None:
@@ -168,8 +203,7 @@ def text_length(config: ModelConfig, fallback: str | Path | None = None,
     """
     source = tokenizer_source(config) or fallback
     tokenizer_file = _tokenizer_folder(source) / "tokenizer_config.json" if source else None
-    saved = _json_value(tokenizer_file, "model_max_length") if tokenizer_file else None
-    saved = saved if isinstance(saved, int) and saved < _NO_LIMIT else None
+    saved = _saved_length(tokenizer_file)
     encoder = text_encoder_positions(text_encoder or component_source(config, "text_encoder"), trusts_pickle(config))
     if config.max_text_length is not None:
         if encoder and config.max_text_length > encoder[0]:
@@ -192,10 +226,20 @@ def load_text_tokenizers(config: ModelConfig, fallback: str | Path | None = None
     if source is None:
         raise UserError("model.tokenizer: no tokenizer to load; set model.tokenizer or model.pretrained")
     length = text_length(config, fallback, text_encoder)
+    family = families.for_model(config)
     tokenizers = []
-    for folder in families.for_model(config).tokenizers:
+    for folder in family.tokenizers:
         named = getattr(config, folder, None) if folder != "tokenizer" else None
-        tokenizers.append(load_tokenizer(named or source, length, folder))
+        if folder in family.t5_tokenizers:
+            # T5's relative positions read any length, so no encoder caps it: the pretrained tokenizer's length
+            # (what a model was trained and is sampled with), else the family's default for the preset.
+            found = _tokenizer_folder(named or source, folder)
+            # Not the first tokenizer's, where a run from scratch keeps the one it trained for every encoder.
+            saved = _saved_length(found / "tokenizer_config.json") if found.name != "tokenizer" else None
+            tokens = config.t5_text_length or saved or family.t5_text_length(config.preset)
+            tokenizers.append(load_tokenizer(named or source, tokens, folder))
+        else:
+            tokenizers.append(load_tokenizer(named or source, length, folder))
     return tokenizers
 
 

@@ -10,11 +10,13 @@ from diffusers import (
     DDIMScheduler,
     DPMSolverMultistepScheduler,
     EulerDiscreteScheduler,
+    FlowMatchEulerDiscreteScheduler,
     StableDiffusionPipeline,
 )
 from PIL import Image
 
 from sdtrain.errors import UserError
+from sdtrain.models import families
 from sdtrain.models.families.sd import SD
 
 SAMPLERS = {
@@ -32,9 +34,13 @@ def assemble_pipeline(
 
 
 def sampler_from(scheduler: Any, name: str) -> Any:
-    """A sampling scheduler of kind `name` sharing the training noise schedule of `scheduler`."""
+    """A sampling scheduler of kind `name` sharing the training noise schedule of `scheduler`. A flow-matching
+    schedule (SD3, Flux.1) is sampled by its own Euler sampler with its shift, whatever `name` says: the
+    samplers named here integrate DDPM schedules."""
     if name not in SAMPLERS:
         raise UserError(f"--scheduler: '{name}' is not one of {', '.join(SAMPLERS)}")
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        return FlowMatchEulerDiscreteScheduler.from_config(scheduler.config)
     # Keyword arguments, not config entries: from_config drops entries the source left at their defaults.
     settings: dict[str, Any] = {}
     if scheduler.config.get("rescale_betas_zero_snr"):
@@ -47,19 +53,24 @@ def sampler_from(scheduler: Any, name: str) -> Any:
 
 @torch.no_grad()
 def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int = 30, guidance: float = 5.0,
-                  negative_prompt: str | None = None, batch: int = 1, seeds: Sequence[int] | None = None
-                  ) -> list[Image.Image]:
+                  negative_prompt: str | None = None, batch: int = 1, seeds: Sequence[int] | None = None,
+                  size: int | None = None) -> list[Image.Image]:
     """One image per prompt; prompt i uses seed + i (or ``seeds[i]``), so adding prompts never changes earlier
     images. ``batch`` prompts run through the model together, each from the noise of its own seed: the same
-    images up to floating-point rounding, several times faster for small models on a CPU."""
+    images up to floating-point rounding, several times faster for small models on a CPU. `size`: the side in
+    pixels (None: the pipeline's default, which for Flux.1 is 1024 px whatever the model trained on)."""
     pipe.set_progress_bar_config(disable=True)
+    family = families.of_pipeline(pipe)
+    shape = {"height": size, "width": size} if size else {}
     seeds = list(seeds) if seeds is not None else [seed + i for i in range(len(prompts))]
     images = []
     for start in range(0, len(prompts), batch):
         chunk = list(prompts[start:start + batch])
         generators = [torch.Generator(pipe.device).manual_seed(s) for s in seeds[start:start + batch]]
-        result = pipe(chunk, num_inference_steps=steps, guidance_scale=guidance, generator=generators,
-                      negative_prompt=None if negative_prompt is None else [negative_prompt] * len(chunk),
-                      output_type="pil")
+        arguments = family.sampling_arguments(pipe, guidance, negative_prompt)
+        if arguments.get("negative_prompt") is not None:
+            arguments["negative_prompt"] = [arguments["negative_prompt"]] * len(chunk)
+        result = pipe(chunk, num_inference_steps=steps, generator=generators, output_type="pil", **shape,
+                      **arguments)
         images += result.images
     return images

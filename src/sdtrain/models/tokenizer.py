@@ -1,4 +1,5 @@
-"""Train a CLIP-compatible byte-level BPE tokenizer offline and load it back as a ``CLIPTokenizer``.
+"""Train a CLIP-compatible byte-level BPE tokenizer offline and load it back as a ``CLIPTokenizer``; load CLIP
+and T5 tokenizer folders offline; tokenize captions for every text encoder of a family at once.
 
 The files written (vocab.json, merges.txt, tokenizer.json, tokenizer_config.json) are what
 ``CLIPTokenizer.from_pretrained`` and a diffusers pipeline's ``tokenizer/`` folder expect.
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, models, trainers
-from transformers import CLIPTokenizer
+from transformers import CLIPTokenizer, T5Tokenizer
 
 from sdtrain.errors import UserError
 
@@ -123,6 +124,29 @@ def load_clip_tokenizer(path: str | Path, max_length: int | None = None) -> CLIP
     if tok.model_max_length > 100_000:
         raise UserError(f"tokenizer in {path} has no model_max_length: pass max_length or re-train it")
     return tok
+
+
+def is_t5_tokenizer(path: str | Path) -> bool:
+    """Whether a tokenizer folder holds a T5 (SentencePiece) tokenizer rather than CLIP's BPE."""
+    path = Path(path)
+    try:
+        named = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class") or ""
+    except (OSError, ValueError, AttributeError):
+        named = ""
+    return (path / "spiece.model").is_file() or named.startswith("T5")
+
+
+def load_tokenizer_folder(path: str | Path, max_length: int | None = None) -> Any:
+    """A CLIP or T5 tokenizer folder (a pipeline's ``tokenizer_2/`` of Flux.1 holds T5's), offline; ``max_length``
+    overrides the saved ``model_max_length``."""
+    if not is_t5_tokenizer(path):
+        return load_clip_tokenizer(path, max_length)
+    kwargs = {} if max_length is None else {"model_max_length": max_length}
+    try:
+        return T5Tokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
+    except Exception as e:  # the Rust backend reports corrupt files as a bare Exception
+        raise UserError(f"cannot load the T5 tokenizer in {path} ({' '.join(str(e).split())}); "
+                        "point the model at a pipeline's tokenizer folder") from e
 
 
 class CaptionTokenizer:

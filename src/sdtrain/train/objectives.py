@@ -2,17 +2,31 @@
 into the latents, the timesteps, the target and each sample's loss weight.
 
 The trainer and the tasks know none of this: a task hands its objective clean latents and gets back the
-denoiser's input, its timesteps and the target, then weights the per-sample loss as the objective says.
-Today's objective is noise prediction on a DDPM schedule (epsilon or v, as Stable Diffusion 1 and 2
-train); flow matching (SD3, Flux) is another class with the same three calls.
+denoiser's input, its timesteps and the target (`draw`), maps the denoiser's output to what is compared with
+that target (`prediction`), then weights the per-sample loss as the objective says (`weight`). Two objectives
+share these calls, told apart by their `name`:
+
+- `NoisePrediction` (``noise_prediction``): epsilon or v on a DDPM schedule, as Stable Diffusion 1, 2 and
+  SDXL train.
+- `FlowMatching` (``flow_matching``): rectified flow, x_t = (1 - sigma) x0 + sigma noise with the velocity
+  noise - x0 as target, as SD3 and Flux.1 train, with their sigma samplings, shifts, loss weightings and
+  SD3's output preconditioning. Its `draw_at` mixes at given sigmas and noise, for a validation loss at
+  fixed timesteps.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+
 import torch
-from diffusers import DDPMScheduler
+from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
+from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
 from sdtrain.config import DiffusionConfig
+from sdtrain.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 class NoisePrediction:
@@ -20,7 +34,15 @@ class NoisePrediction:
     weighting, offset noise, input perturbation, zero terminal SNR (in the schedule itself) and uniform or
     logit-normal timesteps."""
 
+    name = "noise_prediction"
+
     def __init__(self, config: DiffusionConfig, scheduler: DDPMScheduler, device: torch.device):
+        unsupported = [f"{name}: {getattr(config, name)}" for name, default in (
+            ("timestep_sampling", ("uniform", "logit_normal")), ("loss_weighting", ("none",)),
+            ("precondition_outputs", (False,))) if getattr(config, name) not in default]
+        if unsupported:
+            raise UserError(f"diffusion.{', diffusion.'.join(unsupported)}: flow-matching options (SD3, Flux.1), "
+                            "not supported by noise prediction; remove them")
         self.config = config
         self.scheduler = scheduler
         self.device = device
@@ -52,6 +74,10 @@ class NoisePrediction:
             return noisy, timesteps, self.scheduler.get_velocity(latents, noise, timesteps)
         return noisy, timesteps, noise
 
+    def prediction(self, output: torch.Tensor, noisy: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """What is compared with the target: the denoiser's output itself (epsilon or v)."""
+        return output
+
     def sample_timesteps(self, count: int, generator: torch.Generator) -> torch.Tensor:
         cfg = self.config
         steps = self.scheduler.config.num_train_timesteps
@@ -75,3 +101,119 @@ class NoisePrediction:
         if self.prediction_type == "v_prediction":
             return torch.clamp(snr, max=gamma) / (snr + 1)
         return torch.where(snr <= gamma, torch.ones_like(snr), gamma / snr.clamp(min=1e-12))
+
+
+class FlowMatching:
+    """Rectified flow (Liu et al., 2022; Esser et al., 2024): x_t = (1 - sigma) x0 + sigma noise, the denoiser
+    predicts the velocity noise - x0, timesteps are sigma * num_train_timesteps as floats.
+
+    Sigmas are continuous (not snapped to the scheduler's 1000-step grid as diffusers' example scripts do),
+    drawn by ``diffusion.timestep_sampling`` and then shifted exactly as the scheduler shifts its sampling
+    sigmas, read from its config: statically by ``shift``, or with ``use_dynamic_shifting`` by mu linear in
+    the image's tokens (Flux.1-dev), so training and sampling see the same schedule. The scheduler's
+    sampling-grid options (``shift_terminal``, Karras, exponential and beta sigmas) do not apply to drawn
+    sigmas and are not used."""
+
+    name = "flow_matching"
+
+    def __init__(self, config: DiffusionConfig, scheduler: FlowMatchEulerDiscreteScheduler, device: torch.device,
+                 patch_size: int = 2):
+        """`patch_size`: the side of the latent patch the denoiser makes one token of (Flux packs 2x2, SD3
+        patches 2x2), for the image-token count the dynamic shift depends on."""
+        # These shape the DDPM noise or its loss. The shared fine-tuning recipes set min-SNR for SD, and a Flux or
+        # SD3 model fine-tuned with them should train, not stop: said once, then left out.
+        ignored = [f"diffusion.{name}" for name in ("noise_offset", "input_perturbation", "snr_gamma")
+                   if getattr(config, name) > 0]
+        if ignored:
+            log.warning("%s: noise-prediction options, which flow matching does not use; ignored (set to 0 to "
+                        "silence this)", ", ".join(ignored))
+        self.config = config
+        self.scheduler = scheduler
+        self.device = device
+        self.patch_size = patch_size
+        self.num_train_timesteps = scheduler.config.num_train_timesteps
+
+    @torch.no_grad()
+    def draw(self, latents: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor,
+                                                                             torch.Tensor]:
+        """(the denoiser's noisy input, its timesteps, the target) for clean `latents` (batch, channels,
+        height, width). From `generator`, in this order: the noise (like `latents`, in its dtype), then one
+        sigma per sample (`sample_sigmas`), so a resumed run draws the same noise."""
+        noise = torch.randn(latents.shape, generator=generator, device=self.device, dtype=latents.dtype)
+        tokens = (latents.shape[-2] // self.patch_size) * (latents.shape[-1] // self.patch_size)
+        sigmas = self.sample_sigmas(latents.shape[0], generator, tokens)
+        return self.draw_at(latents, noise, sigmas)
+
+    @torch.no_grad()
+    def draw_at(self, latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor | float
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`draw` at the given `sigmas` (one per sample, or one for all) and `noise`, with no shift and no
+        random draw: for a validation loss at fixed timesteps and noise (MLPerf's Flux benchmark evaluates
+        sigma = k/8, k = 0..7)."""
+        # fp32 throughout: in bf16 the small sigmas round away and the target is quantised.
+        latents = latents.to(self.device, torch.float32)
+        noise = noise.to(self.device, torch.float32)
+        sigmas = torch.as_tensor(sigmas, dtype=torch.float32, device=self.device).expand(latents.shape[0])
+        sigma = _per_sample(sigmas, latents)
+        noisy = (1 - sigma) * latents + sigma * noise
+        # Preconditioned, the output becomes an estimate of x0 (`prediction`), so x0 is what it is compared with.
+        target = latents if self.config.precondition_outputs else noise - latents
+        return noisy, sigmas * self.num_train_timesteps, target
+
+    def prediction(self, output: torch.Tensor, noisy: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """What is compared with the target: the denoiser's output, or with ``diffusion.precondition_outputs``
+        SD3's preconditioning x_t - sigma * output, the clean latents it implies."""
+        if not self.config.precondition_outputs:
+            return output
+        return noisy - _per_sample(timesteps.float() / self.num_train_timesteps, noisy) * output
+
+    def sample_sigmas(self, count: int, generator: torch.Generator, image_tokens: int | None = None
+                      ) -> torch.Tensor:
+        """`count` training sigmas in [0, 1], float32: drawn by ``diffusion.timestep_sampling`` from `generator`
+        (one draw per sample: a normal for ``logit_normal``, else a uniform), then shifted as the scheduler
+        shifts. `image_tokens`: the image's token count, needed by the dynamic shift only."""
+        cfg = self.config
+        # diffusers' own sampler, which takes our generator; cosmap is a map of its uniform draw.
+        scheme = "uniform" if cfg.timestep_sampling == "cosmap" else cfg.timestep_sampling
+        sigmas = compute_density_for_timestep_sampling(scheme, count, logit_mean=cfg.timestep_mean,
+                                                       logit_std=cfg.timestep_std, mode_scale=cfg.mode_scale,
+                                                       device=self.device, generator=generator)
+        if cfg.timestep_sampling == "cosmap":
+            sigmas = 1 - 1 / (torch.tan(math.pi * sigmas / 2) + 1)
+        return self.shift(sigmas, image_tokens)
+
+    def shift(self, sigmas: torch.Tensor, image_tokens: int | None = None) -> torch.Tensor:
+        """`sigmas` shifted as the scheduler's `set_timesteps` shifts its sampling sigmas: by `mu(image_tokens)`
+        with dynamic shifting, else by the static s, s sigma / (1 + (s - 1) sigma)."""
+        config = self.scheduler.config
+        if config.use_dynamic_shifting:
+            if image_tokens is None:
+                raise ValueError("the scheduler's dynamic shift needs the image's token count")
+            # The scheduler's own function, so its time_shift_type (exponential, as Flux) holds here as well.
+            return self.scheduler.time_shift(self.mu(image_tokens), 1.0, sigmas)
+        s = config.shift
+        return s * sigmas / (1 + (s - 1) * sigmas)
+
+    def mu(self, image_tokens: int) -> float:
+        """The dynamic shift's log-scale at `image_tokens`: linear from ``base_shift`` at ``base_image_seq_len``
+        to ``max_shift`` at ``max_image_seq_len`` (Flux.1-dev: 0.5 at 256, 1.15 at 4096), with the arithmetic
+        of diffusers' Flux pipeline (`calculate_shift`), so sampling computes the same value."""
+        config = self.scheduler.config
+        slope = (config.max_shift - config.base_shift) / (config.max_image_seq_len - config.base_image_seq_len)
+        return image_tokens * slope + (config.base_shift - slope * config.base_image_seq_len)
+
+    def weight(self, loss: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """The per-sample loss times the ``diffusion.loss_weighting`` weight of each sample's sigma, as
+        diffusers' `compute_loss_weighting_for_sd3`: none 1, sigma_sqrt sigma^-2, cosmap
+        2 / (pi (1 - 2 sigma + 2 sigma^2))."""
+        sigmas = timesteps.float() / self.num_train_timesteps
+        if self.config.loss_weighting == "sigma_sqrt":
+            # A continuous draw reaches sigma = 0 exactly (p = 2^-24 per sample), where sigma^-2 is infinite;
+            # the scheduler's grid, which diffusers' scripts draw from, stops at 1 / num_train_timesteps.
+            sigmas = sigmas.clamp(min=1 / self.num_train_timesteps)
+        return loss * compute_loss_weighting_for_sd3(self.config.loss_weighting, sigmas)
+
+
+def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """One value per sample, shaped to broadcast over the rest of `like`'s dimensions."""
+    return values.reshape(-1, *([1] * (like.dim() - 1)))

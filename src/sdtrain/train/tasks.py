@@ -16,17 +16,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sdtrain.config import DataConfig, RunConfig
+from sdtrain.config import DataConfig, DiffusionConfig, RunConfig
 from sdtrain.data.encoded import TEXT_FIELDS
 from sdtrain.errors import UserError
 from sdtrain.loaders.components import load_component
 from sdtrain.models import build, families
 from sdtrain.models.pipeline import sample_images, sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer, train_clip_tokenizer
-from sdtrain.train.objectives import NoisePrediction
+from sdtrain.train.objectives import FlowMatching, NoisePrediction
 from sdtrain.utils import save_grid
 
 log = logging.getLogger(__name__)
+
+
+def make_objective(family: families.ModelFamily, config: DiffusionConfig, scheduler: Any, device: torch.device,
+                   denoiser_config: Any) -> NoisePrediction | FlowMatching:
+    """The family's training objective, on `scheduler` (the training noise schedule build_noise_scheduler gives)."""
+    if family.objective == "flow_matching":
+        return FlowMatching(config, scheduler, device, patch_size=family.downsampling(denoiser_config))
+    return NoisePrediction(config, scheduler, device)
 
 
 class Task:
@@ -237,17 +245,23 @@ class DiffusionTask(Task):
                     )
                 text_encoder = build.build_text_encoder(model, tokenizer, name)
             setattr(self, name, text_encoder.to(device))
-        self.unet = self.load_source("unet")
-        if self.unet is None:
-            self.unet = build.build_unet(model, self.vae.config.latent_channels, config.data.resolution // scale,
-                                         text_encoders=self.text_encoders)
-        self._check_buckets(scale * family.downsampling(self.unet.config))
-        self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model.pretrained, self.trust_pickle)
-        self.objective = NoisePrediction(config.diffusion, self.noise_scheduler, device)
-        self.unet.to(device)
+        denoiser = self.load_source(family.denoiser)
+        if denoiser is None:
+            denoiser = build.build_denoiser(model, self.vae.config.latent_channels, config.data.resolution // scale,
+                                            text_encoders=self.text_encoders)
+        # Under the family's name (unet, transformer): the trainer wraps and checkpoints modules by name.
+        setattr(self, family.denoiser, denoiser.to(device))
+        self._check_buckets(scale * family.downsampling(denoiser.config))
+        self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model)
+        self.objective = make_objective(family, config.diffusion, self.noise_scheduler, device, denoiser.config)
         keys = [family.ids_key(i) for i in range(len(self.tokenizers))]
         self.caption_tokenizer = CaptionTokenizer(self.tokenizers, keys)
         self.trainable = self.make_trainable()
+
+    @property
+    def denoiser(self) -> nn.Module:
+        """The family's denoiser (its UNet or transformer), as the loss calls it (wrapped when it trains)."""
+        return getattr(self, self.family.denoiser)
 
     @property
     def text_encoders(self) -> dict[str, nn.Module]:
@@ -256,15 +270,15 @@ class DiffusionTask(Task):
 
     def make_trainable(self) -> dict[str, nn.Module]:
         """Set what trains (and freeze the rest); modes that train adapters or embeddings override this."""
-        self.unet.train()
+        self.denoiser.train()
         text_encoders = self.text_encoders
         if not self.config.diffusion.train_text_encoder:
             for text_encoder in text_encoders.values():
                 text_encoder.eval().requires_grad_(False)
-            return {"unet": self.unet}
+            return {self.family.denoiser: self.denoiser}
         for text_encoder in text_encoders.values():
             text_encoder.train()
-        return {"unet": self.unet, **text_encoders}
+        return {self.family.denoiser: self.denoiser, **text_encoders}
 
     def _tokenizers(self) -> list[Any]:
         return build.load_text_tokenizers(self.config.model, self.run_dir, self.pinned.get("text_encoder"))
@@ -344,7 +358,9 @@ class DiffusionTask(Task):
         else:
             posterior = self.vae.encode(batch["pixel_values"].to(self.device, non_blocking=True)).latent_dist
             latents = posterior.sample(generator) if sample else posterior.mode()
-        return latents.float() * self.vae.config.scaling_factor
+        # SD3's and Flux.1's VAEs centre their latents as well as scaling them.
+        shift = self.vae.config.get("shift_factor") or 0.0
+        return (latents.float() - shift) * self.vae.config.scaling_factor
 
     def loss(self, batch, generator):
         loss = self.denoising_loss(batch, generator)
@@ -356,19 +372,39 @@ class DiffusionTask(Task):
         # of the lowest timesteps rounds to zero and the target is quantised.
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
             noisy, timesteps, target = self.objective.draw(self._latents(batch, generator), generator)
-        prediction = self.family.denoise(self.unet, noisy, timesteps, self.conditioning(batch))
-        loss = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+        condition = self.conditioning(batch, generator)
+        return self.denoising_loss_at(noisy, timesteps, target, condition)
+
+    def denoising_loss_at(self, noisy: torch.Tensor, timesteps: torch.Tensor, target: torch.Tensor,
+                          condition: dict[str, Any]) -> torch.Tensor:
+        """The weighted per-sample loss of the denoiser's prediction at given noisy latents and timesteps."""
+        output = self.family.denoise(self.denoiser, noisy, timesteps, condition)
+        prediction = self.objective.prediction(output.float(), noisy, timesteps)
+        loss = F.mse_loss(prediction, target.float(), reduction="none").mean(dim=(1, 2, 3))
         return self.objective.weight(loss, timesteps)
 
-    def conditioning(self, batch) -> dict[str, Any]:
+    def conditioning(self, batch, generator: torch.Generator | None = None) -> dict[str, Any]:
         """The denoiser's conditioning: the shards' text embeddings when they can stand in for the frozen text
-        encoders, else the encoders' output, with what else the family conditions on."""
+        encoders, else the encoders' output, with what else the family conditions on (and Flux.1-dev's
+        guidance, drawn from `generator` when ``diffusion.guidance_range`` is set)."""
         if self.text_embeddings and "text_emb" in batch:
             text = {key: batch[key].to(self.device, non_blocking=True) for key in TEXT_FIELDS if key in batch}
         else:
             with torch.set_grad_enabled(self.text_encoder_trains()):
                 text = self.encode_text(batch)
-        return self.family.condition(text, batch, self.device)
+        condition = self.family.condition(text, batch, self.device)
+        if self.family.takes_guidance(self.denoiser.config):
+            condition["guidance"] = self.guidance(len(text["text_emb"]), generator)
+        return condition
+
+    def guidance(self, count: int, generator: torch.Generator | None) -> torch.Tensor:
+        """The guidance values a guidance-distilled denoiser is trained with: ``diffusion.guidance``, or draws
+        from ``diffusion.guidance_range``."""
+        cfg = self.config.diffusion
+        if cfg.guidance_range and generator is not None:
+            low, high = cfg.guidance_range
+            return low + (high - low) * torch.rand(count, generator=generator, device=self.device)
+        return torch.full((count,), cfg.guidance, device=self.device)
 
     def text_encoder_trains(self) -> bool:
         return self.config.diffusion.train_text_encoder
@@ -384,7 +420,7 @@ class DiffusionTask(Task):
         """A pipeline of the given trained modules and this task's frozen ones."""
         components = {name: modules[name] if name in modules else self.frozen(name)
                       for name in ("vae", *self.family.text_encoders)}
-        components["unet"] = modules.get("unet", self.unet)
+        components[self.family.denoiser] = modules.get(self.family.denoiser, self.denoiser)
         return self.family.assemble(components, self.tokenizers, sampler_from(self.noise_scheduler, "euler"))
 
     @torch.no_grad()
@@ -392,7 +428,8 @@ class DiffusionTask(Task):
         """A grid of the prompts' images from the given trained modules and this task's frozen ones."""
         pipe = self.pipeline(modules)
         val = self.config.validation
-        images = sample_images(pipe, prompts, seed=val.seed, steps=val.steps, guidance=val.guidance)
+        images = sample_images(pipe, prompts, seed=val.seed, steps=val.steps, guidance=val.guidance,
+                               size=self.config.data.resolution)
         return save_grid(images, out, rows=max(1, len(prompts) // 4), labels=labels)
 
 

@@ -16,11 +16,13 @@ from torch import nn
 
 from sdtrain.checkpoint import latest_checkpoint, read_meta
 from sdtrain.errors import UserError
+from sdtrain.models.families.flux import FLUX
 from sdtrain.models.families.sd import SD
+from sdtrain.models.families.sd3 import SD3
 from sdtrain.models.families.sdxl import SDXL
 from sdtrain.models.families.spec import ModelFamily
 
-FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (SD, SDXL)}
+FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (SD, SDXL, SD3, FLUX)}
 
 
 def get(name: str) -> ModelFamily:
@@ -65,19 +67,12 @@ def blocks(root: nn.Module) -> list[nn.Module]:
     return [module for module in root.modules() if id(module) in found]
 
 
-# Families this release recognises but does not train yet: a pipeline class or single-file key -> its name.
-_OTHER_PIPELINES = {"StableDiffusion3Pipeline": "SD3", "FluxPipeline": "Flux.1"}
-_OTHER_KEYS = {"model.diffusion_model.joint_blocks.": "SD3", "double_blocks.": "Flux.1",
-               "model.diffusion_model.double_blocks.": "Flux.1"}
-
-
 def detect(source: str | Path) -> ModelFamily:
     """The family of a pretrained pipeline folder, single file or sdtrain run, from its files alone (the pipeline
     class in model_index.json; a single file's key names; the family a run's checkpoint records). Other sources
-    (a component folder, a run of an earlier release) are taken for Stable Diffusion. A model of a family this
-    release does not train is one line naming what was found."""
+    (a component folder, a run of an earlier release) are taken for Stable Diffusion. A model of no model
+    family this release knows is one line naming what was found."""
     path = Path(source)
-    found = None
     checkpoint = path if (path / "meta.json").is_file() else latest_checkpoint(path) if path.is_dir() else None
     if checkpoint is not None:
         return FAMILIES.get(read_meta(checkpoint).get("task", {}).get("family"), SD)
@@ -89,7 +84,6 @@ def detect(source: str | Path) -> ModelFamily:
         known = next((f for f in FAMILIES.values() if found in f.pipeline_names), None)
         if known is not None:
             return known
-        family = _OTHER_PIPELINES.get(found)
     elif path.is_file() and path.suffix == ".safetensors":
         try:
             with safe_open(str(path), framework="pt") as file:
@@ -100,12 +94,11 @@ def detect(source: str | Path) -> ModelFamily:
         for candidate in FAMILIES.values():
             if candidate is not SD and any(key.startswith(candidate.single_file_keys) for key in keys):
                 return candidate
-        family = next((name for prefix, name in _OTHER_KEYS.items() if any(k.startswith(prefix) for k in keys)), None)
-        if family is None and any(key.startswith(SD.single_file_keys) for key in keys):
+        if any(key.startswith(SD.single_file_keys) for key in keys):
             return SD
         found = f"keys such as {', '.join(keys[:3])}"
     else:
         return SD
     trained = ", ".join(f.title for f in FAMILIES.values())
-    what = f"{family}, which this release does not train yet" if family else "of no model family this release knows"
-    raise UserError(f"model.pretrained: {path} is {what} ({found}); sdtrain trains {trained}")
+    raise UserError(f"model.pretrained: {path} is of no model family this release knows ({found}); sdtrain trains "
+                    f"{trained}")

@@ -41,7 +41,14 @@ class ModelFamily:
     tokenizers: tuple[str, ...] = ("tokenizer",)
     """The tokenizer folder of each text encoder (in a pipeline folder), same order."""
     denoiser: str = "unet"
-    """The component trained to denoise."""
+    """The component trained to denoise (``unet``, ``transformer``)."""
+    objective: str = "noise_prediction"
+    """What the denoiser learns (train.objectives): ``noise_prediction`` on a DDPM schedule, or ``flow_matching``."""
+    lora_text_encoders: tuple[str, ...] | None = None
+    """The text encoders ``lora.text_encoder`` adapts (None: all); T5 is left frozen, as kohya's and diffusers'
+    scripts leave it."""
+    t5_tokenizers: tuple[str, ...] = ()
+    """The tokenizers (of `tokenizers`) that feed a T5 encoder: their length is ``model.t5_text_length``."""
     pipeline_class: type
     """The diffusers pipeline export writes and generate loads."""
     pipeline_names: tuple[str, ...] = ()
@@ -75,6 +82,11 @@ class ModelFamily:
                             f"{', '.join(self.presets)} (or set model.family)")
         return copy.deepcopy(self.presets[preset][component])
 
+    def t5_text_length(self, preset: str) -> int:
+        """Tokens per caption of the T5 encoder when ``model.t5_text_length`` is unset (what the pipeline samples
+        with)."""
+        return 256
+
     def ids_key(self, index: int) -> str:
         """The batch key of the token ids for text encoder `index` (diffusers' names: input_ids, input_ids_2)."""
         return "input_ids" if index == 0 else f"input_ids_{index + 1}"
@@ -90,6 +102,10 @@ class ModelFamily:
         """What the denoiser's shape takes from the text encoders (the width it attends to, pooled sizes), given
         its other `settings` (preset and overrides)."""
         raise NotImplementedError
+
+    def denoiser_shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
+        """What the denoiser's shape takes from the latents it denoises."""
+        return {"in_channels": latent_channels, "out_channels": latent_channels, "sample_size": latent_size}
 
     # ----------------------------------------------------------------------------- the conditioner
 
@@ -115,13 +131,29 @@ class ModelFamily:
 
     def denoise(self, denoiser: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 condition: dict[str, Any]) -> torch.Tensor:
+        """The denoiser's output for latents `noisy` at `timesteps` (on the schedule's 0..1000 scale)."""
         return denoiser(noisy, timesteps, **condition).sample
+
+    def takes_guidance(self, denoiser_config: Any) -> bool:
+        """Whether the denoiser has a guidance embedding (Flux.1-dev's), fed ``condition["guidance"]``."""
+        return False
 
     def downsampling(self, denoiser_config: Any) -> int:
         """How much smaller than the latent the denoiser's coarsest level is (bucket sides must survive it)."""
         return 2 ** (len(denoiser_config.block_out_channels) - 1)
 
     # ----------------------------------------------------------------------------- file layouts
+
+    def kohya_lora(self, component: str, layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]], config: Any
+                   ) -> dict[str, torch.Tensor]:
+        """LoRA adapters of `component` (module path -> down weight, up weight, alpha) in kohya's layout:
+        ``<name>.lora_down.weight / .lora_up.weight / .alpha``, with a true scalar alpha (scale alpha / rank)."""
+        state = {}
+        for path, (down, up, alpha) in layers.items():
+            key = self.kohya_lora_name(component, path, config)
+            state.update({f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up,
+                          f"{key}.alpha": torch.tensor(float(alpha))})
+        return state
 
     def kohya_lora_name(self, component: str, path: str, config: Any) -> str:
         """kohya's name of the adapted module at `path` in `component` (whose config is `config`)."""
@@ -157,3 +189,8 @@ class ModelFamily:
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
         """The family's diffusers pipeline of these components."""
         raise NotImplementedError
+
+    def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
+        """The pipeline call's guidance settings (classifier-free guidance at `guidance`, against
+        `negative_prompt`; None: the empty prompt)."""
+        return {"guidance_scale": guidance, "negative_prompt": negative_prompt}

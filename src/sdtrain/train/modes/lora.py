@@ -38,14 +38,16 @@ def lora_settings(config: LoraConfig, text_encoder: bool = False) -> dict[str, A
 class LoraTask(DiffusionTask):
     def make_trainable(self) -> dict[str, nn.Module]:
         cfg = self.config.lora
-        self.adapters = {"unet": lora_settings(cfg)}
-        self.unet.requires_grad_(False)
-        add_lora(self.unet, self.adapters["unet"], "lora.target_modules")
-        self.unet.train()
-        trainable = {"unet": self.unet}
+        denoiser = self.family.denoiser
+        self.adapters = {denoiser: lora_settings(cfg)}
+        self.denoiser.requires_grad_(False)
+        add_lora(self.denoiser, self.adapters[denoiser], "lora.target_modules")
+        self.denoiser.train()
+        trainable = {denoiser: self.denoiser}
+        adapted = self.family.lora_text_encoders or self.family.text_encoders
         for name, text_encoder in self.text_encoders.items():
             text_encoder.requires_grad_(False)
-            if not cfg.text_encoder:
+            if not cfg.text_encoder or name not in adapted:
                 text_encoder.eval()
                 continue
             self.adapters[name] = lora_settings(cfg, text_encoder=True)
@@ -75,32 +77,33 @@ def kohya_state(modules: dict[str, nn.Module], family: ModelFamily) -> dict[str,
     """The same adapters in kohya's layout, the one A1111, ComfyUI and diffusers all read:
     ``<prefix><module path, dots as underscores>.lora_down.weight / .lora_up.weight / .alpha``, the prefix and
     the module paths the family's (``lora_unet_``, ``lora_te_`` for SD's one text encoder, ``lora_te1_`` and
-    ``lora_te2_`` for SDXL's two; SDXL's UNet paths in its original layout), and a true scalar alpha per module
-    (the scale is alpha / rank)."""
+    ``lora_te2_`` for SDXL's two; SDXL's UNet paths and Flux.1's transformer paths in their original layouts,
+    Flux.1's fused projections fused), and a true scalar alpha per module (the scale is alpha / rank)."""
     state = {}
     for name, module in modules.items():
-        for path, layer in module.named_modules():
-            if not isinstance(layer, LoraLayer) or "default" not in layer.lora_A:
-                continue
-            key = family.kohya_lora_name(name, path, module.config)
-            state[f"{key}.lora_down.weight"] = layer.lora_A["default"].weight.detach().float().cpu().contiguous()
-            state[f"{key}.lora_up.weight"] = layer.lora_B["default"].weight.detach().float().cpu().contiguous()
-            state[f"{key}.alpha"] = torch.tensor(float(layer.lora_alpha["default"]))
+        layers = {path: (layer.lora_A["default"].weight.detach().float().cpu().contiguous(),
+                         layer.lora_B["default"].weight.detach().float().cpu().contiguous(),
+                         float(layer.lora_alpha["default"]))
+                  for path, layer in module.named_modules()
+                  if isinstance(layer, LoraLayer) and "default" in layer.lora_A}
+        state.update(family.kohya_lora(name, layers, module.config))
     return state
 
 
 def save_lora(modules: dict[str, nn.Module], folder: Path, family: ModelFamily) -> Path:
     """Write ``pytorch_lora_weights.safetensors``, which the family pipeline's ``load_lora_weights(folder)``
-    loads, and the same adapters as ``lora_kohya.safetensors`` for A1111 and ComfyUI."""
+    loads, and the same adapters as ``lora_kohya.safetensors`` for A1111 and ComfyUI where the family has a kohya
+    layout for every adapted component (ComfyUI reads SD3's diffusers file itself)."""
     adapted = {name: m for name, m in modules.items() if has_lora(m)}
     layers = {f"{name}_lora_layers": lora_state(m, name in family.text_encoders) for name, m in adapted.items()}
     # Without its config in the file, diffusers' loader takes alpha = rank: wrong whenever lora.alpha differs.
     metadata = {f"{name}_lora_adapter_metadata": m.peft_config["default"].to_dict() for name, m in adapted.items()}
     family.pipeline_class.save_lora_weights(folder, safe_serialization=True, weight_name=LORA_WEIGHTS, **layers,
                                             **metadata)
-    tmp = folder / f".{KOHYA_WEIGHTS}.tmp"
-    save_file(kohya_state(adapted, family), str(tmp), metadata={"ss_network_module": "networks.lora"})
-    tmp.replace(folder / KOHYA_WEIGHTS)
+    if all(name in family.kohya_prefixes for name in adapted):
+        tmp = folder / f".{KOHYA_WEIGHTS}.tmp"
+        save_file(kohya_state(adapted, family), str(tmp), metadata={"ss_network_module": "networks.lora"})
+        tmp.replace(folder / KOHYA_WEIGHTS)
     return folder / LORA_WEIGHTS
 
 

@@ -64,8 +64,11 @@ class TextualInversionTask(DiffusionTask):
 
     def make_trainable(self) -> dict[str, nn.Module]:
         cfg = self.config.textual_inversion
+        if self.family.t5_tokenizers:
+            raise UserError(f"mode: textual_inversion learns CLIP token vectors (SD 1/2, SDXL); {self.family.title} "
+                            "conditions mostly on T5: train a LoRA instead (mode: lora)")
         self.tokens = placeholder_tokens(cfg)
-        self.unet.eval().requires_grad_(False)
+        self.denoiser.eval().requires_grad_(False)
         self.vocab = len(self.tokenizer)
         trainable = {}
         for (name, text_encoder), tokenizer in zip(self.text_encoders.items(), self.tokenizers):
@@ -84,7 +87,7 @@ class TextualInversionTask(DiffusionTask):
 
     def backward_modules(self) -> dict[str, nn.Module]:
         # The new vectors' gradient comes back through the whole frozen UNet: most of the step's cost.
-        return {"unet": self.unet, **self.text_encoders}
+        return {self.family.denoiser: self.denoiser, **self.text_encoders}
 
     @property
     def phrase(self) -> str:

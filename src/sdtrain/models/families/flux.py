@@ -1,0 +1,212 @@
+"""Flux.1 (Black Forest Labs, 2024): a 16-channel AutoencoderKL with a shift, CLIP ViT-L for one pooled vector,
+T5-XXL for the sequence attended to, and a rectified-flow transformer (FluxTransformer2DModel: double-stream
+blocks over image and text, then single-stream blocks over both).
+
+The conditioner follows Flux's own: T5's last hidden states as the context and CLIP's pooled output as the
+global vector; text positions are all zero and image positions are (0, row, column) for 3-axis RoPE. The
+latents are packed 2x2 into tokens of 4 x 16 channels before the transformer and unpacked after. Flux.1-dev
+was distilled with a guidance embedding, fed a constant while training (``diffusion.guidance``); schnell has
+none. An empty caption (caption dropout) is encoded like any other, as the pipeline encodes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
+from torch import nn
+from transformers import CLIPTextModel, T5Config, T5EncoderModel
+
+from sdtrain.models.families.sd import _TINY_VAE, _text_blocks, _vae_blocks, clip_text_config
+from sdtrain.models.families.spec import ModelFamily, construct
+from sdtrain.models.single_file import flux as original_layout
+
+# Flux.1's autoencoder: SD's shape with 16 latent channels, no quant convs, its latents centred and scaled.
+_FLUX_VAE = dict(
+    down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4,
+    block_out_channels=[128, 256, 512, 512],
+    layers_per_block=2,
+    latent_channels=16,
+    norm_num_groups=32,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    shift_factor=0.1159,
+    scaling_factor=0.3611,
+    sample_size=1024,
+)
+_CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+               projection_dim=768, hidden_act="quick_gelu")
+# T5 v1.1 XXL's encoder.
+_T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+               relative_attention_num_buckets=32, relative_attention_max_distance=128,
+               feed_forward_proj="gated-gelu", dropout_rate=0.0, layer_norm_epsilon=1e-6)
+# Flux.1-dev: 11,901,408,320 parameters (its context and pooled widths come from T5 and CLIP, see
+# denoiser_settings).
+_FLUX_DEV = dict(patch_size=1, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
+                 guidance_embeds=True, axes_dims_rope=[16, 56, 56])
+_FLUX_SCHNELL = {**_FLUX_DEV, "guidance_embeds": False}
+# The scheduler each was released with: dev's shift grows with the image (mu from 0.5 at 256 tokens to 1.15 at
+# 4096), schnell's is none.
+_DEV_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                      base_image_seq_len=256, max_image_seq_len=4096)
+_SCHNELL_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
+
+_TINY_FLUX_VAE = {**_TINY_VAE, "latent_channels": 16, "use_quant_conv": False, "use_post_quant_conv": False,
+                  "shift_factor": 0.0, "scaling_factor": 1.0}
+_TINY_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, projection_dim=32)
+_TINY_T5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+                relative_attention_max_distance=32, feed_forward_proj="gated-gelu", dropout_rate=0.0)
+# dev's structure (guidance embedding, double and single blocks) at a size tests train; the RoPE axes add up to
+# the head width.
+_TINY_FLUX = dict(patch_size=1, num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+                  guidance_embeds=True, axes_dims_rope=[4, 6, 6])
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "tiny": {"vae": _TINY_FLUX_VAE, "text_encoder": _TINY_TEXT, "text_encoder_2": _TINY_T5,
+             "transformer": _TINY_FLUX, "scheduler": _DEV_SCHEDULER},
+    "flux-dev": {"vae": _FLUX_VAE, "text_encoder": _CLIP_L, "text_encoder_2": _T5_XXL, "transformer": _FLUX_DEV,
+                 "scheduler": _DEV_SCHEDULER},
+    "flux-schnell": {"vae": _FLUX_VAE, "text_encoder": _CLIP_L, "text_encoder_2": _T5_XXL,
+                     "transformer": _FLUX_SCHNELL, "scheduler": _SCHNELL_SCHEDULER},
+}
+
+
+def t5_config(settings: dict[str, Any], tokenizer: Any, key: str) -> T5Config:
+    """A T5 encoder's config from preset settings; the vocabulary is the tokenizer's unless the preset names
+    T5's own (a pretrained-size T5 keeps its 32,128 rows)."""
+    return construct(T5Config, key, {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+                                     "eos_token_id": tokenizer.eos_token_id, "is_encoder_decoder": False,
+                                     "use_cache": False, **settings})
+
+
+def t5_blocks(encoder: T5EncoderModel) -> list:
+    return list(encoder.encoder.block)
+
+
+def transformer_blocks(transformer: nn.Module) -> list:
+    return [*transformer.transformer_blocks, *getattr(transformer, "single_transformer_blocks", [])]
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) latents -> (B, H/2 * W/2, 4C) tokens, 2x2 patches in FluxPipeline's order."""
+    b, c, h, w = latents.shape
+    patches = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The inverse of `pack`, for latents of `height` x `width`."""
+    b, _, packed = tokens.shape
+    channels = packed // 4
+    patches = tokens.view(b, height // 2, width // 2, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return patches.reshape(b, channels, height, width)
+
+
+def image_ids(rows: int, columns: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Each image token's RoPE position (0, row, column)."""
+    ids = torch.zeros(rows, columns, 3, device=device, dtype=dtype)
+    ids[..., 1] = torch.arange(rows, device=device, dtype=dtype)[:, None]
+    ids[..., 2] = torch.arange(columns, device=device, dtype=dtype)[None, :]
+    return ids.reshape(rows * columns, 3)
+
+
+class Flux(ModelFamily):
+    name = "flux"
+    title = "Flux.1"
+    components = {"vae": AutoencoderKL, "text_encoder": CLIPTextModel, "text_encoder_2": T5EncoderModel,
+                  "transformer": FluxTransformer2DModel}
+    text_encoders = ("text_encoder", "text_encoder_2")
+    tokenizers = ("tokenizer", "tokenizer_2")
+    t5_tokenizers = ("tokenizer_2",)
+    lora_text_encoders = ("text_encoder",)
+    denoiser = "transformer"
+    objective = "flow_matching"
+    pipeline_class = FluxPipeline
+    pipeline_names = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
+    # BFL's own files hold the transformer alone; ComfyUI's all-in-one files put it under model.diffusion_model.
+    single_file_keys = ("double_blocks.", "model.diffusion_model.double_blocks.")
+    block_lists = {FluxTransformer2DModel: transformer_blocks, AutoencoderKL: _vae_blocks, CLIPTextModel: _text_blocks,
+                   T5EncoderModel: t5_blocks}
+    presets = PRESETS
+    kohya_prefixes = {"transformer": "lora_unet_", "text_encoder": "lora_te1_"}
+
+    def t5_text_length(self, preset: str) -> int:
+        # What each was released to sample with (FluxPipeline's max_sequence_length): dev 512, schnell 256.
+        return 256 if preset == "flux-schnell" else 512
+
+    def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
+        if name == "text_encoder_2":
+            return T5EncoderModel(t5_config(settings, tokenizer, key))
+        return CLIPTextModel(clip_text_config(settings, tokenizer, key))
+
+    def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
+        return {"joint_attention_dim": text_encoders["text_encoder_2"].config.d_model,
+                "pooled_projection_dim": text_encoders["text_encoder"].config.hidden_size}
+
+    def denoiser_shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
+        # Tokens are 2x2 patches of the latents; any latent size works (RoPE positions, no fixed table).
+        return {"in_channels": latent_channels * 4}
+
+    def downsampling(self, denoiser_config: Any) -> int:
+        return 2
+
+    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None
+                    ) -> dict[str, torch.Tensor]:
+        clip, t5 = encoders
+        return {"text_emb": t5(ids[1]).last_hidden_state, "text_pooled": clip(ids[0]).pooler_output}
+
+    def text_shapes(self, text_encoders: dict[str, Any], length: int) -> dict[str, tuple[int, ...]]:
+        return {"text_emb": (length, text_encoders["text_encoder_2"].d_model),
+                "text_pooled": (text_encoders["text_encoder"].hidden_size,)}
+
+    def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
+                  ) -> dict[str, Any]:
+        return {"encoder_hidden_states": text["text_emb"], "pooled_projections": text["text_pooled"]}
+
+    def takes_guidance(self, denoiser_config: Any) -> bool:
+        return bool(denoiser_config.guidance_embeds)
+
+    def denoise(self, denoiser: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                condition: dict[str, Any]) -> torch.Tensor:
+        height, width = noisy.shape[-2:]
+        context = condition["encoder_hidden_states"]
+        dtype = noisy.dtype
+        output = denoiser(
+            hidden_states=pack(noisy), encoder_hidden_states=context,
+            pooled_projections=condition["pooled_projections"],
+            # The transformer multiplies both by 1000 itself: it takes sigma, and guidance as the user gives it.
+            timestep=timesteps / 1000, guidance=condition.get("guidance"),
+            img_ids=image_ids(height // 2, width // 2, noisy.device, dtype),
+            txt_ids=torch.zeros(context.shape[1], 3, device=noisy.device, dtype=dtype),
+            return_dict=False)[0]
+        return unpack(output, height, width)
+
+    def kohya_lora(self, component: str, layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]], config: Any
+                   ) -> dict[str, torch.Tensor]:
+        # The transformer's adapters are named in BFL's layout, where q, k, v (and a single block's MLP input)
+        # are one fused Linear: the layout module fuses their adapters too, as ComfyUI and kohya expect.
+        if component == "transformer":
+            return original_layout.kohya_lora(layers, dict(config))
+        return super().kohya_lora(component, layers, config)
+
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+        return FluxPipeline(scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],
+                            tokenizer=tokenizers[0], text_encoder_2=components["text_encoder_2"],
+                            tokenizer_2=tokenizers[-1], transformer=components["transformer"])
+
+    def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
+        # T5 reads as many tokens as it was trained with. A guidance-distilled model takes the scale as its
+        # embedding's input; one without (schnell's architecture trained here with caption dropout) gets
+        # classifier-free guidance above 1, which FluxPipeline calls true_cfg_scale and runs only with a negative
+        # prompt. Released schnell is distilled to sample without either: give it a guidance of 1 or less.
+        arguments: dict[str, Any] = {"max_sequence_length": pipe.tokenizer_2.model_max_length}
+        if pipe.transformer.config.guidance_embeds:
+            return {**arguments, "guidance_scale": guidance, "negative_prompt": negative_prompt}
+        if guidance <= 1:
+            return {**arguments, "negative_prompt": None}
+        return {**arguments, "true_cfg_scale": guidance, "negative_prompt": negative_prompt or ""}
+
+
+FLUX = Flux()

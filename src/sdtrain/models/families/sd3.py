@@ -1,0 +1,163 @@
+"""Stable Diffusion 3 and 3.5 (Esser et al., 2024): a 16-channel AutoencoderKL with a shift, three text encoders
+(OpenAI CLIP ViT-L and OpenCLIP ViT-bigG, both with their projections, and T5-XXL) and a rectified-flow MMDiT
+(SD3Transformer2DModel: joint attention over image patches and text tokens; 3.5's extra image self-attention
+and query-key norms are settings of the same class).
+
+The conditioner follows StableDiffusion3Pipeline.encode_prompt: both CLIPs' penultimate hidden states side by side
+(768 + 1280 = 2048 wide), zero-padded to T5's width (4096) and followed on the sequence axis by T5's last hidden
+states (77 + 256 tokens); the two projected pooled outputs side by side (2048) as the global vector. An empty
+caption (caption dropout) is encoded like any other, as the pipeline encodes its negative prompt "" (SD3 has no
+``force_zeros_for_empty_prompt``). The transformer patches the latents itself (patch_size 2) and takes timesteps
+on the 0..1000 scale, as the pipeline passes the scheduler's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
+from torch import nn
+from transformers import CLIPTextModelWithProjection, T5EncoderModel
+
+from sdtrain.errors import UserError
+from sdtrain.models.families.flux import _FLUX_VAE, _T5_XXL, _TINY_FLUX_VAE, t5_blocks, t5_config
+from sdtrain.models.families.flux import _TINY_T5 as _FLUX_TINY_T5
+from sdtrain.models.families.sd import _text_blocks, _vae_blocks, clip_text_config
+from sdtrain.models.families.sdxl import _SDXL_TEXT, _SDXL_TEXT_2, _TINY_TEXT, _TINY_TEXT_2, _with_penultimate_states
+from sdtrain.models.families.spec import ModelFamily
+
+# SD3's autoencoder: Flux.1's shape (16 channels, no quant convs) with its own centring and scale.
+_SD3_VAE = {**_FLUX_VAE, "shift_factor": 0.0609, "scaling_factor": 1.5305}
+# SD3-medium: 2,028,328,000 parameters (its context and pooled widths come from T5 and the CLIPs, see
+# denoiser_settings; in/out channels and sample_size from the latents, see denoiser_shape).
+_SD3_MEDIUM = dict(patch_size=2, num_layers=24, attention_head_dim=64, num_attention_heads=24,
+                   caption_projection_dim=1536, pos_embed_max_size=192)
+# The scheduler SD3 was released with: a static shift of 3.
+_SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
+
+# T5 must be at least as wide as the two CLIPs side by side (32 + 48): their states are zero-padded to its width.
+_TINY_T5 = {**_FLUX_TINY_T5, "d_model": 96, "d_kv": 16, "d_ff": 128}
+# SD3.5-medium's structure (image self-attention in the first blocks, RMS query-key norms) at a size tests train;
+# the caption projection is the transformer's width (heads x head width), as joint attention requires. 16
+# positions a side cover 128 px square images through the 4x tiny VAE and 2x2 patches.
+_TINY_SD3 = dict(patch_size=2, num_layers=2, attention_head_dim=16, num_attention_heads=2, caption_projection_dim=32,
+                 pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm")
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "tiny": {"vae": _TINY_FLUX_VAE, "text_encoder": _TINY_TEXT, "text_encoder_2": _TINY_TEXT_2,
+             "text_encoder_3": _TINY_T5, "transformer": _TINY_SD3, "scheduler": _SD3_SCHEDULER},
+    "sd3-medium": {"vae": _SD3_VAE, "text_encoder": _SDXL_TEXT, "text_encoder_2": _SDXL_TEXT_2,
+                   "text_encoder_3": _T5_XXL, "transformer": _SD3_MEDIUM, "scheduler": _SD3_SCHEDULER},
+}
+
+T5_TEXT_LENGTH = 256
+"""T5's tokens per caption when ``model.t5_text_length`` is unset: StableDiffusion3Pipeline's max_sequence_length."""
+
+
+def transformer_blocks(transformer: SD3Transformer2DModel) -> list:
+    return list(transformer.transformer_blocks)
+
+
+class StableDiffusion3(ModelFamily):
+    name = "sd3"
+    title = "SD3"
+    components = {"vae": AutoencoderKL, "text_encoder": CLIPTextModelWithProjection,
+                  "text_encoder_2": CLIPTextModelWithProjection, "text_encoder_3": T5EncoderModel,
+                  "transformer": SD3Transformer2DModel}
+    text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    tokenizers = ("tokenizer", "tokenizer_2", "tokenizer_3")
+    t5_tokenizers = ("tokenizer_3",)
+    # diffusers' SD3 LoRA loader (and its training script) adapts the two CLIPs; T5 stays frozen.
+    lora_text_encoders = ("text_encoder", "text_encoder_2")
+    denoiser = "transformer"
+    objective = "flow_matching"
+    pipeline_class = StableDiffusion3Pipeline
+    pipeline_names = ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline",
+                      "StableDiffusion3InpaintPipeline")
+    single_file_keys = ("model.diffusion_model.joint_blocks.",)
+    block_lists = {SD3Transformer2DModel: transformer_blocks, AutoencoderKL: _vae_blocks,
+                   CLIPTextModelWithProjection: _text_blocks, T5EncoderModel: t5_blocks}
+    presets = PRESETS
+    # No kohya layout: sdtrain writes diffusers' LoRA file alone, which ComfyUI reads for SD3.
+    kohya_prefixes: dict[str, str] = {}
+
+    def t5_text_length(self, preset: str) -> int:
+        return T5_TEXT_LENGTH
+
+    def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
+        if name == "text_encoder_3":
+            return T5EncoderModel(t5_config(settings, tokenizer, key))
+        return CLIPTextModelWithProjection(clip_text_config(settings, tokenizer, key))
+
+    def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
+        first, second, t5 = (text_encoders[name].config for name in self.text_encoders)
+        clip_width = first.hidden_size + second.hidden_size
+        if t5.d_model < clip_width:
+            raise UserError(f"model.text_encoder_3_overrides: T5's d_model {t5.d_model} is narrower than the two "
+                            f"CLIPs' states side by side ({first.hidden_size} + {second.hidden_size}), which SD3 "
+                            f"zero-pads to T5's width; set d_model to {clip_width} or more")
+        # The latents' patches must fit the position table; a preset's larger table (SD3's 192) is kept.
+        patches = math.ceil(settings["sample_size"] / settings["patch_size"])
+        return {"joint_attention_dim": t5.d_model,
+                "pooled_projection_dim": first.projection_dim + second.projection_dim,
+                "pos_embed_max_size": max(settings.get("pos_embed_max_size") or 0, patches)}
+
+    def denoiser_shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
+        # pos_embed_max_size, which must cover latent_size / patch_size, is raised in denoiser_settings, which
+        # sees the patch size and the preset's table.
+        return {"in_channels": latent_channels, "out_channels": latent_channels, "sample_size": latent_size}
+
+    def downsampling(self, denoiser_config: Any) -> int:
+        return denoiser_config.patch_size
+
+    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None
+                    ) -> dict[str, torch.Tensor]:
+        states, pooled = [], []
+        for encoder, tokens in zip(encoders[:2], ids[:2]):
+            output, penultimate = _with_penultimate_states(encoder, tokens)
+            # The last layer and the final norm take part with weight zero, so that every parameter of a trained
+            # encoder gets a gradient each step, as DDP requires.
+            states.append(penultimate + 0 * output.last_hidden_state)
+            pooled.append(output.text_embeds)
+        t5 = encoders[2](ids[2]).last_hidden_state
+        clip = torch.cat(states, dim=-1)
+        clip = F.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        return {"text_emb": torch.cat([clip, t5], dim=-2), "text_pooled": torch.cat(pooled, dim=-1)}
+
+    def text_shapes(self, text_encoders: dict[str, Any], length: int) -> dict[str, tuple[int, ...]]:
+        # `length` is the CLIP tokenizers' tokens per caption. T5's cannot be read from its config (relative
+        # positions read any length): this is the family's default, T5_TEXT_LENGTH; a run that sets
+        # model.t5_text_length encodes that many instead.
+        first, second, t5 = (text_encoders[name] for name in self.text_encoders)
+        return {"text_emb": (length + T5_TEXT_LENGTH, t5.d_model),
+                "text_pooled": (first.projection_dim + second.projection_dim,)}
+
+    def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
+                  ) -> dict[str, Any]:
+        return {"encoder_hidden_states": text["text_emb"], "pooled_projections": text["text_pooled"]}
+
+    def denoise(self, denoiser: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                condition: dict[str, Any]) -> torch.Tensor:
+        # Timesteps as the pipeline passes them: sigma * 1000.
+        return denoiser(hidden_states=noisy, timestep=timesteps,
+                        encoder_hidden_states=condition["encoder_hidden_states"],
+                        pooled_projections=condition["pooled_projections"], return_dict=False)[0]
+
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+        return StableDiffusion3Pipeline(
+            transformer=components["transformer"], scheduler=scheduler, vae=components["vae"],
+            text_encoder=components["text_encoder"], tokenizer=tokenizers[0],
+            text_encoder_2=components["text_encoder_2"], tokenizer_2=tokenizers[1],
+            text_encoder_3=components["text_encoder_3"], tokenizer_3=tokenizers[2])
+
+    def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
+        # T5 reads as many tokens as it was trained with.
+        tokenizer = getattr(pipe, "tokenizer_3", None)
+        length = tokenizer.model_max_length if tokenizer is not None else T5_TEXT_LENGTH
+        return {"guidance_scale": guidance, "negative_prompt": negative_prompt, "max_sequence_length": length}
+
+
+SD3 = StableDiffusion3()

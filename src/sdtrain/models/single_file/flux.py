@@ -1,0 +1,394 @@
+"""Flux.1 in Black Forest Labs' original layout (flux1-dev.safetensors, ComfyUI, kohya): the transformer's state dict
+both ways, its settings from tensor shapes, LoRA adapters as kohya's Flux files, and writing one file.
+
+Layout: diffusers keeps apart what BFL fuses along the output rows of one Linear: a double block's
+``img_attn.qkv`` is ``attn.to_q``, ``to_k``, ``to_v`` stacked (``txt_attn.qkv`` the ``add_*_proj``); a single
+block's ``linear1`` is ``attn.to_q``, ``to_k``, ``to_v`` and ``proj_mlp``. The final modulation
+``final_layer.adaLN_modulation.1`` holds (shift, scale) where diffusers' ``norm_out.linear`` holds (scale, shift).
+The norms' ``weight`` is the original's ``scale``. Everything else is a renamed module.
+
+A LoRA on a fused module must give exactly the delta the separate ones give: the parts' downs stacked (rank = the
+sum of their ranks), the block-diagonal of their ups (zero rows for an unadapted part) and the alpha that keeps
+each part's alpha / rank.
+
+Metadata written with a file (`save_original`; all strings): ``sdtrain_format``; ``model_family``: ``flux``;
+`CONFIG_KEY` (``transformer_config``): JSON of the settings shapes cannot tell (``axes_dims_rope``,
+``patch_size``). Without it, a file is read with Flux.1's rope axes (16, 56, 56).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sdtrain.errors import UserError
+from sdtrain.models.single_file.read import FORMAT_KEY, FORMAT_VERSION
+
+CONFIG_KEY = "transformer_config"
+FAMILY = "flux"
+# Flux.1's rope axes (time/id, height, width), for files that do not say theirs: every released Flux.1 model's.
+DEFAULT_AXES_DIMS_ROPE = (16, 56, 56)
+# Settings read from the tensors; the others are what CONFIG_KEY carries.
+SHAPE_KEYS = frozenset({"in_channels", "out_channels", "num_layers", "num_single_layers", "attention_head_dim",
+                        "num_attention_heads", "joint_attention_dim", "pooled_projection_dim", "guidance_embeds"})
+# diffusers' FluxTransformer2DModel builds every MLP (double blocks' and single blocks' proj_mlp) 4 times as wide.
+_MLP_RATIO = 4
+# Full checkpoints (ComfyUI's, A1111's) hold the transformer under one of these.
+_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+# Its rows are (scale, shift) in diffusers, (shift, scale) originally.
+_SWAPPED = "final_layer.adaLN_modulation.1"
+_KOHYA_PREFIX = "lora_unet_"
+
+LoraLayer = tuple[torch.Tensor, torch.Tensor, float]
+
+
+# --------------------------------------------------------------------------------------------------- the layout
+
+def _modules(config: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """Original module path -> the diffusers modules it holds, their output rows stacked in this order."""
+    modules: dict[str, tuple[str, ...]] = {
+        "img_in": ("x_embedder",), "txt_in": ("context_embedder",),
+        "time_in.in_layer": ("time_text_embed.timestep_embedder.linear_1",),
+        "time_in.out_layer": ("time_text_embed.timestep_embedder.linear_2",),
+        "vector_in.in_layer": ("time_text_embed.text_embedder.linear_1",),
+        "vector_in.out_layer": ("time_text_embed.text_embedder.linear_2",),
+        "final_layer.linear": ("proj_out",), _SWAPPED: ("norm_out.linear",),
+    }
+    if config.get("guidance_embeds"):
+        modules["guidance_in.in_layer"] = ("time_text_embed.guidance_embedder.linear_1",)
+        modules["guidance_in.out_layer"] = ("time_text_embed.guidance_embedder.linear_2",)
+    for i in range(int(config["num_layers"])):
+        d, o = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        modules.update({
+            f"{o}.img_mod.lin": (f"{d}.norm1.linear",), f"{o}.txt_mod.lin": (f"{d}.norm1_context.linear",),
+            f"{o}.img_attn.qkv": (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"),
+            f"{o}.txt_attn.qkv": (f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj", f"{d}.attn.add_v_proj"),
+            f"{o}.img_attn.proj": (f"{d}.attn.to_out.0",), f"{o}.txt_attn.proj": (f"{d}.attn.to_add_out",),
+            f"{o}.img_mlp.0": (f"{d}.ff.net.0.proj",), f"{o}.img_mlp.2": (f"{d}.ff.net.2",),
+            f"{o}.txt_mlp.0": (f"{d}.ff_context.net.0.proj",), f"{o}.txt_mlp.2": (f"{d}.ff_context.net.2",),
+        })
+    for i in range(int(config["num_single_layers"])):
+        d, o = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
+        modules.update({
+            f"{o}.modulation.lin": (f"{d}.norm.linear",),
+            f"{o}.linear1": (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp"),
+            f"{o}.linear2": (f"{d}.proj_out",),
+        })
+    return modules
+
+
+def _norms(config: Mapping[str, Any]) -> dict[str, str]:
+    """diffusers key -> original key of the attention's RMSNorm scales (parameters, not Linear modules)."""
+    norms = {}
+    for i in range(int(config["num_layers"])):
+        d, o = f"transformer_blocks.{i}.attn", f"double_blocks.{i}"
+        norms.update({f"{d}.norm_q.weight": f"{o}.img_attn.norm.query_norm.scale",
+                      f"{d}.norm_k.weight": f"{o}.img_attn.norm.key_norm.scale",
+                      f"{d}.norm_added_q.weight": f"{o}.txt_attn.norm.query_norm.scale",
+                      f"{d}.norm_added_k.weight": f"{o}.txt_attn.norm.key_norm.scale"})
+    for i in range(int(config["num_single_layers"])):
+        d, o = f"single_transformer_blocks.{i}.attn", f"single_blocks.{i}"
+        norms.update({f"{d}.norm_q.weight": f"{o}.norm.query_norm.scale",
+                      f"{d}.norm_k.weight": f"{o}.norm.key_norm.scale"})
+    return norms
+
+
+def _inner_dim(config: Mapping[str, Any]) -> int:
+    return int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+
+
+def _part_rows(parts: Sequence[str], config: Mapping[str, Any], total: int | None = None) -> list[int]:
+    """Output rows of each part of a fused module: the attention width for q, k and v, the rest (or the MLP's
+    width) for a single block's proj_mlp."""
+    inner = _inner_dim(config)
+    rows = [inner] * len(parts)
+    if parts[-1].endswith("proj_mlp"):
+        rows[-1] = total - inner * (len(parts) - 1) if total is not None else inner * _MLP_RATIO
+    return rows
+
+
+def _swap_halves(tensor: torch.Tensor) -> torch.Tensor:
+    """(scale, shift) <-> (shift, scale) along the rows: its own inverse."""
+    first, second = tensor.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0)
+
+
+def original_prefix(keys: Iterable[str]) -> str | None:
+    """The prefix of a Flux.1 transformer's keys in BFL's layout ('' in BFL's own files, ComfyUI's
+    ``model.diffusion_model.`` in a whole checkpoint), or None when the keys hold none."""
+    keys = list(keys)
+    for prefix in ("", *_PREFIXES):
+        if any(k.startswith((f"{prefix}double_blocks.", f"{prefix}single_blocks.")) for k in keys):
+            return prefix
+    return None
+
+
+def _strip_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
+    for prefix in _PREFIXES:
+        if any(k.startswith(prefix) for k in state):
+            return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    return dict(state)
+
+
+# --------------------------------------------------------------------------------------------------- state dicts
+
+def to_original(state: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """A FluxTransformer2DModel state dict (diffusers keys) with its config -> BFL's original keys, no prefix.
+
+    Every key must find its place and every module of the layout must be there (a file missing one would load
+    with a hole): ValueError naming the first key otherwise."""
+    state = dict(state)
+    out: dict[str, torch.Tensor] = {}
+    for original, parts in _modules(config).items():
+        for end in ("weight", "bias"):
+            keys = [f"{part}.{end}" for part in parts]
+            missing = [k for k in keys if k not in state]
+            if missing:
+                raise ValueError(f"Flux transformer: {missing[0]} is missing (needed for {original}.{end})")
+            tensors = [state.pop(k) for k in keys]
+            tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+            out[f"{original}.{end}"] = _swap_halves(tensor) if original == _SWAPPED else tensor
+    for key, original in _norms(config).items():
+        if key not in state:
+            raise ValueError(f"Flux transformer: {key} is missing (needed for {original})")
+        out[original] = state.pop(key)
+    if state:
+        raise ValueError(f"Flux transformer: {len(state)} weights have no place in the original layout "
+                         f"(e.g. {next(iter(state))}); is the config's num_layers/num_single_layers/guidance_embeds "
+                         "this model's?")
+    return out
+
+
+def from_original(state: Mapping[str, torch.Tensor], config: Mapping[str, Any] | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """BFL's original keys (bare, or under ``model.diffusion_model.``/``diffusion_model.``) -> diffusers'
+    FluxTransformer2DModel keys: the inverse of `to_original`. `config` defaults to what the shapes tell."""
+    state = _strip_prefix(state)
+    if config is None:
+        config = transformer_config_from_original(state)
+    out: dict[str, torch.Tensor] = {}
+    for original, parts in _modules(config).items():
+        for end in ("weight", "bias"):
+            key = f"{original}.{end}"
+            if key not in state:
+                raise ValueError(f"Flux transformer (original layout): {key} is missing")
+            tensor = state.pop(key)
+            if original == _SWAPPED:
+                tensor = _swap_halves(tensor)
+            if len(parts) == 1:
+                out[f"{parts[0]}.{end}"] = tensor
+                continue
+            rows = _part_rows(parts, config, tensor.shape[0])
+            if sum(rows) != tensor.shape[0] or min(rows) <= 0:
+                raise ValueError(f"Flux transformer (original layout): {key} has {tensor.shape[0]} rows, not "
+                                 f"{' + '.join(map(str, rows))} for {', '.join(parts)}")
+            out.update({f"{part}.{end}": piece for part, piece in zip(parts, tensor.split(rows, dim=0))})
+    for key, original in _norms(config).items():
+        if original not in state:
+            raise ValueError(f"Flux transformer (original layout): {original} is missing")
+        out[key] = state.pop(original)
+    if state:
+        raise ValueError(f"Flux transformer (original layout): {len(state)} weights are not Flux.1's "
+                         f"(e.g. {next(iter(state))})")
+    return out
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(value.shape) if hasattr(value, "shape") else tuple(value)
+
+
+def _block_count(keys: Sequence[str], name: str) -> int:
+    indices = {int(m.group(1)) for k in keys if (m := re.match(rf"{name}\.(\d+)\.", k))}
+    if indices and indices != set(range(max(indices) + 1)):
+        raise ValueError(f"Flux transformer (original layout): {name} {sorted(set(range(max(indices) + 1)) - indices)}"
+                         " are missing")
+    return len(indices)
+
+
+def transformer_config_from_original(state_or_shapes: Mapping[str, Any],
+                                     metadata: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """FluxTransformer2DModel's settings from an original-layout state dict (tensors, or their shapes): sizes and
+    block counts from the shapes, ``guidance_embeds`` from ``guidance_in.*``, and what shapes cannot tell
+    (``axes_dims_rope``, ``patch_size``) from the metadata's `CONFIG_KEY`, else Flux.1's."""
+    shapes = {k: _shape(v) for k, v in _strip_prefix(state_or_shapes).items()}
+    try:
+        hidden, in_channels = shapes["img_in.weight"]
+        out_channels = shapes["final_layer.linear.weight"][0]
+        joint_attention_dim = shapes["txt_in.weight"][1]
+        pooled_projection_dim = shapes["vector_in.in_layer.weight"][1]
+    except KeyError as exc:
+        raise ValueError(f"not a Flux.1 transformer in the original layout: no {exc.args[0]}") from exc
+    num_layers = _block_count(list(shapes), "double_blocks")
+    num_single_layers = _block_count(list(shapes), "single_blocks")
+    norm = ("double_blocks.0.img_attn.norm.query_norm.scale" if num_layers
+            else "single_blocks.0.norm.query_norm.scale")
+    if norm not in shapes:
+        raise ValueError(f"not a Flux.1 transformer in the original layout: no {norm}")
+    head_dim = shapes[norm][0]
+    if hidden % head_dim:
+        raise ValueError(f"Flux transformer: width {hidden} is not a whole number of {head_dim}-wide heads")
+    # diffusers' model has no MLP ratio setting: a file with another one would not load into it.
+    if num_layers:
+        mlp = shapes.get("double_blocks.0.img_mlp.0.weight", (0,))[0]
+    else:
+        mlp = shapes.get("single_blocks.0.linear1.weight", (0,))[0] - 3 * hidden
+    if num_layers + num_single_layers and mlp != _MLP_RATIO * hidden:
+        raise ValueError(f"Flux transformer: MLP width {mlp} is not {_MLP_RATIO} x {hidden}, the only ratio "
+                         "diffusers' FluxTransformer2DModel builds")
+    extra: dict[str, Any] = {}
+    if metadata and CONFIG_KEY in metadata:
+        try:
+            extra = json.loads(metadata[CONFIG_KEY])
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"metadata {CONFIG_KEY} is not valid JSON ({exc})") from exc
+        if not isinstance(extra, dict):
+            raise ValueError(f"metadata {CONFIG_KEY} is not a JSON object")
+    axes = tuple(int(a) for a in extra.get("axes_dims_rope", DEFAULT_AXES_DIMS_ROPE))
+    if sum(axes) != head_dim:
+        # The rope's axes split a head between them: any other sum fails at the first forward.
+        raise ValueError(f"Flux transformer: rope axes {axes} do not add up to the {head_dim}-wide heads; a file "
+                         f"of another head width must say its axes in the metadata {CONFIG_KEY}")
+    config = {"patch_size": int(extra.get("patch_size", 1)), "in_channels": in_channels,
+              "num_layers": num_layers, "num_single_layers": num_single_layers, "attention_head_dim": head_dim,
+              "num_attention_heads": hidden // head_dim, "joint_attention_dim": joint_attention_dim,
+              "pooled_projection_dim": pooled_projection_dim,
+              "guidance_embeds": "guidance_in.in_layer.weight" in shapes, "axes_dims_rope": axes}
+    if out_channels != in_channels:
+        # diffusers' default (None) is in_channels; said only when different, as a config folder says it.
+        config["out_channels"] = out_channels
+    return config
+
+
+# --------------------------------------------------------------------------------------------------- LoRA
+
+def _kohya_name(original: str) -> str:
+    return _KOHYA_PREFIX + original.replace(".", "_")
+
+
+def _check_layer(path: str, layer: LoraLayer) -> tuple[torch.Tensor, torch.Tensor, float]:
+    down, up, alpha = layer
+    if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]:
+        raise ValueError(f"LoRA {path}: lora_A {tuple(down.shape)} and lora_B {tuple(up.shape)} are not a "
+                         "[rank, in] and [out, rank] pair")
+    return down, up, float(alpha)
+
+
+def kohya_lora(layers: Mapping[str, LoraLayer], config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """LoRA layers on diffusers' module paths (inside the transformer, as peft names them) -> kohya's Flux keys
+    ``lora_unet_<original path, _ for .>.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha`` (a 0-d tensor).
+
+    `layers` maps a path to (lora_A weight [r, in], lora_B weight [out, r], alpha). Parts BFL fuses are fused
+    (see the module docstring): the alpha keeps the parts' common alpha / rank, and where their scales differ
+    each part's scale goes into its up (alpha = rank). A path without an original counterpart: ValueError."""
+    modules = _modules(config)
+    owner = {part: (original, i) for original, parts in modules.items() for i, part in enumerate(parts)}
+    groups: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor, float]]] = {}
+    for path, layer in layers.items():
+        if path not in owner:
+            raise ValueError(f"LoRA {path}: no module of Flux.1's original layout holds it (or it is past the "
+                             "config's blocks)")
+        original, i = owner[path]
+        groups.setdefault(original, {})[i] = _check_layer(path, layer)
+    out: dict[str, torch.Tensor] = {}
+    for original, present in groups.items():
+        parts = modules[original]
+        down, up, alpha = present[0] if len(parts) == 1 else _fuse(original, parts, present, config)
+        if original == _SWAPPED:
+            up = _swap_halves(up)
+        if original.startswith("final_layer."):
+            # diffusers' kohya reader drops final_layer's alphas (it reads those at scale 1): the scale goes into
+            # up, which every reader then applies alike.
+            up, alpha = up * (alpha / down.shape[0]), float(down.shape[0])
+        name = _kohya_name(original)
+        out[f"{name}.lora_down.weight"] = down.contiguous()
+        out[f"{name}.lora_up.weight"] = up.contiguous()
+        out[f"{name}.alpha"] = torch.tensor(alpha, dtype=torch.float32)
+    return out
+
+
+def _fuse(original: str, parts: Sequence[str], present: Mapping[int, tuple[torch.Tensor, torch.Tensor, float]],
+          config: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One LoRA on a fused module with the same delta as the parts': downs stacked, ups block-diagonal."""
+    rows = _part_rows(parts, config)
+    order = sorted(present)
+    ins = {present[i][0].shape[1] for i in order}
+    if len(ins) != 1:
+        raise ValueError(f"LoRA {original}: its parts {', '.join(parts[i] for i in order)} read inputs of "
+                         f"different widths {sorted(ins)}")
+    for i in order:
+        if present[i][1].shape[0] != rows[i]:
+            raise ValueError(f"LoRA {parts[i]}: lora_B has {present[i][1].shape[0]} rows, the config's model "
+                             f"{rows[i]}")
+    scales = {present[i][2] / present[i][0].shape[0] for i in order}
+    # With one scale the weights stay as trained (alpha = scale x rank); else each part's goes into its up.
+    common = next(iter(scales)) if len(scales) == 1 else None
+    rank = sum(present[i][0].shape[0] for i in order)
+    first_down = present[order[0]][0]
+    up = first_down.new_zeros((sum(rows), rank))
+    downs, col = [], 0
+    for i in order:
+        down, part_up, alpha = present[i]
+        r, row = down.shape[0], sum(rows[:i])
+        up[row:row + rows[i], col:col + r] = part_up if common is not None else part_up * (alpha / r)
+        downs.append(down.to(first_down.dtype))
+        col += r
+    return torch.cat(downs, dim=0), up, (common * rank if common is not None else float(rank))
+
+
+# --------------------------------------------------------------------------------------------------- writing
+
+def original_metadata(config: Mapping[str, Any]) -> dict[str, str]:
+    """The metadata a written file carries: our format, the family and the settings its shapes cannot tell."""
+    extras = {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.items()
+              if not k.startswith("_") and k not in SHAPE_KEYS}
+    return {"format": "pt", FORMAT_KEY: FORMAT_VERSION, "model_family": FAMILY,
+            CONFIG_KEY: json.dumps(extras, sort_keys=True)}
+
+
+def _config_differences(config: Mapping[str, Any], read: Mapping[str, Any]) -> list[str]:
+    """The settings a reader of the file would get otherwise than the model has them."""
+    def plain(value: Any) -> Any:
+        return list(value) if isinstance(value, (list, tuple)) else value
+
+    mine = {**config, "out_channels": config.get("out_channels") or config.get("in_channels")}
+    return [f"{key}: {mine.get(key)} would read as {value}" for key, value in read.items()
+            if plain(mine.get(key)) != plain(value)]
+
+
+def save_original(path: str | Path, transformer: Any, half: bool = False) -> Path:
+    """Write a FluxTransformer2DModel as ONE safetensors file in BFL's original layout (flux1-dev.safetensors'),
+    atomically (a temporary name, then os.replace), with `original_metadata`. fp32, or bf16 with `half`: Flux.1's
+    own dtype (its activations overflow fp16). Returns the path."""
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    config = dict(transformer.config)
+    try:
+        state = to_original(transformer.state_dict(), config)
+        metadata = original_metadata(config)
+        read = transformer_config_from_original(state, metadata)
+    except ValueError as exc:
+        raise UserError(f"{out}: this transformer cannot be written in Flux.1's original layout ({exc})") from exc
+    differ = _config_differences(config, read)
+    if differ:
+        raise UserError(f"{out}: the transformer would not read back as it is ({differ[0]})")
+    dtype = torch.bfloat16 if half else torch.float32
+    tensors = {k: (v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu()).contiguous()
+               for k, v in state.items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out

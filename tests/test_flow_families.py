@@ -1,0 +1,246 @@
+"""SD3 and Flux.1, the flow-matching transformer families, at tiny size through the CLI: from scratch and every
+fine-tuning mode trains, resumes bitwise after kill -9 and exports what plain diffusers loads
+(StableDiffusion3Pipeline / FluxPipeline.from_pretrained, load_lora_weights, Flux's kohya file), and what it loads
+changes the image."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sdtrain.cli.main import main
+from sdtrain.export import export_run
+
+from .conftest import TINY, config_path
+
+CONFIGS = config_path("diffusion.yaml").parents[1]
+FAMILIES = ["flux", "sd3"]
+COMMON = [*TINY, "data.batch_size=2", "validation.prompts=[]", "evaluation.every_samples=0"]
+
+
+def _pipeline(family: str, folder: Path):
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+
+    cls = FluxPipeline if family == "flux" else StableDiffusion3Pipeline
+    return cls.from_pretrained(folder, local_files_only=True)
+
+
+def _image(pipe, prompt: str = "a red circle") -> np.ndarray:
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(prompt, num_inference_steps=2, guidance_scale=3.0, height=32, width=32, output_type="np",
+                max_sequence_length=_t5_length(pipe),
+                generator=torch.Generator().manual_seed(0)).images[0]
+
+
+def _t5_length(pipe) -> int:
+    t5 = pipe.tokenizer_2 if type(pipe).__name__ == "FluxPipeline" else pipe.tokenizer_3
+    return t5.model_max_length
+
+
+@pytest.fixture(scope="module")
+def flow_vae(tmp_path_factory, shapes_dir) -> Path:
+    """A 16-channel autoencoder with a latent shift, as SD3 and Flux.1 have (both families build the same)."""
+    run = tmp_path_factory.mktemp("flow-vae") / "autoencoder"
+    assert main(["train", str(config_path("autoencoder.yaml")), f"run_dir={run}", *TINY, "model.family=flux",
+                 f"data.shards={shapes_dir}", "train.max_steps=2"]) == 0
+    return run
+
+
+def _scratch_command(family: str, run: Path, vae: Path, shapes_dir: Path, steps: int) -> list[str]:
+    """From scratch: the CLIP and T5 encoders and the transformer train, the tokenizers are trained on the
+    captions."""
+    return ["train", str(config_path("diffusion.yaml")), f"run_dir={run}", *COMMON, f"model.family={family}",
+            f"model.vae={vae}", f"data.shards={shapes_dir}", f"train.max_steps={steps}", "checkpoint.every=1",
+            "data.caption_dropout=0.25", "model.t5_text_length=12"]
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory, shapes_dir, flow_vae) -> dict[str, Path]:
+    runs = {}
+    for family in FAMILIES:
+        run = tmp_path_factory.mktemp(family) / "scratch"
+        assert main([*_scratch_command(family, run, flow_vae, shapes_dir, 3), "validation.prompts=[a red circle]",
+                     "validation.steps=2"]) == 0
+        assert (run / "samples" / "step_00000003.png").is_file()  # validation renders through the family's pipeline
+        runs[family] = run
+    return runs
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, scratch) -> dict[str, Path]:
+    return {family: export_run(run, tmp_path_factory.mktemp(f"{family}-pipeline") / "pipeline")
+            for family, run in scratch.items()}
+
+
+MODES = {
+    "full": ("finetune-full.yaml", ["optim.lr=0.01", "optim.warmup_steps=0"]),
+    # The family's own recipe (configs/flux-lora.yaml, sd3-lora.yaml) at tiny size.
+    "lora": ("{family}-lora.yaml", ["lora.text_encoder=true", "optim.lr=0.01", "data.aspect_buckets=false"]),
+    "dreambooth": ("dreambooth.yaml", ["dreambooth.instance_prompt=a sks shape", "dreambooth.class_prompt=a shape",
+                                       "dreambooth.num_class_images=2", "dreambooth.generation_steps=2",
+                                       "optim.lr=0.01", "optim.warmup_steps=0"]),
+}
+
+
+def _command(mode: str, run: Path, pretrained: Path, shapes_dir: Path, steps: int) -> list[str]:
+    config, extra = MODES[mode]
+    family = json.loads((pretrained / "model_index.json").read_text())["_class_name"]
+    config = config.format(family="flux" if family == "FluxPipeline" else "sd3")
+    return ["train", str(CONFIGS / config), f"run_dir={run}", *COMMON, f"model.pretrained={pretrained}",
+            f"data.shards={shapes_dir}", f"train.max_steps={steps}", "checkpoint.every=1",
+            "data.caption_dropout=0.25", *extra]
+
+
+def _same_checkpoints(a: Path, b: Path) -> None:
+    for name in ("model.safetensors", "ema.safetensors"):
+        if not (a / name).is_file():
+            continue
+        first, second = load_file(str(a / name)), load_file(str(b / name))
+        assert first.keys() == second.keys()
+        different = [k for k in first if not torch.equal(first[k], second[k])]
+        assert not different, f"{name}: {len(different)} tensors differ, e.g. {different[:3]}"
+
+
+# Each case trains three runs; the default suite takes one per family, the rest are slow.
+RESUME_CASES = [("flux", "lora"), ("sd3", "scratch"),
+                *[pytest.param(f, m, marks=pytest.mark.slow) for f, m in
+                  (("flux", "scratch"), ("flux", "full"), ("flux", "dreambooth"), ("sd3", "lora"), ("sd3", "full"),
+                   ("sd3", "dreambooth"))]]
+
+
+@pytest.mark.parametrize(("family", "mode"), RESUME_CASES)
+def test_every_mode_resumes_bitwise_after_kill_9(family, mode, tmp_path, pretrained, shapes_dir, flow_vae):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+
+    def command(run: Path) -> list[str]:
+        if mode == "scratch":
+            return _scratch_command(family, run, flow_vae, shapes_dir, 3)
+        return _command(mode, run, pretrained[family], shapes_dir, 3)
+
+    assert main(command(straight)) == 0
+    # SIGKILL right after step 2, with no chance to save beyond the checkpoint of step 2.
+    result = subprocess.run([sys.executable, "-m", "sdtrain", *command(killed)],
+                            env={**os.environ, "OMP_NUM_THREADS": "2", "SDTRAIN_KILL_AT_STEP": "2"},
+                            capture_output=True, text=True)
+    assert result.returncode == -9, result.stderr[-2000:]
+    assert not (killed / "checkpoints" / "step_00000003").exists()
+    assert main(command(killed)) == 0
+    _same_checkpoints(straight / "checkpoints" / "step_00000003", killed / "checkpoints" / "step_00000003")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_from_scratch_exports_a_pipeline_diffusers_loads_with_the_training_schedule(family, scratch, pretrained):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    pipe = _pipeline(family, pretrained[family])
+    assert isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler)
+    # The sampler shifts as training did: the tiny presets keep their release's schedule (Flux.1-dev's dynamic
+    # shift, SD3's static 3.0).
+    if family == "flux":
+        assert pipe.scheduler.config.use_dynamic_shifting and pipe.transformer.config.guidance_embeds
+        assert type(pipe.text_encoder_2).__name__ == "T5EncoderModel"
+    else:
+        assert pipe.scheduler.config.shift == 3.0 and not pipe.scheduler.config.use_dynamic_shifting
+        assert type(pipe.text_encoder_3).__name__ == "T5EncoderModel"
+    assert _t5_length(pipe) == 12
+    vae = pipe.vae.config
+    assert vae.latent_channels == 16 and vae.shift_factor is not None
+    image = _image(pipe)
+    assert image.shape == (32, 32, 3) and np.isfinite(image).all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_files_load_in_diffusers_and_change_the_image(family, tmp_path, pretrained, shapes_dir):
+    run = tmp_path / "lora"
+    assert main(_command("lora", run, pretrained[family], shapes_dir, 2)) == 0
+    out = export_run(run, tmp_path / "out")
+    keys = list(load_file(str(out / "pytorch_lora_weights.safetensors")))
+    # T5 stays frozen, as diffusers' and kohya's scripts leave it: only the CLIPs and the transformer adapt.
+    expected = {"flux": {"transformer", "text_encoder"}, "sd3": {"transformer", "text_encoder", "text_encoder_2"}}
+    assert {k.split(".")[0] for k in keys} == expected[family]
+    before = _image(_pipeline(family, pretrained[family]))
+    with_lora = _pipeline(family, pretrained[family])
+    with_lora.load_lora_weights(out)
+    image = _image(with_lora)
+    assert np.abs(image - before).max() > 1e-3
+    if family == "flux":
+        # kohya's layout: BFL's module names with q, k, v fused (their adapters stacked: rank 3 x 4), alpha
+        # included. That diffusers and ComfyUI apply such a file as peft merged it is tests/test_flux_layout.py's.
+        kohya = load_file(str(out / "lora_kohya.safetensors"))
+        for name, rank in (("double_blocks_0_img_attn_qkv", 48), ("double_blocks_0_txt_attn_qkv", 48),
+                           ("single_blocks_0_linear1", 64)):  # q, k, v (and the single block's MLP in) at 16
+            assert kohya[f"lora_unet_{name}.lora_down.weight"].shape[0] == rank, name
+            assert kohya[f"lora_unet_{name}.alpha"].ndim == 0
+        for name in ("double_blocks_0_img_attn_proj", "double_blocks_0_img_mlp_0", "double_blocks_0_txt_mlp_2",
+                     "single_blocks_1_linear2"):
+            assert f"lora_unet_{name}.lora_up.weight" in kohya, name
+        assert any(k.startswith("lora_te1_text_model_encoder_layers_0_") for k in kohya)
+    else:
+        assert not (out / "lora_kohya.safetensors").exists()  # ComfyUI reads SD3's diffusers file itself
+
+
+@pytest.mark.parametrize("family", ["flux", pytest.param("sd3", marks=pytest.mark.slow)])
+def test_full_and_dreambooth_exports_change_the_image(family, tmp_path, pretrained, shapes_dir):
+    before = _image(_pipeline(family, pretrained[family]))
+    for mode in ("full", "dreambooth"):
+        run = tmp_path / mode
+        assert main(_command(mode, run, pretrained[family], shapes_dir, 2)) == 0
+        after = _image(_pipeline(family, export_run(run, tmp_path / f"{mode}-out")))
+        assert np.abs(after - before).max() > 1e-3, mode
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_textual_inversion_is_refused_in_one_line(family, tmp_path, pretrained, shapes_dir, capsys):
+    assert main(["train", str(CONFIGS / "textual-inversion.yaml"), f"run_dir={tmp_path / 'ti'}", *COMMON,
+                 f"model.pretrained={pretrained[family]}", f"data.shards={shapes_dir}", "train.max_steps=1",
+                 "textual_inversion.placeholder_token=<shp>", "textual_inversion.initializer_token=circle"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert "textual_inversion learns CLIP token vectors" in error[-1] and "mode: lora" in error[-1]
+
+
+def test_flux_encoded_shards_hold_t5_states_and_clip_pooled_and_train_as_online(tmp_path, pretrained, shapes_dir,
+                                                                                 caplog):
+    from sdtrain.data.encode import Encoder, encode_dataset
+    from sdtrain.data.encoded import load_npy
+    from sdtrain.data.order import read_shard
+
+    caplog.set_level("INFO")
+    folder = pretrained["flux"]
+    out = tmp_path / "encoded"
+    manifest = encode_dataset(str(shapes_dir), out, Encoder(str(folder), str(folder), 32, torch.device("cpu"),
+                                                            "float32"), batch_size=16)
+    assert manifest["encoding"]["text_encoder_2"] == str(folder)
+    pipe = _pipeline("flux", folder)
+    sample = read_shard(str(sorted(out.glob("*.tar"))[0]))[0]
+    assert load_npy(sample["text_emb.npy"]).shape == (12, pipe.text_encoder_2.config.d_model)
+    assert load_npy(sample["text_pooled.npy"]).shape == (pipe.text_encoder.config.hidden_size,)
+    # Caption dropout's stand-in: the empty caption encoded once, as FluxPipeline encodes it (not zeros).
+    assert load_npy((out / "empty_caption.text_pooled.npy").read_bytes()).any()
+
+    common = [*COMMON, f"model.pretrained={folder}", "train.max_steps=1", "logging.every=1",
+              "data.caption_dropout=0"]
+    finetune = str(CONFIGS / "finetune-full.yaml")
+    assert main(["train", finetune, f"run_dir={tmp_path / 'online'}", f"data.shards={shapes_dir}", *common]) == 0
+    assert main(["train", finetune, f"run_dir={tmp_path / 'encoded'}", f"data.shards={out}", *common]) == 0
+    assert "VAE encoder skipped, text encoder skipped" in caplog.text
+    losses = [json.loads((tmp_path / run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+              for run in ("online", "encoded")]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
+def test_generate_samples_a_run_at_its_training_resolution(tmp_path, scratch):
+    from PIL import Image
+
+    out = tmp_path / "images"
+    assert main(["generate", "--model", str(scratch["flux"]), "--prompt", "a red circle", "--steps", "2",
+                 "--out", str(out)]) == 0
+    # FluxPipeline's own default is 1024 px whatever the model trained on; a run samples at its resolution.
+    assert Image.open(sorted(out.glob("000-*.png"))[0]).size == (32, 32)
