@@ -1,5 +1,6 @@
 """Turning a run into files other tools read: a diffusers pipeline folder (or a VAE folder), or one
-``.safetensors`` file in the original Stable Diffusion layout that A1111/ComfyUI and diffusers' from_single_file read.
+``.safetensors`` file in the original layout that A1111/ComfyUI and diffusers' from_single_file read (Stable
+Diffusion's whole model; Flux.1's transformer alone, as Black Forest Labs ship it).
 
 Export is not checkpointing: a checkpoint is for resuming a run, an export is for using the model.
 """
@@ -15,9 +16,11 @@ from pathlib import Path
 from sdtrain.checkpoint import latest_checkpoint, pinned_sources, read_meta
 from sdtrain.config import RunConfig
 from sdtrain.errors import UserError
+from sdtrain.loaders.adapters import merge_partial
 from sdtrain.loaders.components import load_run_modules
 from sdtrain.loaders.pipelines import pipeline_from_run, run_config
-from sdtrain.models import build, single_file
+from sdtrain.models import build, families, single_file
+from sdtrain.models.single_file import flux as flux_layout
 from sdtrain.train.modes import save_trained_parts
 
 log = logging.getLogger(__name__)
@@ -125,13 +128,15 @@ def _check_replaceable_file(out: Path, run_dir: Path) -> None:
 
 def export_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | None = None,
                        half: bool = False, text_layout: str = "auto") -> Path:
-    """Write the run's model as ONE .safetensors file in the original SD layout (see sdtrain.models.single_file).
+    """Write the run's model as ONE .safetensors file in the original layout (see sdtrain.models.single_file).
 
-    A diffusion run gives UNet (``model.diffusion_model.*``), VAE (``first_stage_model.*``) and text encoder
-    (``cond_stage_model.transformer.*`` CLIP, or ``cond_stage_model.model.*`` OpenCLIP: `text_layout` 'auto'
-    picks OpenCLIP when the text encoder came from an SD 2.x-layout file or is 1024 wide), its tokenizer in
-    OUT.tokenizer/ beside it; an autoencoder run gives a VAE-only file (bare ``encoder.*``/``decoder.*`` keys).
-    EMA weights by default, fp32 unless `half`. The file is written under a temporary name and renamed.
+    A Stable Diffusion (1.x, 2.x, XL) run gives UNet (``model.diffusion_model.*``), VAE (``first_stage_model.*``)
+    and text encoder (``cond_stage_model.transformer.*`` CLIP, or ``cond_stage_model.model.*`` OpenCLIP:
+    `text_layout` 'auto' picks OpenCLIP when the text encoder came from an SD 2.x-layout file or is 1024 wide),
+    its tokenizer in OUT.tokenizer/ beside it; an autoencoder run gives a VAE-only file (bare
+    ``encoder.*``/``decoder.*`` keys). A Flux.1 run gives its transformer alone (see `_export_flux_transformer`).
+    EMA weights by default, fp32 unless `half` (fp16; bf16 for Flux.1). The file is written under a temporary name
+    and renamed. SD3 runs are refused: their single files are not written yet.
     """
     run_dir, out = Path(run_dir), Path(out)
     checkpoint = _checkpoint_to_export(run_dir, checkpoint)
@@ -142,10 +147,20 @@ def export_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: P
         single_file.save_single_file(out, vae=vae, half=half)
         log.info("exported %s -> %s", run_dir, out)
         return out
+    # The family the run trained, as its checkpoint records it (the config's sources may have moved since).
+    family = families.detect(checkpoint)
+    if family.name == flux_layout.FAMILY:
+        if text_layout != "auto":
+            raise UserError("--text-layout: a Flux.1 single file holds the transformer alone, no text encoder; "
+                            "drop the option")
+        return _export_flux_transformer(run_dir, out, family, ema, checkpoint, half)
+    if family.name not in single_file.FAMILIES:
+        raise UserError(f"{run_dir}: a {family.title} run; --single-file writes Stable Diffusion 1.x/2.x, SDXL and "
+                        "Flux.1 files only for now: export the diffusers folder (sdtrain export RUN OUT)")
     pipe = pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint)
     model = config.model
     # The training noise schedule (not the pipeline's sampler): its prediction type and betas go in the metadata.
-    noise = build.build_noise_scheduler(config.diffusion, model.pretrained, build.trusts_pickle(model))
+    noise = build.build_noise_scheduler(config.diffusion, model)
     text_source = pinned_sources(checkpoint).get("text_encoder") or build.component_source(model, "text_encoder")
     out.parent.mkdir(parents=True, exist_ok=True)
     # Beside the file, as OUT.tokenizer/ (and SDXL's OUT.tokenizer_2/), swapped in whole like every export.
@@ -156,4 +171,27 @@ def export_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: P
                                  text_encoder_2=second, scheduler=noise, text_layout=text_layout,
                                  text_source=text_source, half=half)
     log.info("exported %s -> %s", run_dir, out)
+    return out
+
+
+def _export_flux_transformer(run_dir: Path, out: Path, family: families.ModelFamily, ema: bool, checkpoint: Path,
+                             half: bool) -> Path:
+    """A Flux.1 run's transformer as ONE file in Black Forest Labs' layout (flux1-dev.safetensors'), its LoRA
+    adapters merged in: what ComfyUI's Load Diffusion Model and diffusers' FluxTransformer2DModel.from_single_file
+    read. Nothing is written beside it: BFL's file holds no VAE, text encoder or tokenizer, and Flux.1 tools load
+    those separately (the exported pipeline folder's, or the released clip_l, t5xxl and ae files when they were
+    not trained). bf16 with `half`, Flux.1's own dtype (its activations overflow fp16)."""
+    name = family.denoiser
+    trained = list(read_meta(checkpoint)["modules"])
+    if name not in trained:
+        raise UserError(f"{run_dir}: this run trained {', '.join(trained)}, not the transformer, which is all a Flux.1 "
+                        "single file holds; export the diffusers folder instead (sdtrain export RUN OUT)")
+    others = [n for n in trained if n != name]
+    if others:
+        log.warning("%s: the run also trained %s, which a Flux.1 single file does not hold; use them from the "
+                    "diffusers folder `sdtrain export %s OUT` writes", run_dir, ", ".join(others), run_dir)
+    transformer = merge_partial(load_run_modules(run_dir, [name], ema=ema, checkpoint=checkpoint)[name])
+    flux_layout.save_original(out, transformer, half=half)
+    log.info("exported %s -> %s (the Flux.1 transformer alone, in Black Forest Labs' layout; its VAE, text encoders "
+             "and tokenizers are those of the pipeline `sdtrain export %s OUT` writes)", run_dir, out, run_dir)
     return out

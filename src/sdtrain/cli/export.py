@@ -21,9 +21,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                              "tokens merged in, under OUT/pipeline (default: the run's lora.save_merged or "
                              "textual_inversion.save_as_full_pipeline)")
     parser.add_argument("--single-file", action="store_true",
-                        help="write ONE .safetensors in the original Stable Diffusion layout (A1111, ComfyUI, "
-                             "diffusers from_single_file), its tokenizer beside it in OUT.tokenizer/")
-    parser.add_argument("--half", action="store_true", help="with --single-file: store fp16 weights (default fp32)")
+                        help="write ONE .safetensors in the original layout (A1111, ComfyUI, diffusers "
+                             "from_single_file): Stable Diffusion's whole model, its tokenizer beside it in "
+                             "OUT.tokenizer/; for Flux.1 the transformer alone in Black Forest Labs' layout (as "
+                             "flux1-dev.safetensors), to pair with the VAE, text encoders and tokenizers of the "
+                             "pipeline folder `sdtrain export RUN OUT` writes. Not for SD3 runs yet")
+    parser.add_argument("--half", action="store_true",
+                        help="with --single-file: store fp16 weights (bf16 for Flux.1; default fp32)")
     parser.add_argument("--text-layout", choices=["auto", "clip", "openclip"], default="auto",
                         help="with --single-file: the text encoder's layout; auto is OpenCLIP (SD 2.x) when it came "
                              "from an SD 2.x file or is 1024 wide, else CLIP (SD 1.x)")

@@ -22,15 +22,18 @@ from sdtrain.models.families.spec import ModelFamily
 def load_component(name: str, source: str | Path, trust_pickle: bool | None = None,
                    family: ModelFamily | None = None) -> Any:
     """Load component `name` ('vae', 'unet', 'text_encoder', ...; of `family`, else of whichever family has it)
-    from a local source folder or single file.
+    from a local source folder or single file (Stable Diffusion's original layout, or a Flux.1 transformer in
+    Black Forest Labs').
 
     `trust_pickle` lets a pickle single file (.ckpt, .pt...) be read with torch.load(weights_only=True);
     None: the SDTRAIN_TRUST_PICKLE environment variable decides.
     """
     kind = source_kind(source)
-    cls = families.component_class(name, family)
     if kind == "single_file":
-        return single_file.load_single_file_component(name, source, trust_pickle=trust_pickle)
+        # Stable Diffusion's components, or a Flux.1 transformer in BFL's layout (the file says which).
+        return single_file.load_single_file_component(name, source, trust_pickle=trust_pickle,
+                                                      family=family.name if family else None)
+    cls = families.component_class(name, family)
     if kind in ("run", "checkpoint"):
         checkpoint = Path(source) if kind == "checkpoint" else None
         run = Path(source).parent.parent if checkpoint else Path(source)

@@ -11,8 +11,10 @@ from typing import Any
 import torch
 
 from sdtrain.errors import UserError
+from sdtrain.models.single_file import flux
 from sdtrain.models.single_file.read import (
     SingleFileInfo,
+    _File,
     _first_line,
     _info,
     _open,
@@ -39,16 +41,33 @@ def _missing_parameters(module: torch.nn.Module) -> list[str]:
     return [n for n, p in module.named_parameters() if p.is_meta]
 
 
-def load_single_file_component(name: str, path: str | Path, trust_pickle: bool | None = None) -> Any:
+def load_single_file_component(name: str, path: str | Path, trust_pickle: bool | None = None,
+                               family: str | None = None) -> Any:
     """Component `name` ('unet', 'vae', 'text_encoder', or SDXL's 'text_encoder_2') of a single file, in fp32,
-    through diffusers' single-file loaders with a local config folder; never a download."""
+    through diffusers' single-file loaders with a local config folder; never a download. A Flux.1 transformer
+    in BFL's layout is the 'transformer' (see `load_flux_transformer`). `family` (the model's ``model.family``,
+    when known) must agree with the file's."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from diffusers.loaders.single_file_utils import SingleFileComponentError, create_diffusers_clip_model_from_ldm
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
+    file = _open(path, trust_pickle)
+    if flux.original_prefix(file.shapes) is not None:
+        if family not in (None, flux.FAMILY):
+            raise UserError(f"{path}: a Flux.1 transformer, but the model is of family {family}; set "
+                            "model.family=flux, or point the source at a file of that family")
+        if name != "transformer":
+            raise UserError(f"{path}: holds a Flux.1 transformer alone (BFL's layout), no {name}; set model.{name} "
+                            "to a source that has one (a Flux pipeline folder, e.g. what `sdtrain export RUN OUT` "
+                            "writes)")
+        return load_flux_transformer(file)
+    if name == "transformer":
+        raise UserError(f"{path}: holds no Flux.1 transformer in BFL's layout (double_blocks.*, single_blocks.*), the "
+                        "only transformer read from a single file; point model.transformer at one "
+                        "(flux1-dev.safetensors, `sdtrain export --single-file` of a Flux run) or at a diffusers "
+                        "transformer folder")
     if name not in _COMPONENT_LABELS:
         raise UserError(f"{path}: no component '{name}' in a single file; use one of {', '.join(_COMPONENT_LABELS)}")
-    file = _open(path, trust_pickle)
     info = _info(file)
     if name in info.errors:
         raise UserError(f"{path}: unrecognized {name} layout ({info.errors[name]}); pass a Stable Diffusion "
@@ -91,6 +110,56 @@ def load_single_file_component(name: str, path: str | Path, trust_pickle: bool |
                         "incomplete or in a layout diffusers does not read")
     _warn_unused(name, module, keys, info, path)
     return module
+
+
+def load_flux_transformer(path_or_file: str | Path | _File, trust_pickle: bool | None = None) -> Any:
+    """A FluxTransformer2DModel, in fp32, from a file of Flux.1's transformer in BFL's original layout (bare keys as
+    in flux1-dev.safetensors, or under ComfyUI's ``model.diffusion_model.``; other keys of such a checkpoint are
+    left alone): its settings from the tensor shapes and the file's metadata (`flux.transformer_config_from_original`),
+    its weights converted by `flux.from_original`. No config folder, no download; the model is built on the meta
+    device and given the tensors, so a 12B transformer is never allocated twice."""
+    from diffusers import FluxTransformer2DModel
+
+    file = path_or_file if isinstance(path_or_file, _File) else _open(path_or_file, trust_pickle)
+    prefix = flux.original_prefix(file.shapes)
+    if prefix is None:
+        raise UserError(f"{file.path}: holds no Flux.1 transformer in BFL's layout (double_blocks.*, single_blocks.*); "
+                        "point model.transformer at one")
+    keys = [k for k in file.shapes if k.startswith(prefix)]
+    fix = ("pass a Flux.1 transformer file (flux1-dev/schnell.safetensors, or `sdtrain export --single-file` of a "
+           "Flux run) or a diffusers transformer folder")
+    try:
+        config = flux.transformer_config_from_original({k: file.shapes[k] for k in keys}, file.metadata)
+    except ValueError as exc:
+        raise UserError(f"{file.path}: cannot read it as a Flux.1 transformer ({_first_line(exc)}); {fix}") from exc
+    # One tensor at a time to fp32 (an fp16/bf16 file trains from fp32 master weights like any other source), so a
+    # bf16 file is never in memory twice over.
+    state = {}
+    for key in keys:
+        tensor = file.tensors([key])[key]
+        state[key] = tensor.float() if tensor.is_floating_point() else tensor
+    try:
+        state = flux.from_original(state, config)
+    except ValueError as exc:
+        raise UserError(f"{file.path}: cannot read it as a Flux.1 transformer ({_first_line(exc)}); {fix}") from exc
+    # The parts of a fused weight are views of one tensor: each gets its own storage, as checkpoints (safetensors)
+    # write no shared tensors; each fused tensor is freed once its last part is copied.
+    separate = {}
+    for key in list(state):
+        tensor = state.pop(key)
+        separate[key] = tensor.clone() if tensor._base is not None else tensor
+    try:
+        with torch.device("meta"):
+            # The rope axes as a list, as a config.json gives them: a checkpoint's spec is then the same either way.
+            module = FluxTransformer2DModel(**{**config, "axes_dims_rope": list(config["axes_dims_rope"])})
+        module.load_state_dict(separate, strict=True, assign=True)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise UserError(f"{file.path}: cannot load the Flux.1 transformer ({_first_line(exc)}); {fix}") from exc
+    missing = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if missing:
+        raise UserError(f"{file.path}: the Flux.1 transformer lacks {len(missing)} weights (e.g. {missing[0]}); the "
+                        "file is incomplete")
+    return module.eval()
 
 
 def _warn_unused(name: str, module: Any, keys: list[str], info: SingleFileInfo, path: str | Path) -> None:

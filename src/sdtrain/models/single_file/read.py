@@ -202,6 +202,11 @@ def _open(path: str | Path, trust_pickle: bool | None = None) -> _File:
     raise UserError(f"{path}: not a single-file checkpoint; use a {', '.join(SUFFIXES)} file")
 
 
+def tensor_names(path: str | Path, trust_pickle: bool | None = None) -> list[str]:
+    """The keys of a single file's tensors, from its header (a pickle file, once trusted, is read whole)."""
+    return list(_open(path, trust_pickle).shapes)
+
+
 # --------------------------------------------------------------------------------------------------- inference
 
 
@@ -555,6 +560,13 @@ def _info(file: _File) -> SingleFileInfo:
         try:
             configs, prefixes, layout, prediction, scheduler, errors = _infer(file.shapes, file.metadata, file)
         except _Unrecognized as exc:
+            from sdtrain.models.single_file.flux import original_prefix
+
+            if original_prefix(file.shapes) is not None:
+                raise UserError(f"{file.path}: holds a Flux.1 transformer alone (BFL's layout), read only as "
+                                "model.transformer (or model.pretrained, with model.vae, model.text_encoder, "
+                                "model.text_encoder_2 and model.tokenizer naming the rest); for a whole model pass a "
+                                "Flux pipeline folder") from exc
             raise UserError(f"{file.path}: unrecognized checkpoint layout ({exc}); pass a Stable Diffusion 1.x/2.x "
                             "or SDXL checkpoint in the original layout") from exc
         file._info = SingleFileInfo(file.path, configs, prefixes, layout, prediction, scheduler, file.metadata,
