@@ -1,6 +1,7 @@
 """`make chaos`: inject faults into real sdtrain commands, many times, and prove nothing is lost.
 
-Every trial runs the CLI in a subprocess exactly as a user would, on a tiny autoencoder, and compares what
+Every trial runs the CLI in a subprocess exactly as a user would, on a tiny autoencoder of a model family drawn by
+the seed (SD3's and Flux.1's have 16 latent channels and a latent shift), and compares what
 the faulted runs end with against one uninterrupted reference run, byte for byte:
 
 - kill9-train: SIGKILL at a random moment of a training run (checkpoints are saved every step, so many
@@ -76,9 +77,13 @@ def sdtrain(*args: str, env: dict[str, str] | None = None, limit_file_bytes: int
     return subprocess.run(command, env=environ, capture_output=True, text=True, preexec_fn=limits)
 
 
-def train_args(run: Path, data: Path, *extra: str) -> list[str]:
+FAMILIES = ("sd", "sdxl", "sd3", "flux")
+"""The model families a chaos run draws from: each builds its own autoencoder (SD3's and Flux.1's 16 channels)."""
+
+
+def train_args(run: Path, data: Path, *extra: str, family: str = "sd") -> list[str]:
     return ["train", str(CONFIG), f"run_dir={run}", f"data.shards={data}", *TINY, f"train.max_steps={STEPS}",
-            *extra]
+            f"model.family={family}", *extra]
 
 
 def digest_tree(folder: Path, pattern: str = "*") -> dict[str, str]:
@@ -159,6 +164,7 @@ class Chaos:
     def __init__(self, work: Path, seed: int):
         self.work = work
         self.rng = random.Random(seed)
+        self.family = self.rng.choice(FAMILIES)
         self.data = work / "data"
         self.reference = work / "reference"
         self.count = 0
@@ -173,12 +179,15 @@ class Chaos:
         """The uninterrupted runs every trial is compared with, and how long each takes."""
         self.expected_prepared, self.prepare_seconds = self.reference_run(self.prepare_args(self.data),
                                                                            lambda: digest_tree(self.data))
-        self.expected, self.train_seconds = self.reference_run(train_args(self.reference, self.data),
+        self.expected, self.train_seconds = self.reference_run(self.train_args(self.reference),
                                                                lambda: final_weights(self.reference))
         self.expected_tensors = tensor_digests(self.reference / "checkpoints" / f"step_{STEPS:08d}")
         encoded = self.work / "encoded-reference"
         self.expected_encoded, self.encode_seconds = self.reference_run(self.encode_args(encoded),
                                                                         lambda: digest_tree(encoded))
+
+    def train_args(self, run: Path, *extra: str) -> list[str]:
+        return train_args(run, self.data, *extra, family=self.family)
 
     @staticmethod
     def reference_run(args: list[str], result: Callable[[], dict[str, str]]) -> tuple[dict[str, str], float]:
@@ -208,7 +217,7 @@ class Chaos:
 
     def train_to(self, run: Path, stop: int, *extra: str) -> Path:
         """Train `run` to step `stop` uninterrupted; its checkpoint there."""
-        done = sdtrain(*train_args(run, self.data, *extra), f"train.max_steps={stop}")
+        done = sdtrain(*self.train_args(run, *extra), f"train.max_steps={stop}")
         assert done.returncode == 0, done.stderr
         return run / "checkpoints" / f"step_{stop:08d}"
 
@@ -219,7 +228,7 @@ class Chaos:
 
     def kill9_train(self, outcome: Outcome, layout: str = "full") -> None:
         run = self.fresh(f"kill9-train-{layout}")
-        args = train_args(run, self.data, f"checkpoint.format={layout}")
+        args = self.train_args(run, f"checkpoint.format={layout}")
         point = kill_at_random(args, self.rng, self.train_seconds)
         outcome.points.append(f"{point} ({_state(run)})")
         done = run_until_done(args, lambda: bool(final_weights(run)))
@@ -261,7 +270,7 @@ class Chaos:
         else:
             target.unlink()
         outcome.points.append(f"{how} {target.relative_to(newest)} of {layout} step {stop}")
-        result = sdtrain(*train_args(run, self.data, f"checkpoint.format={layout}"))
+        result = sdtrain(*self.train_args(run, f"checkpoint.format={layout}"))
         warned = "damaged" in result.stderr and "falling back" in result.stderr
         if not warned:
             outcome.lost.append(f"{run.name}: no warning about the damaged checkpoint")
@@ -275,7 +284,7 @@ class Chaos:
         previous = self.train_to(run, stop, f"checkpoint.format={layout}")
         before = checkpoint_digests(previous)
         # A limit below the size of the weights: the next save fails as it would on a full disk.
-        full = sdtrain(*train_args(run, self.data, f"checkpoint.format={layout}"), limit_file_bytes=256 * 1024)
+        full = sdtrain(*self.train_args(run, f"checkpoint.format={layout}"), limit_file_bytes=256 * 1024)
         lines = full.stderr.strip().splitlines()
         clear = full.returncode == 2 and "cannot write the checkpoint" in (lines[-1] if lines else "")
         leftovers = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
@@ -284,14 +293,14 @@ class Chaos:
             outcome.lost.append(f"{run.name}: no one-line error (exit {full.returncode}: {lines[-1:]})")
         if leftovers or checkpoint_digests(previous) != before:
             outcome.lost.append(f"{run.name}: the previous checkpoint changed or a partial one was left: {leftovers}")
-        result = sdtrain(*train_args(run, self.data, f"checkpoint.format={layout}"))
+        result = sdtrain(*self.train_args(run, f"checkpoint.format={layout}"))
         self.compare(outcome, run.name, final_weights(run) if result.returncode == 0 else {},
                      self.expected_for(layout))
 
     def nan_steps(self, outcome: Outcome) -> None:
         run = self.fresh("nan")
         steps = sorted(self.rng.sample(range(1, STEPS + 1), 2))
-        result = sdtrain(*train_args(run, self.data), env={"SDTRAIN_NAN_AT_STEPS": ",".join(map(str, steps))})
+        result = sdtrain(*self.train_args(run), env={"SDTRAIN_NAN_AT_STEPS": ",".join(map(str, steps))})
         outcome.points.append(f"NaN at steps {steps}")
         lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] if result.returncode == 0 \
             else []
@@ -301,7 +310,7 @@ class Chaos:
 
     def second_run(self, outcome: Outcome) -> None:
         run = self.fresh("second-run")
-        args = train_args(run, self.data)
+        args = self.train_args(run)
         stall = self.rng.randint(1, STEPS - 1)
         # The first run hangs after a random step, holding the folder, as a live run would.
         first = sdtrain(*args, env={"SDTRAIN_STALL_AT_STEP": str(stall)}, start=True)
@@ -338,6 +347,7 @@ FAULTS: dict[str, Callable[[Chaos, Outcome], None]] = {
 
 def run_chaos(trials: int, seed: int, work: Path, faults: list[str] | None = None) -> list[Outcome]:
     chaos = Chaos(work, seed)
+    print(f"model family: {chaos.family} (drawn from {', '.join(FAMILIES)} by the seed)")
     chaos.setup()
     outcomes = []
     for name in faults or list(FAULTS):

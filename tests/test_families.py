@@ -78,10 +78,42 @@ def test_sdxl_lists_every_block_of_its_components_and_conditions_as_sdxl_does():
     assert not empty["text_emb"].any() and not empty["text_pooled"].any()
 
 
+class _T5Tokenizer(_Tokenizer):
+    pad_token_id, eos_token_id = 0, 1
+
+
+def flow_components(family: str) -> dict[str, nn.Module]:
+    """A tiny SD3 or Flux.1: its VAE, its CLIP and T5 encoders, and the transformer they shape."""
+    config = ModelConfig(family=family, preset="tiny")
+    spec = families.get(family)
+    text = {name: build.build_text_encoder(config, _Tokenizer() if i < len(spec.text_encoders) - 1 else _T5Tokenizer(),
+                                           name) for i, name in enumerate(spec.text_encoders)}
+    return {"vae": build.build_vae(config), **text,
+            "transformer": build.build_denoiser(config, latent_channels=16, latent_size=8, text_encoders=text)}
+
+
+COMPONENTS = {"sd": sd_components, "sdxl": sdxl_components, "sd3": lambda: flow_components("sd3"),
+              "flux": lambda: flow_components("flux")}
+
+
+def test_flow_families_list_every_block_of_their_components():
+    for family, transformer_blocks in (("sd3", 2), ("flux", 1 + 2)):
+        parts, spec = flow_components(family), families.get(family)
+        assert set(parts) == set(spec.components)
+        assert all(isinstance(module, spec.components[name]) for name, module in parts.items())
+        # SD3's joint blocks; Flux's double-stream blocks, then its single-stream ones.
+        assert len(spec.blocks(parts["transformer"])) == transformer_blocks
+        t5 = parts[spec.text_encoders[-1]]
+        assert len(spec.blocks(t5)) == t5.config.num_layers == 2
+        assert len(families.blocks(nn.ModuleDict(parts))) == sum(len(spec.blocks(m)) for m in parts.values())
+
+
 @pytest.mark.parametrize("family,name", [("sd", "unet"), ("sd", "vae"), ("sd", "text_encoder"),
-                                         ("sdxl", "unet"), ("sdxl", "text_encoder"), ("sdxl", "text_encoder_2")])
+                                         ("sdxl", "unet"), ("sdxl", "text_encoder"), ("sdxl", "text_encoder_2"),
+                                         ("sd3", "transformer"), ("sd3", "text_encoder_3"), ("flux", "transformer"),
+                                         ("flux", "text_encoder_2")])
 def test_checkpointing_and_compile_wrap_the_blocks_the_spec_lists(family, name, monkeypatch):
-    module = (sd_components if family == "sd" else sdxl_components)()[name]
+    module = COMPONENTS[family]()[name]
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda forward, **_: compiled.append(forward) or forward)
 

@@ -244,3 +244,18 @@ def test_generate_samples_a_run_at_its_training_resolution(tmp_path, scratch):
                  "--out", str(out)]) == 0
     # FluxPipeline's own default is 1024 px whatever the model trained on; a run samples at its resolution.
     assert Image.open(sorted(out.glob("000-*.png"))[0]).size == (32, 32)
+
+
+def test_a_flux_single_file_trains_with_the_schedule_it_was_released_with(tmp_path):
+    from safetensors.torch import save_file
+
+    from sdtrain.config import DiffusionConfig, ModelConfig
+    from sdtrain.models import build
+
+    for name, keys, dynamic in (("dev", ["double_blocks.0.img_attn.qkv.weight", "guidance_in.in_layer.weight"], True),
+                                ("schnell", ["model.diffusion_model.double_blocks.0.img_attn.qkv.weight"], False)):
+        path = tmp_path / f"flux1-{name}.safetensors"
+        save_file({key: torch.zeros(1) for key in keys}, str(path))
+        scheduler = build.build_noise_scheduler(DiffusionConfig(), ModelConfig(pretrained=str(path)))
+        assert scheduler.config.use_dynamic_shifting == dynamic, name
+        assert scheduler.config.shift == (3.0 if dynamic else 1.0)

@@ -23,10 +23,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "generates")
     parser.add_argument("--adherence-pairs", type=int, default=54,
                         help="how many of them name two shapes (54: one image moves the pair score by 1.9 points)")
+    parser.add_argument("--family", choices=sorted(DIFFUSION_CONFIGS), default="sd",
+                        help="the model family trained from scratch: sd (a UNet, the default) or flux (a Flux.1 "
+                        "transformer trained by flow matching, with CLIP and T5 text encoders)")
     parser.set_defaults(run=run)
 
 
 GUIDANCE = 7
+# Each family's stage-2 config; its autoencoder is the same demo config built as that family's (Flux.1: 16 latent
+# channels and a latent shift).
+DIFFUSION_CONFIGS = {"sd": "diffusion.yaml", "flux": "flux.yaml"}
 
 
 def config_path(name: str) -> Path:
@@ -52,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     data, ae_run, sd_run = out / "data", out / "autoencoder", out / "diffusion"
     latents, pipeline, samples = out / "latents", out / "pipeline", out / "samples"
     _step("1/8 write the shapes dataset", ["prepare", "shapes", "--out", str(data), "--num", str(args.num)])
-    ae = ["train", str(config_path("autoencoder.yaml")), f"run_dir={ae_run}", f"data.shards={data}"]
+    ae = ["train", str(config_path("autoencoder.yaml")), f"run_dir={ae_run}", f"data.shards={data}",
+          f"model.family={args.family}"]
     if args.autoencoder_steps:
         ae.append(f"train.max_steps={args.autoencoder_steps}")
     _step("2/8 train the autoencoder", ae)
@@ -61,11 +68,12 @@ def run(args: argparse.Namespace) -> int:
     _step("3/8 encode the dataset with the autoencoder",
           ["prepare", "encode", str(data), "--model", str(ae_run), "--out", str(latents), "--resolution", "64",
            "--dtype", "float32", "--no-text"])
-    sd = ["train", str(config_path("diffusion.yaml")), f"run_dir={sd_run}", f"data.shards={latents}",
-          f"model.vae={ae_run}"]
+    sd = ["train", str(config_path(DIFFUSION_CONFIGS[args.family])), f"run_dir={sd_run}",
+          f"data.shards={latents}", f"model.vae={ae_run}"]
     if args.diffusion_steps:
         sd.append(f"train.max_steps={args.diffusion_steps}")
-    _step("4/8 train the text encoder and UNet", sd)
+    _step("4/8 train the text encoders and the transformer" if args.family == "flux" else
+          "4/8 train the text encoder and UNet", sd)
     _step("5/8 export a diffusers pipeline", ["export", str(sd_run), "--out", str(pipeline)])
     prompts = out / "prompts.txt"
     prompts.write_text("\n".join(caption_prompts()) + "\n")
@@ -88,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"\ndemo finished in {minutes:.1f} min")
     print(f"  samples grid:       {grid}")
     print(f"  prompt adherence:   {adherence}")
-    print(f"  diffusers pipeline: {pipeline}  (StableDiffusionPipeline.from_pretrained)")
+    pipeline_class = "FluxPipeline" if args.family == "flux" else "StableDiffusionPipeline"
+    print(f"  diffusers pipeline: {pipeline}  ({pipeline_class}.from_pretrained)")
     print(f"  runs:               {ae_run}, {sd_run}  (metrics.jsonl, tensorboard/, checkpoints/, samples/)")
     print(f"  training report:    {sd_run / 'report.html'}  (open in a browser: loss, samples over time, setup)")
     return 0

@@ -99,6 +99,10 @@ def _flow_scheduler(config: DiffusionConfig, model: ModelConfig, family: familie
     folder = Path(model.pretrained) / "scheduler" if model.pretrained else None
     if folder is not None and (folder / "scheduler_config.json").is_file():
         settings = dict(FlowMatchEulerDiscreteScheduler.load_config(folder))
+    elif model.pretrained and single_file.looks_like_single_file(model.pretrained):
+        # A single file holds no scheduler: the one its model was released with, which its keys tell.
+        settings = family.file_scheduler(single_file.tensor_names(model.pretrained, trusts_pickle(model))) or \
+            family.preset(model.preset, "scheduler")
     else:
         settings = family.preset(model.preset, "scheduler")
     if config.flow_shift is not None:

@@ -252,6 +252,8 @@ class DiffusionTask(Task):
         # Under the family's name (unet, transformer): the trainer wraps and checkpoints modules by name.
         setattr(self, family.denoiser, denoiser.to(device))
         self._check_buckets(scale * family.downsampling(denoiser.config))
+        # Read before the trainer wraps the denoiser (DDP, FSDP), whose wrapper has no config.
+        self.takes_guidance = family.takes_guidance(denoiser.config)
         self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model)
         self.objective = make_objective(family, config.diffusion, self.noise_scheduler, device, denoiser.config)
         keys = [family.ids_key(i) for i in range(len(self.tokenizers))]
@@ -393,7 +395,7 @@ class DiffusionTask(Task):
             with torch.set_grad_enabled(self.text_encoder_trains()):
                 text = self.encode_text(batch)
         condition = self.family.condition(text, batch, self.device)
-        if self.family.takes_guidance(self.denoiser.config):
+        if self.takes_guidance:
             condition["guidance"] = self.guidance(len(text["text_emb"]), generator)
         return condition
 

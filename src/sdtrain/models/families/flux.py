@@ -132,6 +132,12 @@ class Flux(ModelFamily):
     presets = PRESETS
     kohya_prefixes = {"transformer": "lora_unet_", "text_encoder": "lora_te1_"}
 
+    def file_scheduler(self, keys: list[str]) -> dict[str, Any] | None:
+        # dev's guidance embedding (guidance_in) marks the guidance-distilled model, sampled with the dynamic shift.
+        prefix = original_layout.original_prefix(keys) or ""
+        dev = any(key.startswith(f"{prefix}guidance_in.") for key in keys)
+        return dict(_DEV_SCHEDULER if dev else _SCHNELL_SCHEDULER)
+
     def t5_text_length(self, preset: str) -> int:
         # What each was released to sample with (FluxPipeline's max_sequence_length): dev 512, schnell 256.
         return 256 if preset == "flux-schnell" else 512

@@ -82,6 +82,11 @@ class ModelFamily:
                             f"{', '.join(self.presets)} (or set model.family)")
         return copy.deepcopy(self.presets[preset][component])
 
+    def file_scheduler(self, keys: list[str]) -> dict[str, Any] | None:
+        """The training schedule a single file of this family's was released with, told from its tensor `keys`;
+        None: the preset's."""
+        return None
+
     def t5_text_length(self, preset: str) -> int:
         """Tokens per caption of the T5 encoder when ``model.t5_text_length`` is unset (what the pipeline samples
         with)."""
