@@ -207,7 +207,7 @@ def test_textual_inversion_is_refused_in_one_line(family, tmp_path, pretrained, 
 
 
 def test_flux_encoded_shards_hold_t5_states_and_clip_pooled_and_train_as_online(tmp_path, pretrained, shapes_dir,
-                                                                                 caplog):
+                                                                                 caplog, capsys):
     from sdtrain.data.encode import Encoder, encode_dataset
     from sdtrain.data.encoded import load_npy
     from sdtrain.data.order import read_shard
@@ -234,6 +234,18 @@ def test_flux_encoded_shards_hold_t5_states_and_clip_pooled_and_train_as_online(
     losses = [json.loads((tmp_path / run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
               for run in ("online", "encoded")]
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+    # T5's length is the run's: shards encoded at another are one line naming both fixes.
+    assert manifest["encoding"]["t5_text_length"] == 12
+    assert main(["train", finetune, f"run_dir={tmp_path / 'other'}", f"data.shards={out}", *common,
+                 "model.t5_text_length=8"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "encoded at 12 tokens per caption but this run reads 8" in error and "--t5-text-length 8" in error
+    shorter = tmp_path / "encoded-8"
+    assert main(["prepare", "encode", str(shapes_dir), "--model", str(folder), "--out", str(shorter),
+                 "--resolution", "32", "--dtype", "float32", "--t5-text-length", "8"]) == 0
+    sample = read_shard(str(sorted(shorter.glob("*.tar"))[0]))[0]
+    assert load_npy(sample["text_emb.npy"]).shape[0] == 8
 
 
 def test_generate_samples_a_run_at_its_training_resolution(tmp_path, scratch):

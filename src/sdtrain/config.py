@@ -116,7 +116,9 @@ class ModelConfig:
     pretrained: str | None = None
     """A local diffusers pipeline folder, or a single-file checkpoint in the original Stable Diffusion layout
     (``.safetensors``: SD 1.x, 2.x or SDXL, sizes and prediction type read from the file; set ``tokenizer`` unless
-    a ``NAME.tokenizer/`` folder lies beside it). Components not named below load from it."""
+    a ``NAME.tokenizer/`` folder lies beside it), or a Flux.1 transformer file in Black Forest Labs' layout (bare or
+    under ComfyUI's ``model.diffusion_model.``; name the VAE, text encoders and tokenizer below). Components not
+    named below load from it."""
     vae: str | None = None
     """Autoencoder source: a diffusers ``vae`` folder, a pipeline folder, or an sdtrain autoencoder run."""
     text_encoder: str | None = None
@@ -191,8 +193,8 @@ class DiffusionConfig:
     """How training draws timesteps (for flow matching, as SD3 and Flux.1 train: sigmas): ``uniform`` over the
     schedule, ``logit_normal`` (Esser et al., 2024, as SD3 trains): t / T = sigmoid(x) with
     x ~ N(timestep_mean, timestep_std), which spends the steps on the middle of the schedule, and with a positive
-    mean on the noisier part, where layout and count are decided; flow matching also ``mode`` (SD3 paper's mode sampling, scale ``mode_scale``) and
-    ``cosmap``."""
+    mean on the noisier part, where layout and count are decided; flow matching also ``mode`` (the SD3 paper's
+    mode sampling, scale ``mode_scale``) and ``cosmap``."""
     timestep_mean: float = 0.0
     """Mean of the logit-normal draw; positive favours noisier timesteps, negative cleaner ones."""
     timestep_std: float = 1.0

@@ -82,6 +82,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     encode.add_argument("--resolution", type=int,
                         help="image side the latents are taken at (default: the VAE's sample_size); training's "
                              "data.resolution must match it")
+    encode.add_argument("--t5-text-length", type=int, default=None, metavar="N",
+                        help="SD3 and Flux.1: tokens per caption of the T5 encoder (default: its tokenizer's saved "
+                        "length, 512 for Flux.1's); train with the same model.t5_text_length (MLPerf's Flux "
+                        "recipe: 256)")
     encode.add_argument("--batch-size", type=int, default=32)
     encode.add_argument("--dtype", choices=("float16", "float32"), default="float16",
                         help="storage type of latents and embeddings (default float16)")
@@ -206,9 +210,11 @@ def run_encode(args: argparse.Namespace) -> int:
     text = None if args.no_text else (args.text_encoder or _text_encoder_of(args.model))
     if args.batch_size < 1:
         raise UserError("--batch-size: must be at least 1")
+    if args.t5_text_length is not None and args.t5_text_length < 4:
+        raise UserError("--t5-text-length: must be at least 4")
     topology = detect_topology()
     device = resolve_device(args.device, topology.local_rank)
-    encoder = Encoder(vae, text, args.resolution, device, args.dtype)
+    encoder = Encoder(vae, text, args.resolution, device, args.dtype, args.t5_text_length)
     manifest = encode_dataset(args.src, args.out, encoder, batch_size=args.batch_size, rank=topology.rank,
                               world_size=topology.world_size)
     if manifest is not None:

@@ -60,7 +60,9 @@ class Encoder:
     """The frozen VAE (and text encoders) that turn decoded samples into what training consumes."""
 
     def __init__(self, vae_source: str, text_source: str | None, resolution: int | None, device: torch.device,
-                 dtype: str = "float16"):
+                 dtype: str = "float16", t5_text_length: int | None = None):
+        """`t5_text_length`: the tokens per caption of a T5 encoder (SD3's, Flux.1's); None: its tokenizer's
+        saved length. Training must use the same (model.t5_text_length), which it checks against the manifest."""
         self.device = device
         self.dtype = DTYPES[dtype]
         self.vae_source = build.pin_source(vae_source)
@@ -76,11 +78,16 @@ class Encoder:
         self.family = families.detect(self.text_source) if self.text_source else None
         self.text_encoders: list[torch.nn.Module] = []
         tokenizers: list[Any] = []
+        self.t5_text_length = None
         if self.family is not None:
             for name, folder in zip(self.family.text_encoders, self.family.tokenizers):
                 module = load_component(name, self.text_source, family=self.family)
                 self.text_encoders.append(module.to(device).eval())
-                tokenizers.append(build.load_tokenizer(self.text_source, folder=folder))
+                t5 = folder in self.family.t5_tokenizers
+                tokenizers.append(build.load_tokenizer(self.text_source, t5_text_length if t5 else None,
+                                                       folder=folder))
+                if t5:
+                    self.t5_text_length = tokenizers[-1].model_max_length
         keys = [self.family.ids_key(i) for i in range(len(tokenizers))] if self.family else []
         self.captions = CaptionTokenizer(tokenizers, keys)
         self.resolution = resolution
@@ -104,7 +111,7 @@ class Encoder:
     def description(self) -> dict[str, Any]:
         sources = {name: self.text_source for name in self.family.text_encoders} if self.family else {}
         return describe_encoding(self.vae_source, sources, self.resolution, self.vae.config, self.tokenizer,
-                                 np.dtype(self.dtype).name)
+                                 np.dtype(self.dtype).name, self.t5_text_length)
 
 
 def encode_dataset(src: str, out: Path, encoder: Encoder, batch_size: int = 32, rank: int = 0,

@@ -100,13 +100,13 @@ def _encoding(config: DataConfig, task: Any) -> dict[str, Any]:
     text_encoders = {} if task.text_encoder_trains() else {name: task.sources.get(name)
                                                            for name in task.family.text_encoders}
     return describe_encoding(task.sources.get("vae"), text_encoders, config.resolution, task.vae.config,
-                             task.tokenizer, "float16")
+                             task.tokenizer, "float16", task.t5_text_length)
 
 
 def text_shapes(task: Any) -> dict[str, tuple[int, ...]]:
     """The shape of one sample's text conditioning, each field the task's family encodes."""
     configs = {name: module.config for name, module in task.text_encoders.items()}
-    return task.family.text_shapes(configs, task.tokenizer.model_max_length)
+    return task.family.text_shapes(configs, [tokenizer.model_max_length for tokenizer in task.tokenizers])
 
 
 def _encoded_fields(encoding: dict[str, Any], task: Any, rng: np.random.Generator) -> dict[str, bytes]:

@@ -266,6 +266,13 @@ class DiffusionTask(Task):
         return getattr(self, self.family.denoiser)
 
     @property
+    def t5_text_length(self) -> int | None:
+        """T5's tokens per caption (SD3, Flux.1), None for families without T5."""
+        lengths = [tokenizer.model_max_length for folder, tokenizer in zip(self.family.tokenizers, self.tokenizers)
+                   if folder in self.family.t5_tokenizers]
+        return lengths[0] if lengths else None
+
+    @property
     def text_encoders(self) -> dict[str, nn.Module]:
         """The family's text encoders, by component name, as the loss calls them (wrapped when they train)."""
         return {name: getattr(self, name) for name in self.family.text_encoders}
@@ -329,6 +336,12 @@ class DiffusionTask(Task):
         frozen_text = not self.text_encoder_trains() and not self.data_config().prompt_templates
         self.text_embeddings = frozen_text and all(encoding.get(name) == self.sources.get(name)
                                                    for name in self.family.text_encoders)
+        encoded_t5 = encoding.get("t5_text_length")
+        if self.text_embeddings and encoded_t5 and encoded_t5 != self.t5_text_length:
+            raise UserError(
+                f"data.shards: T5's states were encoded at {encoded_t5} tokens per caption but this run reads "
+                f"{self.t5_text_length}; set model.t5_text_length={encoded_t5}, or encode again with "
+                f"`prepare encode --t5-text-length {self.t5_text_length}`")
         log.info("pre-encoded shards: VAE encoder skipped%s", ", text encoder skipped" if self.text_embeddings else "")
         self.release_unread()
 

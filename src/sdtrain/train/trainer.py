@@ -45,6 +45,7 @@ from sdtrain.distributed import (
 from sdtrain.errors import UserError, first_line
 from sdtrain.evaluate.adherence import adherence_prompt_set
 from sdtrain.evaluate.run import EvalSettings, Evaluator, flat_metrics, read_prompts, target_met
+from sdtrain.evaluate.val_loss import ValLoss
 from sdtrain.faults import FaultInjector
 from sdtrain.loaders.components import instantiate_with
 from sdtrain.memory import tree_bytes
@@ -175,6 +176,11 @@ class Trainer:
         self.data = self._make_data()
         self.tuning = self._tune()
         self.bf16 = self.tuning.precision == "bf16"
+        evaluation = config.evaluation
+        # Built now, so that held-out shards that do not fit the run stop it before its first step.
+        self.val_loss = ValLoss(self.task, evaluation, self.device, self.topology.rank, self.topology.world_size,
+                                bf16=self.bf16) if evaluation.every_samples and "val_loss" in evaluation.metrics \
+            else None
         self.parallel = DataParallel(config.parallel, self.topology, self.device)
         self.parallel.apply(self.task, bf16=self.bf16, checkpointing=self.tuning.checkpointing,
                             compile=config.train.compile)
@@ -195,7 +201,8 @@ class Trainer:
         self.last_batch: dict[str, Any] | None = None
         self.saved: tuple[int, Path] | None = None
         self.stop_signal: int | None = None
-        self.evaluator = None
+        self.evaluator: Evaluator | None = None
+        """Scores generated images (fid, clip, adherence); built at the first evaluation point that needs it."""
 
     def train(self) -> Path:
         with self._stop_on_signals():
@@ -402,15 +409,24 @@ class Trainer:
         return every > 0 and self.state.samples // every > self.state.evaluations
 
     def evaluate(self) -> bool:
-        """Score the averaged weights on every rank (each generates its share); True once the target is met."""
+        """Score the averaged weights on every rank (each generates or reads its share); True once the target is
+        met."""
         cfg = self.config.evaluation
         self.state.evaluations = self.state.samples // cfg.every_samples
-        if self.evaluator is None:
-            self.evaluator = self._make_evaluator()
-        snapshot = capture(self.task.trainable, self.ema, None)
-        with self.averaged_modules(snapshot) as modules:
-            result = self.evaluator(self.task.pipeline(modules))
-        metrics = flat_metrics(result) | {"eval_seconds": result["seconds"]}
+        sampled = [m for m in cfg.metrics if m != "val_loss"]
+        if sampled and self.evaluator is None:
+            self.evaluator = self._make_evaluator(sampled)
+        start = time.perf_counter()
+        result: dict[str, Any] = {}
+        if self.evaluator is not None:
+            # A pipeline needs whole modules on every rank.
+            with self.averaged_modules(capture(self.task.trainable, self.ema, None)) as modules:
+                result |= self.evaluator(self.task.pipeline(modules))
+        if self.val_loss is not None:
+            # A loss needs only forward passes, which sharded modules run as they train: no whole copy anywhere.
+            with self.averaged_in_place() as modules:
+                result |= self.val_loss(modules)
+        metrics = flat_metrics(result) | {"eval_seconds": round(time.perf_counter() - start, 2)}
         self.logger.evaluation(self.state.step, self.state.samples, metrics)
         log.info("evaluation at step %d: %s", self.state.step,
                  ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
@@ -424,10 +440,10 @@ class Trainer:
                  self.state.step, self.state.samples, reached["seconds"])
         return True
 
-    def _make_evaluator(self):
+    def _make_evaluator(self, metrics: list[str]) -> Evaluator:
         cfg = self.config.evaluation
         prompts = read_prompts(cfg.prompts) if cfg.prompts else adherence_prompt_set(cfg.num)
-        settings = EvalSettings(list(cfg.metrics), num=cfg.num or None, steps=cfg.steps, guidance=cfg.guidance,
+        settings = EvalSettings(metrics, num=cfg.num or None, steps=cfg.steps, guidance=cfg.guidance,
                                 seed=cfg.seed, batch=cfg.batch, inception=cfg.inception, clip=cfg.clip,
                                 reference=cfg.reference, scheduler=cfg.scheduler,
                                 extra={"resolution": self.config.data.resolution})
@@ -489,6 +505,32 @@ class Trainer:
                         if k in live:
                             param.copy_(live[k])
                     module.train(training)
+
+    @contextlib.contextmanager
+    def averaged_in_place(self) -> Iterator[dict[str, nn.Module]]:
+        """The trained modules themselves (unwrapped from DDP, still sharded under FSDP) in eval mode, with the EMA
+        weights copied into their parameters until the block ends (this rank's shards only, so the live weights
+        set aside cost a shard each); without EMA, the trained weights as they are."""
+        modules = dict(self.task.trainable)
+        training = {name: module.training for name, module in modules.items()}
+        live: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            with torch.no_grad():
+                shadow = self.ema.shadow if self.ema is not None else {}
+                for name, module in modules.items():
+                    module.eval()
+                    for key, param in module.named_parameters():
+                        average = shadow.get(f"{name}.{key}")
+                        if average is not None:
+                            live.append((param, param.detach().clone()))
+                            param.copy_(average)
+            yield modules
+        finally:
+            with torch.no_grad():
+                for param, weights in live:
+                    param.copy_(weights)
+            for name, module in modules.items():
+                module.train(training[name])
 
     def validate(self, snapshot: Snapshot) -> None:
         if not self.task.validates(self.last_batch):

@@ -163,8 +163,8 @@ class Flux(ModelFamily):
         clip, t5 = encoders
         return {"text_emb": t5(ids[1]).last_hidden_state, "text_pooled": clip(ids[0]).pooler_output}
 
-    def text_shapes(self, text_encoders: dict[str, Any], length: int) -> dict[str, tuple[int, ...]]:
-        return {"text_emb": (length, text_encoders["text_encoder_2"].d_model),
+    def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
+        return {"text_emb": (lengths[1], text_encoders["text_encoder_2"].d_model),
                 "text_pooled": (text_encoders["text_encoder"].hidden_size,)}
 
     def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device

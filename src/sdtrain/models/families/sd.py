@@ -113,8 +113,8 @@ class StableDiffusion(ModelFamily):
         # The last layer's states: SD 2's tower already ends at its penultimate layer (23 of 24 kept).
         return {"text_emb": encoders[0](ids[0])[0]}
 
-    def text_shapes(self, text_encoders: dict[str, Any], length: int) -> dict[str, tuple[int, ...]]:
-        return {"text_emb": (length, text_encoders["text_encoder"].hidden_size)}
+    def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
+        return {"text_emb": (lengths[0], text_encoders["text_encoder"].hidden_size)}
 
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
         # Models trained here have no safety checker; the pipeline must be told so explicitly.

@@ -127,12 +127,10 @@ class StableDiffusion3(ModelFamily):
         clip = F.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
         return {"text_emb": torch.cat([clip, t5], dim=-2), "text_pooled": torch.cat(pooled, dim=-1)}
 
-    def text_shapes(self, text_encoders: dict[str, Any], length: int) -> dict[str, tuple[int, ...]]:
-        # `length` is the CLIP tokenizers' tokens per caption. T5's cannot be read from its config (relative
-        # positions read any length): this is the family's default, T5_TEXT_LENGTH; a run that sets
-        # model.t5_text_length encodes that many instead.
+    def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
+        # The CLIPs' states, then T5's on the sequence axis.
         first, second, t5 = (text_encoders[name] for name in self.text_encoders)
-        return {"text_emb": (length + T5_TEXT_LENGTH, t5.d_model),
+        return {"text_emb": (lengths[0] + lengths[2], t5.d_model),
                 "text_pooled": (first.projection_dim + second.projection_dim,)}
 
     def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device

@@ -123,9 +123,10 @@ class StableDiffusionXL(ModelFamily):
         keep = torch.tensor([bool(c) for c in captions], device=text_emb.device, dtype=text_emb.dtype)
         return {"text_emb": text_emb * keep[:, None, None], "text_pooled": pooled * keep[:, None]}
 
-    def text_shapes(self, text_encoders: dict[str, Any], length: int) -> dict[str, tuple[int, ...]]:
+    def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
         first, second = (text_encoders[name] for name in self.text_encoders)
-        return {"text_emb": (length, first.hidden_size + second.hidden_size), "text_pooled": (second.projection_dim,)}
+        return {"text_emb": (lengths[0], first.hidden_size + second.hidden_size),
+                "text_pooled": (second.projection_dim,)}
 
     def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
                   ) -> dict[str, Any]:

@@ -121,9 +121,9 @@ class ModelFamily:
         (None when unknown) tell a family that conditions empty captions on zeros which rows are empty."""
         raise NotImplementedError
 
-    def text_shapes(self, text_encoders: dict[str, Any], length: int) -> dict[str, tuple[int, ...]]:
+    def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
         """The shape of one sample's entry of each `encode_text` output, from the encoders' configs (by name) and
-        the tokens per caption."""
+        each tokenizer's tokens per caption (in `tokenizers` order)."""
         raise NotImplementedError
 
     def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device

@@ -151,6 +151,6 @@ __all__ = [
     "load_single_file_component",
     "original_unet_path",
     "load_single_file_pipeline", "looks_like_single_file", "model_family", "prediction_type", "save_single_file",
-    "scheduler_config", "single_file_metadata", "text_encoder_layout", "to_original_state_dict", "tokenizer_folder",
-    "tokenizer_for", "trust_pickle_from_env", "written_by_sdtrain",
+    "scheduler_config", "single_file_metadata", "tensor_names", "text_encoder_layout", "to_original_state_dict",
+    "tokenizer_folder", "tokenizer_for", "trust_pickle_from_env", "written_by_sdtrain",
 ]
