@@ -169,6 +169,12 @@ def test_lora_files_load_in_diffusers_and_change_the_image(family, tmp_path, pre
     before = _image(_pipeline(family, pretrained[family]))
     with_lora = _pipeline(family, pretrained[family])
     with_lora.load_lora_weights(out)
+    # Every adapter in the file is attached (diffusers drops those it cannot name, with only a warning).
+    from peft.tuners.lora import LoraLayer
+
+    in_file = {k.removeprefix("transformer.").rsplit(".lora", 1)[0] for k in keys if k.startswith("transformer.")}
+    attached = {name for name, module in with_lora.transformer.named_modules() if isinstance(module, LoraLayer)}
+    assert attached == in_file and any(name.endswith("attn.to_q") for name in attached)
     image = _image(with_lora)
     assert np.abs(image - before).max() > 1e-3
     if family == "flux":

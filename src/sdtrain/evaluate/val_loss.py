@@ -66,23 +66,6 @@ def timestep_of(raw: dict[str, Any], index: int, timesteps: int) -> int:
     return index % timesteps
 
 
-def draw_at(objective: Any, latents: torch.Tensor, noise: torch.Tensor, fractions: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(noisy latents, timesteps, target) at the given schedule fractions, with no shift and no random draw."""
-    if objective.name == "flow_matching":
-        return objective.draw_at(latents, noise, fractions)
-    # Noise prediction has no draw_at of its own: the same mix as its draw, minus offset noise and input
-    # perturbation, which are training-time augmentations.
-    scheduler = objective.scheduler
-    steps = scheduler.config.num_train_timesteps
-    timesteps = (fractions * steps).long().clamp(max=steps - 1).to(latents.device)
-    latents, noise = latents.float(), noise.to(latents.device, torch.float32)
-    noisy = scheduler.add_noise(latents, noise, timesteps)
-    if objective.prediction_type == "v_prediction":
-        return noisy, timesteps, scheduler.get_velocity(latents, noise, timesteps)
-    return noisy, timesteps, noise
-
-
 def my_blocks(count: int, batch: int, rank: int, world: int) -> list[list[int]]:
     """Blocks of `batch` consecutive sample indices; rank r takes the r-th contiguous run of them, so the blocks
     (a sample's batch-mates) are those of one process and each rank reads a contiguous part of the shards."""
@@ -188,7 +171,7 @@ class ValLoss:
             latents = task._latents(batch, torch.Generator(self.device).manual_seed(0))
         noise = torch.stack([sample_noise(self.seed, i, tuple(latents.shape[1:])) for i in batch["indices"]])
         fractions = torch.tensor(batch["timesteps"], dtype=torch.float32) / self.timesteps
-        noisy, timesteps, target = draw_at(task.objective, latents, noise.to(self.device), fractions.to(self.device))
+        noisy, timesteps, target = task.objective.draw_at(latents, noise.to(self.device), fractions.to(self.device))
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             # No generator: a guidance-distilled model is fed its constant diffusion.guidance, not a draw.
             condition = task.conditioning(batch)

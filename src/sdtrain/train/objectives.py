@@ -69,6 +69,22 @@ class NoisePrediction:
         if cfg.input_perturbation > 0:
             extra = torch.randn(latents.shape, generator=generator, device=self.device, dtype=latents.dtype)
             noised_with = noise + cfg.input_perturbation * extra
+        return self._mix(latents, noised_with, noise, timesteps)
+
+    @torch.no_grad()
+    def draw_at(self, latents: torch.Tensor, noise: torch.Tensor, fractions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`draw` at given fractions of the schedule (timestep = fraction x num_train_timesteps) and `noise`, with
+        no random draw and none of the training-time augmentations (offset noise, input perturbation): for a
+        validation loss at fixed timesteps."""
+        steps = self.scheduler.config.num_train_timesteps
+        timesteps = (torch.as_tensor(fractions) * steps).long().clamp(max=steps - 1).to(latents.device)
+        latents, noise = latents.float(), noise.to(latents.device, torch.float32)
+        return self._mix(latents, noise, noise, timesteps.expand(latents.shape[0]))
+
+    def _mix(self, latents: torch.Tensor, noised_with: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The noisy input (from `noised_with`) and the target (of `noise`: itself, or v)."""
         noisy = self.scheduler.add_noise(latents, noised_with, timesteps)
         if self.prediction_type == "v_prediction":
             return noisy, timesteps, self.scheduler.get_velocity(latents, noise, timesteps)

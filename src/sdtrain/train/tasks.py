@@ -260,6 +260,10 @@ class DiffusionTask(Task):
         self.caption_tokenizer = CaptionTokenizer(self.tokenizers, keys)
         self.trainable = self.make_trainable()
 
+    takes_guidance = False
+    """Whether the denoiser has a guidance embedding (Flux.1-dev's), read in setup before any wrapper hides its
+    config."""
+
     @property
     def denoiser(self) -> nn.Module:
         """The family's denoiser (its UNet or transformer), as the loss calls it (wrapped when it trains)."""

@@ -122,6 +122,7 @@ class Flux(ModelFamily):
     t5_tokenizers = ("tokenizer_2",)
     lora_text_encoders = ("text_encoder",)
     denoiser = "transformer"
+    denoiser_lora_peft_names = True
     objective = "flow_matching"
     pipeline_class = FluxPipeline
     pipeline_names = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")

@@ -73,6 +73,7 @@ class StableDiffusion3(ModelFamily):
     # diffusers' SD3 LoRA loader (and its training script) adapts the two CLIPs; T5 stays frozen.
     lora_text_encoders = ("text_encoder", "text_encoder_2")
     denoiser = "transformer"
+    denoiser_lora_peft_names = True
     objective = "flow_matching"
     pipeline_class = StableDiffusion3Pipeline
     pipeline_names = ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline",

@@ -44,6 +44,10 @@ class ModelFamily:
     """The component trained to denoise (``unet``, ``transformer``)."""
     objective: str = "noise_prediction"
     """What the denoiser learns (train.objectives): ``noise_prediction`` on a DDPM schedule, or ``flow_matching``."""
+    denoiser_lora_peft_names: bool = False
+    """Whether diffusers' LoRA file keeps peft's own key names for the denoiser, as diffusers' SD3 and Flux scripts
+    save a transformer's: its converter renames only the modules a UNet has (to_q, to_k, to_v, to_out.0), and the
+    transformer loader, finding peft names in the first key, silently drops every renamed adapter."""
     lora_text_encoders: tuple[str, ...] | None = None
     """The text encoders ``lora.text_encoder`` adapts (None: all); T5 is left frozen, as kohya's and diffusers'
     scripts leave it."""

@@ -19,7 +19,6 @@ Metadata written with a file (`save_original`; all strings): ``sdtrain_format``;
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 
 from sdtrain.errors import UserError
 from sdtrain.models.single_file.read import FORMAT_KEY, FORMAT_VERSION
+from sdtrain.models.single_file.write import write_tensors
 
 CONFIG_KEY = "transformer_config"
 FAMILY = "flux"
@@ -365,8 +365,6 @@ def save_original(path: str | Path, transformer: Any, half: bool = False) -> Pat
     """Write a FluxTransformer2DModel as ONE safetensors file in BFL's original layout (flux1-dev.safetensors'),
     atomically (a temporary name, then os.replace), with `original_metadata`. fp32, or bf16 with `half`: Flux.1's
     own dtype (its activations overflow fp16). Returns the path."""
-    from safetensors.torch import save_file
-
     out = Path(path)
     config = dict(transformer.config)
     try:
@@ -378,17 +376,4 @@ def save_original(path: str | Path, transformer: Any, half: bool = False) -> Pat
     differ = _config_differences(config, read)
     if differ:
         raise UserError(f"{out}: the transformer would not read back as it is ({differ[0]})")
-    dtype = torch.bfloat16 if half else torch.float32
-    tensors = {k: (v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu()).contiguous()
-               for k, v in state.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return out
+    return write_tensors(out, state, torch.bfloat16 if half else torch.float32, metadata)

@@ -454,7 +454,6 @@ def save_single_file(out: str | Path, *, unet: Any = None, vae: Any = None, text
     from), 'clip' or 'openclip' (never for SDXL, whose first text encoder is CLIP). fp32 unless `half`.
     Returns `out`.
     """
-    from safetensors.torch import save_file
 
     out = Path(out)
     components = {n: m for n, m in (("unet", unet), ("vae", vae), ("text_encoder", text_encoder),
@@ -474,13 +473,20 @@ def save_single_file(out: str | Path, *, unet: Any = None, vae: Any = None, text
     info = single_file_metadata(unet, vae, text_encoder, scheduler, layout, text_encoder_2)
     info.update(metadata or {})
     _check_reads_back(components, state, info, out)
-    dtype = torch.float16 if half else torch.float32
+    return write_tensors(out, state, torch.float16 if half else torch.float32, info)
+
+
+def write_tensors(out: Path, state: dict[str, torch.Tensor], dtype: torch.dtype, metadata: dict[str, str]) -> Path:
+    """`state` as one safetensors file at `out`, floating-point tensors in `dtype`: written under a temporary name,
+    synced, then renamed into place, so an interrupted export never leaves half a file under the real name."""
+    from safetensors.torch import save_file
+
     tensors = {k: (v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu()).contiguous()
                for k, v in state.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        save_file(tensors, str(tmp), metadata=info)
+        save_file(tensors, str(tmp), metadata=metadata)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, out)

@@ -63,11 +63,15 @@ class LoraTask(DiffusionTask):
         return {**super().checkpoint_meta(), "lora": self.adapters}
 
 
-def lora_state(module: nn.Module, text_encoder: bool = False) -> dict[str, Any]:
-    """The adapter weights in the key layout diffusers' loaders read. A text encoder's keep CLIP's
+def lora_state(module: nn.Module, text_encoder: bool = False, peft_names: bool = False) -> dict[str, Any]:
+    """The adapter weights in the key layout diffusers' loaders read: converted to diffusers' names, or with
+    `peft_names` peft's own (see ModelFamily.denoiser_lora_peft_names). A text encoder's keep CLIP's
     ``text_model.`` level, which transformers 5 dropped from CLIPTextModel: diffusers reads them either way, and
     ComfyUI and older diffusers only with it."""
-    state = convert_state_dict_to_diffusers(get_peft_model_state_dict(module))
+    state = get_peft_model_state_dict(module)
+    if peft_names:
+        return state
+    state = convert_state_dict_to_diffusers(state)
     if not text_encoder:
         return state
     return {key if key.startswith("text_model.") else f"text_model.{key}": value for key, value in state.items()}
@@ -90,14 +94,26 @@ def kohya_state(modules: dict[str, nn.Module], family: ModelFamily) -> dict[str,
     return state
 
 
+def _is_up(key: str) -> bool:
+    """Whether a diffusers LoRA key holds an up (B) weight, in peft's names or diffusers'."""
+    return ".lora_B." in key or key.endswith(".up.weight")
+
+
 def save_lora(modules: dict[str, nn.Module], folder: Path, family: ModelFamily) -> Path:
     """Write ``pytorch_lora_weights.safetensors``, which the family pipeline's ``load_lora_weights(folder)``
     loads, and the same adapters as ``lora_kohya.safetensors`` for A1111 and ComfyUI where the family has a kohya
     layout for every adapted component (ComfyUI reads SD3's diffusers file itself)."""
     adapted = {name: m for name, m in modules.items() if has_lora(m)}
-    layers = {f"{name}_lora_layers": lora_state(m, name in family.text_encoders) for name, m in adapted.items()}
-    # Without its config in the file, diffusers' loader takes alpha = rank: wrong whenever lora.alpha differs.
-    metadata = {f"{name}_lora_adapter_metadata": m.peft_config["default"].to_dict() for name, m in adapted.items()}
+    layers, metadata = {}, {}
+    for name, module in adapted.items():
+        settings = module.peft_config["default"]
+        state = lora_state(module, name in family.text_encoders,
+                           peft_names=name == family.denoiser and family.denoiser_lora_peft_names)
+        # The scale alpha / rank goes into the up weights, and the file says alpha = rank: readers that ignore the
+        # metadata's alpha (ComfyUI reads only .alpha keys, which this layout has none of) apply the same delta.
+        scale = settings.lora_alpha / settings.r
+        layers[f"{name}_lora_layers"] = {key: value * scale if _is_up(key) else value for key, value in state.items()}
+        metadata[f"{name}_lora_adapter_metadata"] = {**settings.to_dict(), "lora_alpha": settings.r}
     family.pipeline_class.save_lora_weights(folder, safe_serialization=True, weight_name=LORA_WEIGHTS, **layers,
                                             **metadata)
     if all(name in family.kohya_prefixes for name in adapted):
