@@ -76,6 +76,12 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60] or "empty"
 
 
+def training_size(model: str | Path) -> int | None:
+    """The image side a run trained at (its images are sampled at it); None for other sources, whose pipeline
+    knows its own default."""
+    return run_config(Path(model)).data.resolution if build.source_kind(model) == "run" else None
+
+
 def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int = 30, guidance: float = 5.0,
              seed: int = 0, scheduler: str = "euler", ema: bool = True, device: str = "auto",
              negative_prompt: str | None = None, loras: Sequence[str | Path] = (), lora_scale: float = 1.0,
@@ -85,8 +91,7 @@ def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int = 
     the pipeline's default."""
     if not prompts:
         raise UserError("no prompts: pass --prompt TEXT or --prompts FILE with one prompt per line")
-    if size is None and build.source_kind(model) == "run":
-        size = run_config(Path(model)).data.resolution
+    size = size or training_size(model)
     pipe = load_pipeline(model, ema=ema, device=device, tokenizer=tokenizer)
     apply_additions(pipe, loras, lora_scale, embeddings)
     pipe.scheduler = sampler_from(pipe.scheduler, scheduler)

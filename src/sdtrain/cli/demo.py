@@ -30,6 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 GUIDANCE = 7
+# The demo configs' data.resolution: latents are encoded, and images generated, at it.
+RESOLUTION = "64"
 # Each family's stage-2 config; its autoencoder is the same demo config built as that family's (Flux.1: 16 latent
 # channels and a latent shift).
 DIFFUSION_CONFIGS = {"sd": "diffusion.yaml", "flux": "flux.yaml"}
@@ -66,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     # Encoding once instead of every step: the diffusion stage's images are centre crops without flips,
     # so the latents are exactly what it would compute. The text encoder trains, so no text embeddings.
     _step("3/8 encode the dataset with the autoencoder",
-          ["prepare", "encode", str(data), "--model", str(ae_run), "--out", str(latents), "--resolution", "64",
+          ["prepare", "encode", str(data), "--model", str(ae_run), "--out", str(latents), "--resolution", RESOLUTION,
            "--dtype", "float32", "--no-text"])
     sd = ["train", str(config_path(DIFFUSION_CONFIGS[args.family])), f"run_dir={sd_run}",
           f"data.shards={latents}", f"model.vae={ae_run}"]
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     # colour and 87% to 98% in kind, and pairs from 22% to 28%; 2.5 was worse on all three.
     _step("6/8 generate from the prompts",
           ["generate", "--model", str(pipeline), "--prompts", str(prompts), "--out", str(samples),
-           "--steps", "30", "--guidance", str(GUIDANCE), "--seed", "0"])
+           "--steps", "30", "--guidance", str(GUIDANCE), "--seed", "0", "--size", RESOLUTION])
     grid = out / "samples.png"
     (samples / "grid.png").replace(grid)
     # The same sampler settings as the grid: the score says how often those images show their prompt.
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     _step("7/8 score prompt adherence (colour, shape, both shapes of a pair)",
           ["evaluate", str(pipeline), "--metrics", "adherence", "--num", str(args.adherence_prompts),
            "--pairs", str(min(args.adherence_pairs, args.adherence_prompts)),
-           "--steps", "30", "--guidance", str(GUIDANCE), "--scheduler", "euler", "--batch", "18",
+           "--steps", "30", "--guidance", str(GUIDANCE), "--scheduler", "euler", "--batch", "18", "--size", RESOLUTION,
            "--out", str(adherence)])
     _step("8/8 write the diffusion run's report", ["report", str(sd_run)])
     minutes = (time.perf_counter() - started) / 60

@@ -32,6 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="prompt i is generated with seed + i")
     parser.add_argument("--batch", type=int, default=8, help="images generated together, each from its own seed")
     parser.add_argument("--resolution", type=int, default=512, help="side reference images are squared to")
+    parser.add_argument("--size", type=int, default=None,
+                        help="side of the generated images (default: a run's training resolution, else the "
+                        "pipeline's default: Flux.1's is 1024 whatever it trained on)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", type=Path, help="write the result (JSON; STATS.npz with `stats`) here")
     parser.set_defaults(run=run)
@@ -58,6 +61,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     from sdtrain.distributed import detect_topology, init_distributed
     from sdtrain.errors import UserError
     from sdtrain.evaluate.run import EvalSettings, evaluate, read_prompts, summary_line, write_result
+    from sdtrain.generate import training_size
     from sdtrain.run import resolve_device
 
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
@@ -82,7 +86,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     init_distributed(topology, device)
     settings = EvalSettings(metrics, num=args.num, steps=args.steps, guidance=args.guidance, seed=args.seed,
                             batch=args.batch, inception=args.inception, clip=args.clip, reference=args.reference,
-                            scheduler=args.scheduler, extra={"resolution": args.resolution})
+                            scheduler=args.scheduler, size=args.size or training_size(args.model),
+                            extra={"resolution": args.resolution})
     result = evaluate(args.model, prompts, settings, device, topology.rank, topology.world_size)
     if topology.is_main:
         write_result(result, args.out)

@@ -49,6 +49,9 @@ class EvalSettings:
     clip: str | None = None
     reference: str | None = None
     scheduler: str = "ddim"
+    size: int | None = None
+    """Side of the generated images in pixels; None: the pipeline's default (Flux.1's is 1024 px whatever the model
+    trained on)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -140,7 +143,8 @@ def _generate(pipe: Any, prompts: list[str], batches: list[list[int]], settings:
     for chunk in batches:
         # Seed by the prompt's place in the whole set: the same image on any number of ranks.
         images = sample_images(pipe, [prompts[i] for i in chunk], seeds=[settings.seed + i for i in chunk],
-                               steps=settings.steps, guidance=settings.guidance, batch=len(chunk))
+                               steps=settings.steps, guidance=settings.guidance, batch=len(chunk),
+                               size=settings.size)
         yield chunk, images
 
 

@@ -445,7 +445,7 @@ class Trainer:
         prompts = read_prompts(cfg.prompts) if cfg.prompts else adherence_prompt_set(cfg.num)
         settings = EvalSettings(metrics, num=cfg.num or None, steps=cfg.steps, guidance=cfg.guidance,
                                 seed=cfg.seed, batch=cfg.batch, inception=cfg.inception, clip=cfg.clip,
-                                reference=cfg.reference, scheduler=cfg.scheduler,
+                                reference=cfg.reference, scheduler=cfg.scheduler, size=self.config.data.resolution,
                                 extra={"resolution": self.config.data.resolution})
         return Evaluator(prompts, settings, self.device, self.topology.rank, self.topology.world_size)
 
