@@ -277,3 +277,18 @@ def test_a_flux_single_file_trains_with_the_schedule_it_was_released_with(tmp_pa
         scheduler = build.build_noise_scheduler(DiffusionConfig(), ModelConfig(pretrained=str(path)))
         assert scheduler.config.use_dynamic_shifting == dynamic, name
         assert scheduler.config.shift == (3.0 if dynamic else 1.0)
+
+
+def test_an_sd3_single_file_is_named_and_the_way_to_use_it_given(tmp_path, pretrained, capsys):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path = tmp_path / "sd3_medium.safetensors"
+    save_file({"first_stage_model.decoder.conv_in.weight": torch.ones(2),
+               "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight": torch.ones(2)}, str(path))
+    shutil.copytree(pretrained["sd3"] / "tokenizer", tmp_path / "sd3_medium.tokenizer")
+    assert main(["train", str(CONFIGS / "finetune-full.yaml"), f"run_dir={tmp_path / 'run'}", *COMMON,
+                 f"model.pretrained={path}", "data.shards=unused"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "an SD3 single file, which this release does not read" in error and "save_pretrained(DIR)" in error
