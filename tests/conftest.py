@@ -39,6 +39,38 @@ def shapes_dir(tmp_path_factory) -> Path:
     return out
 
 
+def same_checkpoints(a: Path, b: Path) -> None:
+    """Two checkpoints' weights (and EMA) are bitwise equal, tensor for tensor."""
+    from safetensors.torch import load_file
+
+    for name in ("model.safetensors", "ema.safetensors"):
+        if not (a / name).is_file():
+            continue
+        first, second = load_file(str(a / name)), load_file(str(b / name))
+        assert first.keys() == second.keys()
+        different = [k for k in first if not torch.equal(first[k], second[k])]
+        assert not different, f"{name}: {len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def resumes_bitwise_after_kill_9(command, tmp_path: Path, steps: int = 3) -> None:
+    """`command(run)` (a 3-step `sdtrain train` argument list) run straight, and run again SIGKILLed right after
+    step 2 with no chance to save beyond that checkpoint, then resumed: both end with the same checkpoint."""
+    import subprocess
+
+    from sdtrain.cli.main import main
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert main(command(straight)) == 0
+    result = subprocess.run([sys.executable, "-m", "sdtrain", *command(killed)],
+                            env={**os.environ, "OMP_NUM_THREADS": "2", "SDTRAIN_KILL_AT_STEP": str(steps - 1)},
+                            capture_output=True, text=True)
+    assert result.returncode == -9, result.stderr[-2000:]
+    final = f"step_{steps:08d}"
+    assert not (killed / "checkpoints" / final).exists()
+    assert main(command(killed)) == 0
+    same_checkpoints(straight / "checkpoints" / final, killed / "checkpoints" / final)
+
+
 def config_path(name: str) -> Path:
     return Path(__file__).resolve().parents[1] / "configs" / "demo" / name
 

@@ -6,9 +6,6 @@ changes the image."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +16,7 @@ from safetensors.torch import load_file
 from sdtrain.cli.main import main
 from sdtrain.export import export_run
 
-from .conftest import TINY, config_path
+from .conftest import TINY, config_path, resumes_bitwise_after_kill_9
 
 CONFIGS = config_path("diffusion.yaml").parents[1]
 FAMILIES = ["flux", "sd3"]
@@ -99,16 +96,6 @@ def _command(mode: str, run: Path, pretrained: Path, shapes_dir: Path, steps: in
             "data.caption_dropout=0.25", *extra]
 
 
-def _same_checkpoints(a: Path, b: Path) -> None:
-    for name in ("model.safetensors", "ema.safetensors"):
-        if not (a / name).is_file():
-            continue
-        first, second = load_file(str(a / name)), load_file(str(b / name))
-        assert first.keys() == second.keys()
-        different = [k for k in first if not torch.equal(first[k], second[k])]
-        assert not different, f"{name}: {len(different)} tensors differ, e.g. {different[:3]}"
-
-
 # Each case trains three runs; the default suite takes one per family, the rest are slow.
 RESUME_CASES = [("flux", "lora"), ("sd3", "scratch"),
                 *[pytest.param(f, m, marks=pytest.mark.slow) for f, m in
@@ -118,22 +105,12 @@ RESUME_CASES = [("flux", "lora"), ("sd3", "scratch"),
 
 @pytest.mark.parametrize(("family", "mode"), RESUME_CASES)
 def test_every_mode_resumes_bitwise_after_kill_9(family, mode, tmp_path, pretrained, shapes_dir, flow_vae):
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-
     def command(run: Path) -> list[str]:
         if mode == "scratch":
             return _scratch_command(family, run, flow_vae, shapes_dir, 3)
         return _command(mode, run, pretrained[family], shapes_dir, 3)
 
-    assert main(command(straight)) == 0
-    # SIGKILL right after step 2, with no chance to save beyond the checkpoint of step 2.
-    result = subprocess.run([sys.executable, "-m", "sdtrain", *command(killed)],
-                            env={**os.environ, "OMP_NUM_THREADS": "2", "SDTRAIN_KILL_AT_STEP": "2"},
-                            capture_output=True, text=True)
-    assert result.returncode == -9, result.stderr[-2000:]
-    assert not (killed / "checkpoints" / "step_00000003").exists()
-    assert main(command(killed)) == 0
-    _same_checkpoints(straight / "checkpoints" / "step_00000003", killed / "checkpoints" / "step_00000003")
+    resumes_bitwise_after_kill_9(command, tmp_path)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

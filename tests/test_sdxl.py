@@ -4,9 +4,6 @@ load_lora_weights, load_textual_inversion), and what it loads changes the image.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +15,7 @@ from safetensors.torch import load_file
 from sdtrain.cli.main import main
 from sdtrain.export import export_run, export_single_file
 
-from .conftest import TINY, config_path
+from .conftest import TINY, config_path, resumes_bitwise_after_kill_9
 
 CONFIGS = config_path("diffusion.yaml").parents[1]
 PROMPT = "a red circle"
@@ -76,34 +73,14 @@ def _scratch_command(run: Path, vae: Path, shapes_dir: Path, steps: int) -> list
             "checkpoint.every=1", "validation.prompts=[]", "evaluation.every_samples=0", "data.caption_dropout=0.25"]
 
 
-def _assert_same_checkpoints(a: Path, b: Path) -> None:
-    for name in ("model.safetensors", "ema.safetensors"):
-        if not (a / name).is_file():
-            continue
-        first, second = load_file(str(a / name)), load_file(str(b / name))
-        assert first.keys() == second.keys()
-        different = [k for k in first if not torch.equal(first[k], second[k])]
-        assert not different, f"{name}: {len(different)} tensors differ, e.g. {different[:3]}"
-
-
 @pytest.mark.parametrize("mode", ["scratch", *MODES])
 def test_every_mode_resumes_bitwise_after_kill_9(mode, tmp_path, sdxl_pretrained, shapes_dir, autoencoder_run):
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-
     def command(run: Path) -> list[str]:
         if mode == "scratch":
             return _scratch_command(run, autoencoder_run, shapes_dir, 3)
         return _command(mode, run, sdxl_pretrained, shapes_dir, 3)
 
-    assert main(command(straight)) == 0
-    # SIGKILL right after step 2, with no chance to save beyond the checkpoint of step 2.
-    result = subprocess.run([sys.executable, "-m", "sdtrain", *command(killed)],
-                            env={**os.environ, "OMP_NUM_THREADS": "2", "SDTRAIN_KILL_AT_STEP": "2"},
-                            capture_output=True, text=True)
-    assert result.returncode == -9, result.stderr[-2000:]
-    assert not (killed / "checkpoints" / "step_00000003").exists()
-    assert main(command(killed)) == 0
-    _assert_same_checkpoints(straight / "checkpoints" / "step_00000003", killed / "checkpoints" / "step_00000003")
+    resumes_bitwise_after_kill_9(command, tmp_path)
 
 
 def test_from_scratch_exports_a_pipeline_and_a_single_file_diffusers_reads(sdxl_scratch, sdxl_pretrained, tmp_path):
