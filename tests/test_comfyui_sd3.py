@@ -22,7 +22,6 @@ model (clip_l, clip_g) at the CLIPs' sizes through its ``clip_{l,g}_model_config
 from __future__ import annotations
 
 import json
-import subprocess
 import textwrap
 from pathlib import Path
 
@@ -35,9 +34,9 @@ from sdtrain.loaders.adapters import merge_partial
 from sdtrain.loaders.components import load_component, load_run_modules
 from sdtrain.models.families.sd3 import SD3
 
+from . import comfyui
 from .conftest import TINY, config_path
 
-COMFY_DIR, COMFY_PYTHON = Path("/tmp/comfyui"), Path("/tmp/comfyenv/bin/python")
 CONFIGS = config_path("diffusion.yaml").parents[1]
 COMMON = [*TINY, "data.batch_size=2", "validation.prompts=[]", "evaluation.every_samples=0"]
 # ComfyUI's SD3 sizes at 2 blocks (64 x depth wide, depth heads), CLIPs deep enough for their penultimate layer.
@@ -47,8 +46,7 @@ COMFY_SIZES = ["model.transformer_overrides.num_attention_heads=2", "model.trans
 RANK, ALPHA = 4, 8
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not COMFY_PYTHON.exists() or not COMFY_DIR.is_dir(),
-                                 reason=f"no ComfyUI at {COMFY_DIR} with a venv at {COMFY_PYTHON.parent.parent}")]
+              comfyui.needs_comfyui]
 
 
 @pytest.fixture(scope="module")
@@ -78,24 +76,11 @@ def lora_run(tmp_path_factory, pipeline, shapes_dir) -> tuple[Path, Path]:
     return run, out
 
 
-_COMFY_SCRIPT = textwrap.dedent('''
-    import json, logging, sys
-    import torch
-    from safetensors.torch import load_file
-
+_COMFY_SCRIPT = comfyui.PREAMBLE + textwrap.dedent('''
     transformer_path, lora_path, expected_path, te_configs = sys.argv[1:5]
-    # ComfyUI takes a GPU unless told otherwise, before its model management is first imported.
-    import comfy.cli_args
-    comfy.cli_args.args.cpu = True
     import comfy.lora, comfy.lora_convert, comfy.model_detection, comfy.model_patcher, comfy.sd, comfy.utils
     import comfy.text_encoders.sd3_clip
-
-    messages = []
-    class Collect(logging.Handler):
-        def emit(self, record):
-            messages.append(record.getMessage())
-    logging.getLogger().addHandler(Collect(level=logging.INFO))
-    logging.getLogger().setLevel(logging.INFO)
+    collect_messages()
 
     # The exported diffusers transformer, which ComfyUI converts to its MMDiT layout itself.
     patcher = comfy.sd.load_diffusion_model(transformer_path, model_options={"dtype": torch.float32})
@@ -191,15 +176,12 @@ def test_comfyui_loads_every_key_of_the_sd3_diffusers_lora_at_its_trained_scale(
                            "eos_token_id": c.eos_token_id}
     save_file({k: v.contiguous() for k, v in expected.items()}, str(tmp_path / "expected.safetensors"))
 
-    done = subprocess.run([str(COMFY_PYTHON), "-c", _COMFY_SCRIPT,
-                           str(pipeline / "transformer" / "diffusion_pytorch_model.safetensors"), str(lora_file),
-                           str(tmp_path / "expected.safetensors"), json.dumps(te_configs), "1.0"],
-                          cwd=COMFY_DIR, capture_output=True, text=True, timeout=600,
-                          env={"PYTHONPATH": str(COMFY_DIR), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
-                               "OMP_NUM_THREADS": "1"})
-    lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    report = json.loads(lines[-1][len("REPORT "):])
+    report = comfyui.run_comfyui(
+        _COMFY_SCRIPT, str(pipeline / "transformer" / "diffusion_pytorch_model.safetensors"),
+        str(lora_file),
+        str(tmp_path / "expected.safetensors"),
+        json.dumps(te_configs),
+        "1.0")
     print(json.dumps(report, indent=1))
 
     # ComfyUI's model is the run's: an SD3 model, every weight of the export placed; the CLIPs load whole.

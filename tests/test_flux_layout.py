@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import subprocess
 import textwrap
 from pathlib import Path
 
@@ -22,12 +21,13 @@ from safetensors.torch import load_file, save_file
 from sdtrain.errors import UserError
 from sdtrain.models.single_file import flux
 
+from . import comfyui
+
 TINY = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=16,
             num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
 TINY_WIDTH = TINY["attention_head_dim"] * TINY["num_attention_heads"]
 # Flux.1's own sizes, but one block of each kind: built on the meta device, or as LoRA factors only.
 FULL = dict(in_channels=64, num_layers=1, num_single_layers=1)
-COMFY_DIR, COMFY_PYTHON = Path("/tmp/comfyui"), Path("/tmp/comfyenv/bin/python")
 
 
 def _tiny(guidance: bool = True, seed: int = 0):
@@ -383,42 +383,11 @@ def test_diffusers_applies_the_kohya_file_as_peft_merged_it(guidance, tmp_path):
 
 # --------------------------------------------------------------------------------------------------- ComfyUI
 
-_COMFY_SCRIPT = textwrap.dedent('''
-    import json, logging, sys
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
+_COMFY_SCRIPT = comfyui.PREAMBLE + comfyui.FLUX_TINY_DETECT + textwrap.dedent('''
     model_path, lora_path, expected_path = sys.argv[1:4]
-    # ComfyUI takes a GPU unless told otherwise, before its model management is first imported.
-    import comfy.cli_args
-    comfy.cli_args.args.cpu = True
-    import comfy.model_detection, comfy.sd, comfy.lora, comfy.utils
-
-    messages = []
-    class Collect(logging.Handler):
-        def emit(self, record):
-            messages.append(record.getMessage())
-    logging.getLogger().addHandler(Collect(level=logging.INFO))
-    logging.getLogger().setLevel(logging.INFO)
-
-    # ComfyUI takes Flux.1's sizes as given (width 3072 in 24 heads, T5's 4096, 16 latent channels, rope axes
-    # 16/56/56); a tiny model needs its own: from the shapes, and the axes from our metadata.
-    with safe_open(model_path, framework="pt") as f:
-        ours = json.loads(f.metadata()["transformer_config"])
-    detect = comfy.model_detection.detect_unet_config
-    def detect_tiny(state_dict, key_prefix, metadata=None):
-        config = detect(state_dict, key_prefix, metadata=metadata)
-        if config and config.get("image_model") == "flux":
-            shape = lambda key: state_dict[key_prefix + key].shape
-            norm = next(k for k in state_dict if k.endswith("norm.query_norm.scale"))
-            width, patch = shape("img_in.weight")[0], config["patch_size"]
-            config.update(hidden_size=width, num_heads=width // state_dict[norm].shape[0],
-                          context_in_dim=shape("txt_in.weight")[1],
-                          out_channels=shape("final_layer.linear.weight")[0] // (patch * patch),
-                          axes_dim=list(ours["axes_dims_rope"]))
-        return config
-    comfy.model_detection.detect_unet_config = detect_tiny
+    import comfy.sd, comfy.lora, comfy.utils
+    collect_messages()
+    flux_tiny_detection(model_path)
 
     patcher = comfy.sd.load_diffusion_model(model_path, model_options={"dtype": torch.float32})
     net = patcher.model.diffusion_model
@@ -452,8 +421,7 @@ _COMFY_SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not COMFY_PYTHON.exists() or not COMFY_DIR.is_dir(),
-                    reason=f"no ComfyUI at {COMFY_DIR} with a venv at {COMFY_PYTHON.parent.parent}")
+@comfyui.needs_comfyui
 @pytest.mark.parametrize("guidance", [True, False], ids=["dev", "schnell"])
 def test_comfyui_loads_the_transformer_and_every_lora_key(guidance, tmp_path):
     """ComfyUI (its own venv, in a subprocess) loads our file as a Flux model with every key placed, and our kohya
@@ -477,13 +445,10 @@ def test_comfyui_loads_the_transformer_and_every_lora_key(guidance, tmp_path):
         expected["input.guidance"] = inputs["guidance"]
     save_file({k: v.contiguous() for k, v in expected.items()}, str(tmp_path / "expected.safetensors"))
 
-    done = subprocess.run([str(COMFY_PYTHON), "-c", _COMFY_SCRIPT, str(tmp_path / "flux.safetensors"),
-                           str(tmp_path / "lora.safetensors"), str(tmp_path / "expected.safetensors")],
-                          cwd=COMFY_DIR, capture_output=True, text=True, timeout=600,
-                          env={"PYTHONPATH": str(COMFY_DIR), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
-    lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    report = json.loads(lines[-1][len("REPORT "):])
+    report = comfyui.run_comfyui(
+        _COMFY_SCRIPT, str(tmp_path / "flux.safetensors"),
+        str(tmp_path / "lora.safetensors"),
+        str(tmp_path / "expected.safetensors"))
     print(report)
     assert report["model"] == "Flux" and report["config"] == ("Flux" if guidance else "FluxSchnell")
     assert report["missing"] == [] and report["unexpected"] == [] and report["load_warnings"] == []

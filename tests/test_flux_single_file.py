@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import textwrap
 from pathlib import Path
 
@@ -29,8 +28,9 @@ from sdtrain.models import families
 from sdtrain.models.families.flux import FLUX
 from sdtrain.models.single_file import inspect_single_file
 
+from . import comfyui
 from .conftest import TINY, config_path
-from .test_flux_layout import COMFY_DIR, COMFY_PYTHON, _TorchAtWidth
+from .test_flux_layout import _TorchAtWidth
 
 CONFIGS = config_path("diffusion.yaml").parents[1]
 COMMON = [*TINY, "data.batch_size=2", "validation.prompts=[]", "evaluation.every_samples=0"]
@@ -258,43 +258,11 @@ def test_bad_flux_files_are_one_line_user_errors(tmp_path, single, pipeline, sha
 
 # --------------------------------------------------------------------------------------------------- ComfyUI
 
-_COMFY_SCRIPT = textwrap.dedent('''
-    import json, logging, sys
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
+_COMFY_SCRIPT = comfyui.PREAMBLE + comfyui.FLUX_TINY_DETECT + textwrap.dedent('''
     model_path, lora_path, expected_path, resaved_path = sys.argv[1:5]
-    # ComfyUI takes a GPU unless told otherwise, before its model management is first imported.
-    import comfy.cli_args
-    comfy.cli_args.args.cpu = True
-    import comfy.lora, comfy.model_detection, comfy.model_patcher, comfy.sd, comfy.sd1_clip, comfy.utils
-
-    messages = []
-    class Collect(logging.Handler):
-        def emit(self, record):
-            messages.append(record.getMessage())
-    logging.getLogger().addHandler(Collect(level=logging.INFO))
-    logging.getLogger().setLevel(logging.INFO)
-
-    # ComfyUI takes Flux.1's sizes as given (width 3072 in 24 heads, T5's 4096, rope axes 16/56/56): a tiny model's
-    # come from its shapes, and the axes from our metadata.
-    with safe_open(model_path, framework="pt") as f:
-        metadata = f.metadata()
-    ours = json.loads(metadata["transformer_config"])
-    detect = comfy.model_detection.detect_unet_config
-    def detect_tiny(state_dict, key_prefix, metadata=None):
-        config = detect(state_dict, key_prefix, metadata=metadata)
-        if config and config.get("image_model") == "flux":
-            shape = lambda key: state_dict[key_prefix + key].shape
-            norm = next(k for k in state_dict if k.endswith("norm.query_norm.scale"))
-            width, patch = shape("img_in.weight")[0], config["patch_size"]
-            config.update(hidden_size=width, num_heads=width // state_dict[norm].shape[0],
-                          context_in_dim=shape("txt_in.weight")[1],
-                          out_channels=shape("final_layer.linear.weight")[0] // (patch * patch),
-                          axes_dim=list(ours["axes_dims_rope"]))
-        return config
-    comfy.model_detection.detect_unet_config = detect_tiny
+    import comfy.lora, comfy.model_patcher, comfy.sd, comfy.sd1_clip, comfy.utils
+    collect_messages()
+    metadata = flux_tiny_detection(model_path)
 
     patcher = comfy.sd.load_diffusion_model(model_path, model_options={"dtype": torch.float32})
     net = patcher.model.diffusion_model
@@ -353,8 +321,7 @@ _COMFY_SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not COMFY_PYTHON.exists() or not COMFY_DIR.is_dir(),
-                    reason=f"no ComfyUI at {COMFY_DIR} with a venv at {COMFY_PYTHON.parent.parent}")
+@comfyui.needs_comfyui
 def test_comfyui_loads_the_exported_file_and_the_lora_runs_kohya_file(tmp_path, single, pipeline, shapes_dir,
                                                                        flux_run):
     """ComfyUI (its own venv, in a subprocess) loads `sdtrain export --single-file`'s file as a Flux model with every
@@ -382,15 +349,12 @@ def test_comfyui_loads_the_exported_file_and_the_lora_runs_kohya_file(tmp_path, 
                  "hidden_act": c.hidden_act, "eos_token_id": c.eos_token_id}
 
     resaved = tmp_path / "comfy-resaved.safetensors"
-    done = subprocess.run([str(COMFY_PYTHON), "-c", _COMFY_SCRIPT, str(single),
-                           str(tmp_path / "out" / "lora_kohya.safetensors"), str(tmp_path / "expected.safetensors"),
-                           str(resaved), json.dumps(te_config)],
-                          cwd=COMFY_DIR, capture_output=True, text=True, timeout=600,
-                          env={"PYTHONPATH": str(COMFY_DIR), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
-                               "OMP_NUM_THREADS": "1"})
-    lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    report = json.loads(lines[-1][len("REPORT "):])
+    report = comfyui.run_comfyui(
+        _COMFY_SCRIPT, str(single),
+        str(tmp_path / "out" / "lora_kohya.safetensors"),
+        str(tmp_path / "expected.safetensors"),
+        str(resaved),
+        json.dumps(te_config))
     print(report)
     assert report["model"] == "Flux" and report["config"] == "Flux"
     assert report["missing"] == [] and report["unexpected"] == [] and report["load_warnings"] == []
