@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from sdtrain.cli.main import main
 from sdtrain.export import export_run
+from sdtrain.models import families
 
 from .conftest import TINY, config_path, resumes_bitwise_after_kill_9
 
@@ -256,16 +257,101 @@ def test_a_flux_single_file_trains_with_the_schedule_it_was_released_with(tmp_pa
         assert scheduler.config.shift == (3.0 if dynamic else 1.0)
 
 
-def test_an_sd3_single_file_is_named_and_the_way_to_use_it_given(tmp_path, pretrained, capsys):
+@pytest.fixture(scope="module")
+def sd3_file(tmp_path_factory, scratch) -> Path:
+    out = tmp_path_factory.mktemp("sd3-single") / "sd3.safetensors"
+    assert main(["export", str(scratch["sd3"]), str(out), "--single-file"]) == 0
+    return out
+
+
+def test_an_sd3_single_file_holds_every_component_in_stabilitys_layout_which_diffusers_reads(sd3_file, pretrained):
+    """What ComfyUI's Load Checkpoint and diffusers' from_single_file read (sd3_medium_incl_clips_t5xxlfp8's
+    layout): loaded by diffusers' own converters, it draws the exported pipeline's image."""
+    from diffusers import StableDiffusion3Pipeline
+    from safetensors import safe_open
+
+    assert sorted(p.name for p in sd3_file.parent.iterdir()) == [
+        "sd3.safetensors", "sd3.tokenizer", "sd3.tokenizer_2", "sd3.tokenizer_3"]
+    with safe_open(str(sd3_file), framework="pt") as f:
+        keys, metadata = set(f.keys()), f.metadata()  # noqa: SIM118 (not a dict)
+    assert metadata["model_family"] == "sd3"
+    assert {"model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight", "model.diffusion_model.pos_embed",
+            "model.diffusion_model.joint_blocks.0.x_block.attn2.qkv.weight",
+            "model.diffusion_model.final_layer.adaLN_modulation.1.weight", "first_stage_model.decoder.conv_in.weight",
+            "text_encoders.clip_l.transformer.text_model.final_layer_norm.weight",
+            "text_encoders.clip_g.transformer.text_projection.weight",
+            "text_encoders.t5xxl.transformer.shared.weight"} <= keys
+    assert not any(k.startswith(("transformer_blocks.", "model.diffusion_model.transformer_blocks.")) for k in keys)
+
+    loaded = StableDiffusion3Pipeline.from_single_file(str(sd3_file), config=str(pretrained["sd3"]),
+                                                       local_files_only=True, torch_dtype=torch.float32)
+    exported = _pipeline("sd3", pretrained["sd3"])
+    for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        got, expected = getattr(loaded, name).state_dict(), getattr(exported, name).state_dict()
+        assert got.keys() == expected.keys(), name
+        differ = [k for k in expected if not torch.equal(got[k], expected[k])]
+        # SD3 pools CLIP-L unprojected: diffusers reads its projection as the identity, whatever the file holds.
+        assert differ == (["text_projection.weight"] if name == "text_encoder" else []), name
+    loaded.text_encoder = exported.text_encoder
+    np.testing.assert_allclose(_image(loaded), _image(exported), rtol=0, atol=1e-5)
+    # sdtrain's own reader samples from the file too, its tokenizers beside it.
+    out = sd3_file.parent.parent / "images"
+    assert main(["generate", "--model", str(sd3_file), "--prompt", "a red circle", "--steps", "2", "--size", "32",
+                 "--out", str(out)]) == 0
+    assert (out / "000-a-red-circle.png").is_file()
+
+
+def test_an_sd3_single_file_is_recognised_and_fine_tunes_as_its_pipeline_does(tmp_path, sd3_file, pretrained,
+                                                                              shapes_dir):
+    """Not told its family, the file (its tokenizers beside it) trains bit for bit as the pipeline folder."""
+    from sdtrain.checkpoint import latest_checkpoint
+
+    from .conftest import same_checkpoints
+
+    assert families.detect(sd3_file) is families.get("sd3")
+    checkpoints = []
+    for name, source in (("file", sd3_file), ("folder", pretrained["sd3"])):
+        run = tmp_path / name
+        assert main(["train", str(CONFIGS / "finetune-full.yaml"), f"run_dir={run}", *COMMON,
+                     f"model.pretrained={source}", f"data.shards={shapes_dir}", "train.max_steps=1",
+                     "optim.lr=0.01", "optim.warmup_steps=0"]) == 0
+        checkpoints.append(latest_checkpoint(run))
+    same_checkpoints(*checkpoints)
+
+
+def test_an_sd3_file_without_some_component_or_settings(tmp_path, sd3_file, pretrained, shapes_dir, capsys):
+    """As Stability ship them: sd3_medium.safetensors holds the MMDiT and VAE alone, and no file but ours says the
+    settings tensors cannot tell (SD3's are assumed). A missing piece is one line naming what to set."""
     import shutil
 
     from safetensors.torch import save_file
 
-    path = tmp_path / "sd3_medium.safetensors"
-    save_file({"first_stage_model.decoder.conv_in.weight": torch.ones(2),
-               "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight": torch.ones(2)}, str(path))
-    shutil.copytree(pretrained["sd3"] / "tokenizer", tmp_path / "sd3_medium.tokenizer")
-    assert main(["train", str(CONFIGS / "finetune-full.yaml"), f"run_dir={tmp_path / 'run'}", *COMMON,
-                 f"model.pretrained={path}", "data.shards=unused"]) == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "an SD3 single file, which this release does not read" in error and "save_pretrained(DIR)" in error
+    from sdtrain.errors import UserError
+    from sdtrain.loaders.components import load_component
+
+    sd3 = families.get("sd3")
+    bare = tmp_path / "sd3_medium.safetensors"
+    save_file({k: v for k, v in load_file(str(sd3_file)).items() if not k.startswith("text_encoders.")}, str(bare))
+    for name in ("transformer", "vae"):
+        expected = load_component(name, sd3_file, family=sd3).state_dict()
+        got = load_component(name, bare, family=sd3).state_dict()
+        assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected), name
+    with pytest.raises(UserError, match=r"holds no CLIP-L .*set model.text_encoder ") as caught:
+        load_component("text_encoder", bare, family=sd3)
+    assert str(bare) in str(caught.value) and "\n" not in str(caught.value)
+    with pytest.raises(UserError, match="model.family=sd3"):
+        load_component("transformer", bare, family=families.get("flux"))
+
+    # Through the CLI: each missing piece one line naming the setting, until the file trains with the rest named.
+    def train(*extra: str) -> int:
+        return main(["train", str(CONFIGS / "finetune-full.yaml"), f"run_dir={tmp_path / 'run'}", *COMMON,
+                     f"model.pretrained={bare}", f"data.shards={shapes_dir}", "train.max_steps=1", *extra])
+
+    shutil.copytree(sd3_file.with_suffix(".tokenizer"), bare.with_suffix(".tokenizer"))
+    encoders = [f"model.{name}={pretrained['sd3']}" for name in ("text_encoder", "text_encoder_2", "text_encoder_3")]
+    for extra, setting in (([], "model.tokenizer_3"), ([f"model.tokenizer_3={pretrained['sd3'] / 'tokenizer_3'}"],
+                                                       "model.text_encoder")):
+        assert train(*extra) == 2
+        error = capsys.readouterr().err
+        assert setting in error.strip().splitlines()[-1] and "Traceback" not in error
+    assert train(*encoders) == 0

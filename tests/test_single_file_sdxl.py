@@ -183,7 +183,7 @@ def test_a_file_without_metadata_reads_with_sdxl_defaults(sdxl, tmp_path):
         sf.load_single_file_component("text_encoder_2", broken)
     assert str(broken) in str(caught.value) and "\n" not in str(caught.value)
     _assert_same_weights(sf.load_single_file_component("unet", broken), parts["unet"], "unet beside it")
-    with pytest.raises(UserError, match="no tokenizer; set tokenizer_2") as caught:
+    with pytest.raises(UserError, match="no tokenizer; set model.tokenizer_2") as caught:
         sf.load_single_file_pipeline(bare, tokenizer=sf.tokenizer_folder(path))
     assert "\n" not in str(caught.value)
 

@@ -117,8 +117,10 @@ class ModelConfig:
     """A local diffusers pipeline folder, or a single-file checkpoint in the original Stable Diffusion layout
     (``.safetensors``: SD 1.x, 2.x or SDXL, sizes and prediction type read from the file; set ``tokenizer`` unless
     a ``NAME.tokenizer/`` folder lies beside it), or a Flux.1 transformer file in Black Forest Labs' layout (bare or
-    under ComfyUI's ``model.diffusion_model.``; name the VAE, text encoders and tokenizer below). Components not
-    named below load from it."""
+    under ComfyUI's ``model.diffusion_model.``; name the VAE, text encoders and tokenizer below), or an SD3/3.5 file
+    in Stability's layout (sd3_medium*.safetensors; name below what it lacks, and the tokenizers unless
+    ``NAME.tokenizer/``, ``NAME.tokenizer_2/`` and ``NAME.tokenizer_3/`` lie beside it). Components not named below
+    load from it."""
     vae: str | None = None
     """Autoencoder source: a diffusers ``vae`` folder, a pipeline folder, or an sdtrain autoencoder run."""
     text_encoder: str | None = None

@@ -21,6 +21,7 @@ from sdtrain.loaders.components import load_run_modules
 from sdtrain.loaders.pipelines import pipeline_from_run, run_config
 from sdtrain.models import build, families, single_file
 from sdtrain.models.single_file import flux as flux_layout
+from sdtrain.models.single_file import sd3 as sd3_layout
 from sdtrain.train.modes import save_trained_parts
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ def export_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: P
     its tokenizer in OUT.tokenizer/ beside it; an autoencoder run gives a VAE-only file (bare
     ``encoder.*``/``decoder.*`` keys). A Flux.1 run gives its transformer alone (see `_export_flux_transformer`).
     EMA weights by default, fp32 unless `half` (fp16; bf16 for Flux.1). The file is written under a temporary name
-    and renamed. SD3 runs are refused: their single files are not written yet.
+    and renamed. An SD3 run gives every component in Stability's layout (see `_export_sd3`).
     """
     run_dir, out = Path(run_dir), Path(out)
     checkpoint = _checkpoint_to_export(run_dir, checkpoint)
@@ -154,9 +155,14 @@ def export_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: P
             raise UserError("--text-layout: a Flux.1 single file holds the transformer alone, no text encoder; "
                             "drop the option")
         return _export_flux_transformer(run_dir, out, family, ema, checkpoint, half)
+    if family.name == sd3_layout.FAMILY:
+        if text_layout != "auto":
+            raise UserError("--text-layout: an SD3 single file keeps its text encoders in their own layout; drop the "
+                            "option")
+        return _export_sd3(run_dir, out, family, ema, checkpoint, half)
     if family.name not in single_file.FAMILIES:
-        raise UserError(f"{run_dir}: a {family.title} run; --single-file writes Stable Diffusion 1.x/2.x, SDXL and "
-                        "Flux.1 files only for now: export the diffusers folder (sdtrain export RUN OUT)")
+        raise UserError(f"{run_dir}: a {family.title} run; --single-file writes Stable Diffusion 1.x/2.x, SDXL, SD3 "
+                        "and Flux.1 files: export the diffusers folder (sdtrain export RUN OUT)")
     pipe = pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint)
     model = config.model
     # The training noise schedule (not the pipeline's sampler): its prediction type and betas go in the metadata.
@@ -165,11 +171,29 @@ def export_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: P
     out.parent.mkdir(parents=True, exist_ok=True)
     # Beside the file, as OUT.tokenizer/ (and SDXL's OUT.tokenizer_2/), swapped in whole like every export.
     second = getattr(pipe, "text_encoder_2", None)
-    for index, tokenizer in enumerate([pipe.tokenizer] + ([pipe.tokenizer_2] if second is not None else []), 1):
-        _swap_in_folder(single_file.tokenizer_folder(out, index), tokenizer.save_pretrained)
+    _write_tokenizers(out, [pipe.tokenizer] + ([pipe.tokenizer_2] if second is not None else []))
     single_file.save_single_file(out, unet=pipe.unet, vae=pipe.vae, text_encoder=pipe.text_encoder,
                                  text_encoder_2=second, scheduler=noise, text_layout=text_layout,
                                  text_source=text_source, half=half)
+    log.info("exported %s -> %s", run_dir, out)
+    return out
+
+
+def _write_tokenizers(out: Path, tokenizers: list) -> None:
+    for index, tokenizer in enumerate(tokenizers, 1):
+        _swap_in_folder(single_file.tokenizer_folder(out, index), tokenizer.save_pretrained)
+
+
+def _export_sd3(run_dir: Path, out: Path, family: families.ModelFamily, ema: bool, checkpoint: Path,
+                half: bool) -> Path:
+    """An SD3 run as ONE file in Stability's layout (sd3_medium_incl_clips_t5xxlfp8.safetensors'): the MMDiT with its
+    LoRA adapters merged, the VAE and all three text encoders, which ComfyUI's Load Checkpoint and diffusers'
+    from_single_file read; the tokenizers beside it as OUT.tokenizer/, OUT.tokenizer_2/ and OUT.tokenizer_3/. fp16
+    with `half`, as SD3 was released."""
+    pipe = pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write_tokenizers(out, [getattr(pipe, name) for name in family.tokenizers])
+    sd3_layout.save_original(out, {name: getattr(pipe, name) for name in family.components}, half=half)
     log.info("exported %s -> %s", run_dir, out)
     return out
 

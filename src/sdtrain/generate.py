@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from sdtrain.errors import UserError, first_line
-from sdtrain.loaders.pipelines import pipeline_from_run, run_config
+from sdtrain.loaders.pipelines import pipeline_from_file, pipeline_from_run, run_config
 from sdtrain.models import build, families
 from sdtrain.models.pipeline import sample_images, sampler_from
 from sdtrain.models.single_file import TRUST_PICKLE_ENV, load_single_file_pipeline, trust_pickle_from_env
@@ -22,7 +22,11 @@ def load_pipeline(model: str | Path, ema: bool = True, device: str = "auto",
     if kind == "run":
         pipe = pipeline_from_run(Path(model), ema=ema)
     elif kind == "single_file":
-        pipe = load_single_file_pipeline(model, tokenizer=tokenizer)
+        family = families.detect(model)
+        # An SD3 file holds its whole model; SD's are read by the single-file module, Flux.1's transformer alone is
+        # refused there with the way to use it.
+        pipe = pipeline_from_file(model, family, tokenizer) if family is families.get("sd3") else \
+            load_single_file_pipeline(model, tokenizer=tokenizer)
     elif kind == "pipeline":
         trusted = trust_pickle_from_env()
         try:

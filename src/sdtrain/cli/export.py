@@ -25,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                              "from_single_file): Stable Diffusion's whole model, its tokenizer beside it in "
                              "OUT.tokenizer/; for Flux.1 the transformer alone in Black Forest Labs' layout (as "
                              "flux1-dev.safetensors), to pair with the VAE, text encoders and tokenizers of the "
-                             "pipeline folder `sdtrain export RUN OUT` writes. Not for SD3 runs yet")
+                             "pipeline folder `sdtrain export RUN OUT` writes; for SD3 every component in Stability's "
+                             "layout (as sd3_medium_incl_clips_t5xxlfp8.safetensors), its three tokenizers beside it")
     parser.add_argument("--half", action="store_true",
                         help="with --single-file: store fp16 weights (bf16 for Flux.1; default fp32)")
     parser.add_argument("--text-layout", choices=["auto", "clip", "openclip"], default="auto",

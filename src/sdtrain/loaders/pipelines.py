@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from sdtrain.checkpoint import latest_checkpoint, pinned_sources, read_meta
-from sdtrain.config import RunConfig, load_config
+from sdtrain.config import DiffusionConfig, ModelConfig, RunConfig, load_config
 from sdtrain.errors import UserError
 from sdtrain.loaders.adapters import merge_partial
 from sdtrain.loaders.components import load_component, load_run_modules
@@ -53,3 +53,15 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
     noise = build.build_noise_scheduler(config.diffusion, model)
     return family.assemble({name: component(name) for name in family.components}, tokenizers,
                            sampler_from(noise, "euler"))
+
+
+def pipeline_from_file(path: str | Path, family: families.ModelFamily, tokenizer: str | Path | None = None) -> Any:
+    """The family's pipeline from ONE file holding the whole model (SD3's, with its text encoders): every component
+    from the file, the tokenizers from `tokenizer` or beside it (OUT.tokenizer/, OUT.tokenizer_2/...), the sampler
+    of the schedule its family was released with."""
+    model = ModelConfig(pretrained=str(path), tokenizer=str(tokenizer) if tokenizer else None)
+    # The tokenizers first: a missing one is said before the weights are read.
+    tokenizers = build.load_text_tokenizers(model)
+    components = {name: load_component(name, path, family=family) for name in family.components}
+    noise = build.build_noise_scheduler(DiffusionConfig(), model)
+    return family.assemble(components, tokenizers, sampler_from(noise, "euler"))

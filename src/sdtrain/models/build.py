@@ -139,7 +139,12 @@ def _tokenizer_folder(source: str | Path, folder: str = "tokenizer") -> Path:
     path = Path(source)
     if single_file.looks_like_single_file(path):
         beside = path.with_suffix(f".{folder}")  # OUT.tokenizer/, OUT.tokenizer_2/, as export writes them
-        return beside if beside.is_dir() else Path(single_file.tokenizer_for(path))
+        if beside.is_dir():
+            return beside
+        # SDXL's second CLIP tokenizer may stand in for the first; a T5's (Flux's second, SD3's third) never does.
+        if folder in families.detect(path).t5_tokenizers:
+            return Path(single_file.tokenizer_for(path, int(folder.rpartition("_")[2])))
+        return Path(single_file.tokenizer_for(path))
     for name in dict.fromkeys((folder, "tokenizer")):
         if (path / name).is_dir():
             return path / name

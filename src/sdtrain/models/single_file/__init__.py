@@ -79,6 +79,11 @@ diffusers converter, which assumes Flux.1's full width); asked for any other com
 to name instead. ``sdtrain export --single-file`` of a Flux run writes such a file (`flux.save_original`) and
 nothing beside it.
 
+SD3 and SD3.5 (`sd3` module): a whole model in Stability's layout (``model.diffusion_model.joint_blocks.*``,
+``first_stage_model.*``, ``text_encoders.clip_l|clip_g|t5xxl.transformer.*``), read component by component through
+diffusers' converters with settings from shapes and metadata; ``sdtrain export --single-file`` of an SD3 run writes
+one (`sd3.save_original`) with its three tokenizers beside it.
+
 Pickle checkpoints (``.ckpt``, ``.pt``, ``.pth``, ``.bin``) can run code when unpickled: they are refused
 unless trusted (``trust_pickle=True``, or ``SDTRAIN_TRUST_PICKLE=1``), and even then read with
 ``torch.load(weights_only=True)``, which refuses anything but tensors and plain containers.

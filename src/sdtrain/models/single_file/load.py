@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from sdtrain.errors import UserError
-from sdtrain.models.single_file import flux
+from sdtrain.models.single_file import flux, sd3
 from sdtrain.models.single_file.read import (
     SingleFileInfo,
     _File,
@@ -41,9 +41,6 @@ def _missing_parameters(module: torch.nn.Module) -> list[str]:
     return [n for n, p in module.named_parameters() if p.is_meta]
 
 
-_SD3_PREFIX = "model.diffusion_model.joint_blocks."
-
-
 def load_single_file_component(name: str, path: str | Path, trust_pickle: bool | None = None,
                                family: str | None = None) -> Any:
     """Component `name` ('unet', 'vae', 'text_encoder', or SDXL's 'text_encoder_2') of a single file, in fp32,
@@ -64,11 +61,11 @@ def load_single_file_component(name: str, path: str | Path, trust_pickle: bool |
                             "to a source that has one (a Flux pipeline folder, e.g. what `sdtrain export RUN OUT` "
                             "writes)")
         return load_flux_transformer(file)
-    if any(key.startswith(_SD3_PREFIX) for key in file.shapes):
-        # Recognised (families.detect), not read: diffusers converts it without a download only given a config.
-        raise UserError(f"{path}: an SD3 single file, which this release does not read; convert it once with "
-                        "diffusers (StableDiffusion3Pipeline.from_single_file(FILE, config=<an SD3 pipeline "
-                        "folder>).save_pretrained(DIR)) and set model.pretrained=DIR")
+    if sd3.is_sd3(file.shapes):
+        if family not in (None, sd3.FAMILY):
+            raise UserError(f"{path}: an SD3 checkpoint, but the model is of family {family}; set model.family=sd3, "
+                            "or point the source at a file of that family")
+        return sd3.load_component(file, name)
     if name == "transformer":
         raise UserError(f"{path}: holds no Flux.1 transformer in BFL's layout (double_blocks.*, single_blocks.*), the "
                         "only transformer read from a single file; point model.transformer at one "

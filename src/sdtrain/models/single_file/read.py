@@ -96,9 +96,10 @@ def trust_pickle_from_env() -> bool:
 
 def tokenizer_folder(path: str | Path, index: int = 1) -> Path:
     """Where ``sdtrain export --single-file`` puts the tokenizers of OUT.safetensors: OUT.tokenizer/ for the first
-    text encoder, OUT.tokenizer_2/ for SDXL's second (`index` 2), named as a diffusers pipeline's folders."""
-    if index not in (1, 2):
-        raise ValueError(f"tokenizer index {index} is not 1 or 2")
+    text encoder, OUT.tokenizer_2/ for SDXL's and SD3's second (`index` 2), OUT.tokenizer_3/ for SD3's T5, named as
+    a diffusers pipeline's folders."""
+    if index not in (1, 2, 3):
+        raise ValueError(f"tokenizer index {index} is not 1, 2 or 3")
     return Path(path).with_suffix(".tokenizer" if index == 1 else f".tokenizer_{index}")
 
 
@@ -107,9 +108,10 @@ def tokenizer_for(path: str | Path, index: int = 1) -> str:
     folder = tokenizer_folder(path, index)
     if folder.is_dir():
         return str(folder)
-    setting, pipeline_folder = ("model.tokenizer", "tokenizer/") if index == 1 else ("tokenizer_2", "tokenizer_2/")
+    setting, pipeline_folder = ("model.tokenizer", "tokenizer/") if index == 1 else \
+        (f"model.tokenizer_{index}", f"tokenizer_{index}/")
     raise UserError(
-        f"{path}: a single-file checkpoint holds no tokenizer; set {setting} to a CLIP tokenizer folder "
+        f"{path}: a single-file checkpoint holds no tokenizer; set {setting} to a tokenizer folder "
         f"(e.g. the {pipeline_folder} of a diffusers pipeline), or put one at {folder}"
     )
 
