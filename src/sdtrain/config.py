@@ -9,6 +9,7 @@ The resolved config is written into the run folder and never changed afterwards.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import io
 import os
 from dataclasses import dataclass, field
@@ -359,8 +360,17 @@ class AutoencoderLossConfig:
                "must be l1, mse or l1+mse")
 
 
+OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
+
+
 @dataclass
 class OptimConfig:
+    name: str = "adamw"
+    """``adamw``: torch's AdamW (two fp32 moments: twice the trained weights). ``adamw8bit``: AdamW with both
+    moments stored in 8 bits, quantised block by block (bitsandbytes' AdamW8bit, as kohya's and diffusers' scripts
+    use it: about a quarter of AdamW's state; needs ``pip install 'sdtrain[memory]'``). ``adafactor``: factored
+    second moments and no first moment (torch.optim.Adafactor: state the size of each weight's rows plus its
+    columns; ``lr`` caps its relative step, ``betas`` and ``eps`` are not used)."""
     lr: float = 1.0e-4
     """Peak learning rate."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -376,7 +386,7 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this once per optimizer step; 0 disables."""
     fused: bool = True
-    """AdamW's fused kernels (one multi-tensor kernel for all parameters, on CPU as on CUDA) instead of
+    """``adamw``'s fused kernels (one multi-tensor kernel for all parameters, on CPU as on CUDA) instead of
     its per-parameter loop; the same update to float tolerance."""
     in_backward: bool = False
     """Apply each parameter's AdamW step inside the backward pass, as soon as its gradient is complete,
@@ -385,6 +395,11 @@ class OptimConfig:
     at once) and a single process."""
 
     def validate(self) -> None:
+        _check(self.name in OPTIMIZERS, "optim.name", f"must be one of {', '.join(OPTIMIZERS)}")
+        if self.name == "adamw8bit":
+            _check(importlib.util.find_spec("bitsandbytes") is not None, "optim.name",
+                   "adamw8bit needs bitsandbytes, which is not installed: pip install 'sdtrain[memory]', or set "
+                   "optim.name=adamw or adafactor")
         _check(self.lr > 0, "optim.lr", "must be positive")
         _check(len(self.betas) == 2, "optim.betas", "needs two values, e.g. [0.9, 0.999]")
         _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be 0 or more")

@@ -221,14 +221,23 @@ def _available_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+# The optimizer's state per byte of trained weights: AdamW's two fp32 moments; 8-bit AdamW's two 1-byte moments
+# of each 4-byte weight (their block scales are a rounding error); Adafactor's row and column vectors, next to
+# nothing beside a matrix.
+OPTIMIZER_STATE_RATIO = {"adamw": 2.0, "adamw8bit": 0.5, "adafactor": 0.0}
+
+
 def training_bytes(trainable: list[nn.Parameter], frozen: list[nn.Parameter], activation_bytes_per_sample: int,
-                   batch_size: int, ema: bool, checkpointing: bool, bf16: bool = False) -> int:
-    """Estimated peak of a training step: fp32 weights, gradients and two Adam moments of the trained
-    parameters (plus their average with EMA), the frozen weights, and the activations autograd keeps;
-    under bf16 autocast also the bf16 copies of the weights it casts, which it keeps for the backward.
-    The recorded layer inputs miss the elementwise results between layers (activations, residual sums),
-    hence the factor 1.5; with checkpointing about one block's worth stays, bounded here by a quarter."""
-    state = sum(p.numel() * p.element_size() for p in trainable) * (4 + (1 if ema else 0))
+                   batch_size: int, ema: bool, checkpointing: bool, bf16: bool = False, optimizer: str = "adamw",
+                   in_backward: bool = False) -> int:
+    """Estimated peak of a training step: fp32 weights, gradients (none held together when stepped in backward)
+    and the optimizer's state of the trained parameters (plus their average with EMA), the frozen weights, and the
+    activations autograd keeps; under bf16 autocast also the bf16 copies of the weights it casts, which it keeps
+    for the backward. The recorded layer inputs miss the elementwise results between layers (activations,
+    residual sums), hence the factor 1.5; with checkpointing about one block's worth stays, bounded here by a
+    quarter."""
+    copies = 1 + (0 if in_backward else 1) + OPTIMIZER_STATE_RATIO[optimizer] + (1 if ema else 0)
+    state = sum(p.numel() * p.element_size() for p in trainable) * copies
     state += sum(p.numel() * p.element_size() for p in frozen)
     if bf16:
         state += sum(p.numel() * 2 for p in [*trainable, *frozen] if p.dtype == torch.float32)
@@ -299,8 +308,9 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
         data = config.data
         # Before precision is measured, bf16 stays possible: its weight copies are counted unless fp32 is certain.
         maybe_bf16 = bf16_supported(device) and requested != "fp32" and (previous or {}).get("precision") != "fp32"
+        optimizer = dict(optimizer=config.optim.name, in_backward=config.optim.in_backward)
         step = training_bytes(trainable, frozen, per_sample, data.batch_size, config.ema.enabled, checkpointing=False,
-                              bf16=maybe_bf16)
+                              bf16=maybe_bf16, **optimizer)
         weights = sum(p.numel() * p.element_size() for p in [*trainable, *frozen])
         # On a GPU the step's memory is the device's; the host's share does not decide checkpointing there.
         host = device.type == "cpu"
@@ -315,12 +325,13 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
         checkpointing = training > available
         if checkpointing:
             least = whole_run(training_bytes(trainable, frozen, per_sample, data.batch_size, config.ema.enabled,
-                                             checkpointing=True, bf16=maybe_bf16))
+                                             checkpointing=True, bf16=maybe_bf16, **optimizer))
             if least > available:
                 # Said before the first step, which the kernel would otherwise end minutes in, without a word.
                 log.warning("this run needs about %.1f GiB even with gradient checkpointing, more than the %.1f GiB "
                             "available: it will likely be killed for memory. Train fewer weights (mode=lora), "
-                            "lower data.batch_size, or turn ema off", least / 2**30, available / 2**30)
+                            "lower data.batch_size, turn ema off, or shrink the optimizer's state (optim.name="
+                            "adamw8bit or adafactor, optim.in_backward=true)", least / 2**30, available / 2**30)
         loading = processes_per_machine * loaded_peak if host else None
         estimated = max(training, loading or 0)
         estimated, available = estimated / 2**30, available / 2**30

@@ -2,30 +2,45 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from diffusers.optimization import get_scheduler
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from sdtrain.config import OptimConfig
+from sdtrain.errors import UserError
+
+
+def optimizer_settings(config: OptimConfig) -> dict[str, Any]:
+    """The hyperparameters of ``optim.name``'s optimizer that the config sets (a resumed one takes them too)."""
+    if config.name == "adafactor":
+        return {"lr": config.lr, "weight_decay": config.weight_decay}
+    return {"lr": config.lr, "betas": (config.betas[0], config.betas[1]), "weight_decay": config.weight_decay,
+            "eps": config.eps}
 
 
 def build_optimizer(params: list[nn.Parameter], config: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW; with ``in_backward`` each parameter gets a group of its own, stepped from its gradient hook."""
-    # Fused kernels exist on CPU as on CUDA (the per-parameter default loop cost 3.4 s a step on the SD2
-    # UNet on a CPU). Sharded DTensor parameters take the foreach path, which every placement supports.
+    """The optimizer ``optim.name`` names (see OptimConfig.name); with ``in_backward`` each parameter gets a group
+    of its own, stepped from its gradient hook."""
     sharded = any(isinstance(p, DTensor) for p in params)
-    fused = config.fused and not sharded
     groups = [{"params": [p]} for p in params] if config.in_backward else params
-    optimizer = torch.optim.AdamW(
-        groups,
-        lr=config.lr,
-        betas=(config.betas[0], config.betas[1]),
-        weight_decay=config.weight_decay,
-        eps=config.eps,
-        fused=fused or None,
-        foreach=None if fused else True,
-    )
+    if config.name == "adamw8bit":
+        if sharded:
+            raise UserError("optim.name: adamw8bit cannot step FSDP2's sharded parameters (bitsandbytes quantises "
+                            "whole tensors); use adamw or adafactor, or parallel.strategy=ddp")
+        import bitsandbytes
+
+        optimizer = bitsandbytes.optim.AdamW8bit(groups, **optimizer_settings(config))
+    elif config.name == "adafactor":
+        optimizer = torch.optim.Adafactor(groups, **optimizer_settings(config))
+    else:
+        # Fused kernels exist on CPU as on CUDA (the per-parameter default loop cost 3.4 s a step on the SD2
+        # UNet on a CPU). Sharded DTensor parameters take the foreach path, which every placement supports.
+        fused = config.fused and not sharded
+        optimizer = torch.optim.AdamW(groups, **optimizer_settings(config), fused=fused or None,
+                                      foreach=None if fused else True)
     if config.in_backward:
         step_in_backward(optimizer)
     return optimizer

@@ -54,7 +54,7 @@ from sdtrain.train import autotune
 from sdtrain.train.ema import EMA
 from sdtrain.train.logger import RunLogger
 from sdtrain.train.modes import make_task, prepare_task
-from sdtrain.train.optim import allocate_state, build_lr_schedule, build_optimizer
+from sdtrain.train.optim import allocate_state, build_lr_schedule, build_optimizer, optimizer_settings
 from sdtrain.train.parallel import DataParallel
 from sdtrain.train.tasks import Task
 from sdtrain.utils import atomic_write_text
@@ -301,9 +301,9 @@ class Trainer:
         optim = self.config.optim
         schedule = self.lr_schedule
         schedule.base_lrs = [optim.lr for _ in schedule.base_lrs]
+        settings = optimizer_settings(optim)
         for group, factor in zip(self.optimizer.param_groups, schedule.lr_lambdas):
-            group.update(betas=(optim.betas[0], optim.betas[1]), weight_decay=optim.weight_decay, eps=optim.eps,
-                         initial_lr=optim.lr, lr=optim.lr * factor(schedule.last_epoch))
+            group.update(settings, initial_lr=optim.lr, lr=optim.lr * factor(schedule.last_epoch))
         schedule._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     @contextlib.contextmanager

@@ -1,0 +1,104 @@
+"""Options that make big models fit, through the CLI at tiny size: 8-bit AdamW and Adafactor train with the state
+they promise and resume bitwise after kill -9, their state restored exactly; asking for one the installed libraries
+cannot do is one line before any weight loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sdtrain.cli.main import main
+
+from .conftest import TINY, config_path, resumes_bitwise_after_kill_9
+
+CONFIGS = config_path("diffusion.yaml").parents[1]
+COMMON = [*TINY, "data.batch_size=2", "validation.prompts=[]", "evaluation.every_samples=0"]
+
+
+def _full_fine_tune(run: Path, pretrained: Path, shapes_dir: Path, *extra: str) -> list[str]:
+    # The UNet's convolutions are large enough (4,096 values and more) for bitsandbytes to keep their moments in
+    # 8 bits; it keeps smaller tensors' in fp32.
+    return ["train", str(CONFIGS / "finetune-full.yaml"), f"run_dir={run}", *COMMON, f"model.pretrained={pretrained}",
+            f"data.shards={shapes_dir}", "train.max_steps=3", "checkpoint.every=1", "optim.warmup_steps=0", *extra]
+
+
+def _tensors(value, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return {prefix: value}
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    return {k: v for key, item in items for k, v in _tensors(item, f"{prefix}/{key}").items()}
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "adafactor"])
+def test_optimizers_that_fit_resume_bitwise_after_kill_9_with_their_state(name, tmp_path, pretrained, shapes_dir):
+    resumes_bitwise_after_kill_9(lambda run: _full_fine_tune(run, pretrained, shapes_dir, f"optim.name={name}"),
+                                 tmp_path)
+    final = "checkpoints/step_00000003/optimizer.pt"
+    straight, resumed = (_tensors(torch.load(tmp_path / run / final, weights_only=True)["state"])
+                         for run in ("straight", "killed"))
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    if name == "adamw8bit":  # both moments of the large tensors in 8 bits, with their block scales
+        assert any(k.endswith("/state1") and v.dtype == torch.uint8 for k, v in straight.items())
+        assert any(k.endswith("/absmax2") for k in straight)
+    else:  # factored second moments: a row and a column vector for each matrix, no first moment
+        assert any(k.endswith("/row_var") for k in straight) and not any(k.endswith("exp_avg") for k in straight)
+
+
+def test_an_optimizer_the_installed_libraries_cannot_run_is_one_line(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    # Nothing is read: the model source and the data do not exist.
+    assert main(["train", str(CONFIGS / "finetune-full.yaml"), f"run_dir={tmp_path / 'run'}", *COMMON,
+                 f"model.pretrained={tmp_path / 'absent'}", "data.shards=absent", "optim.name=adamw8bit"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "error: optim.name: adamw8bit" in error[0]
+    assert "pip install 'sdtrain[memory]'" in error[0]
+    assert main(["train", str(CONFIGS / "finetune-full.yaml"), f"run_dir={tmp_path / 'run'}", "data.shards=absent",
+                 f"model.pretrained={tmp_path / 'absent'}", "optim.name=lion"]) == 2
+    assert "optim.name: must be one of adamw, adamw8bit, adafactor" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "adafactor"])
+def test_stepped_in_backward_they_update_as_when_stepped_after_it(name):
+    """optim.in_backward frees each gradient once its parameter has stepped: with 8-bit AdamW or Adafactor the
+    full set of gradients then never exists either, and the weights come out the same."""
+    from sdtrain.config import OptimConfig
+    from sdtrain.train.optim import allocate_state, build_optimizer
+
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 4)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    in_backward = build_optimizer(list(models[0].parameters()), OptimConfig(name=name, in_backward=True, grad_clip=0))
+    after = build_optimizer(list(models[1].parameters()), OptimConfig(name=name))
+    for optimizer in (in_backward, after):
+        allocate_state(optimizer)
+    x = torch.randn(8, 128)
+    for _ in range(3):
+        models[0](x).pow(2).sum().backward()
+        assert all(p.grad is None for p in models[0].parameters())
+        models[1](x).pow(2).sum().backward()
+        after.step()
+        after.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters()))
+
+
+def test_the_memory_estimate_counts_the_state_each_optimizer_keeps():
+    """What gradient_checkpointing: auto decides from: per trained fp32 weight, its gradient and AdamW's two moments
+    (4 + 4 + 8 bytes), 8-bit AdamW's two bytes, Adafactor's next to nothing; no gradients held when stepped in
+    backward."""
+    from sdtrain.train.autotune import training_bytes
+
+    weights = [torch.nn.Parameter(torch.zeros(1000, 1000))]
+
+    def state(**options) -> float:
+        return training_bytes(weights, [], 0, 1, ema=False, checkpointing=False, **options) / 4e6
+
+    assert state() == 4
+    assert state(optimizer="adamw8bit") == 2.5 and state(optimizer="adafactor") == 2
+    assert state(optimizer="adafactor", in_backward=True) == 1
