@@ -114,6 +114,13 @@ class ModelConfig:
     ``sd2`` (the real Stable Diffusion 2 base UNet, 865.9M parameters) for sd; ``tiny`` or ``sdxl`` (the SDXL
     1.0 base UNet, 2,567.5M parameters) for sdxl; ``tiny`` or ``sd3-medium`` (2,028.3M) for sd3; ``tiny``,
     ``flux-dev`` (11,901.4M) or ``flux-schnell`` (11,891.2M) for flux."""
+    frozen_precision: str = "fp32"
+    """How the frozen weights of trained modules' linear layers are stored (the base under LoRA, textual
+    inversion or DreamBooth-LoRA, and frozen text encoders): ``fp32``; ``bf16`` (half the memory); ``fp8``
+    (float8 e4m3 with a scale per output row: a quarter). Each layer's weight is cast back just in time for its
+    matmul, in forward and backward alike, so only one layer's full-precision weight exists at a time. Trained
+    weights, their optimizer state, LoRA files and exports are unchanged by it; what the model computes is
+    rounded as the stored weights are (bf16 about 3 significant digits, fp8 about 2)."""
     pretrained: str | None = None
     """A local diffusers pipeline folder, or a single-file checkpoint in the original Stable Diffusion layout
     (``.safetensors``: SD 1.x, 2.x or SDXL, sizes and prediction type read from the file; set ``tokenizer`` unless
@@ -173,6 +180,8 @@ class ModelConfig:
 
     def validate(self) -> None:
         _check(self.preset in PRESETS, "model.preset", f"must be one of {', '.join(PRESETS)}")
+        _check(self.frozen_precision in FROZEN_PRECISIONS, "model.frozen_precision",
+               f"must be one of {', '.join(FROZEN_PRECISIONS)}")
         _check(self.t5_text_length is None or self.t5_text_length >= 4, "model.t5_text_length",
                "must be at least 4 (or unset: the family's length)")
         _check(self.max_text_length is None or self.max_text_length >= 4, "model.max_text_length",
@@ -361,6 +370,7 @@ class AutoencoderLossConfig:
 
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
+FROZEN_PRECISIONS = ("fp32", "bf16", "fp8")
 
 
 @dataclass

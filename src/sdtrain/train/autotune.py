@@ -303,7 +303,9 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
     if checkpointing == "auto":
         trainable = task.parameters()
         ids = {id(p) for p in trainable}
-        frozen = [p for m in _all_modules(task) for p in m.parameters() if id(p) not in ids and not p.is_meta]
+        # Frozen weights stored in low precision (model.frozen_precision) are buffers.
+        frozen = [p for m in _all_modules(task) for p in (*m.parameters(), *m.buffers())
+                  if id(p) not in ids and not p.is_meta]
         per_sample = sum(c.activation_bytes * c.calls for c in calls.values())
         data = config.data
         # Before precision is measured, bf16 stays possible: its weight copies are counted unless fp32 is certain.

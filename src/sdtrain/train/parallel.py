@@ -48,7 +48,10 @@ class DataParallel:
             return
         for name, module in task.parallel_modules().items():
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            wrapped = DistributedDataParallel(module, device_ids=device_ids)
+            # The models' buffers are constants (positions, frozen weights stored in low precision), the same on
+            # every rank from the same source: DDP's default re-sends them before every forward, which for a
+            # low-precision frozen base would move the whole base each step.
+            wrapped = DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
             setattr(task, name, wrapped)
             self.wrapped.append(wrapped)
 

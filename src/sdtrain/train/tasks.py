@@ -21,6 +21,7 @@ from sdtrain.data.encoded import TEXT_FIELDS
 from sdtrain.errors import UserError
 from sdtrain.loaders.components import load_component
 from sdtrain.models import build, families
+from sdtrain.models.frozen import store_frozen
 from sdtrain.models.pipeline import sample_images, sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer, train_clip_tokenizer
 from sdtrain.train.objectives import FlowMatching, NoisePrediction
@@ -259,6 +260,14 @@ class DiffusionTask(Task):
         keys = [family.ids_key(i) for i in range(len(self.tokenizers))]
         self.caption_tokenizer = CaptionTokenizer(self.tokenizers, keys)
         self.trainable = self.make_trainable()
+        self._store_frozen(model.frozen_precision)
+
+    def _store_frozen(self, precision: str) -> None:
+        """The frozen linear weights of the denoiser and text encoders in `precision` (model.frozen_precision)."""
+        if precision == "fp32":
+            return
+        saved = sum(store_frozen(module, precision) for module in (self.denoiser, *self.text_encoders.values()))
+        log.info("model.frozen_precision=%s: frozen linear weights stored in %.2f GiB less", precision, saved / 2**30)
 
     takes_guidance = False
     """Whether the denoiser has a guidance embedding (Flux.1-dev's), read in setup before any wrapper hides its

@@ -1,0 +1,119 @@
+"""Frozen weights stored in low precision and cast per layer just in time for its matmul (``model.frozen_precision``):
+the base under LoRA, textual inversion or DreamBooth-LoRA, and frozen text encoders, at half (bf16) or a quarter
+(float8 e4m3, with one fp32 scale per output row) of their fp32 size. Trained weights (adapters, new embeddings)
+and their optimizer state stay in fp32, and so do the outputs: a LoRA file holds the adapters only, and exports
+rebuild the base from its source.
+
+Why not a quantisation library's weight-only layers: torchao's (0.18) keep, for the backward, the full-precision
+weight they dequantise for each layer's forward, so a training step holds every frozen weight in full precision
+again until its backward reaches it (measured: four 1024x1024 fp32 weights saved for four fp8 layers). Here the
+backward dequantises the stored weight a second time instead, so only one layer's full-precision weight exists at
+once, in forward as in backward: the point of a low-precision base when training, what kohya's ``--fp8_base``
+does.
+
+Only ``nn.Linear`` layers are stored low (they hold nearly all of a transformer's weights, and most of a UNet's);
+convolutions, norms and embeddings stay as they are. A stored weight is a buffer of integers of the same width
+(uint8 for fp8, int16 for bf16), viewed as its float type when used: ``module.to(dtype)`` and ``.float()`` leave
+integer buffers alone, so no cast elsewhere can silently widen or corrupt it, and a model's ``dtype`` (its first
+floating-point parameter's, which diffusers casts inputs to) stays that of its trained weights.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sdtrain.config import FROZEN_PRECISIONS
+
+_FP8 = torch.float8_e4m3fn
+_STORED = {"bf16": (torch.bfloat16, torch.int16), "fp8": (_FP8, torch.uint8)}
+
+
+def _quantize(weight: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The stored bits of `weight` (as integers) and, for fp8, the per-row scale that maps its range onto e4m3's."""
+    dtype, bits = _STORED[precision]
+    weight = weight.detach().float()
+    if precision == "bf16":
+        return weight.to(dtype).view(bits), None
+    # One scale per output row: a row's largest value becomes e4m3's largest (448); an all-zero row keeps scale 1.
+    amax = weight.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / torch.finfo(_FP8).max, torch.ones_like(amax))
+    return (weight / scale).to(dtype).view(bits), scale
+
+
+def _dequantize(stored: torch.Tensor, scale: torch.Tensor | None, precision: str, dtype: torch.dtype) -> torch.Tensor:
+    weight = stored.view(_STORED[precision][0]).to(dtype)
+    return weight if scale is None else weight * scale.to(dtype)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """``x @ W.T + b`` with W dequantised from its stored bits in the forward and again in the backward, so that
+    autograd keeps the stored bits, never the full-precision weight. W gets no gradient (it is frozen); a bias
+    that trains gets its own."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                precision: str, dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(stored, scale)
+        ctx.precision, ctx.dtype, ctx.input_dtype = precision, dtype, x.dtype
+        weight = _dequantize(stored, scale, precision, dtype)
+        return F.linear(x.to(dtype), weight, None if bias is None else bias.to(dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        stored, scale = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            weight = _dequantize(stored, scale, ctx.precision, ctx.dtype)
+            grad_x = (grad.to(ctx.dtype) @ weight).to(ctx.input_dtype)
+        if ctx.needs_input_grad[3]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return grad_x, None, None, grad_bias, None, None
+
+
+def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    # Autocast does not reach inside a custom autograd function: its dtype, read before it is turned off, is
+    # applied there, as autocast would to F.linear.
+    dtype = _compute_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        return _FrozenLinear.apply(x, self.weight_stored, self.weight_scale, self.bias, self.weight_precision, dtype)
+
+
+def store_frozen(module: nn.Module, precision: str) -> int:
+    """Store the frozen weight of every ``nn.Linear`` in `module` in `precision` ('bf16' or 'fp8'; 'fp32' leaves
+    them), cast per layer just in time (see the module's docstring). Returns the bytes saved."""
+    if precision == "fp32":
+        return 0
+    if precision not in _STORED:
+        raise ValueError(f"precision {precision!r} is not one of {', '.join(FROZEN_PRECISIONS)}")
+    saved = 0
+    for layer in module.modules():
+        if type(layer) is not nn.Linear or layer.weight.requires_grad or layer.weight.is_meta:
+            continue
+        weight = layer.weight
+        stored, scale = _quantize(weight, precision)
+        saved += weight.numel() * weight.element_size() - stored.numel() * stored.element_size()
+        del layer.weight
+        # The weight, as the model and its readers name it, is gone from parameters and state dicts alike: a
+        # frozen weight is never checkpointed (it comes back from its source), and nothing trains it. None, not
+        # absent: code that asks for a layer's weight dtype (transformers' T5 does) then finds none to match.
+        layer.register_parameter("weight", None)
+        layer.register_buffer("weight_stored", stored, persistent=False)
+        layer.register_buffer("weight_scale", scale, persistent=False)
+        layer.weight_precision = precision
+        layer.forward = types.MethodType(_forward, layer)
+    return saved
+
+
+def stored_precision(layer: nn.Module) -> str:
+    """'bf16' or 'fp8' for a linear layer `store_frozen` converted, else 'fp32'."""
+    return getattr(layer, "weight_precision", "fp32")
