@@ -45,6 +45,7 @@ def test_benchmark_keeps_the_users_settings(tmp_path):
     assert result["stage"] == "autoencoder" and result["global_batch"] == 6
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_benchmark_compares_process_counts_with_allreduce_time(tmp_path, capsys):
     out = tmp_path / "scaling.json"
@@ -79,6 +80,7 @@ def test_benchmark_data_reports_loader_rate_beside_training(tmp_path, shapes_dir
     assert "x training" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_benchmark_sweep_prints_one_row_per_combination(tmp_path, capsys):
     out = tmp_path / "sweep.json"
     assert main(["benchmark", "train", str(config_path("diffusion.yaml")), *SMALL, *FEW,

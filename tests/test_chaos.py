@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from . import chaos
 
 
+@pytest.mark.slow
 def test_every_fault_once_loses_nothing(tmp_path, capsys):
     code = chaos.main(["--trials", "1", "--seed", "0", "--work", str(tmp_path)])  # seed 0 draws Flux.1
     out = capsys.readouterr().out

@@ -30,7 +30,8 @@ def _losses(run: Path) -> list[float]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("family", ["sd", "sdxl", "flux", pytest.param("sd3", marks=pytest.mark.slow)])
+# SDXL's UNet is SD's with more conditioning; its parity, like SD3's, runs with the slow tests.
+@pytest.mark.parametrize("family", ["sd", "flux", *(pytest.param(f, marks=pytest.mark.slow) for f in ("sdxl", "sd3"))])
 def test_torchrun_ddp_and_fsdp_match_one_process_at_the_same_global_batch(tmp_path, shapes_dir,
                                                                           autoencoder_run, family):
     single = tmp_path / "single"
@@ -61,6 +62,7 @@ def test_torchrun_ddp_and_fsdp_match_one_process_at_the_same_global_batch(tmp_pa
     assert (export_run(tmp_path / "fsdp", tmp_path / "pipe") / denoiser).is_dir()
 
 
+@pytest.mark.slow
 def test_sigterm_saves_stops_and_the_rerun_ends_equal_to_an_uninterrupted_run(tmp_path, shapes_dir,
                                                                               autoencoder_run):
     config = str(config_path("diffusion.yaml"))
@@ -117,6 +119,7 @@ def _torchrun(run: Path, shapes_dir: Path, autoencoder_run: Path, *extra: str, t
     return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path, shapes_dir, autoencoder_run):
     steps = ("train.max_steps=4", "checkpoint.every=2", "checkpoint.keep_last=5")
@@ -135,6 +138,7 @@ def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path, sh
     assert all(torch.equal(a[k], b[k]) for k in a)  # the restart repeated step 3 exactly
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_sharded_checkpoints_resume_exactly_on_the_same_ranks_and_reshard_onto_one_process(
         tmp_path, shapes_dir, autoencoder_run, caplog):
@@ -175,6 +179,7 @@ def test_sharded_checkpoints_resume_exactly_on_the_same_ranks_and_reshard_onto_o
     assert all(torch.equal(exported[k.removeprefix("unet.")], v) for k, v in ema.items() if k.startswith("unet."))
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_a_stalled_rank_fails_the_job_within_the_timeout_naming_it_and_the_rerun_resumes(
         tmp_path, shapes_dir, autoencoder_run):

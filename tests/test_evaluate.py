@@ -86,6 +86,7 @@ def test_fid_of_a_set_with_itself_is_zero_and_grows_with_noise(inception):
     assert 0 < distances[0] < distances[1] < distances[2]
 
 
+@pytest.mark.slow
 def test_fid_from_two_stats_files_equals_the_fid_of_the_image_sets(inception, tmp_path):
     real, fake = _images(1), _images(2)
     files = []
@@ -193,6 +194,7 @@ def test_in_loop_evaluation_survives_a_resume(tmp_path, shapes_dir, autoencoder_
     assert _evaluation_steps(tmp_path / "straight") == _evaluation_steps(tmp_path / "split") == [2, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_evaluation_under_two_gloo_ranks_gives_the_numbers_of_one(tmp_path, pretrained, shapes_dir, inception_file,
                                                                   clip_folder):

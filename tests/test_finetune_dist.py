@@ -146,7 +146,8 @@ LORA = ["lora.rank=2", "optim.lr=0.01", "data.resolution=64"]
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("mode,extra", [("lora", LORA), ("textual_inversion", TI)])
+# Textual inversion over two ranks also runs under mpirun below; its gloo twin runs with the slow tests.
+@pytest.mark.parametrize("mode,extra", [("lora", LORA), pytest.param("textual_inversion", TI, marks=pytest.mark.slow)])
 def test_two_gloo_ranks_fine_tune_like_one_process_at_the_same_global_batch(tmp_path, pretrained, shapes_dir,  # noqa: F811
                                                                            mode, extra):
     steps = ["train.max_steps=3", "data.batch_size=2", *extra]

@@ -24,7 +24,8 @@ def _overrides(run_dir: Path, steps: int, shapes_dir: Path, autoencoder_run: Pat
     ]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+# Loader workers are what runs use; the in-process loader's resume runs with the slow tests.
+@pytest.mark.parametrize("workers", [pytest.param(0, marks=pytest.mark.slow), 2])
 def test_resumed_run_is_bitwise_equal_to_a_straight_run(tmp_path, shapes_dir, autoencoder_run, workers):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     config = str(config_path("diffusion.yaml"))

@@ -47,6 +47,7 @@ def _read(path: Path) -> str:
     return path.read_text() if path.is_file() else "(no job log)"
 
 
+@pytest.mark.slow
 def test_the_written_sbatch_script_trains_two_ranks_under_slurm(slurm_cluster, tmp_path, shapes_dir,
                                                                  autoencoder_run, monkeypatch):
     # Written from one folder with relative paths and a config file that is gone by the time the job runs,
