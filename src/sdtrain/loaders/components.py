@@ -4,6 +4,7 @@ file, an sdtrain run or checkpoint), a run's trained modules from its checkpoint
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,19 +15,21 @@ from sdtrain import sharded
 from sdtrain.checkpoint import latest_checkpoint, read_meta, read_weights, require_intact
 from sdtrain.errors import UserError, first_line
 from sdtrain.loaders.adapters import add_lora, add_token_rows
-from sdtrain.models import families, single_file
+from sdtrain.models import families, frozen, single_file
 from sdtrain.models.build import source_kind
 from sdtrain.models.families.spec import ModelFamily
 
 
 def load_component(name: str, source: str | Path, trust_pickle: bool | None = None,
-                   family: ModelFamily | None = None) -> Any:
+                   family: ModelFamily | None = None, frozen_precision: str = "fp32") -> Any:
     """Load component `name` ('vae', 'unet', 'text_encoder', ...; of `family`, else of whichever family has it)
     from a local source folder or single file (Stable Diffusion's original layout, or a Flux.1 transformer in
     Black Forest Labs').
 
     `trust_pickle` lets a pickle single file (.ckpt, .pt...) be read with torch.load(weights_only=True);
-    None: the SDTRAIN_TRUST_PICKLE environment variable decides.
+    None: the SDTRAIN_TRUST_PICKLE environment variable decides. A `frozen_precision` other than fp32 loads a
+    folder's weights one tensor at a time, its linear weights stored in that precision as they are read
+    (`load_frozen`); from other sources the module is loaded whole and stored low afterwards by the task.
     """
     kind = source_kind(source)
     if kind == "single_file":
@@ -44,6 +47,8 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
     folder = Path(source) / name if kind == "pipeline" else Path(source)
     if not (folder / "config.json").is_file():
         raise UserError(f"{folder}: no config.json for the {name}; point model.{name} at a folder that has one")
+    if frozen_precision != "fp32":
+        return load_frozen(cls, name, folder, frozen_precision)
     trusted = trust_pickle or single_file.trust_pickle_from_env()
     try:
         # Safetensors only, unless the user trusts this folder's pickles (.bin): those load with
@@ -53,6 +58,29 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
         hint = "" if trusted else ("; a folder with only pickled .bin weights loads with model.trust_pickle=true "
                                    f"(or {single_file.TRUST_PICKLE_ENV}=1) if you trust it")
         raise UserError(f"{folder}: cannot load the {name} ({first_line(exc)}){hint}") from exc
+
+
+# A folder's weights: one file or numbered shards, not a variant (diffusion_pytorch_model.fp16.safetensors).
+_WEIGHT_FILE = re.compile(r"[^.]+(-\d+-of-\d+)?\.safetensors")
+
+
+def load_frozen(cls: type[nn.Module], name: str, folder: Path, precision: str) -> nn.Module:
+    """A component folder's module built with its parameters on the meta device, then filled from its safetensors
+    files a tensor at a time, linear weights stored in `precision` (see sdtrain.models.frozen)."""
+    files = sorted(str(p) for p in folder.glob("*.safetensors") if _WEIGHT_FILE.fullmatch(p.name))
+    if not files:
+        raise UserError(f"{folder}: no safetensors weights for the {name}, which model.frozen_precision loads a tensor "
+                        "at a time; convert the folder's weights to safetensors, or set model.frozen_precision=fp32")
+    with frozen.parameters_on_meta():
+        if hasattr(cls, "config_class"):  # transformers
+            module = cls(cls.config_class.from_pretrained(folder, local_files_only=True))
+        else:
+            module = cls.from_config(cls.load_config(folder, local_files_only=True))
+    missing = frozen.load_streamed(module, files, precision)
+    if missing:
+        raise UserError(f"{folder}: the {name}'s weights lack {len(missing)} tensors (e.g. {missing[0]}); the folder "
+                        "is incomplete")
+    return module.eval()
 
 
 def _split_state(flat: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from torch import nn
 from sdtrain.checkpoint import latest_checkpoint, read_meta
 from sdtrain.config import DiffusionConfig, ModelConfig
 from sdtrain.errors import UserError
-from sdtrain.models import families, single_file
+from sdtrain.models import families, frozen, single_file
 from sdtrain.models.families.spec import construct
 from sdtrain.models.tokenizer import load_tokenizer_folder
 
@@ -44,17 +44,24 @@ def build_text_encoder(config: ModelConfig, tokenizer: Any, name: str = "text_en
 
 
 def build_denoiser(config: ModelConfig, latent_channels: int, latent_size: int,
-                   text_encoders: dict[str, nn.Module] | None = None, derived: dict[str, Any] | None = None
-                   ) -> nn.Module:
+                   text_encoders: dict[str, nn.Module] | None = None, derived: dict[str, Any] | None = None,
+                   frozen_precision: str = "fp32") -> nn.Module:
     """The family's denoiser (UNet, transformer) from its preset, shaped for the latents and for the text encoders
-    it reads (the family says what it takes from either), or with the `derived` settings given instead."""
+    it reads (the family says what it takes from either), or with the `derived` settings given instead. With a
+    `frozen_precision` other than fp32 it is a base that stays frozen, built a layer at a time with its linear
+    weights stored low (`frozen.materialize`): a 12B transformer never exists in fp32."""
     family = families.for_model(config)
     name = family.denoiser
     overrides = getattr(config, f"{name}_overrides")
     kwargs = {**family.preset(config.preset, name), **family.denoiser_shape(latent_channels, latent_size)}
     if derived is None:
         derived = family.denoiser_settings({**kwargs, **overrides}, text_encoders)
-    return construct(family.components[name], f"{name}_overrides", {**kwargs, **derived, **overrides})
+    settings = {**kwargs, **derived, **overrides}
+    if frozen_precision == "fp32":
+        return construct(family.components[name], f"{name}_overrides", settings)
+    with frozen.parameters_on_meta():
+        module = construct(family.components[name], f"{name}_overrides", settings)
+    return frozen.materialize(module, frozen_precision)
 
 
 def build_unet(config: ModelConfig, latent_channels: int, latent_size: int, cross_attention_dim: int) -> nn.Module:

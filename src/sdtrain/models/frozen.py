@@ -14,8 +14,9 @@ does.
 Only ``nn.Linear`` layers are stored low (they hold nearly all of a transformer's weights, and most of a UNet's);
 convolutions, norms and embeddings stay as they are. A stored weight is a buffer of integers of the same width
 (uint8 for fp8, int16 for bf16), viewed as its float type when used: ``module.to(dtype)`` and ``.float()`` leave
-integer buffers alone, so no cast elsewhere can silently widen or corrupt it, and a model's ``dtype`` (its first
-floating-point parameter's, which diffusers casts inputs to) stays that of its trained weights.
+integer buffers alone, so no cast elsewhere can silently widen or corrupt it. The layer's ``weight`` becomes an
+empty fp32 parameter, so a model's ``dtype`` (which diffusers casts inputs to) and what peft and transformers read
+off a layer stay those of the full-precision model.
 """
 
 from __future__ import annotations
@@ -88,6 +89,22 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return _FrozenLinear.apply(x, self.weight_stored, self.weight_scale, self.bias, self.weight_precision, dtype)
 
 
+def _store(layer: nn.Linear, weight: torch.Tensor, precision: str) -> int:
+    """`weight` as `layer`'s stored bits; returns the bytes saved against fp32."""
+    stored, scale = _quantize(weight, precision)
+    # In place of the weight, an empty fp32 one, frozen: code that asks a layer for its weight's device and dtype
+    # (peft placing adapters beside it, transformers' T5 matching its input to it) finds the full-precision
+    # layer's, and the stored bits are the layer's buffers. A frozen weight is never checkpointed (it comes back
+    # from its source), and nothing trains it.
+    del layer.weight
+    layer.weight = nn.Parameter(torch.empty(0, device=stored.device), requires_grad=False)
+    layer.register_buffer("weight_stored", stored, persistent=False)
+    layer.register_buffer("weight_scale", scale, persistent=False)
+    layer.weight_precision = precision
+    layer.forward = types.MethodType(_forward, layer)
+    return weight.numel() * 4 - stored.numel() * stored.element_size()
+
+
 def store_frozen(module: nn.Module, precision: str) -> int:
     """Store the frozen weight of every ``nn.Linear`` in `module` in `precision` ('bf16' or 'fp8'; 'fp32' leaves
     them), cast per layer just in time (see the module's docstring). Returns the bytes saved."""
@@ -97,21 +114,74 @@ def store_frozen(module: nn.Module, precision: str) -> int:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(FROZEN_PRECISIONS)}")
     saved = 0
     for layer in module.modules():
-        if type(layer) is not nn.Linear or layer.weight.requires_grad or layer.weight.is_meta:
-            continue
-        weight = layer.weight
-        stored, scale = _quantize(weight, precision)
-        saved += weight.numel() * weight.element_size() - stored.numel() * stored.element_size()
-        del layer.weight
-        # The weight, as the model and its readers name it, is gone from parameters and state dicts alike: a
-        # frozen weight is never checkpointed (it comes back from its source), and nothing trains it. None, not
-        # absent: code that asks for a layer's weight dtype (transformers' T5 does) then finds none to match.
-        layer.register_parameter("weight", None)
-        layer.register_buffer("weight_stored", stored, persistent=False)
-        layer.register_buffer("weight_scale", scale, persistent=False)
-        layer.weight_precision = precision
-        layer.forward = types.MethodType(_forward, layer)
+        # A layer stored as it was built or loaded (`materialize`, `load_streamed`) is skipped.
+        if type(layer) is nn.Linear and not hasattr(layer, "weight_stored") and not layer.weight.requires_grad \
+                and not layer.weight.is_meta:
+            saved += _store(layer, layer.weight, precision)
     return saved
+
+
+# --------------------------------------------------------------------------------------------------- building
+
+def parameters_on_meta() -> Any:
+    """A context in which modules get their parameters on the meta device and their buffers for real (computed
+    tables: positions, frequencies), for `materialize` or `load_streamed` to fill."""
+    from accelerate import init_empty_weights
+
+    return init_empty_weights(include_buffers=False)
+
+
+def _set(layer: nn.Module, name: str, tensor: torch.Tensor, precision: str) -> None:
+    if name == "weight" and type(layer) is nn.Linear and precision != "fp32":
+        _store(layer, tensor, precision)
+    else:
+        setattr(layer, name, nn.Parameter(tensor.float() if tensor.is_floating_point() else tensor,
+                                          requires_grad=False))
+
+
+def materialize(module: nn.Module, precision: str) -> nn.Module:
+    """Initialise the parameters a module got on the meta device, a layer at a time, its linear weights stored in
+    `precision` as each is made: a from-scratch base that will stay frozen, whose full-precision weights never
+    exist together. Each layer initialises itself (``reset_parameters``); a parameter a layer holds without one
+    gets N(0, 0.02). Every parameter comes out frozen."""
+    for layer in module.modules():
+        names = [n for n, p in layer.named_parameters(recurse=False) if p.is_meta]
+        if not names:
+            continue
+        for name in names:
+            setattr(layer, name, nn.Parameter(torch.empty_like(getattr(layer, name), device="cpu"),
+                                              requires_grad=False))
+        with torch.no_grad():
+            if hasattr(layer, "reset_parameters"):
+                layer.reset_parameters()
+            else:
+                for name in names:
+                    nn.init.normal_(getattr(layer, name), std=0.02)
+        if "weight" in names and type(layer) is nn.Linear and precision != "fp32":
+            _store(layer, layer.weight.detach(), precision)
+    return module
+
+
+def load_streamed(module: nn.Module, files: list[str], precision: str) -> list[str]:
+    """Fill a module built with `parameters_on_meta` from safetensors `files`, one tensor at a time: linear
+    weights stored in `precision` as they are read, everything else in fp32, all frozen. A 12B transformer then
+    never exists in full precision, nor twice. Returns the state-dict names no file held (still on meta)."""
+    from safetensors import safe_open
+
+    layers = dict(module.named_modules())
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as file:
+            for key in file.keys():  # noqa: SIM118 (not a dict)
+                owner, _, name = key.rpartition(".")
+                layer = layers.get(owner)
+                if layer is not None and (name in layer._parameters or name in layer._buffers):
+                    if name in layer._buffers and not (type(layer) is nn.Linear and name == "weight"):
+                        layer._buffers[name] = file.get_tensor(key)
+                    else:
+                        _set(layer, name, file.get_tensor(key), precision)
+    if hasattr(module, "tie_weights"):  # transformers: T5's embedding is shared with its encoder's
+        module.tie_weights()
+    return [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
 
 
 def stored_precision(layer: nn.Module) -> str:

@@ -58,14 +58,15 @@ class Task:
         self.trust_pickle = build.trusts_pickle(config.model)
         self.family = families.for_model(config.model)
 
-    def load_source(self, name: str) -> Any | None:
+    def load_source(self, name: str, frozen_precision: str = "fp32") -> Any | None:
         """Load component `name` from its configured source, pinned at the run's first start; None when the
-        config names no source."""
+        config names no source. `frozen_precision`: see load_component."""
         source = self.pinned.get(name) or build.component_source(self.config.model, name)
         if source is None:
             return None
         self.sources[name] = build.pin_source(source)
-        return load_component(name, self.sources[name], trust_pickle=self.trust_pickle, family=self.family)
+        return load_component(name, self.sources[name], trust_pickle=self.trust_pickle, family=self.family,
+                              frozen_precision=frozen_precision)
 
     def parallel_modules(self) -> dict[str, nn.Module]:
         """The attributes the loss calls the trained modules through, for a data-parallel wrapper."""
@@ -237,7 +238,7 @@ class DiffusionTask(Task):
         self.vae = vae.to(device).eval().requires_grad_(False)
         scale = self._check_resolution(self.vae)
         for name, tokenizer in zip(family.text_encoders, self.tokenizers):
-            text_encoder = self.load_source(name)
+            text_encoder = self.load_source(name, self.stored_as(name))
             if text_encoder is None:
                 if not config.diffusion.train_text_encoder:
                     raise UserError(
@@ -246,10 +247,11 @@ class DiffusionTask(Task):
                     )
                 text_encoder = build.build_text_encoder(model, tokenizer, name)
             setattr(self, name, text_encoder.to(device))
-        denoiser = self.load_source(family.denoiser)
+        denoiser = self.load_source(family.denoiser, self.stored_as(family.denoiser))
         if denoiser is None:
             denoiser = build.build_denoiser(model, self.vae.config.latent_channels, config.data.resolution // scale,
-                                            text_encoders=self.text_encoders)
+                                            text_encoders=self.text_encoders,
+                                            frozen_precision=self.stored_as(family.denoiser))
         # Under the family's name (unet, transformer): the trainer wraps and checkpoints modules by name.
         setattr(self, family.denoiser, denoiser.to(device))
         self._check_buckets(scale * family.downsampling(denoiser.config))
@@ -261,6 +263,13 @@ class DiffusionTask(Task):
         self.caption_tokenizer = CaptionTokenizer(self.tokenizers, keys)
         self.trainable = self.make_trainable()
         self._store_frozen(model.frozen_precision)
+
+    def stored_as(self, name: str) -> str:
+        """How component `name`'s linear weights are stored as it loads: ``model.frozen_precision`` when this mode
+        keeps them frozen (text encoders that do not train, here), so their full-precision weights never all
+        exist; else fp32. Modes that freeze more say so."""
+        frozen = name in self.family.text_encoders and not self.config.diffusion.train_text_encoder
+        return self.config.model.frozen_precision if frozen else "fp32"
 
     def _store_frozen(self, precision: str) -> None:
         """The frozen linear weights of the denoiser and text encoders in `precision` (model.frozen_precision)."""

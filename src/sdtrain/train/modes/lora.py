@@ -36,6 +36,10 @@ def lora_settings(config: LoraConfig, text_encoder: bool = False) -> dict[str, A
 
 
 class LoraTask(DiffusionTask):
+    def stored_as(self, name: str) -> str:
+        # Every base stays frozen: adapters train beside its linear layers.
+        return self.config.model.frozen_precision
+
     def make_trainable(self) -> dict[str, nn.Module]:
         cfg = self.config.lora
         denoiser = self.family.denoiser
