@@ -265,11 +265,17 @@ class DiffusionTask(Task):
         self._store_frozen(model.frozen_precision)
 
     def stored_as(self, name: str) -> str:
-        """How component `name`'s linear weights are stored as it loads: ``model.frozen_precision`` when this mode
-        keeps them frozen (text encoders that do not train, here), so their full-precision weights never all
-        exist; else fp32. Modes that freeze more say so."""
-        frozen = name in self.family.text_encoders and not self.config.diffusion.train_text_encoder
-        return self.config.model.frozen_precision if frozen else "fp32"
+        """How component `name`'s linear weights are stored as it loads: ``model.frozen_precision`` for the
+        denoiser and text encoders this mode keeps frozen (`keeps_frozen`), so their full-precision weights never
+        all exist; fp32 for the rest (the VAE's few linear layers, in its attention, decode validation images)."""
+        if name not in (self.family.denoiser, *self.family.text_encoders) or not self.keeps_frozen(name):
+            return "fp32"
+        return self.config.model.frozen_precision
+
+    def keeps_frozen(self, name: str) -> bool:
+        """Whether this mode trains none of component `name`'s linear weights: here the text encoders, unless they
+        train. Modes that freeze more say so."""
+        return name in self.family.text_encoders and not self.config.diffusion.train_text_encoder
 
     def _store_frozen(self, precision: str) -> None:
         """The frozen linear weights of the denoiser and text encoders in `precision` (model.frozen_precision)."""
@@ -382,7 +388,9 @@ class DiffusionTask(Task):
         module = getattr(self, name)
         if next(module.parameters()).device.type != "meta":
             return module
-        module = load_component(name, self.sources[name], trust_pickle=self.trust_pickle, family=self.family)
+        # Stored as training stores it: validation then costs no more memory than the step.
+        module = load_component(name, self.sources[name], trust_pickle=self.trust_pickle, family=self.family,
+                                frozen_precision=self.stored_as(name))
         return module.to(self.device).eval().requires_grad_(False)
 
     def _latents(self, batch, generator) -> torch.Tensor:

@@ -36,9 +36,9 @@ def lora_settings(config: LoraConfig, text_encoder: bool = False) -> dict[str, A
 
 
 class LoraTask(DiffusionTask):
-    def stored_as(self, name: str) -> str:
+    def keeps_frozen(self, name: str) -> bool:
         # Every base stays frozen: adapters train beside its linear layers.
-        return self.config.model.frozen_precision
+        return True
 
     def make_trainable(self) -> dict[str, nn.Module]:
         cfg = self.config.lora

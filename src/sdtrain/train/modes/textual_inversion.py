@@ -62,9 +62,9 @@ def _initial_vector(tokenizer: Any, text_encoder: nn.Module, tokens: list[str], 
 class TextualInversionTask(DiffusionTask):
     """New token vectors in every text encoder of the family (SDXL: one in CLIP-L's table, one in bigG's)."""
 
-    def stored_as(self, name: str) -> str:
+    def keeps_frozen(self, name: str) -> bool:
         # Only new rows of the token embedding train, which is no linear layer.
-        return self.config.model.frozen_precision
+        return True
 
     def make_trainable(self) -> dict[str, nn.Module]:
         cfg = self.config.textual_inversion
