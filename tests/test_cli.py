@@ -53,7 +53,7 @@ def test_generate_names_a_missing_model_folder(tmp_path, capsys):
 def test_demo_runs_end_to_end_at_a_few_steps(tmp_path):
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out), "--num", "32", "--autoencoder-steps", "2", "--diffusion-steps", "2",
-                 "--adherence-prompts", "4", "--adherence-pairs", "2"]) == 0
+                 "--adherence-prompts", "4", "--adherence-pairs", "2", "--sample-steps", "2"]) == 0
     scores = json.loads((out / "adherence.json").read_text())["adherence"]
     assert (scores["num_single"], scores["num_double"]) == (2, 2)
     assert (out / "samples.png").is_file()
