@@ -219,3 +219,66 @@ def test_comfyui_loads_every_key_of_the_sd3_diffusers_lora_at_its_trained_scale(
     assert len(report["changed_by_comfy"]) == 5 + 4 + 24
     assert report["max_delta"] > 1e-3  # the adapters trained
     assert report["max_diff_unscaled"] < 1e-5
+
+
+_CHECKPOINT_SCRIPT = comfyui.PREAMBLE + textwrap.dedent('''
+    path, te_configs = sys.argv[1:3]
+    import comfy.model_detection, comfy.sd, comfy.utils
+    import comfy.text_encoders.sd3_clip
+    collect_messages()
+
+    # Load Checkpoint's own path for the model: the type detected from the keys, the MMDiT built and loaded.
+    sd, metadata = comfy.utils.load_torch_file(path, return_metadata=True)
+    ours = dict(sd)
+    patcher, _, _, _ = comfy.sd.load_state_dict_guess_config(dict(sd), output_vae=False, output_clip=False,
+                                                            model_options={"dtype": torch.float32}, metadata=metadata)
+    state = patcher.model.diffusion_model.state_dict()
+    prefix = "model.diffusion_model."
+    report = {"model": type(patcher.model).__name__, "config": type(patcher.model.model_config).__name__,
+              "load_warnings": [m for m in messages if "missing" in m.lower() or "unexpected" in m.lower()],
+              "unet_not_loaded": sorted(k[len(prefix):] for k in ours if k.startswith(prefix)
+                                        and k[len(prefix):] not in state),
+              "unet_differs": sorted(k for k, v in state.items() if not torch.equal(v, ours[prefix + k]))}
+
+    # Its text encoders as Load Checkpoint hands them over (process_clip_state_dict), into ComfyUI's SD3 text model
+    # at the tiny encoders' sizes.
+    config = comfy.model_detection.model_config_from_unet(ours, prefix, metadata=metadata)
+    clip_sd = config.process_clip_state_dict(dict(ours))
+    target = config.clip_target(state_dict=ours)
+    clip = target.clip(dtype=torch.float32, model_options=json.loads(te_configs))
+    missing, unexpected = clip.load_state_dict(clip_sd, strict=False)
+    clip_state = clip.state_dict()
+    report.update(
+        clip_parts=[n for n in ("clip_l", "clip_g", "t5xxl") if getattr(clip, n) is not None],
+        clip_missing=[k for k in missing if not k.endswith((".logit_scale", ".transformer.text_projection.weight"))],
+        clip_unexpected=unexpected,
+        clip_differs=sorted(k for k, v in clip_sd.items() if k in clip_state and not torch.equal(clip_state[k], v)))
+    print("REPORT " + json.dumps(report))
+''')
+
+
+def test_comfyui_loads_the_sd3_single_file_export_with_every_key_placed(tmp_path, pipeline):
+    """`sdtrain export --single-file` of an SD3 run as ComfyUI's Load Checkpoint reads it: detected as SD3, every
+    MMDiT weight placed as trained, and the three text encoders (CLIP-L, CLIP-G, T5) each whole, at the tiny run's
+    sizes."""
+    scratch = pipeline.parent / "scratch"
+    out = tmp_path / "sd3.safetensors"
+    assert main(["export", str(scratch), str(out), "--single-file"]) == 0
+    te_configs = {}
+    for name, tag in (("text_encoder", "clip_l"), ("text_encoder_2", "clip_g")):
+        c = load_component(name, pipeline, family=SD3).config
+        te_configs[f"{tag}_model_config"] = {
+            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+            "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
+            "projection_dim": c.projection_dim, "hidden_act": c.hidden_act, "eos_token_id": c.eos_token_id}
+    t5 = load_component("text_encoder_3", pipeline, family=SD3).config
+    te_configs["t5xxl_model_config"] = {k: getattr(t5, k) for k in ("d_ff", "d_kv", "d_model", "num_heads",
+                                                                    "num_layers", "vocab_size",
+                                                                    "relative_attention_num_buckets")}
+    report = comfyui.run_comfyui(_CHECKPOINT_SCRIPT, str(out), json.dumps(te_configs))
+    print(json.dumps(report, indent=1))
+    assert report["model"] == "SD3" and report["config"] == "SD3" and report["load_warnings"] == []
+    assert report["unet_not_loaded"] == [] and report["unet_differs"] == []
+    assert report["clip_parts"] == ["clip_l", "clip_g", "t5xxl"]
+    assert report["clip_missing"] == [] and report["clip_unexpected"] == [] and report["clip_differs"] == []

@@ -184,6 +184,9 @@ def load_streamed(module: nn.Module, files: list[str], precision: str) -> list[s
     return [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
 
 
-def stored_precision(layer: nn.Module) -> str:
-    """'bf16' or 'fp8' for a linear layer `store_frozen` converted, else 'fp32'."""
-    return getattr(layer, "weight_precision", "fp32")
+def stored_bytes(module: nn.Module) -> tuple[int, int]:
+    """The bytes of `module`'s linear weights stored low, and what they would take in fp32."""
+    layers = [m for m in module.modules() if hasattr(m, "weight_stored")]
+    stored = sum(m.weight_stored.numel() * m.weight_stored.element_size() + (
+        m.weight_scale.numel() * 4 if m.weight_scale is not None else 0) for m in layers)
+    return stored, sum(m.weight_stored.numel() * 4 for m in layers)

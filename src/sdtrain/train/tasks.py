@@ -21,7 +21,7 @@ from sdtrain.data.encoded import TEXT_FIELDS
 from sdtrain.errors import UserError
 from sdtrain.loaders.components import load_component
 from sdtrain.models import build, families
-from sdtrain.models.frozen import store_frozen
+from sdtrain.models.frozen import store_frozen, stored_bytes
 from sdtrain.models.pipeline import sample_images, sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer, train_clip_tokenizer
 from sdtrain.train.objectives import FlowMatching, NoisePrediction
@@ -281,8 +281,12 @@ class DiffusionTask(Task):
         """The frozen linear weights of the denoiser and text encoders in `precision` (model.frozen_precision)."""
         if precision == "fp32":
             return
-        saved = sum(store_frozen(module, precision) for module in (self.denoiser, *self.text_encoders.values()))
-        log.info("model.frozen_precision=%s: frozen linear weights stored in %.2f GiB less", precision, saved / 2**30)
+        modules = (self.denoiser, *self.text_encoders.values())
+        for module in modules:
+            store_frozen(module, precision)
+        stored, full = (sum(sizes) for sizes in zip(*(stored_bytes(module) for module in modules)))
+        log.info("model.frozen_precision=%s: frozen linear weights take %.2f GiB (%.2f GiB in fp32)", precision,
+                 stored / 2**30, full / 2**30)
 
     takes_guidance = False
     """Whether the denoiser has a guidance embedding (Flux.1-dev's), read in setup before any wrapper hides its

@@ -137,12 +137,7 @@ def load_flux_transformer(path_or_file: str | Path | _File, trust_pickle: bool |
         config = flux.transformer_config_from_original({k: file.shapes[k] for k in keys}, file.metadata)
     except ValueError as exc:
         raise UserError(f"{file.path}: cannot read it as a Flux.1 transformer ({_first_line(exc)}); {fix}") from exc
-    # One tensor at a time to fp32 (an fp16/bf16 file trains from fp32 master weights like any other source), so a
-    # bf16 file is never in memory twice over.
-    state = {}
-    for key in keys:
-        tensor = file.tensors([key])[key]
-        state[key] = tensor.float() if tensor.is_floating_point() else tensor
+    state = file.floats(keys)
     try:
         state = flux.from_original(state, config)
     except ValueError as exc:

@@ -126,6 +126,15 @@ class _File:
     """The tensors of a pickle file (a safetensors file is read lazily)."""
     _info: SingleFileInfo | None = field(default=None, repr=False)
 
+    def floats(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The tensors `keys`, floating ones in fp32 (a file in fp16, bf16 or fp8 trains from fp32 master weights
+        like any other source), read one at a time so a half-precision file is never in memory twice over."""
+        state = {}
+        for key in keys:
+            tensor = self.tensors([key])[key]
+            state[key] = tensor.float() if tensor.is_floating_point() else tensor
+        return state
+
     def tensors(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         if self.state is not None:
             return {k: self.state[k] for k in keys}

@@ -42,6 +42,7 @@ from sdtrain.models.single_file.read import (
     _default_heads,
     _File,
     _first_line,
+    _strip,
     _Unrecognized,
     _vae_shape_config,
 )
@@ -79,10 +80,6 @@ def _metadata_config(file: _File, name: str) -> dict[str, Any]:
     except ValueError as exc:
         raise UserError(f"{file.path}: its metadata {name}_config is not JSON ({exc}); export the file again") from exc
     return value if isinstance(value, dict) else {}
-
-
-def _strip(shapes: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    return {k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)}
 
 
 def _count(shapes: Iterable[str], pattern: str) -> int:
@@ -161,16 +158,6 @@ def _t5_config(s: Mapping[str, tuple[int, ...]], metadata: Mapping[str, Any]) ->
 
 # --------------------------------------------------------------------------------------------------- reading
 
-def _floats(file: _File, keys: list[str]) -> dict[str, torch.Tensor]:
-    # One tensor at a time to fp32 (a file in fp16, bf16 or fp8 trains from fp32 master weights like any other
-    # source), so a half-precision file is never in memory twice over.
-    state = {}
-    for key in keys:
-        tensor = file.tensors([key])[key]
-        state[key] = tensor.float() if tensor.is_floating_point() else tensor
-    return state
-
-
 def _on_meta(cls: Any, config: Any, state: dict[str, torch.Tensor], strict: bool = True) -> Any:
     with torch.device("meta"):
         module = cls(config) if hasattr(cls, "config_class") else cls(**config)
@@ -200,20 +187,20 @@ def load_component(file: _File, name: str) -> Any:
     try:
         if name == "transformer":
             config = transformer_config(shapes, metadata)
-            state = convert_sd3_transformer_checkpoint_to_diffusers(_floats(file, keys))
+            state = convert_sd3_transformer_checkpoint_to_diffusers(file.floats(keys))
             module = _on_meta(SD3Transformer2DModel, config, state)
         elif name == "vae":
             config = {**_VAE, **metadata, **_vae_shape_config(shapes)}
-            state = convert_ldm_vae_checkpoint(_floats(file, keys), config)
+            state = convert_ldm_vae_checkpoint(file.floats(keys), config)
             module = _on_meta(AutoencoderKL, config, state)
         elif name == "text_encoder_3":
-            state = {k[len(prefix):]: v for k, v in _floats(file, keys).items()}
+            state = _strip(file.floats(keys), prefix)
             # The embedding is shared with the encoder's: a file may hold it under both names, or as shared alone.
             state.pop("encoder.embed_tokens.weight", None)
             module = _on_meta(T5EncoderModel, _t5_config(shapes, metadata), state, strict=False)
             module.encoder.embed_tokens.weight = module.shared.weight
         else:
-            state = {k[len(prefix):]: v for k, v in _floats(file, keys).items()}
+            state = _strip(file.floats(keys), prefix)
             state.pop("text_model.embeddings.position_ids", None)
             config = _clip_config(name, shapes, metadata)
             module = _on_meta(CLIPTextModelWithProjection, config, state)
