@@ -118,7 +118,8 @@ class ModelConfig:
     """How the frozen weights of trained modules' linear layers are stored (the base under LoRA, textual
     inversion or DreamBooth-LoRA, and frozen text encoders): ``fp32``; ``bf16`` (half the memory); ``fp8``
     (float8 e4m3 with a scale per output row: a quarter). Each layer's weight is cast back just in time for its
-    matmul, in forward and backward alike, so only one layer's full-precision weight exists at a time. Trained
+    matmul, in forward and backward alike, so only one layer's full-precision weight exists at a time; a diffusers
+    folder's weights are stored low as they are read, a tensor at a time. Trained
     weights, their optimizer state, LoRA files and exports are unchanged by it; what the model computes is
     rounded as the stored weights are (bf16 about 3 significant digits, fp8 about 2)."""
     pretrained: str | None = None
