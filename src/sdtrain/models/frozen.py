@@ -174,11 +174,12 @@ def load_streamed(module: nn.Module, files: list[str], precision: str) -> list[s
             for key in file.keys():  # noqa: SIM118 (not a dict)
                 owner, _, name = key.rpartition(".")
                 layer = layers.get(owner)
-                if layer is not None and (name in layer._parameters or name in layer._buffers):
-                    if name in layer._buffers and not (type(layer) is nn.Linear and name == "weight"):
-                        layer._buffers[name] = file.get_tensor(key)
-                    else:
-                        _set(layer, name, file.get_tensor(key), precision)
+                if layer is None:
+                    continue
+                if name in layer._buffers:
+                    layer._buffers[name] = file.get_tensor(key)
+                elif name in layer._parameters:
+                    _set(layer, name, file.get_tensor(key), precision)
     if hasattr(module, "tie_weights"):  # transformers: T5's embedding is shared with its encoder's
         module.tie_weights()
     return [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]

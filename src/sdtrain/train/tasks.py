@@ -247,11 +247,11 @@ class DiffusionTask(Task):
                     )
                 text_encoder = build.build_text_encoder(model, tokenizer, name)
             setattr(self, name, text_encoder.to(device))
-        denoiser = self.load_source(family.denoiser, self.stored_as(family.denoiser))
+        stored_as = self.stored_as(family.denoiser)
+        denoiser = self.load_source(family.denoiser, stored_as)
         if denoiser is None:
             denoiser = build.build_denoiser(model, self.vae.config.latent_channels, config.data.resolution // scale,
-                                            text_encoders=self.text_encoders,
-                                            frozen_precision=self.stored_as(family.denoiser))
+                                            text_encoders=self.text_encoders, frozen_precision=stored_as)
         # Under the family's name (unet, transformer): the trainer wraps and checkpoints modules by name.
         setattr(self, family.denoiser, denoiser.to(device))
         self._check_buckets(scale * family.downsampling(denoiser.config))
