@@ -179,6 +179,28 @@ def test_lora_on_the_file_as_model_pretrained_with_the_other_components_named(tm
     assert any(not torch.equal(merged[k], base[k]) for k in base)  # the adapters trained
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_a_low_precision_base_streams_from_the_file_into_what_the_folder_gives(single, pipeline, precision,
+                                                                             monkeypatch):
+    """kohya's and ComfyUI's users train from flux1-dev.safetensors: with model.frozen_precision the file is read a
+    tensor at a time, each linear weight stored low as it comes (a 24 GB file never becomes 48 GB of fp32), into
+    the same bits the pipeline folder gives. Planning (`weights=False`) reads the header alone."""
+    from sdtrain.models.single_file.read import _File
+
+    streamed = load_component("transformer", single, family=FLUX, frozen_precision=precision)
+    folder = load_component("transformer", pipeline, family=FLUX, frozen_precision=precision)
+    assert not any(p.requires_grad or p.is_meta for p in streamed.parameters())
+    _same_weights(streamed.state_dict(), folder.state_dict())
+    _same_weights(dict(streamed.named_buffers()), dict(folder.named_buffers()))
+    monkeypatch.setattr(_File, "tensors", lambda *_: pytest.fail("a tensor was read"))
+    shape = load_component("transformer", single, family=FLUX, weights=False)
+    assert all(p.is_meta for p in shape.parameters())
+
+    def settings(module) -> dict:
+        return {k: v for k, v in module.config.items() if not k.startswith("_")}
+    assert settings(shape) == settings(folder)
+
+
 def test_comfyui_prefixed_whole_checkpoint_gives_its_transformer(tmp_path, single, flux_run):
     """ComfyUI's whole checkpoints hold the transformer under model.diffusion_model., beside other components."""
     with safe_open(str(single), framework="pt") as f:

@@ -4,6 +4,7 @@ cannot do is one line before any weight loads."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,15 @@ def test_an_optimizer_the_installed_libraries_cannot_run_is_one_line(tmp_path, m
     assert main(["train", str(CONFIGS / "finetune-full.yaml"), f"run_dir={tmp_path / 'run'}", "data.shards=absent",
                  f"model.pretrained={tmp_path / 'absent'}", "optim.name=lion"]) == 2
     assert "optim.name: must be one of adamw, adamw8bit, adafactor" in capsys.readouterr().err
+    # One rank of an FSDP2 launch: bitsandbytes cannot step its shards, said before any rank connects or loads.
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    assert main(["train", str(CONFIGS / "finetune-full.yaml"), f"run_dir={tmp_path / 'run'}", *COMMON,
+                 f"model.pretrained={tmp_path / 'absent'}", "data.shards=absent", "optim.name=adamw8bit",
+                 "parallel.strategy=fsdp"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "adamw8bit cannot step FSDP2's sharded parameters" in error[0]
 
 
 @pytest.mark.parametrize("name", ["adamw8bit", "adafactor"])
@@ -202,3 +212,55 @@ def test_a_frozen_base_loads_and_builds_a_tensor_at_a_time_into_what_storing_aft
     assert not any(p.is_meta for p in built.parameters())
     out = built(torch.randn(1, 4, 8, 8), 10, encoder_hidden_states=torch.randn(1, 5, 32)).sample
     assert out.shape == (1, 4, 8, 8) and torch.isfinite(out).all()
+
+
+def test_the_planner_picks_the_most_exact_storage_that_fits():
+    from sdtrain.train.autotune import plan_frozen_precision
+
+    gib = 2**30
+    stored = {"fp32": 40 * gib, "bf16": 20 * gib, "fp8": 10 * gib}
+    assert plan_frozen_precision(stored, 0, 0, 80 * gib)[0] == "fp32"
+    assert plan_frozen_precision(stored, 0, 0, 40 * gib)[0] == "bf16"
+    # What the process holds and the trained state come out of the same budget.
+    precision, why = plan_frozen_precision(stored, 3 * gib, 2 * gib, 40 * gib)
+    assert precision == "fp8" and "40.0 GiB in fp32, 20.0 GiB in bf16, 10.0 GiB in fp8" in why
+    assert plan_frozen_precision(stored, 0, 0, 10 * gib) == ("fp8", plan_frozen_precision(stored, 0, 0, 10 * gib)[1])
+    assert "even fp8 does not fit" in plan_frozen_precision(stored, 0, 0, 10 * gib)[1]
+
+
+def test_auto_storage_is_planned_before_loading_logged_and_kept_on_resume(tmp_path, pretrained, shapes_dir,
+                                                                         monkeypatch, caplog):
+    """model.frozen_precision=auto on a machine with little memory stores the LoRA base in fp8, says why in the
+    log, and a resumed run keeps it even where memory would now allow fp32: its adapters trained over that base."""
+    import json
+    import logging
+
+    from sdtrain.models.frozen import storage_bytes
+    from sdtrain.train import autotune
+
+    run = tmp_path / "run"
+    # The tiny UNet and text encoder's linear weights, as the planner counts them: a budget that fits only fp8.
+    from sdtrain.loaders.components import load_component
+
+    sizes = [storage_bytes(load_component(name, pretrained, weights=False)) for name in ("unet", "text_encoder")]
+    stored = {p: sum(size[p] for size in sizes) for p in sizes[0]}
+    real = autotune.memory_budget
+    monkeypatch.setattr(autotune, "memory_budget", lambda device, processes=1: (
+        int((stored["bf16"] + stored["fp8"]) / 2 / autotune.STORED_SHARE), 0))
+    with caplog.at_level(logging.INFO, logger="sdtrain"):
+        assert main(_lora(run, pretrained, shapes_dir, "model.frozen_precision=auto", "lora.text_encoder=false",
+                          "checkpoint.every=1")) == 0
+    assert "model.frozen_precision=auto: fp8 (frozen weights take" in caplog.text
+    # The plan's estimate beside what the first step then took, before a long run could be killed for memory.
+    assert re.search(r"first step: memory peak \d+\.\d\d GiB \(estimated \d+\.\d\d GiB before it\)", caplog.text)
+    meta = json.loads((run / "checkpoints" / "step_00000002" / "meta.json").read_text())
+    assert meta["task"]["frozen_precision"] == "fp8"
+    caplog.clear()
+    monkeypatch.setattr(autotune, "memory_budget", real)
+    with caplog.at_level(logging.INFO, logger="sdtrain"):
+        assert main(_lora(run, pretrained, shapes_dir, "model.frozen_precision=auto", "lora.text_encoder=false",
+                          "checkpoint.every=1", "train.max_steps=3")) == 0
+    assert "model.frozen_precision=auto:" not in caplog.text  # not planned again
+    assert "model.frozen_precision=fp8: frozen linear weights take" in caplog.text
+    meta = json.loads((run / "checkpoints" / "step_00000003" / "meta.json").read_text())
+    assert meta["task"]["frozen_precision"] == "fp8"

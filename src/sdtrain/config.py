@@ -121,7 +121,10 @@ class ModelConfig:
     matmul, in forward and backward alike, so only one layer's full-precision weight exists at a time; a diffusers
     folder's weights are stored low as they are read, a tensor at a time. Trained
     weights, their optimizer state, LoRA files and exports are unchanged by it; what the model computes is
-    rounded as the stored weights are (bf16 about 3 significant digits, fp8 about 2)."""
+    rounded as the stored weights are (bf16 about 3 significant digits, fp8 about 2). ``auto``: the most exact of
+    the three whose frozen weights, beside the trained weights' state, take at most 60% of the memory (the GPU's,
+    or the machine's RAM on a CPU), planned from the models' shapes before any weight loads and logged with its
+    figures; a resumed run keeps its first choice."""
     pretrained: str | None = None
     """A local diffusers pipeline folder, or a single-file checkpoint in the original Stable Diffusion layout
     (``.safetensors``: SD 1.x, 2.x or SDXL, sizes and prediction type read from the file; set ``tokenizer`` unless
@@ -371,7 +374,7 @@ class AutoencoderLossConfig:
 
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
-FROZEN_PRECISIONS = ("fp32", "bf16", "fp8")
+FROZEN_PRECISIONS = ("fp32", "bf16", "fp8", "auto")
 
 
 @dataclass

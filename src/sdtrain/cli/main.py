@@ -35,6 +35,9 @@ def _quiet_libraries() -> None:
     # Nothing here ever talks to the hub; saying so up front keeps libraries from trying.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    # The libraries set their own loggers' levels as they import, from these: a level set before would be undone.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     warnings.filterwarnings("ignore", message=".*torchvision.*")
     for name in ("diffusers", "transformers", "huggingface_hub"):
         logging.getLogger(name).setLevel(logging.ERROR)

@@ -21,21 +21,34 @@ from sdtrain.models.families.spec import ModelFamily
 
 
 def load_component(name: str, source: str | Path, trust_pickle: bool | None = None,
-                   family: ModelFamily | None = None, frozen_precision: str = "fp32") -> Any:
+                   family: ModelFamily | None = None, frozen_precision: str = "fp32", weights: bool = True) -> Any:
     """Load component `name` ('vae', 'unet', 'text_encoder', ...; of `family`, else of whichever family has it)
     from a local source folder or single file (Stable Diffusion's original layout, or a Flux.1 transformer in
     Black Forest Labs').
 
     `trust_pickle` lets a pickle single file (.ckpt, .pt...) be read with torch.load(weights_only=True);
     None: the SDTRAIN_TRUST_PICKLE environment variable decides. A `frozen_precision` other than fp32 loads a
-    folder's weights one tensor at a time, its linear weights stored in that precision as they are read
-    (`load_frozen`); from other sources the module is loaded whole and stored low afterwards by the task.
+    folder's weights (or a Flux.1 transformer file's) one tensor at a time, its linear weights stored in that
+    precision as they are read (`load_frozen`); from other sources the module is loaded whole and stored low
+    afterwards by the task.
+
+    Without `weights`, the module and its config with every tensor on the meta device, for a component training
+    never reads (a text encoder on pre-encoded shards): from a folder nothing but its config.json is read.
     """
     kind = source_kind(source)
     if kind == "single_file":
         # Stable Diffusion's components, or a Flux.1 transformer in BFL's layout (the file says which).
         return single_file.load_single_file_component(name, source, trust_pickle=trust_pickle,
-                                                      family=family.name if family else None)
+                                                      family=family.name if family else None,
+                                                      frozen_precision=frozen_precision, weights=weights)
+    if not weights:
+        if kind in ("component", "pipeline"):
+            folder = Path(source) / name if kind == "pipeline" else Path(source)
+            _require_config(folder, name)
+            with torch.device("meta"):
+                return _from_config(families.component_class(name, family), folder).eval()
+        # A run's checkpoint: its config comes with its weights.
+        return load_component(name, source, trust_pickle, family).to("meta")
     cls = families.component_class(name, family)
     if kind in ("run", "checkpoint"):
         checkpoint = Path(source) if kind == "checkpoint" else None
@@ -45,8 +58,7 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
             raise UserError(f"{source}: this run did not train a {name}; point model.{name} at a run that did")
         return modules[name]
     folder = Path(source) / name if kind == "pipeline" else Path(source)
-    if not (folder / "config.json").is_file():
-        raise UserError(f"{folder}: no config.json for the {name}; point model.{name} at a folder that has one")
+    _require_config(folder, name)
     if frozen_precision != "fp32":
         return load_frozen(cls, name, folder, frozen_precision)
     trusted = trust_pickle or single_file.trust_pickle_from_env()
@@ -58,6 +70,18 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
         hint = "" if trusted else ("; a folder with only pickled .bin weights loads with model.trust_pickle=true "
                                    f"(or {single_file.TRUST_PICKLE_ENV}=1) if you trust it")
         raise UserError(f"{folder}: cannot load the {name} ({first_line(exc)}){hint}") from exc
+
+
+def _require_config(folder: Path, name: str) -> None:
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{folder}: no config.json for the {name}; point model.{name} at a folder that has one")
+
+
+def _from_config(cls: type[nn.Module], folder: Path) -> nn.Module:
+    """A component folder's module, built from its config.json with whatever weights construction gives."""
+    if hasattr(cls, "config_class"):  # transformers
+        return cls(cls.config_class.from_pretrained(folder, local_files_only=True))
+    return cls.from_config(cls.load_config(folder, local_files_only=True))
 
 
 # A folder's weights: one file or numbered shards, not a variant (diffusion_pytorch_model.fp16.safetensors).
@@ -72,10 +96,7 @@ def load_frozen(cls: type[nn.Module], name: str, folder: Path, precision: str) -
         raise UserError(f"{folder}: no safetensors weights for the {name}, which model.frozen_precision loads a tensor "
                         "at a time; convert the folder's weights to safetensors, or set model.frozen_precision=fp32")
     with frozen.parameters_on_meta():
-        if hasattr(cls, "config_class"):  # transformers
-            module = cls(cls.config_class.from_pretrained(folder, local_files_only=True))
-        else:
-            module = cls.from_config(cls.load_config(folder, local_files_only=True))
+        module = _from_config(cls, folder)
     missing = frozen.load_streamed(module, files, precision)
     if missing:
         raise UserError(f"{folder}: the {name}'s weights lack {len(missing)} tensors (e.g. {missing[0]}); the folder "

@@ -22,13 +22,12 @@ off a layer stay those of the full-precision model.
 from __future__ import annotations
 
 import types
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from sdtrain.config import FROZEN_PRECISIONS
 
 _FP8 = torch.float8_e4m3fn
 _STORED = {"bf16": (torch.bfloat16, torch.int16), "fp8": (_FP8, torch.uint8)}
@@ -111,7 +110,7 @@ def store_frozen(module: nn.Module, precision: str) -> int:
     if precision == "fp32":
         return 0
     if precision not in _STORED:
-        raise ValueError(f"precision {precision!r} is not one of {', '.join(FROZEN_PRECISIONS)}")
+        raise ValueError(f"precision {precision!r} is not one of fp32, {', '.join(_STORED)}")
     saved = 0
     for layer in module.modules():
         # A layer stored as it was built or loaded (`materialize`, `load_streamed`) is skipped.
@@ -135,8 +134,9 @@ def _set(layer: nn.Module, name: str, tensor: torch.Tensor, precision: str) -> N
     if name == "weight" and type(layer) is nn.Linear and precision != "fp32":
         _store(layer, tensor, precision)
     else:
-        setattr(layer, name, nn.Parameter(tensor.float() if tensor.is_floating_point() else tensor,
-                                          requires_grad=False))
+        tensor = tensor.float() if tensor.is_floating_point() else tensor
+        # A part of a fused tensor (a view) gets storage of its own, so the whole is freed with its last part.
+        setattr(layer, name, nn.Parameter(tensor.clone() if tensor._base is not None else tensor, requires_grad=False))
 
 
 def materialize(module: nn.Module, precision: str) -> nn.Module:
@@ -163,23 +163,32 @@ def materialize(module: nn.Module, precision: str) -> nn.Module:
 
 
 def load_streamed(module: nn.Module, files: list[str], precision: str) -> list[str]:
-    """Fill a module built with `parameters_on_meta` from safetensors `files`, one tensor at a time: linear
-    weights stored in `precision` as they are read, everything else in fp32, all frozen. A 12B transformer then
-    never exists in full precision, nor twice. Returns the state-dict names no file held (still on meta)."""
+    """Fill a module built with `parameters_on_meta` from safetensors `files`, one tensor at a time (see
+    `fill_streamed`). Returns the state-dict names no file held (still on meta)."""
     from safetensors import safe_open
 
+    def tensors():
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as file:
+                yield from ((key, file.get_tensor(key)) for key in file.keys())  # noqa: SIM118 (not a dict)
+
+    return fill_streamed(module, tensors(), precision)
+
+
+def fill_streamed(module: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], precision: str) -> list[str]:
+    """Fill a module built with `parameters_on_meta` from (state-dict name, tensor) pairs as they come: linear
+    weights stored in `precision` as they arrive, everything else in fp32, all frozen. A 12B transformer then
+    never exists in full precision, nor twice. Returns the state-dict names no pair held (still on meta)."""
     layers = dict(module.named_modules())
-    for path in files:
-        with safe_open(path, framework="pt", device="cpu") as file:
-            for key in file.keys():  # noqa: SIM118 (not a dict)
-                owner, _, name = key.rpartition(".")
-                layer = layers.get(owner)
-                if layer is None:
-                    continue
-                if name in layer._buffers:
-                    layer._buffers[name] = file.get_tensor(key)
-                elif name in layer._parameters:
-                    _set(layer, name, file.get_tensor(key), precision)
+    for key, tensor in tensors:
+        owner, _, name = key.rpartition(".")
+        layer = layers.get(owner)
+        if layer is None:
+            continue
+        if name in layer._buffers:
+            layer._buffers[name] = tensor
+        elif name in layer._parameters:
+            _set(layer, name, tensor, precision)
     if hasattr(module, "tie_weights"):  # transformers: T5's embedding is shared with its encoder's
         module.tie_weights()
     return [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
@@ -191,3 +200,15 @@ def stored_bytes(module: nn.Module) -> tuple[int, int]:
     stored = sum(m.weight_stored.numel() * m.weight_stored.element_size() + (
         m.weight_scale.numel() * 4 if m.weight_scale is not None else 0) for m in layers)
     return stored, sum(m.weight_stored.numel() * 4 for m in layers)
+
+
+def storage_bytes(module: nn.Module) -> dict[str, int]:
+    """What `module`'s weights would take with its linear weights stored in each precision (fp8 with its row
+    scales) and the rest as they are: read off the shapes alone, so a module built on the meta device plans a
+    load before any weight is read."""
+    linear = [m.weight for m in module.modules() if type(m) is nn.Linear and not hasattr(m, "weight_stored")]
+    ids = {id(w) for w in linear}
+    rest = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()) if id(t) not in ids)
+    weights = sum(w.numel() for w in linear)
+    rows = sum(w.shape[0] for w in linear)
+    return {"fp32": rest + 4 * weights, "bf16": rest + 2 * weights, "fp8": rest + weights + 4 * rows}

@@ -36,7 +36,7 @@ from sdtrain.config import RunConfig
 from sdtrain.distributed import gather_objects
 from sdtrain.errors import UserError
 from sdtrain.flops import cpu_flags
-from sdtrain.memory import own_peak_bytes, tree_bytes
+from sdtrain.memory import TreePeak, own_peak_bytes, tree_bytes
 from sdtrain.paths import cache_dir
 from sdtrain.utils import atomic_write_text
 
@@ -221,6 +221,11 @@ def _available_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _usable_bytes(device: torch.device) -> int:
+    """What a plan may fill: the device's memory with a tenth kept free."""
+    return int(_available_bytes(device) * 0.9)
+
+
 # The optimizer's state per byte of trained weights: AdamW's two fp32 moments; 8-bit AdamW's two 1-byte moments
 # of each 4-byte weight (their block scales are a rounding error); Adafactor's row and column vectors, next to
 # nothing beside a matrix.
@@ -243,6 +248,38 @@ def training_bytes(trainable: list[nn.Parameter], frozen: list[nn.Parameter], ac
         state += sum(p.numel() * 2 for p in [*trainable, *frozen] if p.dtype == torch.float32)
     activations = 1.5 * activation_bytes_per_sample * batch_size
     return int(state + (activations / 4 if checkpointing else activations))
+
+
+# At most this share of the memory for the stored frozen weights and the trained state, when the planner picks their
+# precision (model.frozen_precision: auto), which it must before any weight loads, so before the activations can be
+# measured: the rest is for activations (checkpointing, decided after loading from their measured size, can shrink
+# them to about a block's), the step's transient full-precision weights and the allocator's slack.
+STORED_SHARE = 0.6
+FROZEN_ORDER = ("fp32", "bf16", "fp8")
+"""Frozen storage precisions from the most exact to the smallest: the planner takes the first that fits."""
+
+
+def plan_frozen_precision(stored: dict[str, int], state: int, held: int, available: int) -> tuple[str, str]:
+    """`model.frozen_precision: auto`: the most exact storage whose frozen weights (`stored`: bytes per precision),
+    beside the trained weights' `state` (weights, gradients, optimizer state, EMA) and what the process `held`
+    before loading, fit within STORED_SHARE of the `available` memory; fp8 when none does. Returns the precision
+    and the figures behind it, for the log."""
+    budget = STORED_SHARE * available - held - state
+    precision = next((p for p in FROZEN_ORDER if stored[p] <= budget), FROZEN_ORDER[-1])
+    sizes = ", ".join(f"{stored[p] / 2**30:.1f} GiB in {p}" for p in FROZEN_ORDER)
+    why = (f"frozen weights take {sizes}; {STORED_SHARE:.0%} of the {available / 2**30:.1f} GiB available, less "
+           f"{held / 2**30:.1f} GiB held before loading and {state / 2**30:.1f} GiB of trained state, leaves "
+           f"{budget / 2**30:.1f} GiB")
+    if stored[precision] > budget:
+        why += "; even fp8 does not fit"
+    return precision, why
+
+
+def memory_budget(device: torch.device, processes_per_machine: int = 1) -> tuple[int, int]:
+    """This process's share of the usable memory, and what it holds now."""
+    available = _usable_bytes(device) // max(1, processes_per_machine)
+    held = torch.cuda.memory_allocated(device) if device.type == "cuda" else tree_bytes()
+    return available, held
 
 
 # Measured on a 2-core CPU at 256 px: a loader worker forked from the fork server holds about 100 MiB of its
@@ -323,11 +360,13 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
                 loader_bytes(data.num_workers, data.batch_size, data.resolution) if host else 0)
 
         training = whole_run(step)
-        available = _available_bytes(device) * 0.9
+        available = _usable_bytes(device)
         checkpointing = training > available
         if checkpointing:
-            least = whole_run(training_bytes(trainable, frozen, per_sample, data.batch_size, config.ema.enabled,
-                                             checkpointing=True, bf16=maybe_bf16, **optimizer))
+            # What the run is then expected to take, logged and later compared with the first step's peak.
+            training = least = whole_run(training_bytes(trainable, frozen, per_sample, data.batch_size,
+                                                        config.ema.enabled, checkpointing=True, bf16=maybe_bf16,
+                                                        **optimizer))
             if least > available:
                 # Said before the first step, which the kernel would otherwise end minutes in, without a word.
                 log.warning("this run needs about %.1f GiB even with gradient checkpointing, more than the %.1f GiB "
@@ -397,3 +436,31 @@ def _record(config: RunConfig, task: Any, encoded: bool) -> dict[str, LayerCall]
     """The distinct layer calls of the modules backward runs through on one synthetic sample."""
     with _synthetic_step(config, task, encoded, 1) as step:
         return record_layer_calls(task.backward_modules(), step)
+
+
+class FirstStepMemory:
+    """The first step's memory peak (the process tree's on a CPU, the device's on a GPU), logged beside the estimate
+    the run was planned with, so a plan that ran low shows before a long run is killed."""
+
+    def __init__(self, tuning: Tuning, device: torch.device, enabled: bool = True):
+        self.tuning = tuning
+        self.device = device
+        self.watch: TreePeak | None = None
+        self.pending = enabled
+        if enabled and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        elif enabled:
+            self.watch = TreePeak(phase="step").__enter__()
+
+    def after_step(self) -> None:
+        if not self.pending:
+            return
+        self.pending = False
+        if self.watch is not None:
+            self.watch.stop()
+            peak = self.watch.peak("step")
+        else:
+            peak = torch.cuda.max_memory_allocated(self.device)
+        estimate = self.tuning.estimated_gib
+        log.info("first step: memory peak %.2f GiB%s", peak / 2**30,
+                 f" (estimated {estimate:.2f} GiB before it)" if estimate is not None else "")

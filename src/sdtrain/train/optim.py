@@ -21,15 +21,20 @@ def optimizer_settings(config: OptimConfig) -> dict[str, Any]:
             "eps": config.eps}
 
 
+def check_optimizer(config: OptimConfig, sharded: bool) -> None:
+    """Refuse an optimizer that cannot step this run's parameters (FSDP2's shards when `sharded`), before any
+    weights load."""
+    if config.name == "adamw8bit" and sharded:
+        raise UserError("optim.name: adamw8bit cannot step FSDP2's sharded parameters (bitsandbytes quantises whole "
+                        "tensors); use adamw or adafactor, or parallel.strategy=ddp")
+
+
 def build_optimizer(params: list[nn.Parameter], config: OptimConfig) -> torch.optim.Optimizer:
     """The optimizer ``optim.name`` names (see OptimConfig.name); with ``in_backward`` each parameter gets a group
     of its own, stepped from its gradient hook."""
     sharded = any(isinstance(p, DTensor) for p in params)
     groups = [{"params": [p]} for p in params] if config.in_backward else params
     if config.name == "adamw8bit":
-        if sharded:
-            raise UserError("optim.name: adamw8bit cannot step FSDP2's sharded parameters (bitsandbytes quantises "
-                            "whole tensors); use adamw or adafactor, or parallel.strategy=ddp")
         import bitsandbytes
 
         optimizer = bitsandbytes.optim.AdamW8bit(groups, **optimizer_settings(config))

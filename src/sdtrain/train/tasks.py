@@ -7,6 +7,7 @@ New modes (LoRA, textual inversion, DreamBooth) subclass a task and override tho
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -17,13 +18,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdtrain.config import DataConfig, DiffusionConfig, RunConfig
-from sdtrain.data.encoded import TEXT_FIELDS
+from sdtrain.data.encoded import TEXT_FIELDS, dataset_encoding
+from sdtrain.distributed import detect_topology
 from sdtrain.errors import UserError
 from sdtrain.loaders.components import load_component
 from sdtrain.models import build, families
-from sdtrain.models.frozen import store_frozen, stored_bytes
+from sdtrain.models.frozen import storage_bytes, store_frozen, stored_bytes
 from sdtrain.models.pipeline import sample_images, sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer, train_clip_tokenizer
+from sdtrain.train import autotune
 from sdtrain.train.objectives import FlowMatching, NoisePrediction
 from sdtrain.utils import save_grid
 
@@ -48,25 +51,38 @@ class Task:
     tokenizer: Any = None
     caption_tokenizer: Any = None
     """What the loader tokenizes captions with (models.tokenizer.CaptionTokenizer), or None."""
+    frozen_precision = "fp32"
+    """``model.frozen_precision`` as this run applies it: the planner's choice for ``auto``, and on resume the
+    run's first choice."""
 
-    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, pinned: dict[str, str] | None = None):
+    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, resumed: dict[str, Any] | None = None):
+        """`resumed`: the meta.json of the checkpoint the run resumes from, whose sources and choices it keeps."""
         self.config = config
         self.device = device
         self.run_dir = run_dir
-        self.pinned = dict(pinned or {})
+        self.pinned: dict[str, str] = dict((resumed or {}).get("sources", {}))
+        self.resumed: dict[str, Any] = dict((resumed or {}).get("task", {}))
         self.sources: dict[str, str] = {}
         self.trust_pickle = build.trusts_pickle(config.model)
         self.family = families.for_model(config.model)
 
-    def load_source(self, name: str, frozen_precision: str = "fp32") -> Any | None:
-        """Load component `name` from its configured source, pinned at the run's first start; None when the
-        config names no source. `frozen_precision`: see load_component."""
-        source = self.pinned.get(name) or build.component_source(self.config.model, name)
+    def source(self, name: str) -> str | None:
+        """Component `name`'s source, pinned at the run's first start; None when the config names none."""
+        if name not in self.sources:
+            source = self.pinned.get(name) or build.component_source(self.config.model, name)
+            if source is None:
+                return None
+            self.sources[name] = build.pin_source(source)
+        return self.sources[name]
+
+    def load_source(self, name: str, frozen_precision: str = "fp32", weights: bool = True) -> Any | None:
+        """Load component `name` from its source (`source`); None when the config names no source.
+        `frozen_precision`, `weights`: see load_component."""
+        source = self.source(name)
         if source is None:
             return None
-        self.sources[name] = build.pin_source(source)
-        return load_component(name, self.sources[name], trust_pickle=self.trust_pickle, family=self.family,
-                              frozen_precision=frozen_precision)
+        return load_component(name, source, trust_pickle=self.trust_pickle, family=self.family,
+                              frozen_precision=frozen_precision, weights=weights)
 
     def parallel_modules(self) -> dict[str, nn.Module]:
         """The attributes the loss calls the trained modules through, for a data-parallel wrapper."""
@@ -98,16 +114,14 @@ class Task:
     def use_encoded(self, encoding: dict[str, Any] | None) -> None:
         """Told what the pre-encoded shards hold (None: plain images)."""
 
-    def release_unread(self) -> None:
-        """Free the weights of frozen components that training on pre-encoded batches never reads."""
-
     def extra_state(self) -> dict[str, Any]:
         return {}
 
     def checkpoint_meta(self) -> dict[str, Any]:
         """What a checkpoint's reader needs to rebuild partly trained modules on their base (meta.json)."""
         return {"mode": self.config.mode, "family": self.family.name,
-                **({"trust_pickle": True} if self.trust_pickle else {})}
+                **({"trust_pickle": True} if self.trust_pickle else {}),
+                **({"frozen_precision": self.frozen_precision} if self.config.model.frozen_precision == "auto" else {})}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         pass
@@ -157,8 +171,8 @@ class Reconstruct(nn.Module):
 class AutoencoderTask(Task):
     """Reconstruction plus a small KL term, as in the latent diffusion paper's autoencoder (without the GAN)."""
 
-    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, pinned: dict[str, str] | None = None):
-        super().__init__(config, device, run_dir, pinned)
+    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, resumed: dict[str, Any] | None = None):
+        super().__init__(config, device, run_dir, resumed)
         vae = self.load_source("vae") or build.build_vae(config.model)
         self._check_resolution(vae)
         vae.to(device).train()
@@ -224,36 +238,33 @@ class DiffusionTask(Task):
     reads_encoded = True
     text_embeddings = False
 
-    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, pinned: dict[str, str] | None = None):
-        super().__init__(config, device, run_dir, pinned)
+    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, resumed: dict[str, Any] | None = None):
+        super().__init__(config, device, run_dir, resumed)
         model, family = config.model, self.family
         self.tokenizers = self._tokenizers()
         self.tokenizer = self.tokenizers[0]
-        vae = self.load_source("vae")
+        # What the pre-encoded shards stand in for is built without weights: T5-XXL alone is 19 GB in fp32.
+        found = dataset_encoding(self.data_config().shards) if self.data_config().use_encoded else None
+        unread = self.unread(found[0]) if found else []
+        vae = self.load_source("vae", weights="vae" not in unread)
         if vae is None:
             raise UserError(
                 "model.vae: the diffusion stage needs a trained autoencoder; set model.vae to an autoencoder run "
                 "or a diffusers folder, or model.pretrained to a pipeline"
             )
-        self.vae = vae.to(device).eval().requires_grad_(False)
+        self.vae = _placed(vae, device).eval().requires_grad_(False)
         scale = self._check_resolution(self.vae)
-        for name, tokenizer in zip(family.text_encoders, self.tokenizers):
-            text_encoder = self.load_source(name, self.stored_as(name))
-            if text_encoder is None:
-                if not config.diffusion.train_text_encoder:
-                    raise UserError(
-                        "diffusion.train_text_encoder: a text encoder built from scratch must be trained; set it to "
-                        f"true, or load one with model.{name} or model.pretrained"
-                    )
-                text_encoder = build.build_text_encoder(model, tokenizer, name)
-            setattr(self, name, text_encoder.to(device))
-        stored_as = self.stored_as(family.denoiser)
-        denoiser = self.load_source(family.denoiser, stored_as)
-        if denoiser is None:
-            denoiser = build.build_denoiser(model, self.vae.config.latent_channels, config.data.resolution // scale,
-                                            text_encoders=self.text_encoders, frozen_precision=stored_as)
-        # Under the family's name (unet, transformer): the trainer wraps and checkpoints modules by name.
-        setattr(self, family.denoiser, denoiser.to(device))
+        latent = (self.vae.config.latent_channels, config.data.resolution // scale)
+        # A resumed run keeps the storage it started with: its adapters trained over that base.
+        self.frozen_precision = model.frozen_precision
+        if self.frozen_precision == "auto":
+            # Planned from the shapes alone, before any weight loads, since weights are stored low as they load.
+            self.frozen_precision = self.resumed.get("frozen_precision") or \
+                self._plan_frozen(self._components(unread, latent, weights=False), unread)
+        # The denoiser under the family's name (unet, transformer): the trainer wraps and checkpoints modules by name.
+        for name, module in self._components(unread, latent).items():
+            setattr(self, name, _placed(module, device))
+        denoiser = self.denoiser
         self._check_buckets(scale * family.downsampling(denoiser.config))
         # Read before the trainer wraps the denoiser (DDP, FSDP), whose wrapper has no config.
         self.takes_guidance = family.takes_guidance(denoiser.config)
@@ -262,15 +273,62 @@ class DiffusionTask(Task):
         keys = [family.ids_key(i) for i in range(len(self.tokenizers))]
         self.caption_tokenizer = CaptionTokenizer(self.tokenizers, keys)
         self.trainable = self.make_trainable()
-        self._store_frozen(model.frozen_precision)
+        self._store_frozen(self.frozen_precision)
+
+    def _components(self, unread: list[str], latent: tuple[int, int], weights: bool = True) -> dict[str, nn.Module]:
+        """The text encoders and the denoiser, from their sources or built from the preset (the denoiser shaped by
+        the `latent` channels and size), frozen ones stored as `stored_as` says; the `unread` ones, or all without
+        `weights`, with their tensors on the meta device."""
+        model = self.config.model
+        built: dict[str, nn.Module] = {}
+        meta = contextlib.nullcontext() if weights else torch.device("meta")
+        for name, tokenizer in zip(self.family.text_encoders, self.tokenizers):
+            module = self.load_source(name, self.stored_as(name), weights=weights and name not in unread)
+            if module is None:
+                if not self.config.diffusion.train_text_encoder:
+                    raise UserError(
+                        "diffusion.train_text_encoder: a text encoder built from scratch must be trained; set it to "
+                        f"true, or load one with model.{name} or model.pretrained"
+                    )
+                with meta:
+                    module = build.build_text_encoder(model, tokenizer, name)
+            built[name] = module
+        name = self.family.denoiser
+        module = self.load_source(name, self.stored_as(name), weights=weights)
+        if module is None:
+            with meta:
+                module = build.build_denoiser(model, *latent, text_encoders=built,
+                                              frozen_precision=self.stored_as(name) if weights else "fp32")
+        return {**built, name: module}
+
+    def _plan_frozen(self, modules: dict[str, nn.Module], unread: list[str]) -> str:
+        """``model.frozen_precision: auto``: the storage the planner picks for the frozen weights of `modules` (built
+        without weights) that training reads, beside the state of those that train (see
+        autotune.plan_frozen_precision); logged with the figures behind it."""
+        stored = dict.fromkeys(autotune.FROZEN_ORDER, 0)
+        trained: list[nn.Parameter] = []
+        for name, module in modules.items():
+            if name in unread:
+                continue
+            if self.keeps_frozen(name):
+                stored = {precision: stored[precision] + size for precision, size in storage_bytes(module).items()}
+            else:  # a text encoder with adapters counts whole: the planner errs on the side of fitting
+                trained += list(module.parameters())
+        optim = self.config.optim
+        state = autotune.training_bytes(trained, [], 0, 0, self.config.ema.enabled, checkpointing=False,
+                                        optimizer=optim.name, in_backward=optim.in_backward)
+        available, held = autotune.memory_budget(self.device, detect_topology().local_world_size)
+        precision, why = autotune.plan_frozen_precision(stored, state, held, available)
+        log.info("model.frozen_precision=auto: %s (%s)", precision, why)
+        return precision
 
     def stored_as(self, name: str) -> str:
-        """How component `name`'s linear weights are stored as it loads: ``model.frozen_precision`` for the
+        """How component `name`'s linear weights are stored as it loads: `frozen_precision` for the
         denoiser and text encoders this mode keeps frozen (`keeps_frozen`), so their full-precision weights never
         all exist; fp32 for the rest (the VAE's few linear layers, in its attention, decode validation images)."""
         if name not in (self.family.denoiser, *self.family.text_encoders) or not self.keeps_frozen(name):
             return "fp32"
-        return self.config.model.frozen_precision
+        return self.frozen_precision
 
     def keeps_frozen(self, name: str) -> bool:
         """Whether this mode trains none of component `name`'s linear weights: here the text encoders, unless they
@@ -281,7 +339,7 @@ class DiffusionTask(Task):
         """The frozen linear weights of the denoiser and text encoders in `precision` (model.frozen_precision)."""
         if precision == "fp32":
             return
-        modules = (self.denoiser, *self.text_encoders.values())
+        modules = [m for m in (self.denoiser, *self.text_encoders.values()) if not _on_meta(m)]
         for module in modules:
             store_frozen(module, precision)
         stored, full = (sum(sizes) for sizes in zip(*(stored_bytes(module) for module in modules)))
@@ -356,41 +414,54 @@ class DiffusionTask(Task):
     def use_encoded(self, encoding: dict[str, Any] | None) -> None:
         """Check pre-encoded shards against this task's frozen weights; text embeddings are used only
         when the text encoder is frozen and is the one that produced them."""
-        self.text_embeddings = False
-        if encoding is None:
-            return
-        if encoding["vae"] != self.sources.get("vae"):
-            raise UserError(
-                f"data.shards: the latents were encoded with the VAE {encoding['vae']} but model.vae is "
-                f"{self.sources.get('vae')}; point model.vae there, encode again, or set data.use_encoded=false"
-            )
-        # Embeddings were made from the shards' own captions; templates write other ones.
-        frozen_text = not self.text_encoder_trains() and not self.data_config().prompt_templates
-        self.text_embeddings = frozen_text and all(encoding.get(name) == self.sources.get(name)
-                                                   for name in self.family.text_encoders)
-        encoded_t5 = encoding.get("t5_text_length")
+        unread = []
+        if encoding is not None:
+            if encoding["vae"] != self.sources.get("vae"):
+                raise UserError(
+                    f"data.shards: the latents were encoded with the VAE {encoding['vae']} but model.vae is "
+                    f"{self.sources.get('vae')}; point model.vae there, encode again, or set data.use_encoded=false"
+                )
+            unread = self.unread(encoding)
+        self.text_embeddings = any(name in unread for name in self.family.text_encoders)
+        encoded_t5 = (encoding or {}).get("t5_text_length")
         if self.text_embeddings and encoded_t5 and encoded_t5 != self.t5_text_length:
             raise UserError(
                 f"data.shards: T5's states were encoded at {encoded_t5} tokens per caption but this run reads "
                 f"{self.t5_text_length}; set model.t5_text_length={encoded_t5}, or encode again with "
                 f"`prepare encode --t5-text-length {self.t5_text_length}`")
-        log.info("pre-encoded shards: VAE encoder skipped%s", ", text encoder skipped" if self.text_embeddings else "")
-        self.release_unread()
+        if encoding is not None:
+            log.info("pre-encoded shards: VAE encoder skipped%s", ", text encoder skipped" if self.text_embeddings
+                     else "")
+        self._hold_read(unread)
 
-    def release_unread(self) -> None:
-        """On encoded shards the VAE (and with text embeddings the text encoder) only serve validation: their
-        weights move to the meta device, keeping module and config, and validation loads them again from
-        their pinned sources. That frees SD2's 1.7 GB wherever they were read into memory (from a run's
-        checkpoint, say); weights safetensors maps from a file were never resident and gain nothing."""
-        unread = ["vae"] + (list(self.family.text_encoders) if self.text_embeddings else [])
-        for name in unread:
-            if name not in self.trainable:
+    def unread(self, encoding: dict[str, Any]) -> list[str]:
+        """The frozen components that training on shards of this `encoding` never runs: the VAE that encoded
+        their latents, and the text encoders when the shards' embeddings stand in for them (these encoders made
+        them, they stay frozen, and the captions are the shards' own, which prompt templates would replace)."""
+        if encoding.get("vae") != self.source("vae"):
+            return []  # shards `use_encoded` refuses
+        frozen_text = not self.text_encoder_trains() and not self.data_config().prompt_templates
+        text = list(self.family.text_encoders)
+        embeddings = frozen_text and all(encoding.get(name) == self.source(name) for name in text)
+        return ["vae", *(text if embeddings else [])]
+
+    def _hold_read(self, unread: list[str]) -> None:
+        """Only what training reads keeps its weights. The `unread` components (built without weights when the
+        shards' manifest said so before loading) serve validation only, which loads them again from their pinned
+        sources: moved to the meta device, keeping module and config, they free SD2's 1.7 GB wherever they were
+        read into memory (from a run's checkpoint, say). The other frozen ones are loaded if they were skipped."""
+        for name in ("vae", *self.family.text_encoders):
+            if name in self.trainable:
+                continue
+            if name in unread:
                 getattr(self, name).to("meta")
+            elif _on_meta(getattr(self, name)):
+                setattr(self, name, self.frozen(name))
 
     def frozen(self, name: str) -> nn.Module:
         """A frozen component with its weights, loaded again from its source if they were released."""
         module = getattr(self, name)
-        if next(module.parameters()).device.type != "meta":
+        if not _on_meta(module):
             return module
         # Stored as training stores it: validation then costs no more memory than the step.
         module = load_component(name, self.sources[name], trust_pickle=self.trust_pickle, family=self.family,
@@ -483,3 +554,13 @@ class DiffusionTask(Task):
 
 
 TASKS: dict[str, type[Task]] = {"autoencoder": AutoencoderTask, "diffusion": DiffusionTask}
+
+
+def _on_meta(module: nn.Module) -> bool:
+    """Whether `module` was built or released without its weights."""
+    return next(module.parameters()).is_meta
+
+
+def _placed(module: nn.Module, device: torch.device) -> nn.Module:
+    """`module` on `device`, unless it has no weights to move (see `load_component`'s `weights`)."""
+    return module if _on_meta(module) else module.to(device)

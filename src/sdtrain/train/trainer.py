@@ -24,7 +24,6 @@ from sdtrain.checkpoint import (
     capture,
     is_partial,
     module_spec,
-    pinned_sources,
     read_meta,
 )
 from sdtrain.config import DataConfig, RunConfig, to_dict
@@ -54,7 +53,13 @@ from sdtrain.train import autotune
 from sdtrain.train.ema import EMA
 from sdtrain.train.logger import RunLogger
 from sdtrain.train.modes import make_task, prepare_task
-from sdtrain.train.optim import allocate_state, build_lr_schedule, build_optimizer, optimizer_settings
+from sdtrain.train.optim import (
+    allocate_state,
+    build_lr_schedule,
+    build_optimizer,
+    check_optimizer,
+    optimizer_settings,
+)
 from sdtrain.train.parallel import DataParallel
 from sdtrain.train.tasks import Task
 from sdtrain.utils import atomic_write_text
@@ -152,6 +157,7 @@ class Trainer:
         self.baseline_bytes = tree_bytes()
         self.config = config
         self.topology = detect_topology()
+        check_optimizer(config.optim, sharded=self.topology.distributed and config.parallel.strategy == "fsdp")
         self.device = resolve_device(config.train.device, self.topology.local_rank)
         if config.train.threads and self.device.type == "cpu":
             torch.set_num_threads(config.train.threads)
@@ -172,7 +178,8 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir, config.checkpoint, sharded_saves, async_group)
         self.resume_from = self._resume_point()
         self.faults = FaultInjector(self.topology.rank, resumed=self.resume_from is not None)
-        self.task = make_task(config, self.device, self.run_dir, pinned_sources(self.resume_from))
+        self.resumed_meta = read_meta(self.resume_from) if self.resume_from is not None else None
+        self.task = make_task(config, self.device, self.run_dir, self.resumed_meta)
         self.data = self._make_data()
         self.tuning = self._tune()
         self.bf16 = self.tuning.precision == "bf16"
@@ -218,10 +225,12 @@ class Trainer:
                  len(self.data.shards))
         self.logger.start(self.state.step, self.state.samples)
         self.state.started = time.perf_counter()
+        memory = autotune.FirstStepMemory(self.tuning, self.device, enabled=self.is_main)
         try:
             while self.state.step < self.config.train.max_steps:
                 record_progress(self.state.step + 1, finished=False)
                 metrics = self.train_step()
+                memory.after_step()
                 self.state.step += 1
                 # Checkpoint steps are always logged: the metrics then show what each checkpoint holds.
                 self.report(metrics, force=self.checkpointer.due(self.state.step))
@@ -282,8 +291,7 @@ class Trainer:
     def _tune(self) -> autotune.Tuning:
         """Precision and activation checkpointing: forced by the config, kept from the run's first start, or
         measured on this machine."""
-        meta = read_meta(self.resume_from) if self.resume_from is not None else None
-        return autotune.decide(self.config, self.task, self.data.encoding is not None, meta, self.device,
+        return autotune.decide(self.config, self.task, self.data.encoding is not None, self.resumed_meta, self.device,
                                self.is_main, self.topology.local_world_size, self.baseline_bytes)
 
     def _make_data(self) -> TrainBatches:

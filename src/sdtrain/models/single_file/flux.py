@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -172,31 +172,40 @@ def from_original(state: Mapping[str, torch.Tensor], config: Mapping[str, Any] |
     state = _strip_prefix(state)
     if config is None:
         config = transformer_config_from_original(state)
-    out: dict[str, torch.Tensor] = {}
+    return dict(iter_from_original(list(state), state.pop, config))
+
+
+def iter_from_original(keys: Collection[str], read: Callable[[str], torch.Tensor], config: Mapping[str, Any]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`from_original` a tensor at a time: each of BFL's `keys` (no prefix) is read with `read` when its turn comes
+    and its diffusers tensors (the parts of a fused one are views of it) are yielded at once, so a caller that
+    stores them (say, in fp8) never holds more than one original tensor in full precision."""
+    remaining = set(keys)
     for original, parts in _modules(config).items():
         for end in ("weight", "bias"):
             key = f"{original}.{end}"
-            if key not in state:
+            if key not in remaining:
                 raise ValueError(f"Flux transformer (original layout): {key} is missing")
-            tensor = state.pop(key)
+            remaining.discard(key)
+            tensor = read(key)
             if original == _SWAPPED:
                 tensor = _swap_halves(tensor)
             if len(parts) == 1:
-                out[f"{parts[0]}.{end}"] = tensor
+                yield f"{parts[0]}.{end}", tensor
                 continue
             rows = _part_rows(parts, config, tensor.shape[0])
             if sum(rows) != tensor.shape[0] or min(rows) <= 0:
                 raise ValueError(f"Flux transformer (original layout): {key} has {tensor.shape[0]} rows, not "
                                  f"{' + '.join(map(str, rows))} for {', '.join(parts)}")
-            out.update({f"{part}.{end}": piece for part, piece in zip(parts, tensor.split(rows, dim=0))})
+            yield from ((f"{part}.{end}", piece) for part, piece in zip(parts, tensor.split(rows, dim=0)))
     for key, original in _norms(config).items():
-        if original not in state:
+        if original not in remaining:
             raise ValueError(f"Flux transformer (original layout): {original} is missing")
-        out[key] = state.pop(original)
-    if state:
-        raise ValueError(f"Flux transformer (original layout): {len(state)} weights are not Flux.1's "
-                         f"(e.g. {next(iter(state))})")
-    return out
+        remaining.discard(original)
+        yield key, read(original)
+    if remaining:
+        raise ValueError(f"Flux transformer (original layout): {len(remaining)} weights are not Flux.1's "
+                         f"(e.g. {sorted(remaining)[0]})")
 
 
 def _shape(value: Any) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from sdtrain.errors import UserError
+from sdtrain.models import frozen
 from sdtrain.models.single_file import flux, sd3
 from sdtrain.models.single_file.read import (
     SingleFileInfo,
@@ -42,11 +43,12 @@ def _missing_parameters(module: torch.nn.Module) -> list[str]:
 
 
 def load_single_file_component(name: str, path: str | Path, trust_pickle: bool | None = None,
-                               family: str | None = None) -> Any:
+                               family: str | None = None, frozen_precision: str = "fp32", weights: bool = True) -> Any:
     """Component `name` ('unet', 'vae', 'text_encoder', or SDXL's 'text_encoder_2') of a single file, in fp32,
     through diffusers' single-file loaders with a local config folder; never a download. A Flux.1 transformer
     in BFL's layout is the 'transformer' (see `load_flux_transformer`). `family` (the model's ``model.family``,
-    when known) must agree with the file's."""
+    when known) must agree with the file's. `frozen_precision` and `weights` (see `load_flux_transformer`) apply to
+    a Flux.1 transformer; other components load whole in fp32 (moved to the meta device without `weights`)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from diffusers.loaders.single_file_utils import SingleFileComponentError, create_diffusers_clip_model_from_ldm
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
@@ -60,7 +62,9 @@ def load_single_file_component(name: str, path: str | Path, trust_pickle: bool |
             raise UserError(f"{path}: holds a Flux.1 transformer alone (BFL's layout), no {name}; set model.{name} "
                             "to a source that has one (a Flux pipeline folder, e.g. what `sdtrain export RUN OUT` "
                             "writes)")
-        return load_flux_transformer(file)
+        return load_flux_transformer(file, frozen_precision=frozen_precision, weights=weights)
+    if not weights:
+        return load_single_file_component(name, path, trust_pickle, family).to("meta")
     if sd3.is_sd3(file.shapes):
         if family not in (None, sd3.FAMILY):
             raise UserError(f"{path}: an SD3 checkpoint, but the model is of family {family}; set model.family=sd3, "
@@ -117,12 +121,17 @@ def load_single_file_component(name: str, path: str | Path, trust_pickle: bool |
     return module
 
 
-def load_flux_transformer(path_or_file: str | Path | _File, trust_pickle: bool | None = None) -> Any:
+def load_flux_transformer(path_or_file: str | Path | _File, trust_pickle: bool | None = None,
+                          frozen_precision: str = "fp32", weights: bool = True) -> Any:
     """A FluxTransformer2DModel, in fp32, from a file of Flux.1's transformer in BFL's original layout (bare keys as
     in flux1-dev.safetensors, or under ComfyUI's ``model.diffusion_model.``; other keys of such a checkpoint are
     left alone): its settings from the tensor shapes and the file's metadata (`flux.transformer_config_from_original`),
     its weights converted by `flux.from_original`. No config folder, no download; the model is built on the meta
-    device and given the tensors, so a 12B transformer is never allocated twice."""
+    device and given the tensors, so a 12B transformer is never allocated twice.
+
+    A `frozen_precision` other than fp32 reads the file a tensor at a time, its linear weights stored in that
+    precision as they come (`frozen.fill_streamed`): a 24 GB bf16 file then loads as 12 GB of fp8, never 48 GB of
+    fp32. Without `weights`, only the header is read and every tensor stays on the meta device."""
     from diffusers import FluxTransformer2DModel
 
     file = path_or_file if isinstance(path_or_file, _File) else _open(path_or_file, trust_pickle)
@@ -137,22 +146,20 @@ def load_flux_transformer(path_or_file: str | Path | _File, trust_pickle: bool |
         config = flux.transformer_config_from_original({k: file.shapes[k] for k in keys}, file.metadata)
     except ValueError as exc:
         raise UserError(f"{file.path}: cannot read it as a Flux.1 transformer ({_first_line(exc)}); {fix}") from exc
-    state = file.floats(keys)
-    try:
-        state = flux.from_original(state, config)
-    except ValueError as exc:
-        raise UserError(f"{file.path}: cannot read it as a Flux.1 transformer ({_first_line(exc)}); {fix}") from exc
-    # The parts of a fused weight are views of one tensor: each gets its own storage, as checkpoints (safetensors)
-    # write no shared tensors; each fused tensor is freed once its last part is copied.
-    separate = {}
-    for key in list(state):
-        tensor = state.pop(key)
-        separate[key] = tensor.clone() if tensor._base is not None else tensor
-    try:
+    # The rope axes as a list, as a config.json gives them: a checkpoint's spec is then the same either way.
+    settings = {**config, "axes_dims_rope": list(config["axes_dims_rope"])}
+    if not weights:
         with torch.device("meta"):
-            # The rope axes as a list, as a config.json gives them: a checkpoint's spec is then the same either way.
-            module = FluxTransformer2DModel(**{**config, "axes_dims_rope": list(config["axes_dims_rope"])})
-        module.load_state_dict(separate, strict=True, assign=True)
+            return FluxTransformer2DModel(**settings).eval()
+    try:
+        if frozen_precision != "fp32":
+            with frozen.parameters_on_meta():
+                module = FluxTransformer2DModel(**settings)
+            tensors = flux.iter_from_original([k[len(prefix):] for k in keys],
+                                              lambda key: file.floats([prefix + key])[prefix + key], config)
+            frozen.fill_streamed(module, tensors, frozen_precision)
+        else:
+            module = _flux_in_fp32(file, keys, config, settings)
     except (RuntimeError, ValueError, TypeError) as exc:
         raise UserError(f"{file.path}: cannot load the Flux.1 transformer ({_first_line(exc)}); {fix}") from exc
     missing = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
@@ -160,6 +167,22 @@ def load_flux_transformer(path_or_file: str | Path | _File, trust_pickle: bool |
         raise UserError(f"{file.path}: the Flux.1 transformer lacks {len(missing)} weights (e.g. {missing[0]}); the "
                         "file is incomplete")
     return module.eval()
+
+
+def _flux_in_fp32(file: _File, keys: list[str], config: dict[str, Any], settings: dict[str, Any]) -> Any:
+    from diffusers import FluxTransformer2DModel
+
+    state = flux.from_original(file.floats(keys), config)
+    # The parts of a fused weight are views of one tensor: each gets its own storage, as checkpoints (safetensors)
+    # write no shared tensors; each fused tensor is freed once its last part is copied.
+    separate = {}
+    for key in list(state):
+        tensor = state.pop(key)
+        separate[key] = tensor.clone() if tensor._base is not None else tensor
+    with torch.device("meta"):
+        module = FluxTransformer2DModel(**settings)
+    module.load_state_dict(separate, strict=True, assign=True)
+    return module
 
 
 def _warn_unused(name: str, module: Any, keys: list[str], info: SingleFileInfo, path: str | Path) -> None:

@@ -41,8 +41,9 @@ def prepare_task(config: RunConfig, run_dir: Path) -> None:
     task_class(config).prepare(config, run_dir)
 
 
-def make_task(config: RunConfig, device: torch.device, run_dir: Path, pinned: dict[str, str] | None = None) -> Task:
-    return task_class(config)(config, device, run_dir, pinned)
+def make_task(config: RunConfig, device: torch.device, run_dir: Path, resumed: dict[str, Any] | None = None) -> Task:
+    """The run's task; `resumed`: the meta.json of the checkpoint it resumes from."""
+    return task_class(config)(config, device, run_dir, resumed)
 
 def save_trained_parts(modules: dict[str, nn.Module], meta: dict[str, Any], folder: Path) -> list[Path]:
     """The small files a fine-tuning mode produces, in the layouts diffusers' loaders read:
