@@ -239,6 +239,7 @@ def test_auto_storage_is_planned_before_loading_logged_and_kept_on_resume(tmp_pa
     from sdtrain.train import autotune
 
     run = tmp_path / "run"
+    auto = ["model.frozen_precision=auto", "lora.text_encoder=false", "train.gradient_checkpointing=auto"]
     # The tiny UNet and text encoder's linear weights, as the planner counts them: a budget that fits only fp8.
     from sdtrain.loaders.components import load_component
 
@@ -248,7 +249,7 @@ def test_auto_storage_is_planned_before_loading_logged_and_kept_on_resume(tmp_pa
     monkeypatch.setattr(autotune, "memory_budget", lambda device, processes=1: (
         int((stored["bf16"] + stored["fp8"]) / 2 / autotune.STORED_SHARE), 0))
     with caplog.at_level(logging.INFO, logger="sdtrain"):
-        assert main(_lora(run, pretrained, shapes_dir, "model.frozen_precision=auto", "lora.text_encoder=false",
+        assert main(_lora(run, pretrained, shapes_dir, *auto,
                           "checkpoint.every=1")) == 0
     assert "model.frozen_precision=auto: fp8 (frozen weights take" in caplog.text
     # The plan's estimate beside what the first step then took, before a long run could be killed for memory.
@@ -258,7 +259,7 @@ def test_auto_storage_is_planned_before_loading_logged_and_kept_on_resume(tmp_pa
     caplog.clear()
     monkeypatch.setattr(autotune, "memory_budget", real)
     with caplog.at_level(logging.INFO, logger="sdtrain"):
-        assert main(_lora(run, pretrained, shapes_dir, "model.frozen_precision=auto", "lora.text_encoder=false",
+        assert main(_lora(run, pretrained, shapes_dir, *auto,
                           "checkpoint.every=1", "train.max_steps=3")) == 0
     assert "model.frozen_precision=auto:" not in caplog.text  # not planned again
     assert "model.frozen_precision=fp8: frozen linear weights take" in caplog.text

@@ -160,7 +160,9 @@ def load_flux_transformer(path_or_file: str | Path | _File, trust_pickle: bool |
             frozen.fill_streamed(module, tensors, frozen_precision)
         else:
             module = _flux_in_fp32(file, keys, config, settings)
-    except (RuntimeError, ValueError, TypeError) as exc:
+    except ValueError as exc:  # the conversion: a key missing, or one that is not Flux.1's
+        raise UserError(f"{file.path}: cannot read it as a Flux.1 transformer ({_first_line(exc)}); {fix}") from exc
+    except (RuntimeError, TypeError) as exc:
         raise UserError(f"{file.path}: cannot load the Flux.1 transformer ({_first_line(exc)}); {fix}") from exc
     missing = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
     if missing:

@@ -95,7 +95,8 @@ class TextualInversionTask(DiffusionTask):
 
     @property
     def phrase(self) -> str:
-        return " ".join(self.tokens)
+        # From the config, not `tokens`: the data settings are read in setup, before make_trainable adds the tokens.
+        return " ".join(placeholder_tokens(self.config.textual_inversion))
 
     def data_config(self) -> DataConfig:
         cfg = self.config.textual_inversion
