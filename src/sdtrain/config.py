@@ -119,7 +119,7 @@ class ModelConfig:
     inversion or DreamBooth-LoRA, and frozen text encoders): ``fp32``; ``bf16`` (half the memory); ``fp8``
     (float8 e4m3 with a scale per output row: a quarter). Each layer's weight is cast back just in time for its
     matmul, in forward and backward alike, so only one layer's full-precision weight exists at a time; a diffusers
-    folder's weights are stored low as they are read, a tensor at a time. Trained
+    folder's (or a Flux.1 single file's) weights are stored low as they are read, a tensor at a time. Trained
     weights, their optimizer state, LoRA files and exports are unchanged by it; what the model computes is
     rounded as the stored weights are (bf16 about 3 significant digits, fp8 about 2). ``auto``: the most exact of
     the three whose frozen weights, beside the trained weights' state, take at most 60% of the memory (the GPU's,
