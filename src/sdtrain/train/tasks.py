@@ -244,7 +244,8 @@ class DiffusionTask(Task):
         self.tokenizers = self._tokenizers()
         self.tokenizer = self.tokenizers[0]
         # What the pre-encoded shards stand in for is built without weights: T5-XXL alone is 19 GB in fp32.
-        found = dataset_encoding(self.data_config().shards) if self.data_config().use_encoded else None
+        data = self.data_config()
+        found = dataset_encoding(data.shards) if data.use_encoded else None
         unread = self.unread(found[0]) if found else []
         vae = self.load_source("vae", weights="vae" not in unread)
         if vae is None:
