@@ -71,6 +71,14 @@ def resumes_bitwise_after_kill_9(command, tmp_path: Path, steps: int = 3) -> Non
     same_checkpoints(straight / "checkpoints" / final, killed / "checkpoints" / final)
 
 
+def flat_tensors(value, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors in nested dicts and lists (an optimizer's state), by their path."""
+    if isinstance(value, torch.Tensor):
+        return {prefix: value}
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    return {k: v for key, item in items for k, v in flat_tensors(item, f"{prefix}/{key}").items()}
+
+
 def config_path(name: str) -> Path:
     return Path(__file__).resolve().parents[1] / "configs" / "demo" / name
 

@@ -12,7 +12,7 @@ import torch
 
 from sdtrain.cli.main import main
 
-from .conftest import TINY, config_path, resumes_bitwise_after_kill_9
+from .conftest import TINY, config_path, flat_tensors, resumes_bitwise_after_kill_9
 
 CONFIGS = config_path("diffusion.yaml").parents[1]
 COMMON = [*TINY, "data.batch_size=2", "validation.prompts=[]", "evaluation.every_samples=0"]
@@ -25,19 +25,12 @@ def _full_fine_tune(run: Path, pretrained: Path, shapes_dir: Path, *extra: str) 
             f"data.shards={shapes_dir}", "train.max_steps=3", "checkpoint.every=1", "optim.warmup_steps=0", *extra]
 
 
-def _tensors(value, prefix: str = "") -> dict[str, torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return {prefix: value}
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    return {k: v for key, item in items for k, v in _tensors(item, f"{prefix}/{key}").items()}
-
-
 @pytest.mark.parametrize("name", ["adamw8bit", "adafactor"])
 def test_optimizers_that_fit_resume_bitwise_after_kill_9_with_their_state(name, tmp_path, pretrained, shapes_dir):
     resumes_bitwise_after_kill_9(lambda run: _full_fine_tune(run, pretrained, shapes_dir, f"optim.name={name}"),
                                  tmp_path)
     final = "checkpoints/step_00000003/optimizer.pt"
-    straight, resumed = (_tensors(torch.load(tmp_path / run / final, weights_only=True)["state"])
+    straight, resumed = (flat_tensors(torch.load(tmp_path / run / final, weights_only=True)["state"])
                          for run in ("straight", "killed"))
     assert straight.keys() == resumed.keys()
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)

@@ -407,9 +407,18 @@ class OptimConfig:
     and free that gradient at once, so full gradients never all exist together (PyTorch's
     optimizer-in-backward recipe). Needs train.grad_accum: 1 and grad_clip: 0 (both need every gradient
     at once) and a single process."""
+    weights: str = "fp32"
+    """The precision the trained weights are kept in. ``fp32``: as trained everywhere. ``bf16``: the weights and
+    their gradients in bf16, half their fp32 size, with no fp32 master copy (kohya's ``--full_bf16``), for full
+    fine-tuning where fp32 weights and their state do not fit. Each update is computed in fp32 a few tensors at a
+    time and rounded back stochastically, so updates below bf16's resolution are not lost; the optimizer's state
+    and the EMA stay fp32 (turn ema off, and pick adafactor or adamw8bit, for the smallest footprint). Training
+    then runs under bf16 autocast (train.mixed_precision auto or bf16). Not with parallel.strategy=fsdp, which
+    shards fp32 weights instead."""
 
     def validate(self) -> None:
         _check(self.name in OPTIMIZERS, "optim.name", f"must be one of {', '.join(OPTIMIZERS)}")
+        _check(self.weights in ("fp32", "bf16"), "optim.weights", "must be fp32 or bf16")
         if self.name == "adamw8bit":
             _check(importlib.util.find_spec("bitsandbytes") is not None, "optim.name",
                    "adamw8bit needs bitsandbytes, which is not installed: pip install 'sdtrain[memory]', or set "
@@ -660,6 +669,9 @@ class RunConfig:
         for section in (self.diffusion, self.data, self.model, self.autoencoder, self.optim, self.ema, self.train,
                         self.parallel, self.checkpoint, self.logging, self.evaluation):
             section.validate()
+        if self.optim.weights == "bf16":
+            _check(self.train.mixed_precision in ("auto", "bf16"), "optim.weights",
+                   "bf16 weights compute under bf16 autocast: set train.mixed_precision=bf16 (or auto)")
         if self.optim.in_backward:
             _check(self.train.grad_accum == 1, "optim.in_backward",
                    "steps each parameter during backward, so it cannot accumulate: set train.grad_accum=1")

@@ -226,23 +226,25 @@ def _usable_bytes(device: torch.device) -> int:
     return int(_available_bytes(device) * 0.9)
 
 
-# The optimizer's state per byte of trained weights: AdamW's two fp32 moments; 8-bit AdamW's two 1-byte moments
-# of each 4-byte weight (their block scales are a rounding error); Adafactor's row and column vectors, next to
-# nothing beside a matrix.
+# The optimizer's state per byte of fp32 trained weights: AdamW's two fp32 moments; 8-bit AdamW's two 1-byte
+# moments of each 4-byte weight (their block scales are a rounding error); Adafactor's row and column vectors, next
+# to nothing beside a matrix.
 OPTIMIZER_STATE_RATIO = {"adamw": 2.0, "adamw8bit": 0.5, "adafactor": 0.0}
 
 
 def training_bytes(trainable: list[nn.Parameter], frozen: list[nn.Parameter], activation_bytes_per_sample: int,
                    batch_size: int, ema: bool, checkpointing: bool, bf16: bool = False, optimizer: str = "adamw",
-                   in_backward: bool = False) -> int:
-    """Estimated peak of a training step: fp32 weights, gradients (none held together when stepped in backward)
-    and the optimizer's state of the trained parameters (plus their average with EMA), the frozen weights, and the
+                   in_backward: bool = False, weight_size: int | None = None) -> int:
+    """Estimated peak of a training step: the trained weights and their gradients (none held together when stepped
+    in backward), at `weight_size` bytes each (None: as they are now), the optimizer's state of the trained
+    parameters (plus their average with EMA), the frozen weights, and the
     activations autograd keeps; under bf16 autocast also the bf16 copies of the weights it casts, which it keeps
     for the backward. The recorded layer inputs miss the elementwise results between layers (activations,
     residual sums), hence the factor 1.5; with checkpointing about one block's worth stays, bounded here by a
     quarter."""
-    copies = 1 + (0 if in_backward else 1) + OPTIMIZER_STATE_RATIO[optimizer] + (1 if ema else 0)
-    state = sum(p.numel() * p.element_size() for p in trainable) * copies
+    # The optimizer's state and the EMA are fp32 whatever the weights' precision (optim.weights).
+    weights = sum(p.numel() * (weight_size or p.element_size()) for p in trainable) * (1 if in_backward else 2)
+    state = weights + sum(p.numel() * 4 for p in trainable) * (OPTIMIZER_STATE_RATIO[optimizer] + (1 if ema else 0))
     state += sum(p.numel() * p.element_size() for p in frozen)
     if bf16:
         state += sum(p.numel() * 2 for p in [*trainable, *frozen] if p.dtype == torch.float32)
@@ -325,7 +327,8 @@ def decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str, 
 
 def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str, Any] | None,
             device: torch.device, processes_per_machine: int, baseline_bytes: int) -> Tuning:
-    requested = config.train.mixed_precision
+    # bf16 weights (optim.weights) compute in bf16: nothing to measure.
+    requested = "bf16" if config.optim.weights == "bf16" else config.train.mixed_precision
     previous = (resumed_meta or {}).get("tuning")
     if requested == "bf16" and not bf16_supported(device):
         raise UserError("train.mixed_precision: this GPU has no bf16; use fp32 or auto")
@@ -371,8 +374,9 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
                 # Said before the first step, which the kernel would otherwise end minutes in, without a word.
                 log.warning("this run needs about %.1f GiB even with gradient checkpointing, more than the %.1f GiB "
                             "available: it will likely be killed for memory. Train fewer weights (mode=lora), "
-                            "lower data.batch_size, turn ema off, or shrink the optimizer's state (optim.name="
-                            "adamw8bit or adafactor, optim.in_backward=true)", least / 2**30, available / 2**30)
+                            "lower data.batch_size, turn ema off, shrink the optimizer's state (optim.name="
+                            "adamw8bit or adafactor, optim.in_backward=true) or halve the weights (optim.weights="
+                            "bf16)", least / 2**30, available / 2**30)
         loading = processes_per_machine * loaded_peak if host else None
         estimated = max(training, loading or 0)
         estimated, available = estimated / 2**30, available / 2**30

@@ -50,11 +50,12 @@ class EMA:
         for past in range(step - self.config.every, step):
             decay *= self.decay(past)
         params = dict(self._named_parameters())
-        names = list(self.shadow)
-        shadows = [self.shadow[n] for n in names]
-        current = [params[n].detach().float() for n in names]
+        wide = [n for n in self.shadow if params[n].dtype == torch.float32]
         # shadow <- decay * shadow + (1 - decay) * param, in one fused call per step.
-        torch._foreach_lerp_(shadows, current, 1.0 - decay)
+        torch._foreach_lerp_([self.shadow[n] for n in wide], [params[n].detach() for n in wide], 1.0 - decay)
+        # Weights kept narrower (optim.weights=bf16) are widened a tensor at a time, never all at once.
+        for name in (n for n in self.shadow if params[n].dtype != torch.float32):
+            self.shadow[name].lerp_(params[name].detach().float(), 1.0 - decay)
         self.updates += 1
 
     def full_state(self, keep: bool = True) -> dict[str, torch.Tensor]:

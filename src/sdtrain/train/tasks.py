@@ -317,7 +317,8 @@ class DiffusionTask(Task):
                 trained += list(module.parameters())
         optim = self.config.optim
         state = autotune.training_bytes(trained, [], 0, 0, self.config.ema.enabled, checkpointing=False,
-                                        optimizer=optim.name, in_backward=optim.in_backward)
+                                        optimizer=optim.name, in_backward=optim.in_backward,
+                                        weight_size=2 if optim.weights == "bf16" else None)
         available, held = autotune.memory_budget(self.device, detect_topology().local_world_size)
         precision, why = autotune.plan_frozen_precision(stored, state, held, available)
         log.info("model.frozen_precision=auto: %s (%s)", precision, why)

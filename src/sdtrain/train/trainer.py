@@ -58,6 +58,7 @@ from sdtrain.train.optim import (
     build_lr_schedule,
     build_optimizer,
     check_optimizer,
+    keep_in_bf16,
     optimizer_settings,
 )
 from sdtrain.train.parallel import DataParallel
@@ -180,6 +181,8 @@ class Trainer:
         self.faults = FaultInjector(self.topology.rank, resumed=self.resume_from is not None)
         self.resumed_meta = read_meta(self.resume_from) if self.resume_from is not None else None
         self.task = make_task(config, self.device, self.run_dir, self.resumed_meta)
+        if config.optim.weights == "bf16":
+            keep_in_bf16(self.task.parameters())
         self.data = self._make_data()
         self.tuning = self._tune()
         self.bf16 = self.tuning.precision == "bf16"
@@ -194,7 +197,7 @@ class Trainer:
         if config.optim.in_backward and self.topology.distributed:
             raise UserError("optim.in_backward: steps each parameter before the gradients of all ranks are "
                             "averaged, so it runs in one process only; turn it off under torchrun")
-        self.optimizer = build_optimizer(self.task.parameters(), config.optim)
+        self.optimizer = build_optimizer(self.task.parameters(), config.optim, seed=config.seed)
         self.lr_schedule = build_lr_schedule(self.optimizer, config.optim, config.train.max_steps)
         # A resumed run's state comes from its checkpoint; a sharded one loads into existing state in place.
         if self.resume_from is None or sharded.is_sharded(self.resume_from):
