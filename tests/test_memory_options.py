@@ -215,10 +215,13 @@ def test_the_planner_picks_the_most_exact_storage_that_fits():
     assert plan_frozen_precision(stored, 0, 0, 80 * gib)[0] == "fp32"
     assert plan_frozen_precision(stored, 0, 0, 40 * gib)[0] == "bf16"
     # What the process holds and the trained state come out of the same budget.
-    precision, why = plan_frozen_precision(stored, 3 * gib, 2 * gib, 40 * gib)
-    assert precision == "fp8" and "40.0 GiB in fp32, 20.0 GiB in bf16, 10.0 GiB in fp8" in why
-    assert plan_frozen_precision(stored, 0, 0, 10 * gib) == ("fp8", plan_frozen_precision(stored, 0, 0, 10 * gib)[1])
-    assert "even fp8 does not fit" in plan_frozen_precision(stored, 0, 0, 10 * gib)[1]
+    precision, why, fits = plan_frozen_precision(stored, 3 * gib, 2 * gib, 40 * gib)
+    assert precision == "fp8" and fits and "40.0 GiB in fp32, 20.0 GiB in bf16, 10.0 GiB in fp8" in why
+    tight = plan_frozen_precision(stored, 0, 0, 10 * gib)
+    assert tight.precision == "fp8" and not tight.fits and "even fp8 does not fit" in tight.why
+    # A precision the config sets is checked, not changed: model.offload_frozen=auto streams what does not fit.
+    fixed = plan_frozen_precision(stored, 0, 0, 40 * gib, fixed="fp32")
+    assert fixed.precision == "fp32" and not fixed.fits and "fp32 does not fit" in fixed.why
 
 
 def test_auto_storage_is_planned_before_loading_logged_and_kept_on_resume(tmp_path, pretrained, shapes_dir,

@@ -125,6 +125,14 @@ class ModelConfig:
     the three whose frozen weights, beside the trained weights' state, take at most 60% of the memory (the GPU's,
     or the machine's RAM on a CPU), planned from the models' shapes before any weight loads and logged with its
     figures; a resumed run keeps its first choice."""
+    offload_frozen: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
+    """Keep the frozen weights stored in low precision (``frozen_precision`` bf16 or fp8) in host memory, and copy
+    each block's to the GPU while the block before it computes, dropping it after use (kohya's block swap): the GPU
+    then holds about two blocks of the frozen base instead of all of it, for a copy per block in forward and again
+    in backward, overlapped with the computation on a side CUDA stream. What is computed is unchanged. ``auto``: on
+    a GPU, when the frozen weights in their planned storage do not fit beside the trained state (see
+    ``frozen_precision: auto``; planned whenever this is auto); never on a CPU, where the weights are in host
+    memory already (true runs the same path there, copying nothing)."""
     pretrained: str | None = None
     """A local diffusers pipeline folder, or a single-file checkpoint in the original Stable Diffusion layout
     (``.safetensors``: SD 1.x, 2.x or SDXL, sizes and prediction type read from the file; set ``tokenizer`` unless
@@ -186,6 +194,9 @@ class ModelConfig:
         _check(self.preset in PRESETS, "model.preset", f"must be one of {', '.join(PRESETS)}")
         _check(self.frozen_precision in FROZEN_PRECISIONS, "model.frozen_precision",
                f"must be one of {', '.join(FROZEN_PRECISIONS)}")
+        _check(self.offload_frozen in (True, False, "auto"), "model.offload_frozen", "must be true, false or auto")
+        _check(self.offload_frozen is not True or self.frozen_precision != "fp32", "model.offload_frozen",
+               "streams the weights frozen_precision stores low: set model.frozen_precision=bf16, fp8 or auto")
         _check(self.t5_text_length is None or self.t5_text_length >= 4, "model.t5_text_length",
                "must be at least 4 (or unset: the family's length)")
         _check(self.max_text_length is None or self.max_text_length >= 4, "model.max_text_length",

@@ -55,29 +55,33 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
+def _bits(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`layer`'s stored bits and scale where its input is: streamed from the host when offloaded (models/offload.py)."""
+    stream = getattr(layer, "weight_stream", None)
+    return (layer.weight_stored, layer.weight_scale) if stream is None else stream.fetch(layer)
+
+
 class _FrozenLinear(torch.autograd.Function):
     """``x @ W.T + b`` with W dequantised from its stored bits in the forward and again in the backward, so that
-    autograd keeps the stored bits, never the full-precision weight. W gets no gradient (it is frozen); a bias
-    that trains gets its own."""
+    autograd keeps no weight at all, neither in full precision nor, for an offloaded layer, its bits on the device.
+    W gets no gradient (it is frozen); a bias that trains gets its own."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-                precision: str, dtype: torch.dtype) -> torch.Tensor:
-        ctx.save_for_backward(stored, scale)
-        ctx.precision, ctx.dtype, ctx.input_dtype = precision, dtype, x.dtype
-        weight = _dequantize(stored, scale, precision, dtype)
+    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, layer: nn.Module, dtype: torch.dtype
+                ) -> torch.Tensor:
+        ctx.layer, ctx.dtype, ctx.input_dtype = layer, dtype, x.dtype
+        weight = _dequantize(*_bits(layer), layer.weight_precision, dtype)
         return F.linear(x.to(dtype), weight, None if bias is None else bias.to(dtype))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        stored, scale = ctx.saved_tensors
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            weight = _dequantize(stored, scale, ctx.precision, ctx.dtype)
+            weight = _dequantize(*_bits(ctx.layer), ctx.layer.weight_precision, ctx.dtype)
             grad_x = (grad.to(ctx.dtype) @ weight).to(ctx.input_dtype)
-        if ctx.needs_input_grad[3]:
+        if ctx.needs_input_grad[1]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
-        return grad_x, None, None, grad_bias, None, None
+        return grad_x, grad_bias, None, None
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +89,7 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # applied there, as autocast would to F.linear.
     dtype = _compute_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
-        return _FrozenLinear.apply(x, self.weight_stored, self.weight_scale, self.bias, self.weight_precision, dtype)
+        return _FrozenLinear.apply(x, self.bias, self, dtype)
 
 
 def _store(layer: nn.Linear, weight: torch.Tensor, precision: str) -> int:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -261,20 +261,30 @@ FROZEN_ORDER = ("fp32", "bf16", "fp8")
 """Frozen storage precisions from the most exact to the smallest: the planner takes the first that fits."""
 
 
-def plan_frozen_precision(stored: dict[str, int], state: int, held: int, available: int) -> tuple[str, str]:
+class FrozenPlan(NamedTuple):
+    precision: str
+    why: str
+    """The figures behind the choice, for the log."""
+    fits: bool
+    """Whether the frozen weights in that precision fit the budget (else model.offload_frozen: auto streams them)."""
+
+
+def plan_frozen_precision(stored: dict[str, int], state: int, held: int, available: int,
+                          fixed: str | None = None) -> FrozenPlan:
     """`model.frozen_precision: auto`: the most exact storage whose frozen weights (`stored`: bytes per precision),
     beside the trained weights' `state` (weights, gradients, optimizer state, EMA) and what the process `held`
-    before loading, fit within STORED_SHARE of the `available` memory; fp8 when none does. Returns the precision
-    and the figures behind it, for the log."""
+    before loading, fit within STORED_SHARE of the `available` memory; fp8 when none does. A `fixed` precision (one
+    the config sets) is only checked."""
     budget = STORED_SHARE * available - held - state
-    precision = next((p for p in FROZEN_ORDER if stored[p] <= budget), FROZEN_ORDER[-1])
+    precision = fixed or next((p for p in FROZEN_ORDER if stored[p] <= budget), FROZEN_ORDER[-1])
     sizes = ", ".join(f"{stored[p] / 2**30:.1f} GiB in {p}" for p in FROZEN_ORDER)
     why = (f"frozen weights take {sizes}; {STORED_SHARE:.0%} of the {available / 2**30:.1f} GiB available, less "
            f"{held / 2**30:.1f} GiB held before loading and {state / 2**30:.1f} GiB of trained state, leaves "
            f"{budget / 2**30:.1f} GiB")
-    if stored[precision] > budget:
-        why += "; even fp8 does not fit"
-    return precision, why
+    fits = stored[precision] <= budget
+    if not fits:
+        why += f"; {'even ' if precision == FROZEN_ORDER[-1] else ''}{precision} does not fit"
+    return FrozenPlan(precision, why, fits)
 
 
 def memory_budget(device: torch.device, processes_per_machine: int = 1) -> tuple[int, int]:

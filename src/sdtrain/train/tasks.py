@@ -24,6 +24,7 @@ from sdtrain.errors import UserError
 from sdtrain.loaders.components import load_component
 from sdtrain.models import build, families
 from sdtrain.models.frozen import storage_bytes, store_frozen, stored_bytes
+from sdtrain.models.offload import WeightStream
 from sdtrain.models.pipeline import sample_images, sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer, train_clip_tokenizer
 from sdtrain.train import autotune
@@ -257,13 +258,18 @@ class DiffusionTask(Task):
         scale = self._check_resolution(self.vae)
         latent = (self.vae.config.latent_channels, config.data.resolution // scale)
         # A resumed run keeps the storage it started with: its adapters trained over that base.
-        self.frozen_precision = model.frozen_precision
-        if self.frozen_precision == "auto":
+        fixed = model.frozen_precision if model.frozen_precision != "auto" else self.resumed.get("frozen_precision")
+        self.frozen_precision = fixed or "auto"
+        self.offloads = model.offload_frozen is True
+        offload_planned = model.offload_frozen == "auto" and device.type == "cuda" and fixed != "fp32"
+        if fixed is None or offload_planned:
             # Planned from the shapes alone, before any weight loads, since weights are stored low as they load.
-            self.frozen_precision = self.resumed.get("frozen_precision") or \
-                self._plan_frozen(self._components(unread, latent, weights=False), unread)
+            plan = self._plan_frozen(self._components(unread, latent, weights=False), unread, fixed)
+            self.frozen_precision = plan.precision
+            self.offloads = self.offloads or (offload_planned and not plan.fits)
         # The denoiser under the family's name (unet, transformer): the trainer wraps and checkpoints modules by name.
         for name, module in self._components(unread, latent).items():
+            self._offload(module)  # before placing: streamed weights never all reach the device
             setattr(self, name, _placed(module, device))
         denoiser = self.denoiser
         self._check_buckets(scale * family.downsampling(denoiser.config))
@@ -302,10 +308,12 @@ class DiffusionTask(Task):
                                               frozen_precision=self.stored_as(name) if weights else "fp32")
         return {**built, name: module}
 
-    def _plan_frozen(self, modules: dict[str, nn.Module], unread: list[str]) -> str:
+    def _plan_frozen(self, modules: dict[str, nn.Module], unread: list[str],
+                     fixed: str | None = None) -> autotune.FrozenPlan:
         """``model.frozen_precision: auto``: the storage the planner picks for the frozen weights of `modules` (built
         without weights) that training reads, beside the state of those that train (see
-        autotune.plan_frozen_precision); logged with the figures behind it."""
+        autotune.plan_frozen_precision), or whether the `fixed` one fits (for ``model.offload_frozen: auto``);
+        logged with the figures behind it."""
         stored = dict.fromkeys(autotune.FROZEN_ORDER, 0)
         trained: list[nn.Parameter] = []
         for name, module in modules.items():
@@ -320,9 +328,21 @@ class DiffusionTask(Task):
                                         optimizer=optim.name, in_backward=optim.in_backward,
                                         weight_size=2 if optim.weights == "bf16" else None)
         available, held = autotune.memory_budget(self.device, detect_topology().local_world_size)
-        precision, why = autotune.plan_frozen_precision(stored, state, held, available)
-        log.info("model.frozen_precision=auto: %s (%s)", precision, why)
-        return precision
+        plan = autotune.plan_frozen_precision(stored, state, held, available, fixed)
+        log.info("model.frozen_precision=%s: %s (%s)", fixed or "auto", plan.precision, plan.why)
+        return plan
+
+    def _offload(self, module: nn.Module) -> None:
+        """``model.offload_frozen``: the frozen linear weights stored low in `module`'s blocks kept in host memory and
+        streamed to the device a block ahead of use (models/offload.py). Layers stored later are streamed when they
+        are (`_store_frozen`)."""
+        if not self.offloads or _on_meta(module):
+            return
+        stream = WeightStream(families.blocks(module), self.device)
+        if stream.layers:
+            log.info("model.offload_frozen: %d frozen linear layers in %d blocks of the %s stay in host memory, "
+                     "streamed to the %s a block ahead", sum(map(len, stream.layers)), len(stream.layers),
+                     type(module).__name__, self.device.type)
 
     def stored_as(self, name: str) -> str:
         """How component `name`'s linear weights are stored as it loads: `frozen_precision` for the
@@ -344,6 +364,7 @@ class DiffusionTask(Task):
         modules = [m for m in (self.denoiser, *self.text_encoders.values()) if not _on_meta(m)]
         for module in modules:
             store_frozen(module, precision)
+            self._offload(module)
         stored, full = (sum(sizes) for sizes in zip(*(stored_bytes(module) for module in modules)))
         log.info("model.frozen_precision=%s: frozen linear weights take %.2f GiB (%.2f GiB in fp32)", precision,
                  stored / 2**30, full / 2**30)
