@@ -150,3 +150,16 @@ def test_the_fp32_state_of_bf16_weights_loads_back_unrounded(name):
     assert tensors and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in tensors)
     assert any(a.dtype == torch.float32 and a.numel() > 1 for a, _ in tensors)
     assert all(p.dtype == torch.bfloat16 and p.shape == (128, 128)[:p.dim()] for p in model.parameters())
+
+
+def test_bf16_weights_validate_and_export_in_fp32(tmp_path, pretrained, shapes_dir):
+    from diffusers import UNet2DConditionModel
+
+    run = tmp_path / "run"
+    assert main([*_full_fine_tune(run, pretrained, shapes_dir, "train.mixed_precision=auto", "ema.enabled=false",
+                                  "train.gradient_checkpointing=auto", "train.max_steps=1"),
+                 "validation.prompts=[a red square]", "validation.steps=2"]) == 0
+    assert list((run / "samples").glob("step_*.png"))
+    assert main(["export", str(run), str(tmp_path / "out")]) == 0
+    unet = UNet2DConditionModel.from_pretrained(tmp_path / "out" / "unet")
+    assert unet.dtype == torch.float32

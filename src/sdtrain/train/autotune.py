@@ -439,8 +439,15 @@ def _synthetic_step(config: RunConfig, task: Any, encoded: bool, samples: int) -
     batch = SyntheticBatches(data, task, seed=config.seed, rank=0, encoded=encoded).next()
     generator = torch.Generator(task.device).manual_seed(0)
     extra, rng = task.extra_state(), torch.get_rng_state()
+    # bf16 weights (optim.weights) compute under bf16 autocast only, as their training steps do.
+    bf16 = config.optim.weights == "bf16"
+
+    def step() -> torch.Tensor:
+        with torch.autocast(task.device.type, dtype=torch.bfloat16, enabled=bf16):
+            return task.loss(batch, generator)[0]
+
     try:
-        yield lambda: task.loss(batch, generator)[0]
+        yield step
     finally:
         task.load_extra_state(extra)
         torch.set_rng_state(rng)

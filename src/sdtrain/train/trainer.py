@@ -499,7 +499,8 @@ class Trainer:
                 if snapshot.ema is not None:
                     weights |= {k[len(prefix):]: v for k, v in snapshot.ema.items() if k.startswith(prefix)}
                 if not is_partial(module):
-                    modules[name] = instantiate_with(module_spec(module), weights).to(self.device).eval()
+                    # Weights trained in bf16 (optim.weights) sample in fp32, as exports do.
+                    modules[name] = instantiate_with(module_spec(module), weights).float().to(self.device).eval()
                     continue
                 params = {k: p for k, p in module.named_parameters() if p.requires_grad}
                 with torch.no_grad():
