@@ -212,7 +212,7 @@ def test_folder_errors(tmp_path: Path, capsys) -> None:
     assert code == 2 and "not a folder" in err
     put(tmp_path / "empty" / "readme.txt", "no images")
     code, _, err = run(capsys, "folder", str(tmp_path / "empty"), "--out", str(tmp_path / "out"))
-    assert code == 2 and "no .jpg/.jpeg/.png/.webp images found" in err
+    assert code == 2 and "no .jpg/.jpeg/.png/.webp/.gif/.tif/.tiff images found" in err
     put(tmp_path / "one" / "a.png", image_bytes())
     code, _, err = run(capsys, "folder", str(tmp_path / "one"), "--out", str(tmp_path / "out"),
                        "--samples-per-shard", "0")
@@ -237,7 +237,7 @@ def test_corrupt_empty_truncated_and_unsupported_images_are_skipped(tmp_path: Pa
         "garbage.jpg": b"definitely not a jpeg" * 10,
         "truncated.png": good[: len(good) // 2],
         "truncated.jpg": jpeg[: len(jpeg) // 2],
-        "gif.png": image_bytes((8, 8), "GIF"),
+        "bmp.png": image_bytes((8, 8), "BMP"),
     }
     for name, data in files.items():
         put(src / name, data)
@@ -248,7 +248,7 @@ def test_corrupt_empty_truncated_and_unsupported_images_are_skipped(tmp_path: Pa
     assert lines == [
         f"written: 1 samples in 1 shards to {out}",
         "skipped (corrupt, empty or truncated image): 4",
-        "skipped (not a JPEG, PNG or WebP image): 1",
+        "skipped (not a JPEG, PNG, WebP, GIF or TIFF image): 1",
     ]
     assert [s["__key__"] for s in samples(out)] == ["good"]
 

@@ -20,6 +20,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from sdtrain.data.filters import parse_filters
+from sdtrain.data.images import parse_background
 from sdtrain.errors import UserError
 
 STAGES = ("autoencoder", "diffusion")
@@ -51,7 +52,7 @@ class DataConfig:
     caption_dropout: float = 0.1
     """Fraction of captions replaced by the empty string, so the model also learns the
     unconditional prediction that classifier-free guidance needs."""
-    image_key: str = "png;jpg;jpeg;webp"
+    image_key: str = "png;jpg;jpeg;webp;gif;tif;tiff"
     """Sample fields tried in order for the image."""
     caption_key: str = "txt"
     """Sample field holding the caption."""
@@ -77,6 +78,11 @@ class DataConfig:
     """Replace each sample's caption with one of these, drawn per sample (seeded by its place in the epoch,
     so resume is exact); ``{caption}`` in a template stands for the sample's own caption. Textual
     inversion and DreamBooth fill this from their own settings."""
+    background: str = "white"
+    """What transparent pixels (RGBA, LA and palette images with transparency: cut-outs, stickers, icons) are
+    composited on: ``white``, ``black``, ``grey``, ``#rrggbb``, or ``random`` (a colour drawn per sample, seeded by
+    its place, so resume is exact, and the model learns no background colour). Dropping alpha instead, as a plain
+    RGB conversion does, paints them the colour their clear pixels happen to store: usually black."""
     use_encoded: bool = True
     """Read the latents (and, with a frozen text encoder, the text embeddings) that shards from
     ``sdtrain prepare encode`` carry, instead of encoding images every step. Those shards are
@@ -91,6 +97,11 @@ class DataConfig:
             _check(8 <= self.bucket_step <= self.resolution, "data.bucket_step",
                    "must be between 8 and data.resolution")
             _check(self.max_aspect >= 1.0, "data.max_aspect", "must be at least 1")
+        try:
+            parse_background(self.background)
+        except ValueError:
+            raise UserError(f"data.background: {self.background!r} is not a colour; use white, black, grey, "
+                            "#rrggbb or random") from None
         try:
             parse_filters(self.filters)
         except UserError as exc:

@@ -17,6 +17,7 @@ from PIL import Image
 from sdtrain.config import DataConfig
 from sdtrain.data.encoded import LATENT_MEAN, LATENT_STD, SIZE_IDS, TEXT_FIELDS, load_npy
 from sdtrain.data.filters import parse_filters
+from sdtrain.data.images import parse_background, rgb_image
 from sdtrain.data.prepare import DEFAULT_MAX_PIXELS
 from sdtrain.errors import UserError
 
@@ -75,6 +76,8 @@ class SampleDecoder:
         self.filters = parse_filters(config.filters)
         self.buckets = make_buckets(config) if config.aspect_buckets else []
         self.class_prompts = load_class_prompts(config.class_prompts) if config.class_prompts else None
+        self.background = parse_background(config.background)
+        """None: a colour drawn per sample (``random``)."""
 
     def _caption(self, raw: dict[str, Any], rng: np.random.Generator) -> str | Filtered | None:
         """The sample's caption, None when it has none to offer, Filtered when a filter rejects it."""
@@ -118,9 +121,11 @@ class SampleDecoder:
                 if img.width * img.height > DEFAULT_MAX_PIXELS:
                     return None
                 img.load()
-                bucket = self._bucket(img.size)
-                target = self.buckets[bucket] if self.buckets else (self.config.resolution,) * 2
-                pixels, size_ids = self._transform(img.convert("RGB"), rng, target)
+                background = self.background or tuple(int(c) for c in rng.integers(0, 256, 3))
+                image = rgb_image(img, background).image
+            bucket = self._bucket(image.size)
+            target = self.buckets[bucket] if self.buckets else (self.config.resolution,) * 2
+            pixels, size_ids = self._transform(image, rng, target)
         except (OSError, ValueError, Image.DecompressionBombError, SyntaxError):
             return None
         drop = rng.random() < self.config.caption_dropout

@@ -5,7 +5,7 @@
 the folder, a ``text`` or ``caption`` column, any other columns). ``reshard`` re-tars existing WebDataset
 shards (img2dataset output, say) into shards of an even size. Both
 
-- keep the image bytes as they are (the tar member is named after the format PIL detects: jpg, png, webp),
+- keep the image bytes as they are (the tar member is named after the format PIL detects: jpg, png, webp, gif, tif),
 - check every image: the size is read from the header and images over ``max_pixels`` are rejected before
   anything is decoded; the rest is decoded fully, and files PIL can't read are skipped,
 - skip samples without a caption (or keep them with ``""``), duplicate keys (the first one written wins) and
@@ -40,6 +40,7 @@ from typing import Any
 from PIL import Image
 
 from sdtrain.data.filters import Filters
+from sdtrain.data.images import describe
 from sdtrain.data.remote import is_remote
 from sdtrain.data.shards import MANIFEST_NAME, ShardInfo, ShardWriter, tar_samples, write_manifest
 from sdtrain.data.sources import expand_spec
@@ -47,10 +48,10 @@ from sdtrain.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
-IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".tif", ".tiff")
+IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "gif", "tif", "tiff")
 # PIL's format name -> tar member extension. Camera JPEGs often open as MPO (JPEG with extra frames).
-FORMAT_EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp"}
+FORMAT_EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "TIFF": "tif"}
 # PIL's own DecompressionBombWarning threshold (Image.MAX_IMAGE_PIXELS): about 9459 x 9459.
 DEFAULT_MAX_PIXELS = 89_478_485
 MISSING_CAPTION = ("skip", "empty")
@@ -61,7 +62,7 @@ PROGRESS_EVERY = 10_000
 
 SKIP_REASONS = {
     "corrupt": "corrupt, empty or truncated image",
-    "format": "not a JPEG, PNG or WebP image",
+    "format": "not a JPEG, PNG, WebP, GIF or TIFF image",
     "too_large": "image over the pixel limit",
     "no_image": "sample without an image",
     "no_file": "image file listed in the metadata not found",
@@ -199,10 +200,14 @@ class _Job:
             if ext is None:
                 self.skip("format")
                 return None
-            width, height = img.size
-            if width * height > self.max_pixels:
+            if img.width * img.height > self.max_pixels:
                 self.skip("too_large")
                 return None
+            # As the loader will see it: upright (a phone photo's sides swap), and what decoding does, recorded.
+            described = describe(img)
+            width, height = described.width, described.height
+            if described.notes():
+                meta["decode"] = described.notes()
             if fill_size:
                 meta["width"], meta["height"] = width, height
             else:
@@ -441,8 +446,8 @@ def reshard(
     """Re-tar the samples of existing shards into shards of ``samples_per_shard`` in ``out_dir``.
 
     Every field of a kept sample is copied byte for byte (``txt`` is added as ``""`` for a sample without a
-    caption under ``missing_caption="empty"``). A sample needs an image field (jpg, jpeg, png or webp) that
-    passes the checks; filters see its ``json`` with ``width``/``height`` from the image where the json has
+    caption under ``missing_caption="empty"``). A sample needs an image field (jpg, jpeg, png, webp, gif, tif or
+    tiff) that passes the checks; filters see its ``json`` with ``width``/``height`` from the image where the json has
     none. A tar that breaks off or is corrupt part-way keeps the samples read before the damage.
     """
     out_dir = Path(out_dir)
