@@ -78,6 +78,13 @@ class DataConfig:
     """Replace each sample's caption with one of these, drawn per sample (seeded by its place in the epoch,
     so resume is exact); ``{caption}`` in a template stands for the sample's own caption. Textual
     inversion and DreamBooth fill this from their own settings."""
+    shuffle_tags: bool = False
+    """Captions written as comma-separated tags (``1girl, red hair, smiling``, as taggers and boorus write them):
+    shuffle the tags after the first ``keep_tags`` each time a sample is drawn (seeded by its place, so resume is
+    exact), so the model does not learn their order (kohya's ``--shuffle_caption``)."""
+    keep_tags: int = 0
+    """With ``shuffle_tags``: how many leading tags stay in place (a trigger word, the subject; kohya's
+    ``--keep_tokens``)."""
     background: str = "white"
     """What transparent pixels (RGBA, LA and palette images with transparency: cut-outs, stickers, icons) are
     composited on: ``white``, ``black``, ``grey``, ``#rrggbb``, or ``random`` (a colour drawn per sample, seeded by
@@ -93,6 +100,7 @@ class DataConfig:
         _check(self.batch_size >= 1, "data.batch_size", "must be at least 1")
         _check(self.num_workers >= 0, "data.num_workers", "must be 0 or more")
         _check(0.0 <= self.caption_dropout < 1.0, "data.caption_dropout", "must be in [0, 1)")
+        _check(self.keep_tags >= 0, "data.keep_tags", "must be 0 or more")
         if self.aspect_buckets:
             _check(8 <= self.bucket_step <= self.resolution, "data.bucket_step",
                    "must be between 8 and data.resolution")

@@ -43,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     folder = kinds.add_parser(
         "folder", help="a folder of images with captions beside them, or with a metadata.jsonl/metadata.csv",
-        description="Images (jpg, jpeg, png, webp; nested folders) with a caption file beside each (a.jpg + a.txt), "
+        description="Images (jpg, jpeg, png, webp, gif, tif; nested folders) with a caption file beside each (a.jpg + "
+                    "a.txt; several lines are several captions), "
                     "or a metadata.jsonl / metadata.csv at the folder's root with file_name, text (or caption) "
                     "and any other columns. Images are stored unchanged; corrupt, oversized, uncaptioned and "
                     "duplicate ones are skipped and counted.")
@@ -52,6 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     folder.add_argument("--samples-per-shard", type=int, default=1000, metavar="N", help="default 1000")
     folder.add_argument("--caption-ext", default="txt", metavar="EXT",
                         help="extension of the caption files (default txt)")
+    folder.add_argument("--caption-column", action="append", default=[], metavar="NAME",
+                        help="a metadata column holding captions (repeat for several: each sample then has several, "
+                             "one drawn per epoch); default text, else caption")
     add_checks(folder)
     folder.set_defaults(run=run_folder)
 
@@ -169,7 +173,8 @@ def run_folder(args: argparse.Namespace) -> int:
 
     report = prepare_folder(args.src, args.out, samples_per_shard=args.samples_per_shard,
                             caption_ext=args.caption_ext, missing_caption=args.missing_caption,
-                            max_pixels=args.max_pixels, filters=filters_from_args(args))
+                            max_pixels=args.max_pixels, filters=filters_from_args(args),
+                            caption_columns=args.caption_column or None)
     _print_report(report)
     return 0
 

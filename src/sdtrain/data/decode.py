@@ -91,7 +91,7 @@ class SampleDecoder:
         else:
             caption = raw.get(self.config.caption_key, b"")
             caption = caption.decode("utf-8", "replace") if isinstance(caption, bytes) else str(caption)
-            caption = caption.strip()
+            caption = self._one_of(caption, rng)
         if self.filters:
             try:
                 meta = json.loads(raw.get("json", b"{}"))
@@ -103,6 +103,19 @@ class SampleDecoder:
         templates = self.config.prompt_templates
         if templates:
             caption = templates[int(rng.integers(len(templates)))].replace("{caption}", caption)
+        return caption
+
+    def _one_of(self, text: str, rng: np.random.Generator) -> str:
+        """A caption field holds one caption per line: one is drawn each time the sample is (its place includes the
+        epoch, so every epoch may draw another, and a resumed run draws the same). Tags then shuffle
+        (``data.shuffle_tags``)."""
+        captions = [line.strip() for line in text.splitlines() if line.strip()]
+        caption = captions[int(rng.integers(len(captions)))] if len(captions) > 1 else "".join(captions)
+        if self.config.shuffle_tags:
+            tags = [tag.strip() for tag in caption.split(",") if tag.strip()]
+            keep = self.config.keep_tags
+            caption = ", ".join(tags[:keep] + [tags[keep + i] for i in rng.permutation(len(tags) - keep)]
+                                if len(tags) > keep else tags)
         return caption
 
     def __call__(self, raw: dict[str, Any], place: tuple[int, int, int]) -> dict[str, Any] | Filtered | None:

@@ -67,6 +67,7 @@ SKIP_REASONS = {
     "no_image": "sample without an image",
     "no_file": "image file listed in the metadata not found",
     "no_caption": "missing or empty caption",
+    "caption_not_text": "caption file that is not text",
     "duplicate": "duplicate key",
 }
 
@@ -262,11 +263,22 @@ class _Entry:
     line: int = 0
 
 
+class NotText(Exception):
+    """A caption file whose bytes are not text (an image saved as .txt, a binary tagger output)."""
+
+
 def _read_caption_file(path: Path) -> str | None:
+    """The file's text (several captions, one per line, are kept as they are); None when there is none."""
     try:
-        return path.read_bytes().decode("utf-8-sig", "replace")
+        data = path.read_bytes()
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
+    # A caption in a legacy encoding (Windows-1252's é) keeps its text with a replacement character; bytes that are
+    # not text at all (NULs, or mostly invalid) are refused.
+    text = data.decode("utf-8-sig", "replace")
+    if "\x00" in text or text.count("\ufffd") > len(text) / 4:
+        raise NotText("binary data, not a caption")
+    return text
 
 
 def _walk_images(src: Path) -> list[_Entry]:
@@ -290,17 +302,20 @@ def _file_name(path: Path, where: str, value: Any) -> str:
     return rel.as_posix()
 
 
-def _caption_of(row: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
-    """The caption (``text``, else ``caption``) and the remaining columns for the json."""
+def _caption_of(row: dict[str, Any], names: list[str] | None = None) -> tuple[str | None, dict[str, Any]]:
+    """The captions of the `names` columns (default: ``text``, else ``caption``), one per line (a column may hold a
+    JSON list of several), and the remaining columns for the json. None when the row has none of the columns."""
     columns = {k: v for k, v in row.items() if k != "file_name"}
-    for name in CAPTION_COLUMNS:
-        if name in columns:
-            value = columns.pop(name)
-            return (None if value is None else str(value)), columns
-    return None, columns
+    names = names or next(([n] for n in CAPTION_COLUMNS if n in columns), [])
+    values = [columns.pop(name) for name in names if name in columns]
+    if not values:
+        return None, columns
+    captions = [str(v).strip() for value in values for v in (value if isinstance(value, list) else [value])
+                if v is not None and str(v).strip()]
+    return "\n".join(captions), columns
 
 
-def _read_metadata(path: Path, missing_caption: str) -> list[_Entry]:
+def _read_metadata(path: Path, missing_caption: str, caption_columns: list[str] | None = None) -> list[_Entry]:
     entries = []
     try:
         if path.suffix == ".jsonl":
@@ -314,7 +329,7 @@ def _read_metadata(path: Path, missing_caption: str) -> list[_Entry]:
                         raise UserError(f"{path}: line {number}: not valid JSON ({e}); fix or remove the line") from e
                     if not isinstance(row, dict):
                         raise UserError(f"{path}: line {number}: expected a JSON object with file_name and text")
-                    caption, columns = _caption_of(row)
+                    caption, columns = _caption_of(row, caption_columns)
                     entries.append(_Entry(_file_name(path, f"line {number}", row.get("file_name")),
                                           caption, columns, number))
         else:
@@ -324,13 +339,17 @@ def _read_metadata(path: Path, missing_caption: str) -> list[_Entry]:
                 if "file_name" not in header:
                     raise UserError(f"{path}: no 'file_name' column (columns: {', '.join(header) or 'none'}); "
                                     "add one with each image's path relative to the folder")
-                if missing_caption == "skip" and not any(c in header for c in CAPTION_COLUMNS):
+                absent = [c for c in caption_columns or [] if c not in header]
+                if absent:
+                    raise UserError(f"{path}: no column {absent[0]!r} (columns: {', '.join(header)}); name the "
+                                    "caption columns it has with --caption-column")
+                if missing_caption == "skip" and not caption_columns and not any(c in header for c in CAPTION_COLUMNS):
                     raise UserError(f"{path}: no 'text' or 'caption' column; add one, or pass "
                                     "--missing-caption empty to keep images without captions")
                 for row in reader:
                     number = reader.line_num
                     row.pop(None, None)  # values beyond the header
-                    caption, columns = _caption_of({k: v for k, v in row.items() if v is not None})
+                    caption, columns = _caption_of({k: v for k, v in row.items() if v is not None}, caption_columns)
                     entries.append(_Entry(_file_name(path, f"line {number}", row.get("file_name")),
                                           caption, columns, number))
     except UnicodeDecodeError as e:
@@ -350,8 +369,11 @@ def prepare_folder(
     missing_caption: str = "skip",
     max_pixels: int = DEFAULT_MAX_PIXELS,
     filters: Filters | None = None,
+    caption_columns: list[str] | None = None,
 ) -> Report:
     """Write the images of ``src`` (and their captions) as shards in ``out_dir``; see the module docstring.
+    A caption file with several lines, a metadata column holding a list, or several `caption_columns` give a sample
+    several captions, written one per line; training draws one of them each time it reads the sample.
 
     Each sample holds the image bytes (``jpg``/``png``/``webp``), ``txt`` (the caption) and ``json``: the
     metadata columns, if any, then ``width``, ``height`` (as read from the image) and ``file_name`` (the
@@ -367,7 +389,10 @@ def prepare_folder(
     if len(found) > 1:
         raise UserError(f"{src}: has both {METADATA_FILES[0]} and {METADATA_FILES[1]}; keep one")
     metadata = found[0] if found else None
-    entries = _read_metadata(metadata, missing_caption) if metadata else _walk_images(src)
+    if caption_columns and not metadata:
+        raise UserError(f"--caption-column: {src} has no {' or '.join(METADATA_FILES)} to read columns from; "
+                        f"captions come from the .{caption_ext} files beside the images")
+    entries = _read_metadata(metadata, missing_caption, caption_columns) if metadata else _walk_images(src)
     if not entries:
         what = f"{metadata} lists no images" if metadata else f"{src}: no {'/'.join(IMAGE_EXTENSIONS)} images found"
         raise UserError(f"{what}; nothing to prepare")
@@ -384,7 +409,12 @@ def prepare_folder(
             if key in job.keys:
                 job.skip("duplicate")
                 continue
-            raw_caption = entry.caption if metadata else _read_caption_file(src / f"{stem}.{caption_ext}")
+            try:
+                raw_caption = entry.caption if metadata else _read_caption_file(src / f"{stem}.{caption_ext}")
+            except NotText as exc:
+                log.warning("%s: not text (%s); sample skipped", src / f"{stem}.{caption_ext}", exc)
+                job.skip("caption_not_text")
+                continue
             caption = job.caption(raw_caption)
             if caption is None:
                 continue
