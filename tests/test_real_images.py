@@ -158,3 +158,24 @@ def test_a_background_that_is_not_a_colour_is_one_line(tmp_path, capsys):
                  f"run_dir={tmp_path}", "data.shards=absent", "data.background=purple-ish"]) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "data.background: 'purple-ish' is not a colour" in error[0]
+
+
+def test_data_preview_shows_samples_as_training_receives_them_and_counts_what_it_skipped(tmp_path, capsys):
+    from sdtrain.data.shards import ShardWriter
+
+    shards = tmp_path / "shards"
+    with ShardWriter(shards, samples_per_shard=3) as writer:
+        for key, data in {"phone": phone_photo(), "sticker": sticker(), "cmyk": cmyk_red(), "grey16": grey16(),
+                          "animated": animated()}.items():
+            writer.write({"__key__": key, "png": data, "txt": f"a {key}\nanother phrasing of {key}"})
+        writer.write({"__key__": "broken", "png": b"not an image", "txt": "lost"})
+    out = tmp_path / "preview.png"
+    config = Path(__file__).resolve().parents[1] / "configs" / "demo" / "diffusion.yaml"
+    assert main(["data", "preview", str(config), f"data.shards={shards}", "data.resolution=32",
+                 "data.batch_size=2", "data.background=00ff00", "--num", "6", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"{out}: the first 6 samples as training receives them (1 skipped as undecodable" in printed
+    with Image.open(out) as grid:
+        pixels = np.asarray(grid.convert("RGB")).reshape(-1, 3)
+    # The sticker's clear pixels show on the chosen background, not black.
+    assert ((pixels == GREEN).all(axis=1)).sum() > 100

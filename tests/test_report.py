@@ -72,7 +72,9 @@ def test_report_of_a_trained_run(autoencoder_run, tmp_path, capsys):
     assert [g.title for g in groups][:4] == ["Loss", "Learning rate", "Throughput", "Gradient norm"]
     assert {"reconstruction", "kl"} <= set(groups[0].keys)
     assert plot_count(page) == len(groups)
-    assert page.count("<img ") == 2 and page.index("step 4 &middot;") < page.index("step 2 &middot;")
+    # Two validation grids, and the first batch as the model received it.
+    assert page.count("<img ") == 3 and page.index("step 4 &middot;") < page.index("step 2 &middot;")
+    assert (autoencoder_run / "samples" / "first_batch.png").is_file() and 'alt="first training batch"' in page
     assert "autoencoder / full" in page and "4 of 4 (100%)" in page and "stage: autoencoder" in page
     assert not (autoencoder_run / "report.html").exists()
 

@@ -87,7 +87,8 @@ class DataConfig:
     ``--keep_tokens``)."""
     background: str = "white"
     """What transparent pixels (RGBA, LA and palette images with transparency: cut-outs, stickers, icons) are
-    composited on: ``white``, ``black``, ``grey``, ``#rrggbb``, or ``random`` (a colour drawn per sample, seeded by
+    composited on: ``white``, ``black``, ``grey``, ``#rrggbb`` (``rrggbb`` on a command line, where ``#`` starts a
+    comment), or ``random`` (a colour drawn per sample, seeded by
     its place, so resume is exact, and the model learns no background colour). Dropping alpha instead, as a plain
     RGB conversion does, paints them the colour their clear pixels happen to store: usually black."""
     use_encoded: bool = True
@@ -109,7 +110,7 @@ class DataConfig:
             parse_background(self.background)
         except ValueError:
             raise UserError(f"data.background: {self.background!r} is not a colour; use white, black, grey, "
-                            "#rrggbb or random") from None
+                            "#rrggbb (rrggbb on a command line) or random") from None
         try:
             parse_filters(self.filters)
         except UserError as exc:
@@ -781,6 +782,18 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         return _load_config(path, overrides)
     except OmegaConfBaseException as exc:  # interpolations are resolved late, wherever a value is read
         raise UserError(_describe(exc)) from exc
+
+
+def load_config_without(path: str | Path, overrides: list[str] | tuple[str, ...], keep: tuple[str, ...] = ()
+                        ) -> RunConfig:
+    """`load_config` for a command that needs only part of a run (counting parameters, previewing data): the keys
+    the config leaves open (run_dir, data.shards, model sources it asks for) are filled with placeholders, model
+    sources as unset (so presets build), except those in `keep`, which the user must still give."""
+    given = OmegaConf.merge(read_layer(path)[0], parse_overrides(overrides))
+    open_keys = ({"run_dir", "data.shards"} | set(OmegaConf.missing_keys(given))) - set(keep)
+    filled = [f"{key}={'null' if key.startswith('model.') else 'unused'}" for key in sorted(open_keys)
+              if OmegaConf.select(given, key, default=None) is None or OmegaConf.is_missing(given, key)]
+    return load_config(path, [*filled, *overrides])
 
 
 def _printable(text: str) -> str:

@@ -26,6 +26,7 @@ from typing import Any
 
 from sdtrain import __version__
 from sdtrain.errors import UserError
+from sdtrain.paths import FIRST_BATCH
 
 # A run of months logs hundreds of grids; past these the page would weigh more than the run's story is worth.
 MAX_IMAGES = 12
@@ -525,6 +526,7 @@ details summary { cursor: pointer; margin-bottom: 6px; }
 <section id="summary"><dl class="summary">$summary</dl>$notes</section>
 <section id="metrics"><h2>Metrics</h2>$plots</section>
 <section id="samples"><h2>Validation samples</h2>$gallery</section>
+<section id="data"><h2>Training data</h2>$data</section>
 <section id="checkpoints"><h2>Checkpoints</h2>$checkpoints</section>
 <section id="config"><h2>Config</h2>$config</section>
 <section id="environment"><h2>Environment</h2>$environment</section>
@@ -752,6 +754,15 @@ def _gallery_html(run: Run, limit: int) -> str:
     return f'<p class="muted">{note}</p>{controls}<div class="gallery">{"".join(figures)}</div>'
 
 
+def _first_batch_html(run: Run) -> str:
+    path = run.path / FIRST_BATCH
+    if not path.is_file():
+        return ('<p class="muted">No first batch: it is drawn at a run\'s first step when it trains on images (not on '
+                "pre-encoded latents); `sdtrain data preview CONFIG` draws the same from any config.</p>")
+    return (f'<figure><figcaption>the first batch as the model received it &middot; {FIRST_BATCH}'
+            f'</figcaption><img src="{_data_uri(path)}" {_display_size(path)} alt="first training batch"></figure>')
+
+
 def _dir_size(path: Path) -> str:
     try:
         return f"{sum(p.stat().st_size for p in path.rglob('*') if p.is_file()) / 2**20:,.1f} MiB"
@@ -829,7 +840,7 @@ def _environment_html(run: Run) -> str:
 
 def render(run: Run, images: int = MAX_IMAGES) -> str:
     judged = verdict(run.metrics)
-    sections = [("summary", "Summary"), ("metrics", "Metrics"), ("samples", "Samples"),
+    sections = [("summary", "Summary"), ("metrics", "Metrics"), ("samples", "Samples"), ("data", "Data"),
                 ("checkpoints", "Checkpoints"), ("config", "Config"), ("environment", "Environment")]
     return _PAGE.substitute(
         title=html.escape(f"{run.path.name} · sdtrain report"),
@@ -845,6 +856,7 @@ def render(run: Run, images: int = MAX_IMAGES) -> str:
         notes=_notes(run),
         plots=_plots_html(run.metrics),
         gallery=_gallery_html(run, images),
+        data=_first_batch_html(run),
         checkpoints=_checkpoints_html(run),
         config=_config_html(run),
         environment=_environment_html(run),

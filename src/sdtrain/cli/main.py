@@ -16,6 +16,7 @@ tune_host_allocator()
 from sdtrain import __version__  # noqa: E402
 from sdtrain.cli import (  # noqa: E402
     benchmark,
+    data,
     demo,
     evaluate,
     export,
@@ -28,7 +29,7 @@ from sdtrain.cli import (  # noqa: E402
 )
 from sdtrain.errors import UserError  # noqa: E402
 
-COMMANDS = (prepare, train, generate, evaluate, export, launch, benchmark, params, report, demo)
+COMMANDS = (prepare, data, train, generate, evaluate, export, launch, benchmark, params, report, demo)
 
 
 def _quiet_libraries() -> None:

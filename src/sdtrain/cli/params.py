@@ -21,17 +21,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from omegaconf import OmegaConf
-
-    from sdtrain.config import load_config, parse_overrides, read_layer
+    from sdtrain.config import load_config_without
     from sdtrain.params import count, format_counts
 
     # Counting needs neither data nor a run folder, and a component the config asks for but the command line
-    # does not name is counted from its preset: fill what the config leaves open.
-    given = OmegaConf.merge(read_layer(args.config)[0], parse_overrides(args.overrides))
-    open_keys = {"run_dir", "data.shards"} | set(OmegaConf.missing_keys(given))
-    filled = [f"{key}={'null' if key.startswith('model.') else 'unused'}" for key in sorted(open_keys)
-              if OmegaConf.select(given, key, default=None) is None or OmegaConf.is_missing(given, key)]
-    rows = count(load_config(args.config, [*filled, *args.overrides]))
+    # does not name is counted from its preset.
+    rows = count(load_config_without(args.config, args.overrides))
     print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else format_counts(rows))
     return 0

@@ -30,15 +30,17 @@ _NAMED = {"white": (255, 255, 255), "black": (0, 0, 0), "grey": (128, 128, 128),
 
 
 def parse_background(value: str) -> tuple[int, int, int] | None:
-    """``data.background``: a colour name (white, black, grey), ``#rrggbb``, or ``random`` (None: drawn per
-    sample). Raises ValueError for anything else."""
+    """``data.background``: a colour name (white, black, grey), ``#rrggbb`` (or ``rrggbb``), or ``random`` (None:
+    drawn per sample). Raises ValueError for anything else."""
     value = value.strip().lower()
     if value == "random":
         return None
     if value in _NAMED:
         return _NAMED[value]
-    if len(value) == 7 and value.startswith("#"):
-        return tuple(int(value[i:i + 2], 16) for i in (1, 3, 5))  # type: ignore[return-value]
+    # On a command line `#` starts a YAML comment, so the hex digits alone are taken too.
+    digits = value.removeprefix("#")
+    if len(digits) == 6 and all(c in "0123456789abcdef" for c in digits):
+        return tuple(int(digits[i:i + 2], 16) for i in (0, 2, 4))  # type: ignore[return-value]
     raise ValueError(value)
 
 

@@ -28,6 +28,7 @@ from sdtrain.checkpoint import (
 )
 from sdtrain.config import DataConfig, RunConfig, to_dict
 from sdtrain.data.pipeline import TrainBatches
+from sdtrain.data.preview import batch_grid
 from sdtrain.distributed import (
     RankFailure,
     any_rank,
@@ -48,6 +49,7 @@ from sdtrain.evaluate.val_loss import ValLoss
 from sdtrain.faults import FaultInjector
 from sdtrain.loaders.components import instantiate_with
 from sdtrain.memory import tree_bytes
+from sdtrain.paths import FIRST_BATCH
 from sdtrain.run import prepare_run_dir, resolve_device
 from sdtrain.train import autotune
 from sdtrain.train.ema import EMA
@@ -234,6 +236,7 @@ class Trainer:
                 record_progress(self.state.step + 1, finished=False)
                 metrics = self.train_step()
                 memory.after_step()
+                self._show_first_batch()
                 self.state.step += 1
                 # Checkpoint steps are always logged: the metrics then show what each checkpoint holds.
                 self.report(metrics, force=self.checkpointer.due(self.state.step))
@@ -370,6 +373,14 @@ class Trainer:
         if self.state.bad_in_a_row == 0 and self.ema is not None and self.ema.due(step):
             self.ema.update(step)
         return totals
+
+    def _show_first_batch(self) -> None:
+        """At a run's first step, its batch as the model received it (samples/first_batch.png, in the report)."""
+        batch = self.last_batch
+        if self.state.step != 0 or not self.is_main or batch is None or "pixel_values" not in batch:
+            return
+        batch_grid(list(batch["pixel_values"]), list(batch.get("captions", [""] * len(batch["pixel_values"]))),
+                   self.run_dir / FIRST_BATCH)
 
     def _finite(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> bool:
         """Whether this step's loss and gradients are finite on every rank. Costs one device sync a step,
