@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import struct
 import tarfile
@@ -17,9 +18,18 @@ from sdtrain.cli.main import main
 from sdtrain.data.shards import read_manifest, sha256_file
 
 
+_FILES = itertools.count(1)
+
+
 def image_bytes(size: tuple[int, int] = (24, 16), fmt: str = "PNG", colour: str = "red") -> bytes:
+    """An image of `colour`, a different file at each call (the call's number in black and white pixels along the
+    top row, which survive JPEG): prepare drops an image whose bytes repeat an earlier one's."""
+    img = Image.new("RGB", size, colour)
+    n = next(_FILES)
+    for bit in range(min(size[0], 16)):
+        img.putpixel((bit, 0), (255, 255, 255) if n >> bit & 1 else (0, 0, 0))
     buf = io.BytesIO()
-    Image.new("RGB", size, colour).save(buf, format=fmt)
+    img.save(buf, format=fmt)
     return buf.getvalue()
 
 
@@ -388,7 +398,8 @@ def img2dataset_sample(key: str, size: tuple[int, int] = (16, 16), caption: str 
 
 def test_reshard_evens_out_drops_corrupt_and_survives_truncation(tmp_path: Path, capsys) -> None:
     src = tmp_path / "downloads"
-    write_tar(src / "00000.tar", [img2dataset_sample(f"0000{i}", caption=f"caption {i}") for i in range(5)])
+    first = [img2dataset_sample(f"0000{i}", caption=f"caption {i}") for i in range(5)]
+    write_tar(src / "00000.tar", first)
     bad = img2dataset_sample("10000", caption="corrupt image")
     bad["jpg"] = b"\xff\xd8 not really"
     write_tar(src / "00001.tar", [bad, img2dataset_sample("10001", caption="ok")])
@@ -412,7 +423,7 @@ def test_reshard_evens_out_drops_corrupt_and_survives_truncation(tmp_path: Path,
     assert [s["samples"] for s in read_manifest(out)["shards"]] == [3, 3, 2]
     got = samples(out)
     assert [s["__key__"] for s in got] == ["00000", "00001", "00002", "00003", "00004", "10001", "20000", "20001"]
-    original = img2dataset_sample("00003", caption="caption 3")
+    original = first[3]
     sample = got[3]
     assert (sample["jpg"], sample["txt"], sample["json"]) == (original["jpg"], b"caption 3", original["json"])
     assert read_manifest(out)["source"] == "reshard"
@@ -541,6 +552,9 @@ def test_cli_defaults_match_the_library_and_shapes_still_works(tmp_path: Path, c
 
     assert cli.DEFAULT_MAX_PIXELS == lib.DEFAULT_MAX_PIXELS == Image.MAX_IMAGE_PIXELS
     assert cli.MISSING_CAPTION == lib.MISSING_CAPTION
+    from sdtrain.data.dedup import DEDUP_MODES
+
+    assert cli.DEDUP_MODES == DEDUP_MODES
     code, lines, _ = run(capsys, "shapes", "--out", str(tmp_path / "s"), "--num", "3", "--size", "16")
     assert code == 0 and lines == [f"wrote 3 samples in 1 shards to {tmp_path / 's'}"]
     assert sha256_file(tmp_path / "s" / "shard-000000.tar") == read_manifest(tmp_path / "s")["shards"][0]["sha256"]

@@ -16,6 +16,7 @@ OUT_HELP = "output folder for shards and manifest.json (shards of an earlier run
 # doesn't import webdataset and PIL.
 DEFAULT_MAX_PIXELS = 89_478_485
 MISSING_CAPTION = ("skip", "empty")
+DEDUP_MODES = ("exact", "perceptual", "none")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +39,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="skip images with more pixels than this, read from the header before decoding "
                             f"(default {DEFAULT_MAX_PIXELS})")
         p.add_argument("--filter", action="append", default=[], metavar="KEY=COND", help=FILTER_HELP)
+        p.add_argument("--dedup", choices=DEDUP_MODES, default="exact",
+                       help="drop images that repeat an earlier one: exact (the same bytes; default), perceptual "
+                            "(also re-encoded or resized copies, by a perceptual hash; pip install 'sdtrain[dedup]') "
+                            "or none")
+        p.add_argument("--dedup-distance", type=int, default=4, metavar="BITS",
+                       help="--dedup perceptual: the most bits of 64 two hashes may differ by (default 4)")
         p.add_argument("--min-width", type=int, metavar="N", help="same as --filter min_width=N")
         p.add_argument("--min-height", type=int, metavar="N", help="same as --filter min_height=N")
 
@@ -174,9 +181,15 @@ def run_folder(args: argparse.Namespace) -> int:
     report = prepare_folder(args.src, args.out, samples_per_shard=args.samples_per_shard,
                             caption_ext=args.caption_ext, missing_caption=args.missing_caption,
                             max_pixels=args.max_pixels, filters=filters_from_args(args),
-                            caption_columns=args.caption_column or None)
+                            caption_columns=args.caption_column or None, duplicates=duplicates_from_args(args))
     _print_report(report)
     return 0
+
+
+def duplicates_from_args(args: argparse.Namespace):
+    from sdtrain.data.dedup import Duplicates
+
+    return Duplicates(args.dedup, args.dedup_distance)
 
 
 def run_reshard(args: argparse.Namespace) -> int:
@@ -184,7 +197,7 @@ def run_reshard(args: argparse.Namespace) -> int:
 
     report = reshard(args.src, args.out, samples_per_shard=args.samples_per_shard,
                      missing_caption=args.missing_caption, max_pixels=args.max_pixels,
-                     filters=filters_from_args(args))
+                     filters=filters_from_args(args), duplicates=duplicates_from_args(args))
     _print_report(report)
     return 0
 

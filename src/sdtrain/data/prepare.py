@@ -39,8 +39,9 @@ from typing import Any
 
 from PIL import Image
 
+from sdtrain.data.dedup import Duplicates
 from sdtrain.data.filters import Filters
-from sdtrain.data.images import describe
+from sdtrain.data.images import describe, rgb_image
 from sdtrain.data.remote import is_remote
 from sdtrain.data.shards import MANIFEST_NAME, ShardInfo, ShardWriter, tar_samples, write_manifest
 from sdtrain.data.sources import expand_spec
@@ -69,6 +70,8 @@ SKIP_REASONS = {
     "no_caption": "missing or empty caption",
     "caption_not_text": "caption file that is not text",
     "duplicate": "duplicate key",
+    "duplicate_image": "image with the same bytes as an earlier one",
+    "near_duplicate": "image nearly the same as an earlier one (--dedup perceptual)",
 }
 
 _KEY_BAD = re.compile(r"[^A-Za-z0-9_\-/]")
@@ -145,7 +148,7 @@ class _Job:
     """The part both commands share: checks, counting and writing through ShardWriter."""
 
     def __init__(self, out_dir: Path, samples_per_shard: int, missing_caption: str, max_pixels: int,
-                 filters: Filters | None, extra: dict[str, Any]) -> None:
+                 filters: Filters | None, extra: dict[str, Any], duplicates: Duplicates | None = None) -> None:
         if samples_per_shard < 1:
             raise UserError(f"--samples-per-shard: must be at least 1, got {samples_per_shard}")
         if missing_caption not in MISSING_CAPTION:
@@ -158,7 +161,8 @@ class _Job:
         self.missing_caption = missing_caption
         self.max_pixels = max_pixels
         self.filters = filters or Filters()
-        self.extra = extra
+        self.duplicates = duplicates or Duplicates()
+        self.extra = {**extra, "dedup": self.duplicates.mode}
         self.report = Report(out_dir, [], max_pixels, self.filters)
         self.keys: set[str] = set()
         self.seen = 0
@@ -223,6 +227,12 @@ class _Job:
             except Exception:
                 self.skip("corrupt")
                 return None
+            # Compared as training sees it (upright, on white), so a rotated or re-saved copy is the same picture.
+            duplicate, keep = self.duplicates.check(data, lambda: rgb_image(img, (255, 255, 255)).image)
+            if duplicate is not None:
+                self.skip(duplicate)
+                return None
+        keep()
         return ext
 
     def write(self, sample: dict[str, Any]) -> None:
@@ -370,6 +380,7 @@ def prepare_folder(
     max_pixels: int = DEFAULT_MAX_PIXELS,
     filters: Filters | None = None,
     caption_columns: list[str] | None = None,
+    duplicates: Duplicates | None = None,
 ) -> Report:
     """Write the images of ``src`` (and their captions) as shards in ``out_dir``; see the module docstring.
     A caption file with several lines, a metadata column holding a list, or several `caption_columns` give a sample
@@ -400,7 +411,7 @@ def prepare_folder(
 
     extra = {"source": "folder", "input": str(src.resolve()),
              "captions": metadata.name if metadata else f"*.{caption_ext}"}
-    job = _Job(out_dir, samples_per_shard, missing_caption, max_pixels, filters, extra)
+    job = _Job(out_dir, samples_per_shard, missing_caption, max_pixels, filters, extra, duplicates)
     with _own_pixel_limit(), job.writer:
         for entry in entries:
             job.progress()
@@ -472,6 +483,7 @@ def reshard(
     missing_caption: str = "skip",
     max_pixels: int = DEFAULT_MAX_PIXELS,
     filters: Filters | None = None,
+    duplicates: Duplicates | None = None,
 ) -> Report:
     """Re-tar the samples of existing shards into shards of ``samples_per_shard`` in ``out_dir``.
 
@@ -488,7 +500,8 @@ def reshard(
             raise UserError(f"--out: {out_dir} holds the input shard {url}; write to another folder")
     log.info("resharding %d shards", len(urls))
     job = _Job(out_dir, samples_per_shard, missing_caption, max_pixels, filters,
-               {"source": "reshard", "input": [url if is_remote(url) else str(Path(url).resolve()) for url in urls]})
+               {"source": "reshard", "input": [url if is_remote(url) else str(Path(url).resolve()) for url in urls]},
+               duplicates)
     with _own_pixel_limit(), job.writer:
         for url in urls:
             errors: list[Exception] = []
