@@ -17,7 +17,6 @@ from PIL import Image
 from sdtrain.cli.main import main
 from sdtrain.data.shards import read_manifest, sha256_file
 
-
 _FILES = itertools.count(1)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from sdtrain.config import DataConfig, RunConfig
+from sdtrain.data.dedup import Duplicates
 from sdtrain.data.prepare import prepare_folder
 from sdtrain.errors import UserError
 from sdtrain.loaders.components import load_component
@@ -123,7 +124,9 @@ class DreamBoothTask(DiffusionTask):
         folder = class_folder(config, run_dir)
         ensure_class_images(config, folder)
         # Rewritten at every start from the folder's images: the same images give the same shards.
-        prepare_folder(folder, class_shards(run_dir), samples_per_shard=1000, missing_caption="empty")
+        # Generated on purpose, one per seed: none is dropped as a repeat, whatever a small model draws.
+        prepare_folder(folder, class_shards(run_dir), samples_per_shard=1000, missing_caption="empty",
+                       duplicates=Duplicates("none"))
 
     def data_config(self) -> DataConfig:
         # Every instance image is the subject under its prompt: none dropped, no pre-encoded captions.
