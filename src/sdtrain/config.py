@@ -91,6 +91,12 @@ class DataConfig:
     comment), or ``random`` (a colour drawn per sample, seeded by
     its place, so resume is exact, and the model learns no background colour). Dropping alpha instead, as a plain
     RGB conversion does, paints them the colour their clear pixels happen to store: usually black."""
+    alpha_mask: bool = False
+    """Use each image's transparency as its loss mask (kohya's ``--alpha_mask``): transparent areas contribute no
+    loss, half-transparent ones half, so a cut-out subject trains without its background being learned. A sample's
+    own mask (``{key}.mask.png`` beside its image, white counts, black does not) is used whatever this says. The
+    mask gets the image's crop and flip, is averaged down to the latents' grid and weights the loss there, in every
+    mode and family."""
     use_encoded: bool = True
     """Read the latents (and, with a frozen text encoder, the text embeddings) that shards from
     ``sdtrain prepare encode`` carry, instead of encoding images every step. Those shards are

@@ -12,10 +12,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 from sdtrain.config import DataConfig
-from sdtrain.data.encoded import LATENT_MEAN, LATENT_STD, SIZE_IDS, TEXT_FIELDS, load_npy
+from sdtrain.data.encoded import (
+    ALPHA,
+    LATENT_MEAN,
+    LATENT_STD,
+    MASK,
+    MASK_IMAGE,
+    SIZE_IDS,
+    TEXT_FIELDS,
+    load_npy,
+)
 from sdtrain.data.filters import parse_filters
 from sdtrain.data.images import parse_background, rgb_image
 from sdtrain.data.prepare import DEFAULT_MAX_PIXELS
@@ -135,15 +144,31 @@ class SampleDecoder:
                     return None
                 img.load()
                 background = self.background or tuple(int(c) for c in rng.integers(0, 256, 3))
-                image = rgb_image(img, background).image
+                decoded = rgb_image(img, background)
+            image = decoded.image
+            mask = self._mask(raw, image.size, decoded.alpha)
             bucket = self._bucket(image.size)
             target = self.buckets[bucket] if self.buckets else (self.config.resolution,) * 2
-            pixels, size_ids = self._transform(image, rng, target)
+            pixels, size_ids, mask = self._transform(image, rng, target, mask)
         except (OSError, ValueError, Image.DecompressionBombError, SyntaxError):
             return None
         drop = rng.random() < self.config.caption_dropout
-        return {"pixel_values": pixels, "size_ids": size_ids, "caption": "" if drop else caption,
-                "key": raw["__key__"], "bucket": bucket}
+        sample = {"pixel_values": pixels, "size_ids": size_ids, "caption": "" if drop else caption,
+                  "key": raw["__key__"], "bucket": bucket}
+        return sample if mask is None else {**sample, "mask": mask}
+
+    def _mask(self, raw: dict[str, Any], size: tuple[int, int], alpha: Image.Image | None) -> Image.Image | None:
+        """The sample's loss mask in its image's frame: its ``mask.png`` (any mode; white counts), else with
+        data.alpha_mask its transparency; None when the whole image counts. A mask of another size than the
+        (upright) image raises ValueError: the sample is skipped."""
+        data = raw.get(MASK_IMAGE)
+        if data is None:
+            return alpha if self.config.alpha_mask else None
+        with Image.open(io.BytesIO(data)) as img:
+            mask = ImageOps.exif_transpose(img).convert("L")
+        if mask.size != size:
+            raise ValueError(f"mask {mask.size} for an image of {size}")
+        return mask
 
     def _bucket(self, size: tuple[int, int]) -> int:
         """The bucket whose aspect ratio is nearest the image's (0 without buckets)."""
@@ -163,6 +188,10 @@ class SampleDecoder:
             for key, field in TEXT_FIELDS.items():
                 if field in raw:
                     sample[key] = torch.from_numpy(load_npy(raw[field]).astype(np.float32))
+            for field in (MASK, ALPHA) if self.config.alpha_mask else (MASK,):
+                if field in raw:
+                    sample["mask"] = torch.from_numpy(load_npy(raw[field]).astype(np.float32))
+                    break
             # Shards encoded before size ids were kept: centre crops of images taken to be square.
             side = self.config.resolution
             sample["size_ids"] = torch.from_numpy(load_npy(raw[SIZE_IDS]).astype(np.int64)) if SIZE_IDS in raw \
@@ -172,27 +201,31 @@ class SampleDecoder:
         drop = bool(rng.random() < self.config.caption_dropout)
         return {**sample, "caption": "" if drop else caption, "dropped": drop, "key": raw["__key__"], "bucket": 0}
 
-    def _transform(self, img: Image.Image, rng: np.random.Generator, target: tuple[int, int]
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The image resized and cropped to `target`, and its size ids: original height and width, the crop's
-        top and left in the resized image (mirrored when flipped, so they still say what was cut off), and
-        the target height and width."""
+    def _transform(self, img: Image.Image, rng: np.random.Generator, target: tuple[int, int],
+                   mask: Image.Image | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The image resized and cropped to `target`, its size ids (original height and width, the crop's top and
+        left in the resized image, mirrored when flipped so they still say what was cut off, and the target height
+        and width), and its `mask` given the same resize, crop and flip (1xHxW in [0, 1])."""
         width, height = target
         original = (img.height, img.width)
         scale = max(width / img.width, height / img.height)
         if scale != 1.0 and (self.config.resize or scale > 1.0):
             new_size = (max(width, round(img.width * scale)), max(height, round(img.height * scale)))
             img = img.resize(new_size, Image.Resampling.BICUBIC)
+            mask = mask.resize(new_size, Image.Resampling.BILINEAR) if mask is not None else None
         if self.config.center_crop:
             left, top = (img.width - width) // 2, (img.height - height) // 2
         else:
             left = int(rng.integers(0, img.width - width + 1))
             top = int(rng.integers(0, img.height - height + 1))
         resized_width = img.width
-        img = img.crop((left, top, left + width, top + height))
+        box = (left, top, left + width, top + height)
+        img, mask = img.crop(box), mask.crop(box) if mask is not None else None
         if self.config.random_flip and rng.random() < 0.5:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            mask = mask.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if mask is not None else None
             left = resized_width - left - width
         array = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
         size_ids = torch.tensor([*original, top, left, height, width])
-        return torch.from_numpy(array.transpose(2, 0, 1).copy()), size_ids
+        weights = torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)[None] if mask is not None else None
+        return torch.from_numpy(array.transpose(2, 0, 1).copy()), size_ids, weights

@@ -21,13 +21,17 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from sdtrain.config import DataConfig
 from sdtrain.data.decode import SampleDecoder
 from sdtrain.data.encoded import (
+    ALPHA,
     DTYPES,
     LATENT_MEAN,
     LATENT_STD,
+    MASK,
+    MASK_IMAGE,
     SIZE_IDS,
     TEXT_FIELDS,
     describe_encoding,
@@ -115,12 +119,14 @@ class Encoder:
 
 
 def encode_dataset(src: str, out: Path, encoder: Encoder, batch_size: int = 32, rank: int = 0,
-                   world_size: int = 1, caption_key: str = "txt", image_key: str = "jpg;jpeg;png;webp") -> dict | None:
+                   world_size: int = 1, caption_key: str = "txt", image_key: str = DataConfig.image_key
+                   ) -> dict | None:
     """Encode this process's share of the shards of `src` into `out`; returns the manifest once complete."""
     shards = resolve_shards(src)
     out.mkdir(parents=True, exist_ok=True)
+    # Transparency is kept as a mask of its own (alpha.npy) whether or not a run uses it (data.alpha_mask).
     config = DataConfig(shards=src, resolution=encoder.resolution, center_crop=True, random_flip=False,
-                        caption_dropout=0.0, image_key=image_key, caption_key=caption_key)
+                        caption_dropout=0.0, image_key=image_key, caption_key=caption_key, alpha_mask=True)
     decoder = SampleDecoder(config, None, seed=0)
     for index in range(rank, len(shards), world_size):
         if (out / output_name(index)).exists():
@@ -165,6 +171,9 @@ def _encode_shard(url: str, decoder: SampleDecoder, encoder: Encoder, index: int
                 fields[LATENT_MEAN] = npy_bytes(mean[i].astype(encoder.dtype))
                 fields[LATENT_STD] = npy_bytes(std[i].astype(encoder.dtype))
                 fields[SIZE_IDS] = npy_bytes(decoded_sample["size_ids"].numpy().astype(np.int32))
+                if "mask" in decoded_sample:
+                    grid = F.interpolate(decoded_sample["mask"][None], size=mean[i].shape[-2:], mode="area")[0]
+                    fields[MASK if MASK_IMAGE in sample else ALPHA] = npy_bytes(grid.numpy().astype(np.float16))
                 for field, values in embeddings.items():
                     fields[TEXT_FIELDS[field]] = npy_bytes(values[i].astype(encoder.dtype))
                 writer.write({"__key__": sample["__key__"], **fields})

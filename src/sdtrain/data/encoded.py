@@ -15,6 +15,11 @@ EMPTY_CAPTION = "empty_caption.npy"
 LATENT_MEAN, LATENT_STD, TEXT_EMB = "latent_mean.npy", "latent_std.npy", "text_emb.npy"
 SIZE_IDS = "size_ids.npy"
 """A sample's original height and width, crop top and left, and encoded height and width (SDXL's size ids)."""
+MASK, ALPHA = "mask.npy", "alpha.npy"
+"""A sample's loss mask at the latents' resolution (float16, 1 counts, 0 does not): from its ``mask.png``, and from
+its image's transparency (used with data.alpha_mask)."""
+MASK_IMAGE = "mask.png"
+"""A sample's loss mask as an image (white counts, black does not): from ``{key}.mask.png`` beside the image."""
 TEXT_FIELDS = {"text_emb": TEXT_EMB, "text_pooled": "text_pooled.npy"}
 """Text conditioning a sample may carry, batch key -> sample field: the sequence the denoiser attends to, and a
 family's pooled vector (SDXL's)."""

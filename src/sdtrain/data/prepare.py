@@ -40,6 +40,7 @@ from typing import Any
 from PIL import Image
 
 from sdtrain.data.dedup import Duplicates
+from sdtrain.data.encoded import MASK_IMAGE
 from sdtrain.data.filters import Filters
 from sdtrain.data.images import describe, rgb_image
 from sdtrain.data.remote import is_remote
@@ -58,6 +59,8 @@ DEFAULT_MAX_PIXELS = 89_478_485
 MISSING_CAPTION = ("skip", "empty")
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 CAPTION_COLUMNS = ("text", "caption")
+MASK_SUFFIX = ".mask.png"
+"""A loss mask beside its image (``photo.mask.png`` for ``photo.jpg``): white counts, black does not."""
 SHARD_PREFIX = "shard"
 PROGRESS_EVERY = 10_000
 
@@ -69,6 +72,7 @@ SKIP_REASONS = {
     "no_file": "image file listed in the metadata not found",
     "no_caption": "missing or empty caption",
     "caption_not_text": "caption file that is not text",
+    "mask_size": "mask of another size than its image",
     "duplicate": "duplicate key",
     "duplicate_image": "image with the same bytes as an earlier one",
     "near_duplicate": "image nearly the same as an earlier one (--dedup perceptual)",
@@ -291,12 +295,33 @@ def _read_caption_file(path: Path) -> str | None:
     return text
 
 
+def _read_mask(path: Path, size: tuple[int, int]) -> bytes | bool | None:
+    """The bytes of the loss mask at `path`, if there is one; False (logged) when it is not an image of `size` (the
+    image's, upright)."""
+    try:
+        data = path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            upright = describe(img)
+            found = (upright.width, upright.height)
+    except Exception:  # PIL raises many kinds on malformed files
+        found = None
+    if found != size:
+        log.warning("%s: %s, not the %dx%d of its image; sample skipped: save the mask at the image's size",
+                    path, f"{found[0]}x{found[1]}" if found else "not an image", *size)
+        return False
+    return data
+
+
 def _walk_images(src: Path) -> list[_Entry]:
     entries = []
     for root, dirs, files in os.walk(src):
         dirs[:] = [d for d in dirs if not d.startswith(".")]  # .git, .ipynb_checkpoints, ...
         for name in files:
-            if not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS):
+            if not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS) \
+                    and not name.lower().endswith(MASK_SUFFIX):
                 rel = Path(root, name).relative_to(src).as_posix()
                 entries.append(_Entry(rel, None, {}))
     entries.sort(key=lambda e: e.rel)
@@ -442,10 +467,14 @@ def prepare_folder(
             ext = job.image(data, meta, caption, fill_size=True)
             if ext is None:
                 continue
+            mask = _read_mask(src / f"{stem}{MASK_SUFFIX}", (meta["width"], meta["height"]))
+            if mask is False:
+                job.skip("mask_size")
+                continue
             meta.pop("file_name", None)
             meta["file_name"] = entry.rel
             body = json.dumps(meta, ensure_ascii=False, default=str).encode("utf-8")
-            job.write({"__key__": key, ext: data, "txt": caption, "json": body})
+            job.write({"__key__": key, ext: data, "txt": caption, "json": body, **({MASK_IMAGE: mask} if mask else {})})
     return job.finish()
 
 

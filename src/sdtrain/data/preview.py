@@ -1,6 +1,6 @@
 """What the model is fed: the first samples of a run's data exactly as training receives them (decoded, composited,
-cropped, flipped, bucketed, captions drawn), tiled with their captions (``sdtrain data preview``, and the run's
-first batch in its folder)."""
+cropped, flipped, bucketed, captions drawn, loss masks tinted), tiled with their captions (``sdtrain data preview``,
+and the run's first batch in its folder)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,17 @@ from sdtrain.utils import make_grid, save_image_atomic, to_pil
 DROPPED = "(caption dropped)"
 
 
-def batch_grid(pixels: list[torch.Tensor], captions: list[str], path: Path) -> Path:
+MASKED = torch.tensor([1.0, -1.0, -1.0]).view(3, 1, 1)
+"""What the parts a loss mask leaves out are tinted towards (red), half and half."""
+
+
+def batch_grid(pixels: list[torch.Tensor], captions: list[str], path: Path,
+               masks: list[torch.Tensor] | None = None) -> Path:
     """`pixels` (each 3xHxW in [-1, 1], sizes may differ between buckets) tiled with their `captions` under them,
-    each letterboxed into a square cell so every bucket's shape shows as it is."""
+    each letterboxed into a square cell so every bucket's shape shows as it is; with `masks` (1xHxW, 1 counts), what
+    a mask leaves out of the loss is tinted red."""
+    if masks is not None:
+        pixels = [p * (1 + m) / 2 + MASKED * (1 - m) / 2 for p, m in zip(pixels, masks)]
     images = [to_pil(p.unsqueeze(0))[0] for p in pixels]
     side = max(max(img.size) for img in images)
     cells = []
@@ -42,13 +50,15 @@ def preview_data(config: DataConfig, seed: int, num: int, out: Path) -> dict[str
     loader = TrainBatches(dataclasses.replace(config, num_workers=0), None, seed, encoded=False)
     pixels: list[torch.Tensor] = []
     captions: list[str] = []
+    masks: list[torch.Tensor] = []
     try:
         while len(pixels) < num:
             batch = loader.next()
             pixels += list(batch["pixel_values"])
             captions += list(batch["captions"])
+            masks += list(batch["mask"]) if "mask" in batch else [torch.ones_like(p[:1]) for p in batch["pixel_values"]]
         position = loader.position
         counts = {"samples": num, "skipped": position.total_skipped, "filtered": position.total_filtered}
     finally:
         loader.close()
-    return {**counts, "grid": str(batch_grid(pixels[:num], captions[:num], out))}
+    return {**counts, "grid": str(batch_grid(pixels[:num], captions[:num], out, masks[:num]))}

@@ -169,6 +169,10 @@ class ShardStream(IterableDataset):
         captions = [s["caption"] for s in batch]
         out: dict[str, Any] = {"captions": captions, "keys": [s["key"] for s in batch], "position": position,
                                "size_ids": torch.stack([s["size_ids"] for s in batch])}
+        if any("mask" in s for s in batch):
+            # A sample without a mask counts everywhere: ones the shape of another's mask.
+            shape = next(s["mask"].shape for s in batch if "mask" in s)
+            out["mask"] = torch.stack([s["mask"] if "mask" in s else torch.ones(shape) for s in batch])
         if "pixel_values" in batch[0]:
             out["pixel_values"] = torch.stack([s["pixel_values"] for s in batch])
         else:

@@ -514,16 +514,24 @@ class DiffusionTask(Task):
         # Latents, noise and their mix stay in fp32 under bf16 autocast: in bf16 the noise coefficient
         # of the lowest timesteps rounds to zero and the target is quantised.
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
-            noisy, timesteps, target = self.objective.draw(self._latents(batch, generator), generator)
+            latents = self._latents(batch, generator)
+            noisy, timesteps, target = self.objective.draw(latents, generator)
         condition = self.conditioning(batch, generator)
-        return self.denoising_loss_at(noisy, timesteps, target, condition)
+        return self.denoising_loss_at(noisy, timesteps, target, condition, latent_mask(batch, latents))
 
     def denoising_loss_at(self, noisy: torch.Tensor, timesteps: torch.Tensor, target: torch.Tensor,
-                          condition: dict[str, Any]) -> torch.Tensor:
-        """The weighted per-sample loss of the denoiser's prediction at given noisy latents and timesteps."""
+                          condition: dict[str, Any], mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The weighted per-sample loss of the denoiser's prediction at given noisy latents and timesteps; with a
+        `mask` (Bx1xhxw on the latents' grid), the mean of the squared error over what the mask counts."""
         output = self.family.denoise(self.denoiser, noisy, timesteps, condition)
         prediction = self.objective.prediction(output.float(), noisy, timesteps)
-        loss = F.mse_loss(prediction, target.float(), reduction="none").mean(dim=(1, 2, 3))
+        error = F.mse_loss(prediction, target.float(), reduction="none")
+        if mask is None:
+            loss = error.mean(dim=(1, 2, 3))
+        else:
+            # A sample whose mask counts nothing adds no loss (rather than dividing by zero).
+            counted = mask.sum(dim=(1, 2, 3)) * error.shape[1]
+            loss = (error * mask).sum(dim=(1, 2, 3)) / counted.clamp_min(1e-6)
         return self.objective.weight(loss, timesteps)
 
     def conditioning(self, batch, generator: torch.Generator | None = None) -> dict[str, Any]:
@@ -582,6 +590,15 @@ TASKS: dict[str, type[Task]] = {"autoencoder": AutoencoderTask, "diffusion": Dif
 def _on_meta(module: nn.Module) -> bool:
     """Whether `module` was built or released without its weights."""
     return next(module.parameters()).is_meta
+
+
+def latent_mask(batch: dict[str, Any], latents: torch.Tensor) -> torch.Tensor | None:
+    """The batch's loss masks (data.alpha_mask, ``mask.png``) averaged down to the `latents`' grid, or None."""
+    mask = batch.get("mask")
+    if mask is None:
+        return None
+    mask = mask.to(latents.device, torch.float32, non_blocking=True)
+    return mask if mask.shape[-2:] == latents.shape[-2:] else F.interpolate(mask, size=latents.shape[-2:], mode="area")
 
 
 def _placed(module: nn.Module, device: torch.device) -> nn.Module:

@@ -380,7 +380,7 @@ class Trainer:
         if self.state.step != 0 or not self.is_main or batch is None or "pixel_values" not in batch:
             return
         batch_grid(list(batch["pixel_values"]), list(batch.get("captions", [""] * len(batch["pixel_values"]))),
-                   self.run_dir / FIRST_BATCH)
+                   self.run_dir / FIRST_BATCH, list(batch["mask"]) if "mask" in batch else None)
 
     def _finite(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> bool:
         """Whether this step's loss and gradients are finite on every rank. Costs one device sync a step,

@@ -97,6 +97,10 @@ class WithPriorBatches:
                 batch[key] = value + second[key]
             else:
                 batch[key] = value
+        masked = [b["mask"] for b in (first, second) if "mask" in b]
+        if masked:  # a batch without loss masks counts everywhere
+            batch["mask"] = torch.cat([b["mask"] if "mask" in b else torch.ones(len(b["keys"]), *masked[0].shape[1:])
+                                       for b in (first, second)])
         return batch
 
     def state_dict(self) -> dict[str, Any]:
