@@ -59,6 +59,8 @@ def test_benchmark_compares_process_counts_with_allreduce_time(tmp_path, capsys)
     assert "scaling" in table and "allreduce ms" in table
 
 
+# FSDP2's sharded saves are exercised by the distributed and chaos tests; this times them, at 40 s.
+@pytest.mark.slow
 @pytest.mark.dist
 def test_benchmark_times_a_sharded_save_under_fsdp(tmp_path, capsys):
     out = tmp_path / "fsdp.json"
@@ -121,6 +123,8 @@ def test_benchmark_runs_the_real_loader_and_counts_its_workers(tmp_path):
     assert result["loading_peak_memory_gib"] > 0 and result["peak_memory_gib"] > 0
 
 
+# A minute: the path `benchmark --encoded` shares with training is in test_encode; this adds the pretrained source.
+@pytest.mark.slow
 def test_benchmark_loads_a_pretrained_model_and_reads_encoded_shards(tmp_path, pretrained):
     out = tmp_path / "result.json"
     run = tmp_path / "run"
