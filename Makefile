@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; a GPU machine can install its own CUDA build first, pyproject only asks for a range.
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-dev demo test chaos lint clean bench-peer
+.PHONY: install install-dev demo test chaos lint clean bench-peer bench-peer-lora
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,15 @@ bench-peer: install
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python benchmarks/peer.py --diffusers $(DIFFUSERS) $(BENCH_PEER_ARGS) --work runs/bench-peer \
 		--out runs/bench-peer/results.json
+
+# sdtrain beside diffusers' DreamBooth LoRA scripts (examples/dreambooth/train_dreambooth_lora_{flux,sdxl}.py):
+#   make bench-peer-lora DIFFUSERS=path/to/diffusers [BENCH_PEER_LORA_ARGS="--family flux --size partial --steps 8"]
+BENCH_PEER_LORA_ARGS ?= --family flux,sdxl --size tiny --steps 20
+bench-peer-lora: install
+	@test -n "$(DIFFUSERS)" || { echo "usage: make bench-peer-lora DIFFUSERS=path/to/diffusers-checkout" >&2; exit 2; }
+	$(BIN)/pip install --quiet -e '.[bench]'
+	$(BIN)/python benchmarks/peer_lora.py --diffusers $(DIFFUSERS) $(BENCH_PEER_LORA_ARGS) --work runs/bench-peer-lora \
+		--out runs/bench-peer-lora/results.json
 
 lint: install-dev
 	$(BIN)/ruff check src tests

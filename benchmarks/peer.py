@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +165,7 @@ def read_mem_available_gib() -> float:
 
 
 def run_measured(name: str, cmd: list[str], env: dict[str, str], logfile: Path, clock: Path | None,
-                 total: int, timeout: float | None) -> dict[str, Any]:
+                 total: int, timeout: float | None, phases: bool = False) -> dict[str, Any]:
     """Run ``cmd`` as a fresh child; return its exit code, wall time and two peaks.
 
     - peak_gib: from ``os.wait4`` on that child: Linux reports the largest resident set of the child and
@@ -172,6 +173,9 @@ def run_measured(name: str, cmd: list[str], env: dict[str, str], logfile: Path, 
       per run, unlike RUSAGE_CHILDREN. The largest single process: loader workers are not added.
     - tree_peak_gib: the whole process tree (launcher, trainer, loader workers, fork server) sampled
       while it runs by sdtrain's ``memory.TreePeak``, each page counted once: what the machine sees.
+    - with ``phases`` (and a ``clock``), also the tree peak split at the moment the clock is seen to hold all
+      ``total`` steps (polled every 0.5 s): train_tree_peak_gib (start, loading and every step) and
+      end_tree_peak_gib (what runs after the last step: final save, export, a reload of the pipeline).
     """
     if clock is not None:
         clock.unlink(missing_ok=True)
@@ -192,6 +196,9 @@ def run_measured(name: str, cmd: list[str], env: dict[str, str], logfile: Path, 
                 pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
                 if pid:
                     break
+                if phases and clock is not None and tree.peaks.get("end") is None and clock.exists() \
+                        and len(clock.read_text().splitlines()) >= total:
+                    tree.phase("end")
                 now = time.time()
                 if timeout and now - t0 > timeout:
                     log(f"{name}: timeout after {timeout:.0f} s, killing process group {proc.pid}")
@@ -215,6 +222,10 @@ def run_measured(name: str, cmd: list[str], env: dict[str, str], logfile: Path, 
               "cpu_user_s": round(usage.ru_utime, 1), "cpu_system_s": round(usage.ru_stime, 1),
               "peak_gib": round(usage.ru_maxrss / 2**20, 3), "tree_peak_gib": round(tree.peak() / 2**30, 3),
               "log": str(logfile)}
+    if phases:
+        train = max((v for k, v in tree.peaks.items() if k != "end"), default=0)
+        result["train_tree_peak_gib"] = round(train / 2**30, 3)
+        result["end_tree_peak_gib"] = round(tree.peaks["end"] / 2**30, 3) if "end" in tree.peaks else None
     if proc.returncode != 0:
         tail = logfile.read_text(errors="replace").splitlines()[-15:]
         log(f"{name}: FAILED with exit code {proc.returncode}; last lines of {logfile}:\n    " + "\n    ".join(tail))
@@ -262,13 +273,19 @@ def steady_rate(clock: Path, batch: int, skip: int, start_time: float) -> dict[s
 # ------------------------------------------------------------------------------------------------ runs
 
 
+def accelerate_launch(threads: int, mixed_precision: str) -> list[str]:
+    """``accelerate launch`` on the CPU, one process, ``mixed_precision`` (no, bf16), with stepclock.py as the
+    script it runs: the example's path and arguments follow."""
+    launcher = Path(sys.executable).with_name("accelerate")
+    launch = [str(launcher)] if launcher.exists() else [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
+    return [*launch, "launch", "--cpu", "--num_processes", "1", "--num_machines", "1", "--mixed_precision",
+            mixed_precision, "--dynamo_backend", "no", "--num_cpu_threads_per_process", str(threads), str(STEPCLOCK)]
+
+
 def peer_command(args: argparse.Namespace, size: str, work: Path, run_dir: Path, ema: bool, precision: str,
                  resolution: int) -> list[str]:
     mp = {"fp32": "no", "bf16": "bf16"}[precision]
-    launcher = Path(sys.executable).with_name("accelerate")
-    launch = [str(launcher)] if launcher.exists() else [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
-    cmd = [*launch, "launch", "--cpu", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", mp,
-           "--dynamo_backend", "no", "--num_cpu_threads_per_process", str(args.threads), str(STEPCLOCK),
+    cmd = [*accelerate_launch(args.threads, mp),
            str(Path(args.diffusers).resolve() / EXAMPLE),
            "--pretrained_model_name_or_path", str(work / "pipeline"),
            "--train_data_dir", str(work / "images"),
@@ -391,28 +408,55 @@ def prepare_sdtrain_data(work: Path, settings: dict[str, Any], env: dict[str, st
 # ------------------------------------------------------------------------------------------ reporting
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
-    head = ["size", "ema", "precision", "workers", "tool", "img/s", "img/s (median step)", "CPU ms/img", "first step s",
-            "peak GiB", "tree peak GiB", "reported peak GiB", "sdtrain/peer (img/s, median)"]
-    peers = {(r["size"], r["ema"], r["precision"], r.get("workers")): r for r in rows if r["tool"] == "peer"}
+# The leading columns of print_table: (header, row field, how its value is shown); rows with equal values in
+# them form a group, whose sdtrain rows are compared with its peer row.
+GROUP_COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
+    ("size", "size", str), ("ema", "ema", lambda v: "on" if v else "off"), ("precision", "precision", str),
+    ("workers", "workers", lambda v: "" if v is None else str(v))]
+
+
+def print_table(rows: list[dict[str, Any]], group: list[tuple[str, str, Callable[[Any], str]]] | None = None,
+                peer_of: Callable[[dict[str, Any]], str | None] | None = None,
+                extra: list[tuple[str, str]] | None = None) -> None:
+    """The runs as a table. `group`: the leading columns (GROUP_COLUMNS by default); `peer_of(row)`: the tool
+    name of the peer run a row's ratio is taken against in its group, None for a peer row (default: every row
+    but ``peer`` against ``peer``; another name is shown beside the ratio); `extra`: (header, field) columns of
+    GiB figures added after the peaks."""
+    group = GROUP_COLUMNS if group is None else group
+    extra = extra or []
+    if peer_of is None:
+        def peer_of(r: dict[str, Any]) -> str | None:
+            return None if r["tool"] == "peer" else "peer"
+    head = [h for h, _, _ in group] + ["tool", "img/s", "img/s (median step)", "CPU ms/img", "first step s",
+                                       "peak GiB", "tree peak GiB", *(h for h, _ in extra), "reported peak GiB",
+                                       "sdtrain/peer (img/s, median)"]
+
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        return tuple(r.get(field) for _, field, _ in group)
+
+    peers = {(key(r), r["tool"]): r for r in rows if peer_of(r) is None}
 
     def num(value: Any, fmt: str) -> str:
         return format(value, fmt) if isinstance(value, (int, float)) else ""
 
     table = []
     for r in rows:
-        peer = peers.get((r["size"], r["ema"], r["precision"], r.get("workers")))
+        peer_tool = peer_of(r)
+        peer = peers.get((key(r), peer_tool)) if peer_tool is not None else None
         ratio = ""
-        if r["tool"] != "peer" and peer and r.get("img_per_s") and peer.get("img_per_s"):
+        if peer and r.get("img_per_s") and peer.get("img_per_s"):
             ratio = f"{r['img_per_s'] / peer['img_per_s']:.2f}"
             if r.get("img_per_s_median") and peer.get("img_per_s_median"):
                 ratio += f", {r['img_per_s_median'] / peer['img_per_s_median']:.2f}"
+            if peer_tool != "peer":
+                ratio += f" (vs {peer_tool})"
         rate = num(r.get("img_per_s"), ".3f") or ("FAILED" if r["returncode"] else "n/a")
-        table.append([r["size"], "on" if r["ema"] else "off", r["precision"], str(r.get("workers", "")), r["tool"],
-                      rate,
+        table.append([fmt(r.get(field)) for _, field, fmt in group] + [
+                      r["tool"], rate,
                       num(r.get("img_per_s_median"), ".3f"), num(r.get("cpu_ms_per_img"), ".1f"),
                       num(r.get("first_step_s"), ".1f"), num(r["peak_gib"], ".2f"),
-                      num(r.get("tree_peak_gib"), ".2f"), num(r.get("reported_peak_gib"), ".2f"), ratio])
+                      num(r.get("tree_peak_gib"), ".2f"), *(num(r.get(field), ".2f") for _, field in extra),
+                      num(r.get("reported_peak_gib"), ".2f"), ratio])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *table)]
     line = "  ".join(h.ljust(w) for h, w in zip(head, widths))
     print(line)
@@ -424,13 +468,14 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 # ------------------------------------------------------------------------------------------------ main
 
 
-def check_peer_imports(diffusers_path: Path) -> bool:
-    """The peer needs accelerate and datasets in this environment; torchvision gets a stand-in."""
-    example = diffusers_path / EXAMPLE
-    if not example.is_file():
-        raise SystemExit(f"--diffusers {diffusers_path}: no {EXAMPLE} there; pass a diffusers source checkout")
-    missing = [m for m in ("accelerate", "datasets", "diffusers", "transformers")
-               if importlib.util.find_spec(m) is None]
+def check_peer_imports(diffusers_path: Path, examples: tuple[Path, ...] = (EXAMPLE,),
+                       modules: tuple[str, ...] = ("accelerate", "datasets", "diffusers", "transformers")) -> bool:
+    """The peer needs accelerate and datasets (or the given `modules`) in this environment; torchvision gets a
+    stand-in. Returns whether it needs the stand-in."""
+    for relative in examples:
+        if not (diffusers_path / relative).is_file():
+            raise SystemExit(f"--diffusers {diffusers_path}: no {relative} there; pass a diffusers source checkout")
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         print(f"the diffusers example needs {', '.join(missing)} in this environment; install with:\n"
               f"  {Path(sys.executable).with_name('pip')} install {' '.join(missing)}", file=sys.stderr)
@@ -440,6 +485,20 @@ def check_peer_imports(diffusers_path: Path) -> bool:
         probe = subprocess.run([sys.executable, "-c", "import torchvision.transforms"], capture_output=True)
         real_torchvision = probe.returncode == 0
     return not real_torchvision
+
+
+def tool_environments(threads: int, use_standin: bool) -> tuple[dict[str, str], dict[str, str]]:
+    """The environment of sdtrain's runs and of the peer's: this one with the thread counts and offline
+    switches set, the peer's with the torchvision stand-in first on its PYTHONPATH when `use_standin`."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1", HF_HUB_DISABLE_TELEMETRY="1", WANDB_MODE="disabled")
+    env.pop("PYTHONPATH", None)
+    peer_env = dict(env)
+    if use_standin:
+        peer_env["PYTHONPATH"] = str(STANDIN)
+    return env, peer_env
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -498,14 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     work_root = args.work.resolve()
     work_root.mkdir(parents=True, exist_ok=True)
 
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1", HF_HUB_DISABLE_TELEMETRY="1", WANDB_MODE="disabled")
-    env.pop("PYTHONPATH", None)
-    peer_env = dict(env)
+    env, peer_env = tool_environments(args.threads, use_standin)
     if use_standin:
-        peer_env["PYTHONPATH"] = str(STANDIN)
         log(f"torchvision is not importable here: the diffusers example gets the stand-in {STANDIN}/torchvision "
             "(Compose, Resize, CenterCrop, RandomCrop, RandomHorizontalFlip, Lambda, ToTensor, Normalize, "
             "InterpolationMode) first on its PYTHONPATH; sdtrain runs without it")
