@@ -295,3 +295,31 @@ def test_lora_on_the_text_encoder_too(tmp_path, pretrained, shapes_dir):
     text_before = pipe.text_encoder(torch.tensor([[0, 5, 1]]))[0]
     pipe.load_lora_weights(out)
     assert not torch.allclose(pipe.text_encoder(torch.tensor([[0, 5, 1]]))[0], text_before)
+
+
+def test_dreambooth_encodes_its_prompts_once_and_releases_the_text_encoder(tmp_path, pretrained, shapes_dir):
+    """The instance and class prompts are the only captions DreamBooth trains on: encoded once at start (as the
+    scripts users compare with do), the frozen text encoder unloaded, each step's conditioning the same as
+    encoding the batch's captions, and validation loading the encoder back."""
+    from sdtrain.config import load_config
+    from sdtrain.train.trainer import Trainer
+
+    prompts = ["a photo of sks shape", "a photo of a shape"]
+    config = load_config(config_path("diffusion.yaml"), [
+        *TINY, f"run_dir={tmp_path / 'run'}", f"data.shards={shapes_dir}", f"model.pretrained={pretrained}",
+        "model.vae=null", "mode=dreambooth", "dreambooth.lora=true", f"dreambooth.instance_prompt={prompts[0]}",
+        f"dreambooth.class_prompt={prompts[1]}", "dreambooth.num_class_images=2", "dreambooth.generation_steps=1",
+        "dreambooth.class_batch_size=2", "train.max_steps=1", f"validation.prompts=[{prompts[0]}]",
+        "validation.steps=2"])
+    trainer = Trainer(config)
+    task = trainer.task
+    assert next(task.text_encoder.parameters()).is_meta
+    assert sorted(task.prompt_embeddings) == sorted(prompts)
+    batch = trainer.data.next()
+    assert sorted(set(batch["captions"])) == sorted(prompts)
+    encoder = task.frozen("text_encoder")
+    expected = task.family.encode_text([encoder], [batch["input_ids"]], batch["captions"])["text_emb"]
+    torch.testing.assert_close(task.conditioning(batch)["encoder_hidden_states"], expected, atol=1e-5, rtol=1e-5)
+    trainer.train()
+    assert (tmp_path / "run" / "samples" / "step_00000001.png").is_file()
+    assert next(task.text_encoder.parameters()).is_meta  # validation's copy was not kept

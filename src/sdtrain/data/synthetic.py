@@ -47,6 +47,9 @@ class SyntheticBatches:
         for key, tokenizer in zip(captions.keys, captions.tokenizers) if captions is not None else ():
             self.batch[key] = torch.randint(0, len(tokenizer), (count, tokenizer.model_max_length), generator=generator)
         self.batch["size_ids"] = torch.tensor([[size, size, 0, 0, size, size]] * count)
+        if task.text_embeddings:  # the shards' embeddings, or a mode's prompts encoded once
+            for key, shape in text_shapes(task).items():
+                self.batch[key] = torch.randn(count, *shape, generator=generator)
         if not encoded:
             self.batch["pixel_values"] = torch.rand(count, 3, size, size, generator=generator) * 2 - 1
             return
@@ -54,9 +57,6 @@ class SyntheticBatches:
         side = size // build.vae_scale(vae.block_out_channels)
         self.batch["latent_mean"] = torch.randn(count, vae.latent_channels, side, side, generator=generator)
         self.batch["latent_std"] = torch.full_like(self.batch["latent_mean"], 0.1)
-        if task.text_embeddings:
-            for key, shape in text_shapes(task).items():
-                self.batch[key] = torch.randn(count, *shape, generator=generator)
 
     def next(self) -> dict[str, Any]:
         return self.batch

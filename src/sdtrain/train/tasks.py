@@ -455,7 +455,33 @@ class DiffusionTask(Task):
         if encoding is not None:
             log.info("pre-encoded shards: VAE encoder skipped%s", ", text encoder skipped" if self.text_embeddings
                      else "")
+        prompts = self.fixed_prompts()
+        if prompts and not self.text_embeddings and not self.text_encoder_trains():
+            self.prompt_embeddings = self._encode_prompts(prompts)
+            self.text_embeddings = True
+            unread = [*unread, *self.family.text_encoders]
+            log.info("%d fixed prompt(s) encoded once: the text encoders stay unloaded until validation", len(prompts))
         self._hold_read(unread)
+
+    prompt_embeddings: dict[str, dict[str, torch.Tensor]] = {}
+    """The text conditioning of each of `fixed_prompts`, computed once at start."""
+
+    def fixed_prompts(self) -> list[str]:
+        """Every caption this mode's batches carry, when they are a few known before training (DreamBooth's
+        prompts): with frozen text encoders, each is encoded once and the encoders are released, as the scripts
+        users compare with do. Empty when the captions are the data's own."""
+        return []
+
+    @torch.no_grad()
+    def _encode_prompts(self, prompts: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+        # One at a time, in fp32 even when steps run under bf16 autocast: a prompt is encoded once, so its most
+        # exact conditioning costs nothing per step.
+        encoded = {}
+        for prompt in dict.fromkeys(prompts):
+            ids = self.caption_tokenizer([prompt])
+            text = self.encode_text({**ids, "captions": [prompt]})
+            encoded[prompt] = {key: value.detach() for key, value in text.items()}
+        return encoded
 
     def unread(self, encoding: dict[str, Any]) -> list[str]:
         """The frozen components that training on shards of this `encoding` never runs: the VAE that encoded
@@ -538,8 +564,12 @@ class DiffusionTask(Task):
         """The denoiser's conditioning: the shards' text embeddings when they can stand in for the frozen text
         encoders, else the encoders' output, with what else the family conditions on (and Flux.1-dev's
         guidance, drawn from `generator` when ``diffusion.guidance_range`` is set)."""
+        captions = batch.get("captions") or []
         if self.text_embeddings and "text_emb" in batch:
             text = {key: batch[key].to(self.device, non_blocking=True) for key in TEXT_FIELDS if key in batch}
+        elif self.prompt_embeddings and captions and all(c in self.prompt_embeddings for c in captions):
+            text = {key: torch.cat([self.prompt_embeddings[c][key] for c in captions])
+                    for key in self.prompt_embeddings[captions[0]]}
         else:
             with torch.set_grad_enabled(self.text_encoder_trains()):
                 text = self.encode_text(batch)

@@ -137,6 +137,12 @@ class DreamBoothTask(DiffusionTask):
         return dataclasses.replace(self.config.data, prompt_templates=[self.config.dreambooth.instance_prompt],
                                    caption_dropout=0.0, use_encoded=False)
 
+    def fixed_prompts(self) -> list[str]:
+        db = self.config.dreambooth
+        prompts = [db.instance_prompt, *([db.class_prompt] if self.prior_preservation else [])]
+        # A prompt that takes each image's own caption ({caption}) is not known before the data is read.
+        return [] if any("{caption}" in prompt for prompt in prompts) else prompts
+
     def make_data(self, batches: Callable[[DataConfig], Any]) -> Any:
         instance = batches(self.data_config())
         if not self.prior_preservation:
