@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFilter
 
-from sdtrain.data.shapes import COLOURS, KINDS, caption_for, caption_prompts, render_shapes_sample
+from sdtrain.data.shapes import COLOURS, KINDS, PHRASINGS, caption_for, caption_prompts, render_shapes_sample
 from sdtrain.evaluate.adherence import (
     OTHER_COLOUR,
     adherence_prompts,
     detect_shapes,
     parse_prompt,
+    phrasing_of,
     score_image,
     score_images,
 )
@@ -28,7 +29,10 @@ def _caption(shapes: list[tuple[str, str]]) -> str:
 
 
 def _render(size: int, seed: int, num_shapes: int | None = None) -> tuple[Image.Image, str, dict]:
-    return render_shapes_sample(np.random.default_rng([size, seed]), size, num_shapes)
+    """A rendered sample with one of its captions, each phrasing of a pair in turn by seed."""
+    image, captions, meta = render_shapes_sample(np.random.default_rng([size, seed]), size, num_shapes)
+    lines = captions.splitlines()
+    return image, lines[seed % len(lines)], meta
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +52,7 @@ def test_rendered_images_score_near_perfect(rendered_scores: dict) -> None:
     assert scores["colour_accuracy"] >= 0.98
     assert scores["shape_accuracy"] >= 0.95
     assert scores["two_shape_accuracy"] >= 0.9
+    assert all(scores[f"pairs_{phrasing}_accuracy"] >= 0.85 for phrasing in PHRASINGS)
     assert scores["count_accuracy"] >= 0.97
     assert scores["overall"] >= 0.95
 
@@ -178,10 +183,17 @@ def test_parse_prompt_round_trips_captions() -> None:
     for shapes in singles + [a + b for a, b in itertools.permutations(singles, 2)]:
         assert parse_prompt(_caption(shapes)) == shapes
     for prompt in caption_prompts():
-        assert _caption(parse_prompt(prompt)) == prompt
+        assert caption_for([{"colour": c, "kind": k} for c, k in parse_prompt(prompt)],
+                           phrasing_of(prompt) or "sides") == prompt
     assert parse_prompt("  An Orange  TRIANGLE ") == [("orange", "triangle")]
-    # Captions without sides are read left to right too.
-    assert parse_prompt("a red circle and a blue square") == [("red", "circle"), ("blue", "square")]
+    # Every phrasing of a pair reads back left to right: sides named in either order, or none.
+    pair = [("red", "circle"), ("blue", "square")]
+    for phrasing in PHRASINGS:
+        prompt = caption_for([{"colour": c, "kind": k} for c, k in pair], phrasing)
+        assert parse_prompt(prompt) == pair and phrasing_of(prompt) == phrasing
+    assert parse_prompt("a blue square on the right and a red circle on the left") == pair
+    assert parse_prompt("a red circle and a blue square") == pair
+    assert phrasing_of("a red circle") is None
 
 
 @pytest.mark.parametrize(
@@ -198,7 +210,7 @@ def test_parse_prompt_round_trips_captions() -> None:
         "a red circle or a blue square",
         "a red circle, a blue square",
         "a red circle and a blue square and a green triangle",
-        "a red circle on the right and a blue square on the left",
+        "a red circle on the right and a blue square on the right",
         "a red circle on the left and a blue square",
     ],
 )
@@ -221,7 +233,9 @@ def test_adherence_prompts_cover_every_shape() -> None:
     assert Counter(d[0] for d in doubles) == {combo: 1 for combo in combos}
     assert Counter(d[1] for d in doubles) == {combo: 1 for combo in combos}
     assert all(d[0] != d[1] for d in doubles)
-    assert [_caption(p) for p in parsed] == prompts
+    assert Counter(phrasing_of(p) for p in prompts[54:]) == {phrasing: 6 for phrasing in PHRASINGS}
+    assert [caption_for([{"colour": c, "kind": k} for c, k in shapes], phrasing_of(p) or "sides")
+            for shapes, p in zip(parsed, prompts)] == prompts
     assert len(adherence_prompts(num_single=5, num_double=40)) == 45
     with pytest.raises(ValueError):
         adherence_prompts(num_single=-1)

@@ -74,6 +74,15 @@ def test_text_embeddings_replace_a_frozen_text_encoder(tmp_path, shapes_dir, dif
     out = tmp_path / "enc"
     encode_dataset(str(shapes_dir), out, _encoder(pipeline, pipeline, dtype="float16"), batch_size=16)
     assert (out / "empty_caption.npy").is_file()
+    import webdataset as wds
+
+    # A pair's three phrasings became the one its embedding was encoded from.
+    originals = {s["__key__"]: s["txt"].decode().splitlines()
+                 for s in wds.WebDataset(sorted(str(p) for p in shapes_dir.glob("*.tar")), shardshuffle=False)}
+    encoded_captions = {s["__key__"]: s["txt"].decode()
+                        for s in wds.WebDataset(sorted(str(p) for p in out.glob("*.tar")), shardshuffle=False)}
+    assert any(len(lines) == 3 for lines in originals.values())
+    assert all(caption in originals[key] for key, caption in encoded_captions.items())
     calls = []
     original = CLIPTextModel.forward
     monkeypatch.setattr(CLIPTextModel, "forward", lambda *a, **k: calls.append(1) or original(*a, **k))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -61,9 +62,13 @@ def test_read_back_with_plain_webdataset(dataset: tuple[Path, dict]) -> None:
             left, right = (sh["box"] for sh in meta["shapes"])
             assert left[2] <= 32 <= right[0]
         phrases = [f"{'an' if sh['colour'] == 'orange' else 'a'} {sh['colour']} {sh['kind']}" for sh in meta["shapes"]]
-        if len(phrases) == 2:
-            phrases = [f"{phrases[0]} on the left", f"{phrases[1]} on the right"]
-        assert caption == " and ".join(phrases)
+        if len(phrases) == 1:
+            assert caption == phrases[0]
+        else:  # every phrasing, one per line: sides left first, sides right first, no sides
+            first, second = phrases
+            assert caption.splitlines() == [f"{first} on the left and {second} on the right",
+                                             f"{second} on the right and {first} on the left",
+                                             f"{first} and {second}"]
     assert counts == {1, 2}
 
 
@@ -89,9 +94,12 @@ def test_image_shows_stated_colour(dataset: tuple[Path, dict]) -> None:
 
 
 def test_prompts_use_caption_style() -> None:
+    from sdtrain.evaluate.adherence import phrasing_of
+
     prompts = caption_prompts()
     assert "an orange triangle" in prompts and "a red circle" in prompts
     assert all(c in " ".join(prompts) for c in COLOURS) and all(k in " ".join(prompts) for k in KINDS)
+    assert Counter(phrasing_of(p) for p in prompts) == {None: 6, "sides": 2, "sides_reversed": 2, "plain": 2}
 
 
 def test_malformed_manifest(tmp_path: Path) -> None:

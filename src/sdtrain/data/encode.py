@@ -176,6 +176,8 @@ def _encode_shard(url: str, decoder: SampleDecoder, encoder: Encoder, index: int
                     fields[MASK if MASK_IMAGE in sample else ALPHA] = npy_bytes(grid.numpy().astype(np.float16))
                 for field, values in embeddings.items():
                     fields[TEXT_FIELDS[field]] = npy_bytes(values[i].astype(encoder.dtype))
+                if embeddings:  # of one caption, drawn from several: the shard keeps it, saying what trains
+                    fields[decoder.config.caption_key] = decoded_sample["caption"].encode()
                 writer.write({"__key__": sample["__key__"], **fields})
                 written += 1
     if not written:  # still a finished shard: reruns skip it and the manifest counts it

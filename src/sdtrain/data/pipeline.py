@@ -221,8 +221,8 @@ def read_captions(spec: str, caption_key: str = "txt", limit: int = 200_000) -> 
                               select=lambda name: name.endswith(suffix))
         for sample in samples:
             value = sample.get(caption_key)
-            if value:
-                captions.append(value.decode("utf-8", "replace").strip())
+            if value:  # several captions of one image, one per line, are each a caption
+                captions += [line.strip() for line in value.decode("utf-8", "replace").splitlines() if line.strip()]
             if len(captions) >= limit:
                 return captions
     return captions

@@ -38,30 +38,47 @@ def shape_phrase(colour: str, kind: str) -> str:
 
 
 SIDES: tuple[str, ...] = ("on the left", "on the right")
+PHRASINGS: tuple[str, ...] = ("sides", "sides_reversed", "plain")
+"""How a caption names two shapes: each with its side, left one first (``a blue square on the left and a yellow
+triangle on the right``); each with its side, right one first (``a yellow triangle on the right and a blue square
+on the left``); or without sides, left one first (``a blue square and a yellow triangle``)."""
 
 
-def caption_for(shapes: list[dict]) -> str:
-    """Caption for shapes already in left-to-right order: ``"a red circle"``, or for two
-    ``"a blue square on the left and a yellow triangle on the right"``. Naming the sides gives each one a
-    word of its own to attend to; with the order alone, the model often learned the pair but not its order."""
+def caption_for(shapes: list[dict], phrasing: str = "sides") -> str:
+    """Caption for shapes already in left-to-right order: ``"a red circle"``, or for two the `phrasing` of
+    ``PHRASINGS``. Naming the sides gives each one a word of its own to attend to; with the order alone, the
+    model often learned the pair but not its order."""
+    phrases = [shape_phrase(s["colour"], s["kind"]) for s in shapes]
     if len(shapes) == 1:
-        return shape_phrase(shapes[0]["colour"], shapes[0]["kind"])
-    return " and ".join(f"{shape_phrase(s['colour'], s['kind'])} {side}" for s, side in zip(shapes, SIDES))
+        return phrases[0]
+    if phrasing == "plain":
+        return " and ".join(phrases)
+    sided = [f"{phrase} {side}" for phrase, side in zip(phrases, SIDES)]
+    if phrasing == "sides_reversed":
+        sided.reverse()
+    elif phrasing != "sides":
+        raise ValueError(f"phrasing must be one of {', '.join(PHRASINGS)}, got {phrasing!r}")
+    return " and ".join(sided)
+
+
+def captions_for(shapes: list[dict]) -> list[str]:
+    """Every phrasing of the shapes' caption (one for a single shape): a sample's caption holds them one per line,
+    and the loader draws one each time it reads the sample, so the model answers however a pair is asked for."""
+    return list(dict.fromkeys(caption_for(shapes, phrasing) for phrasing in PHRASINGS))
 
 
 def caption_prompts() -> list[str]:
-    """Fixed demo prompts covering every colour and kind, phrased exactly like the training captions."""
-    pairs = [
-        [("red", "circle")],
-        [("blue", "square")],
-        [("green", "triangle")],
-        [("yellow", "circle")],
-        [("purple", "square")],
-        [("orange", "triangle")],
-        [("red", "square"), ("blue", "circle")],
-        [("green", "circle"), ("yellow", "triangle")],
-    ]
-    return [caption_for([{"colour": c, "kind": k} for c, k in p]) for p in pairs]
+    """Fixed demo prompts covering every colour and kind, phrased like the training captions: six single shapes,
+    then two pairs in each of the ``PHRASINGS``."""
+    singles = [("red", "circle"), ("blue", "square"), ("green", "triangle"), ("yellow", "circle"),
+               ("purple", "square"), ("orange", "triangle")]
+    pairs = [[("red", "square"), ("blue", "circle")], [("green", "circle"), ("yellow", "triangle")],
+             [("orange", "circle"), ("purple", "triangle")], [("blue", "triangle"), ("red", "circle")],
+             [("yellow", "square"), ("green", "triangle")], [("purple", "circle"), ("orange", "square")]]
+    prompts = [caption_for([{"colour": c, "kind": k}]) for c, k in singles]
+    for index, pair in enumerate(pairs):
+        prompts.append(caption_for([{"colour": c, "kind": k} for c, k in pair], PHRASINGS[index // 2]))
+    return prompts
 
 
 def _random_box(rng: np.random.Generator, size: int, lo: float, hi: float,
@@ -88,7 +105,7 @@ def _draw(draw: ImageDraw.ImageDraw, kind: str, box: list[int], fill: tuple[int,
 def render_shapes_sample(
     rng: np.random.Generator, size: int = 64, num_shapes: int | None = None
 ) -> tuple[Image.Image, str, dict]:
-    """Draw one or two shapes on a light background; return (RGB image, caption, json metadata).
+    """Draw one or two shapes on a light background; return (RGB image, captions one per line, json metadata).
 
     ``num_shapes`` None picks 1 or 2 with equal odds. Metadata lists shapes left to right by box centre,
     matching the caption order and the drawing order; boxes are ``[x0, y0, x1, y1]`` pixels, end exclusive.
@@ -122,7 +139,7 @@ def render_shapes_sample(
         _draw(draw, s["kind"], s["box"], COLOURS[s["colour"]])
     image = big.resize((size, size), Image.Resampling.LANCZOS)
     meta = {"width": size, "height": size, "shapes": shapes}
-    return image, caption_for(shapes), meta
+    return image, "\n".join(captions_for(shapes)), meta
 
 
 def _png_bytes(image: Image.Image) -> bytes:

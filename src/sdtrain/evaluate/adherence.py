@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image
 
-from sdtrain.data.shapes import COLOURS, KINDS, SIDES, caption_for, shape_phrase
+from sdtrain.data.shapes import COLOURS, KINDS, PHRASINGS, SIDES, caption_for, shape_phrase
 
 _COLOUR_NAMES: tuple[str, ...] = tuple(COLOURS)
 _PALETTE = np.array([COLOURS[c] for c in _COLOUR_NAMES], dtype=np.float32)
@@ -59,18 +59,30 @@ def parse_prompt(prompt: str) -> list[tuple[str, str]]:
     "circle")]``, left to right.
 
     The language is the demo captions (:func:`~sdtrain.data.shapes.caption_for`): one phrase
-    ``"a|an <colour> <kind>"``, or two, each followed by its side and joined by ``" and "``; two phrases
-    joined by ``" and "`` without sides are read left to right too. Case and runs of whitespace are forgiven;
-    anything else raises ``ValueError``.
+    ``"a|an <colour> <kind>"``, or two joined by ``" and "``, each followed by its side (either side first) or
+    neither (then read left to right). Case and runs of whitespace are forgiven; anything else raises
+    ``ValueError``.
     """
+    return _parse(prompt)[0]
+
+
+def phrasing_of(prompt: str) -> str | None:
+    """Which of :data:`~sdtrain.data.shapes.PHRASINGS` a two-shape prompt uses; None for one shape."""
+    return _parse(prompt)[1]
+
+
+def _parse(prompt: str) -> tuple[list[tuple[str, str]], str | None]:
     words = prompt.lower().split()
     left, right = (side.split() for side in SIDES)
+    phrasing = None
     if len(words) == 3:
         phrases = [words]
     elif len(words) == 7 and words[3] == "and":
-        phrases = [words[:3], words[4:]]
+        phrases, phrasing = [words[:3], words[4:]], "plain"
     elif len(words) == 13 and words[3:6] == left and words[6] == "and" and words[10:] == right:
-        phrases = [words[:3], words[7:10]]
+        phrases, phrasing = [words[:3], words[7:10]], "sides"
+    elif len(words) == 13 and words[3:6] == right and words[6] == "and" and words[10:] == left:
+        phrases, phrasing = [words[7:10], words[:3]], "sides_reversed"
     else:
         raise ValueError(f"not a shapes prompt (one shape, or two joined by 'and'): {prompt!r}")
     shapes = []
@@ -78,7 +90,7 @@ def parse_prompt(prompt: str) -> list[tuple[str, str]]:
         if colour not in COLOURS or kind not in KINDS or shape_phrase(colour, kind).split()[0] != article:
             raise ValueError(f"not a shapes prompt ({' '.join((article, colour, kind))!r} is no shape): {prompt!r}")
         shapes.append((colour, kind))
-    return shapes
+    return shapes, phrasing
 
 
 def _as_pixels(image: Image.Image | np.ndarray) -> np.ndarray:
@@ -227,18 +239,20 @@ def detect_shapes(image: Image.Image | np.ndarray) -> list[dict]:
 def score_image(image: Image.Image | np.ndarray, prompt: str) -> dict:
     """How well one image shows its shapes prompt.
 
-    Returns ``expected`` and ``detected`` (lists of ``(colour, kind)`` left to right) and booleans:
+    Returns ``expected`` and ``detected`` (lists of ``(colour, kind)`` left to right), ``phrasing`` (a pair's, see
+    :func:`phrasing_of`) and booleans:
     ``count_ok`` (as many shapes as the prompt names), ``colour_ok`` / ``shape_ok`` (count right and every
     shape's colour / kind right, position by position) and ``all_ok`` (both). ``ValueError`` if the prompt
     is not a shapes prompt (:func:`parse_prompt`).
     """
-    expected = parse_prompt(prompt)
+    expected, phrasing = _parse(prompt)
     detected = [(s["colour"], s["kind"]) for s in detect_shapes(image)]
     count_ok = len(detected) == len(expected)
     colour_ok = count_ok and all(d[0] == e[0] for d, e in zip(detected, expected))
     shape_ok = count_ok and all(d[1] == e[1] for d, e in zip(detected, expected))
     return {
         "prompt": prompt,
+        "phrasing": phrasing,
         "expected": expected,
         "detected": detected,
         "count_ok": count_ok,
@@ -262,6 +276,8 @@ def score_images(images: Sequence[Image.Image | np.ndarray], prompts: Sequence[s
       colours and kinds right, in the prompt's left-to-right order;
     - ``count_accuracy``: fraction of all prompts whose image shows as many shapes as named;
     - ``overall``: fraction of all prompts fully right (``all_ok``);
+    - ``pairs_<phrasing>_accuracy``: ``two_shape_accuracy`` over the pairs of each of
+      :data:`~sdtrain.data.shapes.PHRASINGS` (``pairs_sides``, ``pairs_sides_reversed``, ``pairs_plain``);
     - ``num_single``, ``num_double``: how many prompts of each; an accuracy over none is ``None``;
     - ``per_image``: the :func:`score_image` results, in order.
     """
@@ -270,10 +286,13 @@ def score_images(images: Sequence[Image.Image | np.ndarray], prompts: Sequence[s
     results = [score_image(image, prompt) for image, prompt in zip(images, prompts)]
     singles = [r for r in results if len(r["expected"]) == 1]
     doubles = [r for r in results if len(r["expected"]) == 2]
+    by_phrasing = {f"pairs_{phrasing}_accuracy": _mean([r["all_ok"] for r in doubles if r["phrasing"] == phrasing])
+                   for phrasing in PHRASINGS}
     return {
         "colour_accuracy": _mean([r["colour_ok"] for r in singles]),
         "shape_accuracy": _mean([r["shape_ok"] for r in singles]),
         "two_shape_accuracy": _mean([r["all_ok"] for r in doubles]),
+        **by_phrasing,
         "count_accuracy": _mean([r["count_ok"] for r in results]),
         "overall": _mean([r["all_ok"] for r in results]),
         "num_single": len(singles),
@@ -287,8 +306,8 @@ def adherence_prompts(num_single: int = 54, num_double: int = 18, seed: int = 0)
 
     Both come in blocks of 18, one per colour x kind, so any multiple of 18 is balanced: in a block of
     singles each colour x kind appears once; in a block of doubles each is the left shape once and the right
-    shape once, never paired with itself. Phrased by :func:`~sdtrain.data.shapes.caption_for`, exactly like
-    the training captions.
+    shape once, never paired with itself. Phrased by :func:`~sdtrain.data.shapes.caption_for` like the training
+    captions, the doubles in each of its ``PHRASINGS`` in turn (a third of any multiple of 3 each).
     """
     if num_single < 0 or num_double < 0:
         raise ValueError(f"prompt counts must be >= 0, got {num_single} single and {num_double} double")
@@ -302,7 +321,9 @@ def adherence_prompts(num_single: int = 54, num_double: int = 18, seed: int = 0)
         left, right = rng.permutation(len(combos)), rng.permutation(len(combos))
         while np.any(left == right):
             right = rng.permutation(len(combos))
-        doubles += [caption_for([combos[a], combos[b]]) for a, b in zip(left, right)]
+        # Phrasings take turns within a block: any number of pairs asks each of them alike.
+        doubles += [caption_for([combos[a], combos[b]], PHRASINGS[i % len(PHRASINGS)])
+                    for i, (a, b) in enumerate(zip(left, right))]
     return singles[:num_single] + doubles[:num_double]
 
 
