@@ -551,6 +551,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+TIMING = ("images/s = batch x (steps - skip) / (end of last step - end of step `skip`), from the wall time each "
+          "tool's per-step progress-bar update was called (benchmarks/stepclock.py); img_per_s_median = batch / "
+          "median step time over the same steps; cpu_ms_per_img = CPU time of the training process over those "
+          "steps per image; peak = ru_maxrss of the run's process tree from os.wait4 (the largest single process, "
+          "loader workers not added); tree peak = every process of the run sampled every 0.25 s, each page "
+          "counted once (sdtrain.memory.TreePeak)")
+
+
+def results_header(args: argparse.Namespace, env: dict[str, str], use_standin: bool, workers: Any,
+                   timing: str) -> dict[str, Any]:
+    """What a results JSON says about how it was measured: the command, both diffusers (the scripts' checkout,
+    the installed package they run against), torchvision, the allocator and thread settings, steps and timing."""
+    import diffusers
+
+    return {
+        "command": [sys.executable, *sys.argv],
+        "diffusers_checkout": str(args.diffusers.resolve()),
+        "diffusers_installed": diffusers.__version__,
+        "torchvision": "stand-in" if use_standin else "real",
+        "environment": {k: v for k, v in env.items() if k.startswith(("THP_", "MALLOC_", "OMP_", "MKL_", "KMP_"))},
+        "steps": args.steps, "skip": args.skip, "workers": workers,
+        "timing": timing,
+    }
+
+
+def saver(out: Path, results: dict[str, Any]) -> Callable[[], None]:
+    """A function writing `results` to `out` (made absolute, its folder created) as it stands when called."""
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        out.write_text(json.dumps(results, indent=1) + "\n")
+
+    return save
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     use_standin = check_peer_imports(args.diffusers)
@@ -567,27 +603,11 @@ def main(argv: list[str] | None = None) -> int:
     log(f"peer: {args.diffusers / EXAMPLE} against the installed diffusers {diffusers.__version__} "
         f"({Path(diffusers.__file__).parent})")
 
-    passthrough = {k: v for k, v in env.items() if k.startswith(("THP_", "MALLOC_", "OMP_", "MKL_", "KMP_"))}
     results: dict[str, Any] = {
-        "command": [sys.executable, *sys.argv],
-        "diffusers_checkout": str(args.diffusers.resolve()),
-        "diffusers_installed": diffusers.__version__,
-        "torchvision": "stand-in" if use_standin else "real",
-        "environment": passthrough,
-        "steps": args.steps, "skip": args.skip, "workers": args.worker_counts,
-        "timing": "images/s = batch x (steps - skip) / (end of last step - end of step `skip`), from the wall "
-                  "time each tool's per-step progress-bar update was called (benchmarks/stepclock.py); "
-                  "img_per_s_median = batch / median step time over the same steps; cpu_ms_per_img = CPU time "
-                  "of the training process over those steps per image; peak = ru_maxrss of the run's process "
-                  "tree from os.wait4 (the largest single process, loader workers not added); tree peak = every "
-                  "process of the run sampled every 0.25 s, each page counted once (sdtrain.memory.TreePeak)",
+        **results_header(args, env, use_standin, args.worker_counts, TIMING),
         "sizes": {}, "runs": [],
     }
-    out = args.out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-
-    def save() -> None:
-        out.write_text(json.dumps(results, indent=1) + "\n")
+    save = saver(args.out, results)
 
     for size in args.sizes:
         work = work_root / size
@@ -652,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(run_dir, ignore_errors=True)
     print()
     print_table(results["runs"])
-    print(f"\nresults: {out}")
+    print(f"\nresults: {args.out.resolve()}")
     return 0 if all(r["returncode"] == 0 for r in results["runs"]) else 1
 
 

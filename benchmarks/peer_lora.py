@@ -434,26 +434,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"peer ({family}): {args.diffusers / EXAMPLES[family]} against the installed diffusers "
             f"{diffusers.__version__} ({Path(diffusers.__file__).parent})")
 
-    passthrough = {k: v for k, v in env.items() if k.startswith(("THP_", "MALLOC_", "OMP_", "MKL_", "KMP_"))}
-    results: dict[str, Any] = {
-        "command": [sys.executable, *sys.argv],
-        "diffusers_checkout": str(args.diffusers.resolve()),
-        "diffusers_installed": diffusers.__version__,
-        "torchvision": "stand-in" if use_standin else "real",
-        "environment": passthrough,
-        "steps": args.steps, "skip": args.skip, "workers": args.workers,
-        "timing": "as benchmarks/peer.py: images/s = batch x (steps - skip) / (end of last step - end of step "
-                  "`skip`) from stepclock.py; img_per_s_median = batch / median step time; peak = ru_maxrss "
-                  "(largest single process); tree peak = the whole process tree sampled every 0.25 s "
-                  "(sdtrain.memory.TreePeak); train tree peak = the tree peak until the clock held every step, "
-                  "end tree peak = after it (final save, the script's reload of the pipeline)",
-        "setups": {}, "runs": [],
-    }
-    out = args.out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-
-    def save() -> None:
-        out.write_text(json.dumps(results, indent=1) + "\n")
+    timing = (peer.TIMING + "; train tree peak = the tree peak until the clock held every step, end tree peak = "
+              "after it (final save, the script's reload of the pipeline)")
+    results: dict[str, Any] = {**peer.results_header(args, env, use_standin, args.workers, timing),
+                               "setups": {}, "runs": []}
+    save = peer.saver(args.out, results)
 
     for family, size in itertools.product(args.families, args.sizes):
         work = work_root / family / size
@@ -513,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(run_dir, ignore_errors=True)
     print()
     peer.print_table(results["runs"], group=GROUP, peer_of=peer_of_row, extra=EXTRA)
-    print(f"\nresults: {out}")
+    print(f"\nresults: {args.out.resolve()}")
     return 0 if all(r["returncode"] == 0 for r in results["runs"]) else 1
 
 

@@ -48,6 +48,8 @@ class Task:
     needs_captions = False
     reads_encoded = False
     """Whether the loss can take pre-encoded samples (latents, text embeddings) instead of pixels."""
+    text_embeddings = False
+    """Whether batches carry text embeddings in place of the text encoders' output (see use_encoded)."""
     trainable: dict[str, nn.Module]
     tokenizer: Any = None
     caption_tokenizer: Any = None
@@ -237,7 +239,6 @@ class DiffusionTask(Task):
 
     needs_captions = True
     reads_encoded = True
-    text_embeddings = False
 
     def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, resumed: dict[str, Any] | None = None):
         super().__init__(config, device, run_dir, resumed)
