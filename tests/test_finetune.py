@@ -323,3 +323,36 @@ def test_dreambooth_encodes_its_prompts_once_and_releases_the_text_encoder(tmp_p
     trainer.train()
     assert (tmp_path / "run" / "samples" / "step_00000001.png").is_file()
     assert next(task.text_encoder.parameters()).is_meta  # validation's copy was not kept
+
+
+def test_dreambooth_cache_latents_encodes_once_and_trains_as_the_vae_would(tmp_path, pretrained, shapes_dir, caplog,
+                                                                         capsys):
+    import json
+
+    from sdtrain.cli.main import main
+
+    caplog.set_level("INFO")
+    common = ["dreambooth.instance_prompt=a photo of sks shape", "dreambooth.class_prompt=a photo of a shape",
+              "dreambooth.num_class_images=2", "dreambooth.generation_steps=1", "dreambooth.class_batch_size=2",
+              "dreambooth.lora=true", "train.max_steps=1"]
+    finetune(tmp_path / "online", pretrained, shapes_dir, "dreambooth", *common)
+    caplog.clear()
+    cached = [*common, "dreambooth.cache_latents=true", f"dreambooth.class_data={tmp_path / 'online' / 'class_images'}"]
+    finetune(tmp_path / "cached", pretrained, shapes_dir, "dreambooth", *cached)
+    assert "VAE encoder skipped" in caplog.text
+    folders = list((tmp_path / "cached" / "cached_latents").iterdir())
+    assert len(folders) == 2 and all((f / "manifest.json").is_file() for f in folders)  # instance and class images
+    losses = [json.loads((tmp_path / run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+              for run in ("online", "cached")]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    # Started again, it reads the same latents without encoding anything.
+    caplog.clear()
+    finetune(tmp_path / "cached", pretrained, shapes_dir, "dreambooth", *cached, "train.max_steps=2")
+    assert "cache_latents:" not in caplog.text and list((tmp_path / "cached" / "cached_latents").iterdir()) == folders
+    # A flip would need another latent each time: refused in one line before anything loads.
+    capsys.readouterr()
+    assert main(["train", str(config_path("diffusion.yaml")), *TINY, f"run_dir={tmp_path / 'flip'}", "mode=dreambooth",
+                 f"data.shards={shapes_dir}", f"model.pretrained={pretrained}", "model.vae=null", *cached,
+                 "data.random_flip=true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "data.random_flip" in err and "cache_latents" in err and "\n" not in err

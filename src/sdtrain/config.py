@@ -386,6 +386,11 @@ class DreamBoothConfig:
     """Sampling steps when generating class images."""
     lora: bool = False
     """Train LoRA adapters (the ``lora`` settings) instead of the whole UNet."""
+    cache_latents: bool = False
+    """Encode the instance and class images with the VAE once, before training (the scripts' ``--cache_latents``),
+    into ``cached_latents/`` in the run folder: steps read the latents and the VAE encoder never loads for
+    training. Each image's latent is its centre crop's, so ``data.random_flip``, ``data.aspect_buckets`` must be
+    off and ``data.center_crop`` on."""
 
     def validate(self) -> None:
         """Only for a DreamBooth run: the settings are unused otherwise."""
@@ -701,6 +706,12 @@ class RunConfig:
         self.textual_inversion.validate(trained=self.mode == "textual_inversion")
         if self.mode == "dreambooth":
             self.dreambooth.validate()
+            if self.dreambooth.cache_latents:
+                for key, value, wanted in (("random_flip", self.data.random_flip, False),
+                                           ("aspect_buckets", self.data.aspect_buckets, False),
+                                           ("center_crop", self.data.center_crop, True)):
+                    _check(value == wanted, f"data.{key}", f"dreambooth.cache_latents encodes each image once, from "
+                           f"its centre crop: set data.{key}={str(wanted).lower()}, or dreambooth.cache_latents=false")
         if self.mode in ("lora", "textual_inversion") or (self.mode == "dreambooth" and self.dreambooth.lora):
             _check(self.parallel.strategy == "ddp", "parallel.strategy",
                    f"{self.mode} trains a small part of the model: use ddp (fsdp is for sharding whole models)")

@@ -5,6 +5,8 @@ train alongside so the class keeps what it meant. Full or LoRA training."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -14,11 +16,15 @@ import torch
 
 from sdtrain.config import DataConfig, RunConfig
 from sdtrain.data.dedup import Duplicates
+from sdtrain.data.encode import Encoder, encode_dataset
 from sdtrain.data.prepare import prepare_folder
+from sdtrain.data.shards import read_manifest
+from sdtrain.distributed import detect_topology
 from sdtrain.errors import UserError
 from sdtrain.loaders.components import load_component
 from sdtrain.models import build, families
 from sdtrain.models.pipeline import sample_images, sampler_from
+from sdtrain.run import resolve_device
 from sdtrain.train.modes.lora import LoraTask
 from sdtrain.train.tasks import DiffusionTask
 from sdtrain.utils import save_image_atomic
@@ -34,6 +40,34 @@ def class_folder(config: RunConfig, run_dir: Path) -> Path:
 
 def class_shards(run_dir: Path) -> Path:
     return run_dir / "class_shards"
+
+
+def cached_latents(config: RunConfig, run_dir: Path, shards: str) -> Path:
+    """Where ``dreambooth.cache_latents`` keeps the latents of `shards`: a folder named by what they were made from
+    (the shards' checksums, the VAE, the resolution), so changed images or settings are encoded anew, never read
+    stale."""
+    manifest = read_manifest(shards) if Path(shards).is_dir() else None
+    content = [s["sha256"] for s in manifest["shards"]] if manifest else shards
+    made_from = json.dumps([content, build.component_source(config.model, "vae"), config.data.resolution])
+    return run_dir / "cached_latents" / hashlib.sha256(made_from.encode()).hexdigest()[:16]
+
+
+def cache_latents(config: RunConfig, run_dir: Path, sources: list[str]) -> None:
+    """Encode each of the `sources` shards once (``dreambooth.cache_latents``), skipping those already encoded."""
+    todo = [(src, cached_latents(config, run_dir, src)) for src in sources]
+    todo = [(src, out) for src, out in todo if read_manifest(out) is None]
+    if not todo:
+        return
+    device = resolve_device(config.train.device, detect_topology().local_rank)
+    vae = build.component_source(config.model, "vae")
+    if vae is None:
+        raise UserError("dreambooth.cache_latents: there is no VAE to encode with; set model.pretrained or model.vae")
+    encoder = Encoder(vae, None, config.data.resolution, device, dtype="float32")
+    for src, out in todo:
+        manifest = encode_dataset(src, out, encoder, caption_key=config.data.caption_key,
+                                  image_key=config.data.image_key)
+        log.info("dreambooth.cache_latents: %d images of %s encoded into %s", manifest["total"] if manifest else 0,
+                 src, out)
 
 
 def _base_pipeline(config: RunConfig) -> Any:
@@ -123,6 +157,11 @@ class DreamBoothTask(DiffusionTask):
     @staticmethod
     def prepare(config: RunConfig, run_dir: Path) -> None:
         DiffusionTask.prepare(config, run_dir)
+        DreamBoothTask._class_shards(config, run_dir)
+        DreamBoothTask._cache(config, run_dir)
+
+    @staticmethod
+    def _class_shards(config: RunConfig, run_dir: Path) -> None:
         if not config.dreambooth.class_prompt.strip():
             return
         folder = class_folder(config, run_dir)
@@ -132,10 +171,22 @@ class DreamBoothTask(DiffusionTask):
         prepare_folder(folder, class_shards(run_dir), samples_per_shard=1000, missing_caption="empty",
                        duplicates=Duplicates("none"))
 
+    @staticmethod
+    def _cache(config: RunConfig, run_dir: Path) -> None:
+        if config.dreambooth.cache_latents:
+            with_prior = bool(config.dreambooth.class_prompt.strip())
+            cache_latents(config, run_dir, [config.data.shards, *([str(class_shards(run_dir))] if with_prior else [])])
+
     def data_config(self) -> DataConfig:
         # Every instance image is the subject under its prompt: none dropped, no pre-encoded captions.
-        return dataclasses.replace(self.config.data, prompt_templates=[self.config.dreambooth.instance_prompt],
-                                   caption_dropout=0.0, use_encoded=False)
+        data, db = self.config.data, self.config.dreambooth
+        return dataclasses.replace(data, shards=self._shards(data.shards), use_encoded=db.cache_latents,
+                                   prompt_templates=[db.instance_prompt], caption_dropout=0.0)
+
+    def _shards(self, shards: str) -> str:
+        """The shards training reads for `shards`: their cached latents with ``dreambooth.cache_latents``."""
+        cached = self.config.dreambooth.cache_latents
+        return str(cached_latents(self.config, self.run_dir, shards)) if cached else shards
 
     def fixed_prompts(self) -> list[str]:
         db = self.config.dreambooth
@@ -148,8 +199,8 @@ class DreamBoothTask(DiffusionTask):
         if not self.prior_preservation:
             return instance
         db = self.config.dreambooth
-        prior = dataclasses.replace(self.data_config(), shards=str(class_shards(self.run_dir)), filters={},
-                                    prompt_templates=[db.class_prompt],
+        prior = dataclasses.replace(self.data_config(), shards=self._shards(str(class_shards(self.run_dir))),
+                                    filters={}, prompt_templates=[db.class_prompt],
                                     batch_size=db.class_batch_size or self.config.data.batch_size)
         return WithPriorBatches(instance, batches(prior))
 
