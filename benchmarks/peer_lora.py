@@ -77,7 +77,7 @@ TARGETS = {
     "sdxl": ["to_k", "to_q", "to_v", "to_out.0"],
 }
 PEER_MODES = ("online", "cached")
-SDTRAIN_MODES = ("dreambooth", "encoded")
+SDTRAIN_MODES = ("dreambooth", "dreambooth-cached", "encoded")
 
 
 def log(msg: str) -> None:
@@ -259,7 +259,8 @@ def sdtrain_config(args: argparse.Namespace, family: str, work: Path, run_dir: P
     (the script's weighting "none" on the scheduler's unshifted table), guidance 3.5, T5 length as the script's;
     SDXL: no min-SNR; gradient checkpointing as the script; one checkpoint at the end, metrics at the last step,
     no TensorBoard, no validation. Mode ``dreambooth``: sdtrain's DreamBooth mode with LoRA (dreambooth.lora),
-    the instance prompt, no class prompt (no prior preservation), on the image shards. Mode ``encoded``: LoRA on
+    the instance prompt, no class prompt (no prior preservation), on the image shards; ``dreambooth-cached`` the
+    same with dreambooth.cache_latents (the images VAE-encoded once before training). Mode ``encoded``: LoRA on
     the shards of `sdtrain prepare encode` (latents and the instance prompt's embeddings computed once)."""
     import yaml
 
@@ -293,9 +294,10 @@ def sdtrain_config(args: argparse.Namespace, family: str, work: Path, run_dir: P
         "logging": {"every": args.steps, "progress": True, "tensorboard": False},
         "validation": {"prompts": []},
     }
-    if mode == "dreambooth":
+    if mode.startswith("dreambooth"):
         overrides |= {"mode": "dreambooth",
-                      "dreambooth": {"instance_prompt": settings["instance_prompt"], "class_prompt": "", "lora": True}}
+                      "dreambooth": {"instance_prompt": settings["instance_prompt"], "class_prompt": "", "lora": True,
+                                     "cache_latents": mode == "dreambooth-cached"}}
     config = merge(recipe, overrides)
     path = run_dir.with_suffix(".yaml")
     header = (f"# sdtrain's {RECIPES[family].relative_to(REPO)} with benchmarks/peer_lora.py's settings for the "
@@ -322,11 +324,11 @@ def runs_of(args: argparse.Namespace, family: str) -> list[tuple[str, str, str |
 
 def peer_of_row(row: dict[str, Any]) -> str | None:
     """The peer run an sdtrain run is compared with: the script as run by default for sdtrain's DreamBooth mode
-    (both encode every image every step); the script with --cache_latents for sdtrain on encoded shards when
-    there is one (Flux), else the default run."""
+    (both encode every image every step); the script with --cache_latents for sdtrain's DreamBooth mode with
+    cached latents and for sdtrain on encoded shards when there is one (Flux), else the default run."""
     if row["tool"].startswith("peer"):
         return None
-    if row["tool"] == "sdtrain-encoded" and row.get("peer_cached_ran"):
+    if row["tool"] in ("sdtrain-encoded", "sdtrain-dreambooth-cached") and row.get("peer_cached_ran"):
         return "peer-cached"
     return "peer"
 
@@ -360,9 +362,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-modes", default="online,cached",
                    help="peer runs: online (the script as is: VAE every step) and/or cached (Flux only: "
                         "--cache_latents); default both")
-    p.add_argument("--sdtrain-modes", default="dreambooth,encoded",
-                   help="sdtrain runs: dreambooth (its DreamBooth mode with LoRA on the image shards: VAE and "
-                        "text encoders every step) and/or encoded (LoRA on `prepare encode` shards); default both")
+    p.add_argument("--sdtrain-modes", default="dreambooth,dreambooth-cached,encoded",
+                   help="sdtrain runs: dreambooth (its DreamBooth mode with LoRA on the image shards: the VAE "
+                        "every step, the prompt encoded once), dreambooth-cached (the same with "
+                        "dreambooth.cache_latents) and/or encoded (LoRA on `prepare encode` shards); default all")
     p.add_argument("--blocks", default=None,
                    help="partial size only: Flux double,single blocks (default 1,2); SDXL transformer layers per "
                         "level (default 1,2,4; the released UNet: 1,2,10)")
