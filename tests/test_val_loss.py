@@ -113,7 +113,7 @@ def held_out(shards: Path, count: int) -> list[tuple[np.ndarray, str]]:
         for fields in files.values():
             with Image.open(io.BytesIO(fields["png"])) as image:
                 pixels = np.asarray(image.convert("RGB"), dtype=np.float32) / 127.5 - 1  # already 32 px
-            samples.append((pixels, fields["txt"].decode().strip()))
+            samples.append((pixels, fields["txt"].decode().strip().splitlines()[0]))  # a pair's first phrasing
     return samples[:count]
 
 

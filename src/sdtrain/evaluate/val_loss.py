@@ -204,10 +204,19 @@ class ValLoss:
                     loaded = {shard_index: read_shard(self.shards[shard_index].url)}
                 raw, local = loaded[shard_index], index - int(starts[shard_index])
                 # A damaged shard holds fewer samples than its manifest says: the missing ones are skipped.
-                sample = self.decoder(raw[local], (0, shard_index, local)) if local < len(raw) else None
+                sample = self.decoder(self._first_caption(raw[local]), (0, shard_index, local)) \
+                    if local < len(raw) else None
                 if sample is not None and not isinstance(sample, Filtered):
                     samples.append((index, {**sample, "timestep": timestep_of(raw[local], index, self.timesteps)}))
             yield block, self._collate(samples) if samples else None
+
+    def _first_caption(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """A held-out sample with several captions (one per line) is scored with its first, as a validation set
+        names one caption per image."""
+        value = raw.get(self.data.caption_key)
+        if not isinstance(value, bytes) or b"\n" not in value.strip():
+            return raw
+        return {**raw, self.data.caption_key: value.strip().split(b"\n", 1)[0]}
 
     def _collate(self, samples: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
         rows = [sample for _, sample in samples]
