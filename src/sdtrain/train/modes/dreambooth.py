@@ -58,16 +58,20 @@ def cache_latents(config: RunConfig, run_dir: Path, sources: list[str]) -> None:
     todo = [(src, out) for src, out in todo if read_manifest(out) is None]
     if not todo:
         return
-    device = resolve_device(config.train.device, detect_topology().local_rank)
     vae = build.component_source(config.model, "vae")
     if vae is None:
         raise UserError("dreambooth.cache_latents: there is no VAE to encode with; set model.pretrained or model.vae")
-    encoder = Encoder(vae, None, config.data.resolution, device, dtype="float32")
+    encoder = Encoder(vae, None, config.data.resolution, _device(config), dtype="float32")
     for src, out in todo:
         manifest = encode_dataset(src, out, encoder, caption_key=config.data.caption_key,
                                   image_key=config.data.image_key)
         log.info("dreambooth.cache_latents: %d images of %s encoded into %s", manifest["total"] if manifest else 0,
                  src, out)
+
+
+def _device(config: RunConfig) -> torch.device:
+    """The device training runs on, for the work done before it (class images, cached latents)."""
+    return resolve_device(config.train.device, detect_topology().local_rank)
 
 
 def _base_pipeline(config: RunConfig) -> Any:
@@ -96,7 +100,7 @@ def ensure_class_images(config: RunConfig, folder: Path) -> int:
     if missing <= 0:
         return 0
     log.info("generating %d class images of '%s' into %s", missing, db.class_prompt, folder)
-    pipe = _base_pipeline(config)
+    pipe = _base_pipeline(config).to(_device(config))
     side = config.data.resolution
     made = 0
     index = 0
