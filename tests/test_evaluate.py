@@ -78,6 +78,8 @@ def _fid(inception, real: torch.Tensor, fake: torch.Tensor) -> float:
     return float(metric.compute())
 
 
+# 40 s of Inception features; FID through the CLI runs in the default suite (test_evaluate_from_the_cli_...).
+@pytest.mark.slow
 def test_fid_of_a_set_with_itself_is_zero_and_grows_with_noise(inception):
     images = _images(0)
     assert abs(_fid(inception, images, images)) < 1e-3
