@@ -126,22 +126,32 @@ def ensure_assets(args: argparse.Namespace, size: str, work: Path, env: dict[str
     # One image per sample trained on (capped), so neither tool starts a second epoch in a short run.
     num_images = max(16, 2 * batch_of(args, size), min(args.max_images, args.steps * batch_of(args, size)))
     key = {"settings": settings, "num_images": num_images, "version": 1}
+    return built_once(Path(__file__), work, key, [size, str(work), str(num_images), json.dumps(settings)], env, size,
+                      f"a random-weight pipeline and {num_images} images at {settings['resolution']} px")
+
+
+def built_once(script: Path, work: Path, key: dict[str, Any], build_args: list[str], env: dict[str, str],
+               label: str, what: str, stale_files: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The assets `key` describes, in `work`: reused when its assets.json records that key, else built by
+    `script _build BUILD_ARGS` in a child process (whose last stdout line is a JSON of facts about them), after
+    removing what older assets made (the shards, the encoded shards, `stale_files`)."""
     stamp = work / "assets.json"
     if stamp.is_file() and json.loads(stamp.read_text()).get("key") == key:
-        log(f"{size}: reusing {work / 'pipeline'} and {work / 'images'}")
+        log(f"{label}: reusing the assets in {work}")
         return json.loads(stamp.read_text())
     for stale in ("shards", "encoded"):
         shutil.rmtree(work / stale, ignore_errors=True)
+    for name in stale_files:
+        (work / name).unlink(missing_ok=True)
     stamp.unlink(missing_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    log(f"{size}: building a random-weight pipeline and {num_images} images at {settings['resolution']} px")
+    log(f"{label}: building {what}")
     t0 = time.time()
-    cmd = [sys.executable, str(Path(__file__).resolve()), "_build", size, str(work), str(num_images),
-           json.dumps(settings)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, str(script.resolve()), "_build", *build_args], env=env,
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"building the {size} assets failed")
+        raise SystemExit(f"building the {label} assets failed")
     info = {"key": key, **json.loads(proc.stdout.strip().splitlines()[-1]), "build_s": round(time.time() - t0, 1)}
     stamp.write_text(json.dumps(info, indent=1))
     return info

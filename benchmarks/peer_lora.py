@@ -17,7 +17,6 @@ import itertools
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -185,27 +184,9 @@ def ensure_assets(args: argparse.Namespace, family: str, size: str, work: Path, 
     # A DreamBooth-sized instance set: --images, rounded up to whole batches (no short last batch in the script).
     num_images = -(-max(args.images, batch) // batch) * batch
     key = {"family": family, "settings": settings, "num_images": num_images, "version": 1}
-    stamp = work / "assets.json"
-    if stamp.is_file() and json.loads(stamp.read_text()).get("key") == key:
-        log(f"{family} {size}: reusing {work / 'pipeline'} and {work / 'instance'}")
-        return json.loads(stamp.read_text())
-    for stale in ("shards", "encoded"):
-        shutil.rmtree(work / stale, ignore_errors=True)
-    (work / "sdtrain-data.json").unlink(missing_ok=True)
-    stamp.unlink(missing_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
-    log(f"{family} {size}: building a random-weight pipeline and {num_images} instance images at "
-        f"{settings['resolution']} px")
-    t0 = time.time()
-    cmd = [sys.executable, str(Path(__file__).resolve()), "_build", family, str(work), str(num_images),
-           json.dumps(settings)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"building the {family} {size} assets failed")
-    info = {"key": key, **json.loads(proc.stdout.strip().splitlines()[-1]), "build_s": round(time.time() - t0, 1)}
-    stamp.write_text(json.dumps(info, indent=1))
-    return info
+    return peer.built_once(Path(__file__), work, key, [family, str(work), str(num_images), json.dumps(settings)], env,
+                           f"{family} {size}", f"a random-weight pipeline and {num_images} instance images at "
+                           f"{settings['resolution']} px", stale_files=("sdtrain-data.json",))
 
 
 def batch_of(args: argparse.Namespace, family: str, size: str) -> int:
