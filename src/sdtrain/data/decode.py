@@ -65,6 +65,12 @@ def make_buckets(config: DataConfig) -> list[tuple[int, int]]:
     return sorted(buckets, key=lambda wh: -wh[0] / wh[1])
 
 
+def caption_lines(text: str) -> list[str]:
+    """The captions a caption field holds, one per non-blank line, stripped: the loader draws one of them, a
+    tokenizer trains on each, validation loss scores the first."""
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
 @dataclass(frozen=True)
 class Filtered:
     """A sample that data.filters rejected, and why."""
@@ -118,7 +124,7 @@ class SampleDecoder:
         """A caption field holds one caption per line: one is drawn each time the sample is (its place includes the
         epoch, so every epoch may draw another, and a resumed run draws the same). Tags then shuffle
         (``data.shuffle_tags``)."""
-        captions = [line.strip() for line in text.splitlines() if line.strip()]
+        captions = caption_lines(text)
         caption = captions[int(rng.integers(len(captions)))] if len(captions) > 1 else "".join(captions)
         if self.config.shuffle_tags:
             tags = [tag.strip() for tag in caption.split(",") if tag.strip()]

@@ -18,6 +18,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader
 
 from sdtrain.config import DataConfig
+from sdtrain.data.decode import caption_lines
 from sdtrain.data.encoded import TEXT_FIELDS, dataset_encoding, empty_caption_file, load_npy
 from sdtrain.data.order import DataPosition, relayout, resolve_shards
 from sdtrain.data.shards import tar_samples
@@ -222,7 +223,7 @@ def read_captions(spec: str, caption_key: str = "txt", limit: int = 200_000) -> 
         for sample in samples:
             value = sample.get(caption_key)
             if value:  # several captions of one image, one per line, are each a caption
-                captions += [line.strip() for line in value.decode("utf-8", "replace").splitlines() if line.strip()]
+                captions += caption_lines(value.decode("utf-8", "replace"))
             if len(captions) >= limit:
                 return captions
     return captions

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from sdtrain.config import DataConfig, EvaluationConfig
-from sdtrain.data.decode import Filtered, SampleDecoder
+from sdtrain.data.decode import Filtered, SampleDecoder, caption_lines
 from sdtrain.data.encoded import TEXT_FIELDS, dataset_encoding
 from sdtrain.data.order import read_shard, resolve_shards
 from sdtrain.distributed import gather_objects
@@ -214,9 +214,10 @@ class ValLoss:
         """A held-out sample with several captions (one per line) is scored with its first, as a validation set
         names one caption per image."""
         value = raw.get(self.data.caption_key)
-        if not isinstance(value, bytes) or b"\n" not in value.strip():
+        if not isinstance(value, bytes):
             return raw
-        return {**raw, self.data.caption_key: value.strip().split(b"\n", 1)[0]}
+        captions = caption_lines(value.decode("utf-8", "replace"))
+        return {**raw, self.data.caption_key: captions[0].encode()} if len(captions) > 1 else raw
 
     def _collate(self, samples: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
         rows = [sample for _, sample in samples]
