@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from sdtrain.config import DataConfig
+from sdtrain.data.decode import SampleDecoder
 from sdtrain.data.encode import Encoder, encode_dataset
+from sdtrain.data.encoded import load_npy
 from sdtrain.data.shards import read_manifest
 
 from .conftest import train
@@ -76,20 +79,40 @@ def test_text_embeddings_replace_a_frozen_text_encoder(tmp_path, shapes_dir, dif
     assert (out / "empty_caption.npy").is_file()
     import webdataset as wds
 
-    # A pair's three phrasings became the one its embedding was encoded from.
+    # A pair keeps its three phrasings, each with its embedding, and training draws one per read as from images.
     originals = {s["__key__"]: s["txt"].decode().splitlines()
                  for s in wds.WebDataset(sorted(str(p) for p in shapes_dir.glob("*.tar")), shardshuffle=False)}
-    encoded_captions = {s["__key__"]: s["txt"].decode()
-                        for s in wds.WebDataset(sorted(str(p) for p in out.glob("*.tar")), shardshuffle=False)}
-    assert any(len(lines) == 3 for lines in originals.values())
-    assert all(caption in originals[key] for key, caption in encoded_captions.items())
+    samples = {s["__key__"]: s for s in wds.WebDataset(sorted(str(p) for p in out.glob("*.tar")), shardshuffle=False)}
+    pairs = [key for key, lines in originals.items() if len(lines) == 3]
+    assert pairs and set(samples) == set(originals)
+    for key, sample in samples.items():
+        assert sample["txt"].decode().splitlines() == originals[key]
+        shape = load_npy(sample["text_emb.npy"]).shape
+        assert shape[:-2] == ((3,) if key in pairs else ())
+    decoder = SampleDecoder(DataConfig(shards=str(out), resolution=32, caption_dropout=0.0), None, seed=0,
+                            encoded=True)
+    drawn = {}
+    for epoch in range(16):
+        sample = decoder(samples[pairs[0]], (epoch, 0, 0))
+        drawn[sample["caption"]] = sample["text_emb"]
+    assert set(drawn) == set(originals[pairs[0]])
+    encoder = _encoder(pipeline, pipeline)
+    for caption, embedding in drawn.items():
+        expected = torch.from_numpy(encoder.text([caption])["text_emb"][0]).half().float()
+        torch.testing.assert_close(embedding, expected, atol=2e-3, rtol=2e-3)
+
     calls = []
     original = CLIPTextModel.forward
     monkeypatch.setattr(CLIPTextModel, "forward", lambda *a, **k: calls.append(1) or original(*a, **k))
-    train("diffusion.yaml", tmp_path / "tune", f"data.shards={out}", f"model.pretrained={pipeline}", "model.vae=null",
-          "diffusion.train_text_encoder=false", "train.max_steps=2", "validation.prompts=[]")
+    tune = [f"data.shards={out}", f"model.pretrained={pipeline}", "model.vae=null",
+            "diffusion.train_text_encoder=false", "train.max_steps=2", "validation.prompts=[]"]
+    train("diffusion.yaml", tmp_path / "tune", *tune)
     assert "text encoder skipped" in caplog.text
     assert not calls
+    # Shuffled tags are captions no shard holds an embedding of: the text encoder runs on them.
+    caplog.clear()
+    train("diffusion.yaml", tmp_path / "shuffled", *tune, "data.shuffle_tags=true")
+    assert "text encoder skipped" not in caplog.text and calls
 
 
 def test_latents_of_another_vae_or_resolution_are_one_clear_error(tmp_path, encoded, autoencoder_run, capsys):

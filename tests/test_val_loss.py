@@ -18,6 +18,7 @@ from PIL import Image
 from sdtrain.checkpoint import latest_checkpoint
 from sdtrain.cli.main import main
 from sdtrain.config import DiffusionConfig, ModelConfig, load_config
+from sdtrain.data.encoded import dataset_encoding
 from sdtrain.errors import UserError
 from sdtrain.evaluate.run import EvalSettings, Evaluator, target_met
 from sdtrain.evaluate.val_loss import ValLoss, my_blocks, sample_noise, timestep_of
@@ -294,6 +295,7 @@ def test_in_loop_val_loss_scores_the_ema_weights(tmp_path, flux_pipeline, flux_e
     # the same number.
     config = load_config(FLUX_RECIPE, [f"run_dir={tmp_path / 'offline'}", *common, f"model.transformer={run}"])
     task, val_loss = task_and_loss(config, tmp_path / "offline")
+    task.use_encoded(dataset_encoding(str(flux_encoded))[0])  # as the trainer does: the shards' text embeddings
     assert val_loss(task.trainable)["val_loss"] == pytest.approx(in_loop, rel=1e-6)
 
 

@@ -22,6 +22,7 @@ from sdtrain.data.encoded import (
     MASK,
     MASK_IMAGE,
     SIZE_IDS,
+    TEXT_FIELD_DIMS,
     TEXT_FIELDS,
     load_npy,
 )
@@ -65,9 +66,11 @@ def make_buckets(config: DataConfig) -> list[tuple[int, int]]:
     return sorted(buckets, key=lambda wh: -wh[0] / wh[1])
 
 
-def caption_lines(text: str) -> list[str]:
-    """The captions a caption field holds, one per non-blank line, stripped: the loader draws one of them, a
-    tokenizer trains on each, validation loss scores the first."""
+def caption_lines(value: bytes | str) -> list[str]:
+    """The captions a caption field holds (its bytes as a shard stores them, or text), one per non-blank line,
+    stripped: the loader draws one of them, a tokenizer trains on each, validation loss scores the first,
+    `prepare encode` embeds each."""
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
@@ -94,19 +97,18 @@ class SampleDecoder:
         self.background = parse_background(config.background)
         """None: a colour drawn per sample (``random``)."""
 
-    def _caption(self, raw: dict[str, Any], rng: np.random.Generator) -> str | Filtered | None:
-        """The sample's caption, None when it has none to offer, Filtered when a filter rejects it."""
+    def _caption(self, raw: dict[str, Any], rng: np.random.Generator) -> tuple[str, int] | Filtered | None:
+        """The sample's caption and which line of its caption field it was drawn from (0 for class prompts), None
+        when it has none to offer, Filtered when a filter rejects it."""
         if self.class_prompts is not None:
             value = raw.get(self.config.class_key)
             try:
                 prompts = self.class_prompts[str(int(value.decode() if isinstance(value, bytes) else value))]
             except (TypeError, ValueError, KeyError, UnicodeDecodeError):
                 return None
-            caption = prompts[int(rng.integers(len(prompts)))]
+            caption, line = prompts[int(rng.integers(len(prompts)))], 0
         else:
-            caption = raw.get(self.config.caption_key, b"")
-            caption = caption.decode("utf-8", "replace") if isinstance(caption, bytes) else str(caption)
-            caption = self._one_of(caption, rng)
+            caption, line = self._one_of(raw.get(self.config.caption_key, b""), rng)
         if self.filters:
             try:
                 meta = json.loads(raw.get("json", b"{}"))
@@ -118,28 +120,30 @@ class SampleDecoder:
         templates = self.config.prompt_templates
         if templates:
             caption = templates[int(rng.integers(len(templates)))].replace("{caption}", caption)
-        return caption
+        return caption, line
 
-    def _one_of(self, text: str, rng: np.random.Generator) -> str:
+    def _one_of(self, text: bytes | str, rng: np.random.Generator) -> tuple[str, int]:
         """A caption field holds one caption per line: one is drawn each time the sample is (its place includes the
-        epoch, so every epoch may draw another, and a resumed run draws the same). Tags then shuffle
-        (``data.shuffle_tags``)."""
+        epoch, so every epoch may draw another, and a resumed run draws the same), returned with its line. Tags
+        then shuffle (``data.shuffle_tags``)."""
         captions = caption_lines(text)
-        caption = captions[int(rng.integers(len(captions)))] if len(captions) > 1 else "".join(captions)
+        line = int(rng.integers(len(captions))) if len(captions) > 1 else 0
+        caption = captions[line] if captions else ""
         if self.config.shuffle_tags:
             tags = [tag.strip() for tag in caption.split(",") if tag.strip()]
             keep = self.config.keep_tags
             caption = ", ".join(tags[:keep] + [tags[keep + i] for i in rng.permutation(len(tags) - keep)]
                                 if len(tags) > keep else tags)
-        return caption
+        return caption, line
 
     def __call__(self, raw: dict[str, Any], place: tuple[int, int, int]) -> dict[str, Any] | Filtered | None:
         rng = np.random.default_rng([self.seed, *place, 0xDA7A])
-        caption = self._caption(raw, rng)
-        if caption is None or isinstance(caption, Filtered):
-            return caption
+        drawn = self._caption(raw, rng)
+        if drawn is None or isinstance(drawn, Filtered):
+            return drawn
+        caption, line = drawn
         if self.encoded:
-            return self._encoded(raw, rng, caption)
+            return self._encoded(raw, rng, caption, line)
         image_bytes = next((raw[k] for k in self.image_keys if k in raw), None)
         if image_bytes is None:
             return None
@@ -184,8 +188,10 @@ class SampleDecoder:
         return min(range(len(self.buckets)), key=lambda b: abs(math.log(self.buckets[b][0] / self.buckets[b][1])
                                                               - aspect))
 
-    def _encoded(self, raw: dict[str, Any], rng: np.random.Generator, caption: str) -> dict[str, Any] | None:
-        """A pre-encoded sample: the latent distribution (and text embedding) instead of pixels."""
+    def _encoded(self, raw: dict[str, Any], rng: np.random.Generator, caption: str, line: int
+                 ) -> dict[str, Any] | None:
+        """A pre-encoded sample: the latent distribution (and the text embedding of its caption field's `line`,
+        drawn as from images) instead of pixels."""
         if LATENT_MEAN not in raw or LATENT_STD not in raw:
             return None
         try:
@@ -193,7 +199,10 @@ class SampleDecoder:
                       "latent_std": torch.from_numpy(load_npy(raw[LATENT_STD]).astype(np.float32))}
             for key, field in TEXT_FIELDS.items():
                 if field in raw:
-                    sample[key] = torch.from_numpy(load_npy(raw[field]).astype(np.float32))
+                    embedding = load_npy(raw[field])
+                    if embedding.ndim > TEXT_FIELD_DIMS[key]:  # one per caption line
+                        embedding = embedding[line]
+                    sample[key] = torch.from_numpy(embedding.astype(np.float32))
             for field in (MASK, ALPHA) if self.config.alpha_mask else (MASK,):
                 if field in raw:
                     sample["mask"] = torch.from_numpy(load_npy(raw[field]).astype(np.float32))
@@ -202,7 +211,7 @@ class SampleDecoder:
             side = self.config.resolution
             sample["size_ids"] = torch.from_numpy(load_npy(raw[SIZE_IDS]).astype(np.int64)) if SIZE_IDS in raw \
                 else torch.tensor([side, side, 0, 0, side, side])
-        except (OSError, ValueError):
+        except (OSError, ValueError, IndexError):
             return None
         drop = bool(rng.random() < self.config.caption_dropout)
         return {**sample, "caption": "" if drop else caption, "dropped": drop, "key": raw["__key__"], "bucket": 0}

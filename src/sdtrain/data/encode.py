@@ -3,8 +3,9 @@
 Training on them skips the VAE encoder (and, with a frozen text encoder, the text encoder) in every
 step. Each input shard becomes one output shard with the same samples in the same order plus
 ``latent_mean.npy`` and ``latent_std.npy`` (the posterior, unscaled, so training can sample from
-it) and ``text_emb.npy``; ``empty_caption.npy`` beside the manifest is the embedding caption dropout
-substitutes. The manifest's ``encoding`` entry says which weights and resolution produced them.
+it) and ``text_emb.npy`` (one per line of a sample's caption field, stacked, so training still draws one caption
+per read); ``empty_caption.npy`` beside the manifest is the embedding caption dropout substitutes. The
+manifest's ``encoding`` entry says which weights and resolution produced them.
 
 Several processes (any launcher: sdtrain reads rank and world size from the environment) share the
 shards round-robin without talking to each other; a finished shard is skipped on a rerun, and the
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from sdtrain.config import DataConfig
-from sdtrain.data.decode import SampleDecoder
+from sdtrain.data.decode import SampleDecoder, caption_lines
 from sdtrain.data.encoded import (
     ALPHA,
     DTYPES,
@@ -151,6 +152,22 @@ def encode_dataset(src: str, out: Path, encoder: Encoder, batch_size: int = 32, 
     return read_manifest(out)
 
 
+def _embed(encoder: Encoder, lines: list[list[str]]) -> list[dict[str, np.ndarray]]:
+    """Each sample's text conditioning from its captions, field -> array (several captions stacked on a first axis,
+    in line order); empty without text encoders. Encoded a line at a time across the samples: every first caption
+    in one call, then every second one, so the first captions' embeddings are those of a batch without more."""
+    if not encoder.text_encoders:
+        return [{} for _ in lines]
+    found: list[list[dict[str, np.ndarray]]] = [[] for _ in lines]
+    for line in range(max(len(captions) for captions in lines)):
+        holders = [i for i, captions in enumerate(lines) if len(captions) > line]
+        encoded = encoder.text([lines[i][line] for i in holders])
+        for row, i in enumerate(holders):
+            found[i].append({field: values[row] for field, values in encoded.items()})
+    return [{field: np.stack([one[field] for one in each]) if len(each) > 1 else each[0][field] for field in each[0]}
+            for each in found]
+
+
 def _encode_shard(url: str, decoder: SampleDecoder, encoder: Encoder, index: int, out: Path,
                   batch_size: int) -> tuple[int, int]:
     raw = read_shard(url)
@@ -165,7 +182,8 @@ def _encode_shard(url: str, decoder: SampleDecoder, encoder: Encoder, index: int
             if not usable:
                 continue
             mean, std = encoder.latents(torch.stack([d["pixel_values"] for _, d in usable]))
-            embeddings = encoder.text([d["caption"] for _, d in usable]) if encoder.text_encoders else {}
+            lines = [caption_lines(sample.get(decoder.config.caption_key, b"")) or [""] for sample, _ in usable]
+            embeddings = _embed(encoder, lines)
             for i, (sample, decoded_sample) in enumerate(usable):
                 fields = {k: v for k, v in sample.items() if not k.startswith("__")}
                 fields[LATENT_MEAN] = npy_bytes(mean[i].astype(encoder.dtype))
@@ -174,10 +192,8 @@ def _encode_shard(url: str, decoder: SampleDecoder, encoder: Encoder, index: int
                 if "mask" in decoded_sample:
                     grid = F.interpolate(decoded_sample["mask"][None], size=mean[i].shape[-2:], mode="area")[0]
                     fields[MASK if MASK_IMAGE in sample else ALPHA] = npy_bytes(grid.numpy().astype(np.float16))
-                for field, values in embeddings.items():
-                    fields[TEXT_FIELDS[field]] = npy_bytes(values[i].astype(encoder.dtype))
-                if embeddings:  # of one caption, drawn from several: the shard keeps it, saying what trains
-                    fields[decoder.config.caption_key] = decoded_sample["caption"].encode()
+                for field, value in embeddings[i].items():
+                    fields[TEXT_FIELDS[field]] = npy_bytes(value.astype(encoder.dtype))
                 writer.write({"__key__": sample["__key__"], **fields})
                 written += 1
     if not written:  # still a finished shard: reruns skip it and the manifest counts it

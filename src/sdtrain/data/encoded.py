@@ -23,6 +23,9 @@ MASK_IMAGE = "mask.png"
 TEXT_FIELDS = {"text_emb": TEXT_EMB, "text_pooled": "text_pooled.npy"}
 """Text conditioning a sample may carry, batch key -> sample field: the sequence the denoiser attends to, and a
 family's pooled vector (SDXL's)."""
+TEXT_FIELD_DIMS = {"text_emb": 2, "text_pooled": 1}
+"""Dimensions of one caption's text conditioning; a sample with several captions (lines of its caption field)
+carries them stacked on one more, first axis, in line order."""
 
 
 def empty_caption_file(field: str) -> str:

@@ -223,7 +223,7 @@ def read_captions(spec: str, caption_key: str = "txt", limit: int = 200_000) -> 
         for sample in samples:
             value = sample.get(caption_key)
             if value:  # several captions of one image, one per line, are each a caption
-                captions += caption_lines(value.decode("utf-8", "replace"))
+                captions += caption_lines(value)
             if len(captions) >= limit:
                 return captions
     return captions

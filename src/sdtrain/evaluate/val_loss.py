@@ -216,7 +216,7 @@ class ValLoss:
         value = raw.get(self.data.caption_key)
         if not isinstance(value, bytes):
             return raw
-        captions = caption_lines(value.decode("utf-8", "replace"))
+        captions = caption_lines(value)
         return {**raw, self.data.caption_key: captions[0].encode()} if len(captions) > 1 else raw
 
     def _collate(self, samples: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:

@@ -487,10 +487,12 @@ class DiffusionTask(Task):
     def unread(self, encoding: dict[str, Any]) -> list[str]:
         """The frozen components that training on shards of this `encoding` never runs: the VAE that encoded
         their latents, and the text encoders when the shards' embeddings stand in for them (these encoders made
-        them, they stay frozen, and the captions are the shards' own, which prompt templates would replace)."""
+        them, they stay frozen, and the captions are the shards' own, which prompt templates would replace and
+        tag shuffling would reorder)."""
         if encoding.get("vae") != self.source("vae"):
             return []  # shards `use_encoded` refuses
-        frozen_text = not self.text_encoder_trains() and not self.data_config().prompt_templates
+        data = self.data_config()
+        frozen_text = not self.text_encoder_trains() and not data.prompt_templates and not data.shuffle_tags
         text = list(self.family.text_encoders)
         embeddings = frozen_text and all(encoding.get(name) == self.source(name) for name in text)
         return ["vae", *(text if embeddings else [])]
