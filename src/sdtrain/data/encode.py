@@ -154,8 +154,8 @@ def encode_dataset(src: str, out: Path, encoder: Encoder, batch_size: int = 32, 
 
 def _embed(encoder: Encoder, lines: list[list[str]]) -> list[dict[str, np.ndarray]]:
     """Each sample's text conditioning from its captions, field -> array (several captions stacked on a first axis,
-    in line order); empty without text encoders. Encoded a line at a time across the samples: every first caption
-    in one call, then every second one, so the first captions' embeddings are those of a batch without more."""
+    in line order); empty without text encoders. Encoded a line at a time across the samples (every first caption
+    in one call, then every second one), so no call holds more captions than the batch has samples."""
     if not encoder.text_encoders:
         return [{} for _ in lines]
     found: list[list[dict[str, np.ndarray]]] = [[] for _ in lines]
