@@ -439,11 +439,12 @@ def _synthetic_step(config: RunConfig, task: Any, encoded: bool, samples: int) -
     batch = SyntheticBatches(data, task, seed=config.seed, rank=0, encoded=encoded).next()
     generator = torch.Generator(task.device).manual_seed(0)
     extra, rng = task.extra_state(), torch.get_rng_state()
-    # bf16 weights (optim.weights) compute under bf16 autocast only, as their training steps do.
+    # bf16 weights (optim.weights) compute under bf16 autocast only, as their training steps do. Otherwise no
+    # autocast of its own: a disabled one would switch off the bf16 autocast that time_precisions times it under.
     bf16 = config.optim.weights == "bf16"
 
     def step() -> torch.Tensor:
-        with torch.autocast(task.device.type, dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(task.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
             return task.loss(batch, generator)[0]
 
     try:
