@@ -188,8 +188,9 @@ def measured_precision(fingerprint: list[Any], step: Callable[[], torch.Tensor],
                        device: torch.device, samples: int) -> tuple[dict[str, float], str]:
     """The fp32 and bf16 timings of ``step`` on this machine, from the cache when it has them for this
     ``fingerprint`` (what identifies the model and batch)."""
-    # v2: whole steps at the real batch size; the v1 entries timed single layers at a batch of one.
-    identity = json.dumps(["v2", _machine_key(device), torch.__version__, samples, fingerprint])
+    # v3: the bf16 round under bf16 autocast; v2 entries timed fp32 twice (the trial step switched autocast off),
+    # v1 ones single layers at a batch of one.
+    identity = json.dumps(["v3", _machine_key(device), torch.__version__, samples, fingerprint])
     key = hashlib.sha256(identity.encode()).hexdigest()[:24]
     path = cache_dir() / "precision.json"
     cached = _load_cache(path).get(key)
