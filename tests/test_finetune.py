@@ -163,7 +163,8 @@ def test_objectives_change_the_loss_and_min_snr_stays_finite_at_zero_snr(tmp_pat
         return task, task.denoising_loss(batch, torch.Generator().manual_seed(1)).detach()
 
     _, plain = loss()
-    for option in ("diffusion.noise_offset=0.1", "diffusion.input_perturbation=0.1"):
+    for option in ("diffusion.noise_offset=0.1", "diffusion.input_perturbation=0.1",
+                   "diffusion.multires_noise_iterations=6"):
         _, changed = loss(option)
         assert torch.isfinite(changed).all() and not torch.allclose(changed, plain), option
     task, _ = loss("diffusion.zero_terminal_snr=true", "diffusion.snr_gamma=5", "diffusion.prediction_type=epsilon")

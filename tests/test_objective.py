@@ -16,7 +16,7 @@ from torch import nn
 
 from sdtrain.config import DiffusionConfig, load_config
 from sdtrain.models import build, families
-from sdtrain.train.objectives import FlowMatching, NoisePrediction
+from sdtrain.train.objectives import FlowMatching, NoisePrediction, multires_noise
 from sdtrain.train.tasks import DiffusionTask
 
 from .conftest import config_path
@@ -145,6 +145,30 @@ def test_offset_noise_and_input_perturbation(latent_mean):
         expected = math.sqrt(abar[t]) * x0[i] + math.sqrt(1 - abar[t]) * noised_with
         torch.testing.assert_close(task.unet.seen[0][i].double(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(loss.double(), per_sample(noise), rtol=1e-5, atol=1e-6)
+
+
+def test_multires_noise_is_the_target_and_puts_power_at_the_image_scale(latent_mean):
+    task = objective("diffusion.prediction_type=epsilon", "diffusion.snr_gamma=0",
+                     "diffusion.multires_noise_iterations=6", "diffusion.multires_noise_discount=0.8")
+    loss = run(task, latent_mean, seed=13)
+    # Drawn right after the plain noise from the same generator, so a resumed run repeats it.
+    generator = torch.Generator().manual_seed(13)
+    plain = torch.randn(SHAPE, generator=generator)
+    expected = multires_noise(plain, 6, 0.8, generator)
+    torch.testing.assert_close(loss.double(), per_sample(expected), rtol=1e-5, atol=1e-6)
+
+    generator = torch.Generator().manual_seed(0)
+    plain = torch.randn(256, 4, 16, 16, generator=generator)
+    noise = multires_noise(plain, 6, 0.8, generator)
+    assert noise.flatten(1).std(dim=1).allclose(torch.ones(256), atol=1e-4)
+
+    # What a model could read the layout from at high noise: the mean of each half of the image. Plain noise
+    # averages away there (std 1/sqrt(128) per channel); multi-resolution noise keeps several times more.
+    def halves(values: torch.Tensor) -> float:
+        return values[..., :8].mean(dim=(2, 3)).std().item()
+
+    assert halves(noise) > 4 * halves(plain)
+    assert halves(multires_noise(plain, 6, 0.3, torch.Generator().manual_seed(0))) < halves(noise)
 
 
 # Flow matching (rectified flow, SD3 and Flux.1): x_t = (1 - sigma) x0 + sigma noise, target noise - x0, the

@@ -282,6 +282,15 @@ class DiffusionConfig:
     noise_offset: float = 0.0
     """Offset noise (Guttenberg, 2023): add this times a per-channel constant to the noise, so the model can
     learn to change an image's mean brightness (very dark or bright images); 0.05-0.1 is usual, 0 is off."""
+    multires_noise_iterations: int = 0
+    """Multi-resolution ("pyramid") noise, as kohya's ``--multires_noise_iterations``: add this many levels of
+    noise drawn at ever coarser grids (each a random 2-4x smaller) and upsampled, so the noise has power at the
+    scale of the whole image, where plain noise has almost none. At high noise the layout then cannot be read
+    from the latents and must come from the caption; 6-10 is usual, 0 is off."""
+    multires_noise_discount: float = 0.3
+    """Multi-resolution noise: level i is scaled by this to the power i before the sum is rescaled to unit
+    standard deviation (kohya's ``--multires_noise_discount``; 0.1-0.3 is usual, higher weights the coarse
+    levels more)."""
     input_perturbation: float = 0.0
     """Input perturbation (Ning et al., 2023): noise the latents with noise + this times fresh noise while
     the target stays the plain noise, which reduces exposure bias; 0.1 is the paper's value, 0 is off."""
@@ -292,6 +301,9 @@ class DiffusionConfig:
     def validate(self) -> None:
         _check(self.noise_offset >= 0, "diffusion.noise_offset", "must be 0 (off) or positive")
         _check(self.input_perturbation >= 0, "diffusion.input_perturbation", "must be 0 (off) or positive")
+        _check(self.multires_noise_iterations >= 0, "diffusion.multires_noise_iterations",
+               "must be 0 (off) or positive")
+        _check(0 < self.multires_noise_discount <= 1, "diffusion.multires_noise_discount", "must be in (0, 1]")
         _check(self.prediction_type in (None, "epsilon", "v_prediction"), "diffusion.prediction_type",
                "must be epsilon or v_prediction")
         _check(self.num_train_timesteps >= 2, "diffusion.num_train_timesteps", "must be at least 2")

@@ -29,10 +29,31 @@ from sdtrain.errors import UserError
 log = logging.getLogger(__name__)
 
 
+def multires_noise(noise: torch.Tensor, iterations: int, discount: float, generator: torch.Generator
+                   ) -> torch.Tensor:
+    """`noise` (batch, channels, height, width) plus `iterations` levels of coarser noise, level i drawn on a
+    grid a random 2-4x smaller per level than the last, upsampled bilinearly and scaled by discount**i; the
+    sum rescaled to unit standard deviation per sample. Every draw comes from `generator`, so resumes repeat
+    it. Stops at the first level one cell wide."""
+    height, width = noise.shape[-2:]
+    total = noise.float()
+    shrink = 1.0
+    for level in range(1, iterations + 1):
+        shrink *= 2 + 2 * torch.rand((), generator=generator, device=noise.device).item()
+        size = (max(1, int(height / shrink)), max(1, int(width / shrink)))
+        coarse = torch.randn((*noise.shape[:2], *size), generator=generator, device=noise.device)
+        total = total + discount**level * torch.nn.functional.interpolate(coarse, size=(height, width),
+                                                                          mode="bilinear", align_corners=False)
+        if min(size) == 1:
+            break
+    total = total / total.flatten(1).std(dim=1).view(-1, 1, 1, 1)
+    return total.to(noise.dtype)
+
+
 class NoisePrediction:
     """Epsilon or v-prediction on a DDPM noise schedule, with the options the field uses: min-SNR-gamma
-    weighting, offset noise, input perturbation, zero terminal SNR (in the schedule itself) and uniform or
-    logit-normal timesteps."""
+    weighting, offset and multi-resolution noise, input perturbation, zero terminal SNR (in the schedule
+    itself) and uniform or logit-normal timesteps."""
 
     name = "noise_prediction"
 
@@ -59,6 +80,8 @@ class NoisePrediction:
         `generator` in a fixed order, so a resumed run draws the same noise."""
         cfg = self.config
         noise = torch.randn(latents.shape, generator=generator, device=self.device, dtype=latents.dtype)
+        if cfg.multires_noise_iterations > 0:
+            noise = multires_noise(noise, cfg.multires_noise_iterations, cfg.multires_noise_discount, generator)
         if cfg.noise_offset > 0:
             # One constant per sample and channel: plain noise has zero mean, so the model never
             # learns to move an image's overall brightness.
@@ -138,7 +161,8 @@ class FlowMatching:
         patches 2x2), for the image-token count the dynamic shift depends on."""
         # These shape the DDPM noise or its loss. The shared fine-tuning recipes set min-SNR for SD, and a Flux or
         # SD3 model fine-tuned with them should train, not stop: said once, then left out.
-        ignored = [f"diffusion.{name}" for name in ("noise_offset", "input_perturbation", "snr_gamma")
+        ignored = [f"diffusion.{name}" for name in ("noise_offset", "input_perturbation", "snr_gamma",
+                                                     "multires_noise_iterations")
                    if getattr(config, name) > 0]
         if ignored:
             log.warning("%s: noise-prediction options, which flow matching does not use; ignored (set to 0 to "
