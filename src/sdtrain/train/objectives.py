@@ -38,8 +38,10 @@ def multires_noise(noise: torch.Tensor, iterations: int, discount: float, genera
     height, width = noise.shape[-2:]
     total = noise.float()
     shrink = 1.0
-    for level in range(1, iterations + 1):
-        shrink *= 2 + 2 * torch.rand((), generator=generator, device=noise.device).item()
+    # The grid sizes must be known on the host: one transfer for all levels, not one sync each.
+    factors = (2 + 2 * torch.rand(iterations, generator=generator, device=noise.device)).tolist()
+    for level, factor in enumerate(factors, start=1):
+        shrink *= factor
         size = (max(1, int(height / shrink)), max(1, int(width / shrink)))
         coarse = torch.randn((*noise.shape[:2], *size), generator=generator, device=noise.device)
         total = total + discount**level * torch.nn.functional.interpolate(coarse, size=(height, width),
