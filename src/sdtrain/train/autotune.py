@@ -6,10 +6,10 @@ another, depending on avx512_bf16/AMX and on what the weight casts cost) and bet
 machine (on an AMX Xeon bf16 is 3x faster for SD2's UNet and 1.7x slower for the demo's tiny one, whose
 step is mostly elementwise work and casts). So ``auto`` times the step itself: the model's forward and
 backward on a synthetic batch of the configured micro-batch size, in fp32 and under bf16 autocast,
-alternating, best of two each after a warm-up. That takes a few of the run's steps, and the result is
-cached per machine, thread count, model and batch size. A forward of one sample records every distinct
-layer call (with its real input shapes); their inputs give the activation memory per sample that decides
-``gradient_checkpointing: auto``.
+alternating, best of two each after a warm-up (one, when one precision is already twice as fast). That takes
+a few of the run's steps, and the result is cached per machine, thread count, model and batch size. A
+forward of one sample records every distinct layer call (with its real input shapes); their inputs give the
+activation memory per sample that decides ``gradient_checkpointing: auto``.
 
 Only the main rank measures; every rank takes its decision, so all ranks train alike.
 """
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 # bf16 rounds every matmul input; it has to buy a clear gain, not a tie within timing noise.
 BF16_MIN_GAIN = 1.05
+DECISIVE_RATIO = 2.0
 _LEAVES = (nn.Conv2d, nn.Linear, nn.GroupNorm, nn.LayerNorm)
 
 
@@ -156,7 +157,8 @@ def time_precisions(step: Callable[[], torch.Tensor], params: list[nn.Parameter]
                     samples: int, repeats: int = 2) -> dict[str, float]:
     """Milliseconds per sample of ``step()``'s forward and its backward in fp32 and under bf16 autocast. The
     precisions alternate, so a change in the machine's load affects both; the first round only warms caches
-    and allocators, then each precision's best time is kept. Gradients are left cleared."""
+    and allocators, then each precision's best time is kept, over `repeats` rounds or fewer when one is already
+    twice as fast. Gradients are left cleared."""
     best = {"fp32": float("inf"), "bf16": float("inf")}
     try:
         for attempt in range(repeats + 1):
@@ -171,6 +173,10 @@ def time_precisions(step: Callable[[], torch.Tensor], params: list[nn.Parameter]
                     p.grad = None
                 if attempt:
                     best[name] = min(best[name], seconds)
+            # A precision twice as slow after a timed round cannot win the next one: stop there (bf16 is 12x
+            # slower for the demo's UNet on a CPU without bf16 units, and each of its rounds costs seconds).
+            if attempt and max(best.values()) > DECISIVE_RATIO * min(best.values()):
+                break
     finally:
         for p in params:
             p.grad = None
