@@ -173,7 +173,7 @@ def time_precisions(step: Callable[[], torch.Tensor], params: list[nn.Parameter]
                     p.grad = None
                 if attempt:
                     best[name] = min(best[name], seconds)
-            # A precision twice as slow after a timed round cannot win the next one: stop there (bf16 is 12x
+            # A precision twice as slow after a timed round cannot win the next one: stop there (bf16 is about 10x
             # slower for the demo's UNet on a CPU without bf16 units, and each of its rounds costs seconds).
             if attempt and max(best.values()) > DECISIVE_RATIO * min(best.values()):
                 break
