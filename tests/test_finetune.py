@@ -112,6 +112,58 @@ def test_fine_tuning_resumes_bitwise(tmp_path, pretrained, shapes_dir, mode, ext
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
 
+def _same(a: Path, b: Path) -> bool:
+    """Whether two .safetensors files hold the same tensors."""
+    x, y = load_file(str(a)), load_file(str(b))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.mark.parametrize("mode,extra,files", [
+    ("lora", ["lora.rank=2", "lora.alpha=4", "optim.lr=0.01"],
+     ["pytorch_lora_weights.safetensors", "lora_kohya.safetensors"]),
+    # Sharded checkpoints written in the background: the files go in before the folder is committed.
+    ("lora", ["lora.rank=2", "optim.lr=0.01", "checkpoint.format=sharded", "checkpoint.async_save=true"],
+     ["pytorch_lora_weights.safetensors", "lora_kohya.safetensors"]),
+    ("textual_inversion", TI, ["learned_embeds.safetensors"])], ids=["lora", "lora-async-sharded", "ti"])
+def test_every_checkpoint_holds_the_files_export_writes_and_still_resumes(tmp_path, pretrained, shapes_dir, mode,
+                                                                          extra, files):
+    from sdtrain.checkpoint import list_checkpoints, read_meta, require_intact
+    from sdtrain.export import export_run
+
+    run = tmp_path / "run"
+    finetune(run, pretrained, shapes_dir, mode, "train.max_steps=2", "checkpoint.every=1", *extra)
+    first, second = list_checkpoints(run)
+    for checkpoint in (first, second):
+        # Inside the folder, so its checksums cover them (resume and export still find it intact) and pruning
+        # removes them with it; nothing left over from writing them.
+        require_intact(checkpoint)
+        assert set(files) <= set(read_meta(checkpoint)["files"])
+        assert not [p.name for p in checkpoint.iterdir() if p.name.startswith(".")]
+        out = export_run(run, tmp_path / f"export-{checkpoint.name}", checkpoint=checkpoint)
+        for name in files:
+            assert _same(checkpoint / name, out / name), (checkpoint.name, name)
+    assert not _same(first / files[0], second / files[0])  # each checkpoint's own weights
+    # The EMA weights, as export's default: not the raw ones.
+    raw = export_run(run, tmp_path / "raw", checkpoint=second, ema=False)
+    assert not _same(second / files[0], raw / files[0])
+
+    pipe = _pipe(pretrained)
+    if mode == "lora":
+        pipe.load_lora_weights(second)
+        pipe.load_lora_weights(second, weight_name="lora_kohya.safetensors", adapter_name="kohya")
+    else:
+        pipe.load_textual_inversion(str(second / "learned_embeds.safetensors"))
+        assert "<shape>" in pipe.tokenizer.get_vocab()
+
+    # Resume from such a checkpoint; keep_last (2) prunes the first together with its files.
+    finetune(run, pretrained, shapes_dir, mode, "train.max_steps=3", "checkpoint.every=1", *extra)
+    assert [c.name for c in list_checkpoints(run)] == ["step_00000002", "step_00000003"]
+    assert not first.exists()
+    third = list_checkpoints(run)[-1]
+    require_intact(third)
+    assert read_meta(third)["step"] == 3 and all((third / name).is_file() for name in files)
+
+
 def test_generate_applies_a_lora_and_an_embedding_from_the_cli(tmp_path, pretrained, shapes_dir):
     from PIL import Image
 
@@ -240,6 +292,9 @@ def test_dreambooth_generates_class_images_and_trains_with_prior_preservation(tm
     assert all(torch.equal(a[k], b[k]) for k in a)
     out = export_run(run, tmp_path / "out")
     assert (out / ("pytorch_lora_weights.safetensors" if lora else "model_index.json")).is_file()
+    # With LoRA, each checkpoint holds the adapter files export writes; a full run's holds no pipeline.
+    lora_file = latest_checkpoint(run) / "pytorch_lora_weights.safetensors"
+    assert _same(lora_file, out / lora_file.name) if lora else not lora_file.exists()
 
 
 def test_textual_inversion_on_a_prepared_folder_without_captions_freezes_all_else_and_saves_a_full_pipeline(

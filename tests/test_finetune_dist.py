@@ -170,6 +170,9 @@ def test_two_gloo_ranks_fine_tune_like_one_process_at_the_same_global_batch(tmp_
     assert all(("lora_" in k) if mode == "lora" else k.endswith("token_embedding.added") for k in expected)
     if mode == "lora":
         assert any(".lora_B." in k and v.abs().max() > 0 for k, v in expected.items())
+        # The main rank alone wrote the adapter file into the checkpoint, its checksums with it.
+        checkpoint = ranks / "checkpoints" / "step_00000003"
+        assert "pytorch_lora_weights.safetensors" in json.loads((checkpoint / "meta.json").read_text())["files"]
     else:  # both vectors start as the initializer's; their places in the caption set them apart
         assert all(not torch.equal(v[0], v[1]) for v in expected.values())
     # Not bitwise: DDP sums the two ranks' gradients in gloo's all-reduce, one process sums its two

@@ -232,6 +232,87 @@ def test_flux_encoded_shards_hold_t5_states_and_clip_pooled_and_train_as_online(
     assert load_npy(sample["text_emb.npy"]).shape[0] == 8
 
 
+def test_t5_reads_what_the_model_samples_with_not_the_512_a_released_tokenizer_saves(tmp_path, pretrained):
+    """Flux.1-schnell's and SD3's released T5 tokenizers save model_max_length 512 (T5's limit): training and
+    encoding read 256, as their pipelines and kohya sample; dev (a guidance embedding) 512; model.t5_text_length
+    wins, and a shorter saved length (a model sdtrain exported after training at it) is kept."""
+    import shutil
+
+    from sdtrain.config import ModelConfig
+    from sdtrain.models import build
+
+    def released(family: str, guidance: bool | None = None) -> Path:
+        folder = tmp_path / f"{family}-{guidance}"
+        shutil.copytree(pretrained[family], folder)
+        spec = families.get(family)
+        t5 = folder / spec.t5_tokenizers[0] / "tokenizer_config.json"
+        t5.write_text(json.dumps({**json.loads(t5.read_text()), "model_max_length": 512}))
+        if guidance is not None:
+            config = folder / "transformer" / "config.json"
+            config.write_text(json.dumps({**json.loads(config.read_text()), "guidance_embeds": guidance}))
+        return folder
+
+    def t5_length(folder: Path, **model) -> int:
+        family = families.detect(folder)
+        tokenizers = build.load_text_tokenizers(ModelConfig(pretrained=str(folder), **model))
+        return tokenizers[family.tokenizers.index(family.t5_tokenizers[0])].model_max_length
+
+    schnell = released("flux", guidance=False)
+    assert t5_length(schnell) == 256
+    assert t5_length(released("flux", guidance=True)) == 512
+    assert t5_length(released("sd3")) == 256
+    assert t5_length(schnell, t5_text_length=64) == 64
+    assert t5_length(pretrained["flux"]) == 12  # exported after training at 12 tokens
+    # prepare encode reads the same as training.
+    from sdtrain.data.encode import Encoder
+
+    encoder = Encoder(str(schnell), str(schnell), 32, torch.device("cpu"), served=ModelConfig(pretrained=str(schnell)))
+    assert encoder.t5_text_length == 256
+
+
+def test_previews_and_generate_sample_as_the_model_does_schnell_without_guidance(pretrained, monkeypatch):
+    """A Flux.1 transformer without a guidance embedding (schnell) samples by default in 4 steps with no
+    classifier-free guidance (no negative pass); with one (dev), its embedding gets 3.5; a set value still wins."""
+    from diffusers import FluxPipeline
+    from PIL import Image
+
+    from sdtrain.models.pipeline import sample_images
+
+    calls = []
+
+    def record(pipe, prompt, **kwargs):
+        calls.append(kwargs)
+        return type("Output", (), {"images": [Image.new("RGB", (8, 8))] * len(prompt)})()
+
+    monkeypatch.setattr(FluxPipeline, "__call__", record)
+    pipe = _pipeline("flux", pretrained["flux"])
+    sample_images(pipe, ["a red circle"], default_steps=20)
+    dev = calls.pop()
+    assert (dev["num_inference_steps"], dev["guidance_scale"]) == (20, 3.5)
+    pipe.transformer.register_to_config(guidance_embeds=False)
+    sample_images(pipe, ["a red circle"], default_steps=20)
+    schnell = calls.pop()
+    assert schnell["num_inference_steps"] == 4
+    assert "true_cfg_scale" not in schnell and "guidance_scale" not in schnell and schnell["negative_prompt"] is None
+    sample_images(pipe, ["a red circle"], steps=8, guidance=5.0)
+    assert calls.pop()["true_cfg_scale"] == 5.0
+
+
+def test_a_resolution_past_sd3s_position_table_is_one_line_at_start(tmp_path, pretrained, shapes_dir, capsys):
+    from sdtrain.models.build import vae_scale
+
+    folder = pretrained["sd3"]
+    rows = json.loads((folder / "transformer" / "config.json").read_text())["pos_embed_max_size"] * 2  # patch 2
+    largest = rows * vae_scale(json.loads((folder / "vae" / "config.json").read_text())["block_out_channels"])
+    command = _command("full", tmp_path / "run", folder, shapes_dir, 1)
+    capsys.readouterr()
+    assert main([*command, f"data.resolution={largest * 2}"]) == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]  # the progress bars of the weights loaded before it stand above
+    assert f"at most {largest} px" in line and "error: data.resolution: " in line and "Traceback" not in err
+    assert not list((tmp_path / "run").glob("checkpoints/*"))
+
+
 def test_generate_samples_a_run_at_its_training_resolution(tmp_path, scratch):
     from PIL import Image
 
@@ -355,3 +436,31 @@ def test_an_sd3_file_without_some_component_or_settings(tmp_path, sd3_file, pret
         error = capsys.readouterr().err
         assert setting in error.strip().splitlines()[-1] and "Traceback" not in error
     assert train(*encoders) == 0
+
+
+def test_flux_clip_pools_at_end_of_text_after_an_embedding_is_loaded(tmp_path):
+    """A released Flux.1 CLIP-L config (``eos_token_id: 2``) pools at the highest id, which a loaded embedding's
+    token becomes: after `load_embedding` FluxPipeline's pooled vector is the end-of-text state, as in training."""
+    from diffusers import FluxPipeline
+    from safetensors.torch import save_file
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from sdtrain.models.families.flux import _TINY_TEXT
+    from sdtrain.models.tokenizer import train_clip_tokenizer
+
+    tokenizer = train_clip_tokenizer(["a red circle", "a blue square"] * 8, tmp_path / "tokenizer", 600)
+    torch.manual_seed(0)
+    clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(tokenizer), max_position_embeddings=tokenizer.model_max_length,
+                                        bos_token_id=0, eos_token_id=2, pad_token_id=1, **_TINY_TEXT)).eval()
+    pipe = FluxPipeline(scheduler=None, vae=None, text_encoder=clip, tokenizer=tokenizer, text_encoder_2=None,
+                        tokenizer_2=None, transformer=None)
+    save_file({"<shp>": torch.randn(1, clip.config.hidden_size)}, str(tmp_path / "learned_embeds.safetensors"))
+    families.get("flux").load_embedding(pipe, str(tmp_path / "learned_embeds.safetensors"))
+    ids = tokenizer(["a <shp> circle"], padding="max_length", max_length=tokenizer.model_max_length,
+                    return_tensors="pt").input_ids[0].tolist()
+    placeholder, end = ids.index(len(tokenizer) - 1), ids.index(tokenizer.eos_token_id)
+    with torch.no_grad():
+        pooled = pipe._get_clip_prompt_embeds("a <shp> circle", device=torch.device("cpu"))[0]
+        states = clip(torch.tensor([ids])).last_hidden_state[0]
+    torch.testing.assert_close(pooled, states[end], rtol=0, atol=0)
+    assert not torch.allclose(pooled, states[placeholder])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
@@ -147,6 +148,42 @@ def test_offset_noise_and_input_perturbation(latent_mean):
     torch.testing.assert_close(loss.double(), per_sample(noise), rtol=1e-5, atol=1e-6)
 
 
+def _bilinear_by_hand(grid: np.ndarray, size: int) -> np.ndarray:
+    """A square grid resized to `size` bilinearly, half-pixel centres (align_corners=False), one pixel at a time."""
+    n = grid.shape[0]
+    out = np.zeros((size, size))
+    for y in range(size):
+        for x in range(size):
+            sy, sx = max((y + 0.5) * n / size - 0.5, 0.0), max((x + 0.5) * n / size - 0.5, 0.0)
+            y0, x0 = int(sy), int(sx)
+            y1, x1 = min(y0 + 1, n - 1), min(x0 + 1, n - 1)
+            fy, fx = sy - y0, sx - x0
+            out[y, x] = ((1 - fy) * ((1 - fx) * grid[y0, x0] + fx * grid[y0, x1])
+                         + fy * ((1 - fx) * grid[y1, x0] + fx * grid[y1, x1]))
+    return out
+
+
+def test_multires_noise_is_kohyas_pyramid_noise_computed_by_hand():
+    """sd-scripts' pyramid_noise_like: level i (from 0, the first at full resolution) on a grid r**i smaller, r in
+    [2, 4) drawn per level, weighted discount**i, the sum divided by its std over the whole batch."""
+    generator = torch.Generator().manual_seed(3)
+    plain = torch.randn(2, 1, 12, 12, generator=generator)
+    noise = multires_noise(plain, 3, 0.5, torch.Generator().manual_seed(7))
+    draws = torch.Generator().manual_seed(7)
+    factors = (2 + 2 * torch.rand(3, generator=draws)).tolist()
+    total = plain.double().numpy().copy()
+    for level, factor in enumerate(factors):
+        side = max(1, int(12 / factor**level))
+        grid = torch.randn(2, 1, side, side, generator=draws).double().numpy()
+        for b in range(2):
+            total[b, 0] += 0.5**level * _bilinear_by_hand(grid[b, 0], 12)
+        if side == 1:
+            break
+    expected = total / total.std(ddof=1)
+    np.testing.assert_allclose(noise.double().numpy(), expected, rtol=1e-5, atol=1e-5)
+    assert max(1, int(12 / factors[2] ** 2)) == 1  # the third level is one cell: the loop ends on it
+
+
 def test_multires_noise_is_the_target_and_puts_power_at_the_image_scale(latent_mean):
     task = objective("diffusion.prediction_type=epsilon", "diffusion.snr_gamma=0",
                      "diffusion.multires_noise_iterations=6", "diffusion.multires_noise_discount=0.8")
@@ -160,7 +197,7 @@ def test_multires_noise_is_the_target_and_puts_power_at_the_image_scale(latent_m
     generator = torch.Generator().manual_seed(0)
     plain = torch.randn(256, 4, 16, 16, generator=generator)
     noise = multires_noise(plain, 6, 0.8, generator)
-    assert noise.flatten(1).std(dim=1).allclose(torch.ones(256), atol=1e-4)
+    assert noise.std().item() == pytest.approx(1.0, abs=1e-4)
 
     # What a model could read the layout from at high noise: the mean of each half of the image. Plain noise
     # averages away there (std 1/sqrt(128) per channel); multi-resolution noise keeps several times more.

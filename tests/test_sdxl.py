@@ -232,3 +232,65 @@ def test_micro_conditioning_comes_from_the_image_and_the_crop_the_loader_made():
             assert matched, (flip, index, left)
             seen.add(left)
     assert len(seen) > 1
+
+
+def _released_style_clip(cls, settings: dict, tokenizer):
+    """A tiny CLIP text tower configured as the released ones are: ``eos_token_id: 2``, bos 0, pad 1 (which
+    transformers reads as "pool at the highest id"), its vocabulary the tokenizer's, whose end-of-text is the
+    highest id as in CLIP's own."""
+    from transformers import CLIPTextConfig
+
+    torch.manual_seed(0)
+    return cls(CLIPTextConfig(vocab_size=len(tokenizer), max_position_embeddings=tokenizer.model_max_length,
+                              bos_token_id=0, eos_token_id=2, pad_token_id=1, **settings)).eval()
+
+
+def test_textual_inversion_pools_clip_g_at_end_of_text_not_at_the_placeholder(tmp_path):
+    """A released SDXL's text_encoder_2 config pools at the highest id, which textual inversion's new token
+    becomes: the conditioner's text_embeds must stay the projected end-of-text state, where ComfyUI and SGM read
+    the trained vectors; captions without the token condition bitwise as before, and a rebuilt run pools alike."""
+    from types import SimpleNamespace
+
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    from sdtrain.config import TextualInversionConfig
+    from sdtrain.loaders.components import rebuild_textual_inversion
+    from sdtrain.models.families.sdxl import _TINY_TEXT, _TINY_TEXT_2, SDXL
+    from sdtrain.models.tokenizer import load_clip_tokenizer, train_clip_tokenizer
+    from sdtrain.train.modes.textual_inversion import TextualInversionTask
+
+    train_clip_tokenizer(["a red circle", "a blue square", "a green circle"] * 8, tmp_path / "tokenizer", 600)
+    tokenizers = [load_clip_tokenizer(tmp_path / "tokenizer") for _ in range(2)]
+    eos = tokenizers[0].eos_token_id
+    assert eos == len(tokenizers[0]) - 1  # as in CLIP's vocabulary: argmax and end-of-text agree until a token is added
+    encoders = {"text_encoder": _released_style_clip(CLIPTextModel, _TINY_TEXT, tokenizers[0]),
+                "text_encoder_2": _released_style_clip(CLIPTextModelWithProjection, _TINY_TEXT_2, tokenizers[1])}
+    encoders["text_encoder_2"].save_pretrained(tmp_path / "text_encoder_2")
+
+    def ids(caption: str) -> list[torch.Tensor]:
+        return [t([caption], padding="max_length", max_length=t.model_max_length, truncation=True,
+                  return_tensors="pt").input_ids for t in tokenizers]
+
+    with torch.no_grad():
+        plain_before = SDXL.encode_text(list(encoders.values()), ids("a red circle"), None)["text_pooled"]
+    task = SimpleNamespace(config=SimpleNamespace(textual_inversion=TextualInversionConfig(
+        placeholder_token="<shp>", initializer_token="circle")), family=SDXL, text_encoders=encoders,
+        tokenizers=tokenizers, tokenizer=tokenizers[0], denoiser=torch.nn.Linear(1, 1))
+    TextualInversionTask.make_trainable(task)
+    second = encoders["text_encoder_2"]
+    with torch.no_grad():
+        torch.nn.init.normal_(second.get_input_embeddings().added)  # a trained vector, unlike the initializer's
+        assert torch.equal(SDXL.encode_text(list(encoders.values()), ids("a red circle"), None)["text_pooled"],
+                           plain_before)
+        tokens = ids("a <shp> circle")
+        placeholder = tokens[1][0].tolist().index(len(tokenizers[1]) - 1)
+        end = tokens[1][0].tolist().index(eos)
+        assert placeholder < end and int(tokens[1][0].argmax()) == placeholder
+        pooled = SDXL.encode_text(list(encoders.values()), tokens, None)["text_pooled"]
+        states = second(tokens[1]).last_hidden_state[0]  # after the final layer norm
+        torch.testing.assert_close(pooled[0], second.text_projection(states[end]), rtol=0, atol=0)
+        assert not torch.allclose(pooled[0], second.text_projection(states[placeholder]))
+    assert second.config.eos_token_id == eos  # a pipeline saved from it pools there too
+    rebuilt = rebuild_textual_inversion("text_encoder_2", str(tmp_path / "text_encoder_2"),
+                                        {"family": "sdxl", "tokens": ["<shp>"]})
+    assert rebuilt.config.eos_token_id == eos

@@ -366,11 +366,11 @@ def test_a_planted_pickle_payload_never_runs(tmp_path, monkeypatch):
         build.build_noise_scheduler(DiffusionConfig(), ModelConfig(pretrained=str(evil)))
     assert not marker.exists()
 
-    # A plain trusted checkpoint loads through the same conversion.
+    # A plain trusted checkpoint loads through the same conversion (a bare VAE, for the model family it serves).
     _, vae, _ = _tiny_components()
     plain = tmp_path / "vae.ckpt"
     torch.save({"state_dict": sf.to_original_state_dict(vae=vae), "global_step": 3}, plain)
-    _assert_same_weights(load_component("vae", plain), vae, "pickled vae")
+    _assert_same_weights(load_component("vae", plain, served=ModelConfig(family="sd")), vae, "pickled vae")
     assert build.source_kind(plain) == "single_file" and build.pin_source(plain) == str(plain.resolve())
 
 

@@ -81,9 +81,11 @@ def flux_encoded(tmp_path_factory, shapes_dir, flux_pipeline) -> Path:
 
 
 def flux_config(run: Path, pipeline: Path, shards: Path, *overrides: str):
+    """The recipe at test size, its transformer from scratch with diffusers' initialisation: the recipe's own
+    (the reference's) outputs zero until trained, a loss that no input, timestep or text embedding would change."""
     return load_config(FLUX_RECIPE, [f"run_dir={run}", f"data.shards={shards}", f"evaluation.val_shards={shards}",
                                      *(f"model.{c}={pipeline}" for c in ("vae", "text_encoder", "text_encoder_2")),
-                                     *TINY_FLUX, *overrides])
+                                     *TINY_FLUX, "model.denoiser_init=library", *overrides])
 
 
 def sd_config(run: Path, pipeline: Path, shards: Path, *overrides: str):
@@ -119,13 +121,17 @@ def held_out(shards: Path, count: int) -> list[tuple[np.ndarray, str]]:
 
 
 @torch.no_grad()
-def loss_by_hand(task, shards: Path, count: int, seed: int = 0, timesteps: int = 8) -> float:
+def loss_by_hand(task, shards: Path, count: int, seed: int = 0, timesteps: int = 8, posterior: bool = False
+                 ) -> float:
     """Sample i at t = (i mod 8) / 8 with its fixed noise: mixed, predicted and compared one sample at a time, the
-    per-timestep means averaged."""
+    per-timestep means averaged. `posterior`: each latent a draw of the VAE posterior from its own fixed noise."""
     family, vae = task.family, task.vae
     per_timestep: dict[int, list[float]] = {}
     for index, (pixels, caption) in enumerate(held_out(shards, count)):
-        latent = vae.encode(torch.from_numpy(pixels.transpose(2, 0, 1))[None]).latent_dist.mode()
+        dist = vae.encode(torch.from_numpy(pixels.transpose(2, 0, 1))[None]).latent_dist
+        latent = dist.mode()
+        if posterior:
+            latent = dist.mean + dist.std * sample_noise(seed, index, tuple(latent.shape[1:]), "posterior")[None]
         x0 = (latent - (vae.config.get("shift_factor") or 0.0)) * vae.config.scaling_factor
         noise = sample_noise(seed, index, tuple(x0.shape[1:]))[None]
         k = index % timesteps
@@ -161,6 +167,21 @@ def test_val_loss_is_the_mean_of_eight_fixed_timestep_losses_computed_by_hand(tm
     assert result["val_loss"] == pytest.approx(loss_by_hand(task, shapes_dir, num), rel=1e-5)
     # The same weights score the same number again: noise, latents and captions are all fixed.
     assert val_loss(task.trainable)["val_loss"] == result["val_loss"]
+
+
+def test_val_loss_may_sample_the_posterior_as_the_reference_does_and_says_so(tmp_path, shapes_dir, flux_pipeline):
+    from sdtrain.evaluate.run import flat_metrics
+
+    mean = flux_config(tmp_path, flux_pipeline, shapes_dir, "evaluation.num=8")
+    sample = flux_config(tmp_path, flux_pipeline, shapes_dir, "evaluation.num=8", "evaluation.val_posterior=sample")
+    task, by_mean = task_and_loss(mean, tmp_path)
+    _, by_sample = task_and_loss(sample, tmp_path)
+    drawn = by_sample(task.trainable)
+    assert drawn["val_loss"] == pytest.approx(loss_by_hand(task, shapes_dir, 8, posterior=True), rel=1e-5)
+    assert drawn["val_loss"] != by_mean(task.trainable)["val_loss"]
+    assert by_sample(task.trainable)["val_loss"] == drawn["val_loss"]  # the draws are fixed: repeatable
+    assert flat_metrics(drawn)["val_posterior_sampled"] == 1.0
+    assert flat_metrics(by_mean(task.trainable))["val_posterior_sampled"] == 0.0
 
 
 def test_val_loss_depends_on_neither_batch_size_nor_rank_count(tmp_path, shapes_dir, flux_pipeline):

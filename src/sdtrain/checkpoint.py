@@ -6,7 +6,11 @@ A checkpoint is a folder ``RUN/checkpoints/step_NNNNNNNN`` holding
 - ``trainer.pt``: LR schedule, data position, RNG states and counters (also weights_only-safe);
 - ``meta.json``: step, samples seen and each module's class and config, so the weights can be
   rebuilt into models without the run's config (export, generate, a later stage), and the size and
-  sha256 of every other file.
+  sha256 of every other file;
+- for LoRA and textual-inversion runs (DreamBooth with LoRA too), the files ``sdtrain export`` writes for them
+  (``pytorch_lora_weights.safetensors`` and ``lora_kohya.safetensors``, or ``learned_embeds.safetensors``), for
+  use mid-run: written into the folder before it is renamed into place, so covered by its checksums and pruned
+  with it.
 A sharded checkpoint (``checkpoint.format``) holds the weights, EMA and optimizer state as every rank's own
 part in ``sharded/`` instead (see :mod:`sdtrain.sharded`); the other files are the same.
 The folder is written under a temporary name and renamed into place, so a crash mid-save leaves
@@ -26,6 +30,7 @@ import pickle
 import re
 import shutil
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,8 +165,10 @@ class Checkpointer:
     def path_for(self, step: int) -> Path:
         return self.folder / f"step_{step:08d}"
 
-    def save(self, state: Any, ranks: list[dict[str, Any]], snapshot: Snapshot) -> Path:
-        """Write a full checkpoint (main rank); `ranks` holds every rank's own state (data position, RNG).
+    def save(self, state: Any, ranks: list[dict[str, Any]], snapshot: Snapshot,
+             extra: Callable[[Path], Any] | None = None) -> Path:
+        """Write a full checkpoint (main rank); `ranks` holds every rank's own state (data position, RNG);
+        `extra` writes further files into the (temporary) checkpoint folder (a mode's adapter files).
 
         A failed write (disk full, quota, a read-only or vanished folder) removes its temporary folder and
         is one UserError: the previous checkpoint stays the newest, intact."""
@@ -172,16 +179,20 @@ class Checkpointer:
             if snapshot.ema is not None:
                 save_file(snapshot.ema, str(tmp / "ema.safetensors"))
             torch.save(snapshot.optimizer, tmp / "optimizer.pt")
+            if extra is not None:
+                extra(tmp)
             self._write_rest(tmp, state, ranks, "full")
         except (OSError, SafetensorError, RuntimeError) as exc:
             # safetensors and torch.save wrap the OSError of a failed write in their own types.
             raise self._failed(final, tmp, exc) from exc
         return self._commit(tmp, final)
 
-    def save_sharded(self, state: Any, ranks: list[dict[str, Any]], tensors: dict[str, Any], is_main: bool) -> Path:
+    def save_sharded(self, state: Any, ranks: list[dict[str, Any]], tensors: dict[str, Any], is_main: bool,
+                     extra: Callable[[Path], Any] | None = None) -> Path:
         """Write a sharded checkpoint: every rank calls this with its own shards (:func:`sharded.live_state`)
-        and writes them; the main rank then adds the rest and renames the folder into place. Any rank's
-        failure is the same UserError on every rank, with nothing replaced."""
+        and writes them; the main rank then adds the rest (and what its `extra` writes, as for :meth:`save`) and
+        renames the folder into place. Any rank's failure is the same UserError on every rank, with nothing
+        replaced."""
         self.finish_writing()  # every rank: the previous background write must be whole before the next
         final = self.path_for(state.step)
         started: Path | UserError | None = None
@@ -197,13 +208,15 @@ class Checkpointer:
         failure: BaseException | None = None
         try:
             if is_main:  # the small files first: only the rename marks the checkpoint complete
+                if extra is not None:
+                    extra(tmp)
                 self._write_rest(tmp, state, ranks, "sharded")
             if self.async_save:
                 self._writing = (sharded.save_async(tensors, tmp / sharded.FOLDER, self.async_group), tmp, final,
                                  is_main)
             else:
                 sharded.save(tensors, tmp / sharded.FOLDER)
-        except (OSError, RuntimeError) as exc:
+        except (OSError, SafetensorError, RuntimeError) as exc:  # safetensors: `extra`'s failed write
             failure = exc
         errors = gather_objects(None if failure is None else first_line(failure)[:300])
         first = next((e for e in errors if e is not None), None)

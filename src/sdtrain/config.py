@@ -199,9 +199,19 @@ class ModelConfig:
     """Tokens per caption. Unset: the pretrained tokenizer's ``model_max_length`` (no more than its text encoder's
     ``max_position_embeddings``), or 77 (CLIP's) for a tokenizer trained from scratch; a set value longer than
     the pretrained text encoder's positions is an error."""
+    denoiser_init: str = "auto"
+    """How a denoiser built from scratch (no pretrained weights) is initialised: ``library`` (diffusers' own
+    layer defaults); ``reference`` (the family's reference training code, where it has one: for Flux.1, Black
+    Forest Labs' and the MLPerf reference's zero-initialised adaLN modulation, final adaLN and output projection,
+    Xavier-uniform linear weights with zero biases, N(0, 0.02) timestep, guidance and vector embedders); ``auto``:
+    ``reference`` for a family that defines one, else ``library``. Weights loaded from a source are never
+    re-initialised."""
     t5_text_length: int | None = None
-    """Tokens per caption for a T5 text encoder (Flux.1's, SD3's): unset 512 for Flux.1-dev, 256 for
-    Flux.1-schnell (and MLPerf's recipe) and SD3, as their pipelines sample; CLIP encoders keep their 77."""
+    """Tokens per caption for a T5 text encoder (Flux.1's, SD3's). Unset: what the model samples with, 512 for
+    Flux.1-dev (a transformer with the guidance embedding), 256 for Flux.1-schnell (Black Forest Labs', kohya's and
+    MLPerf's) and SD3 (its pipeline's), or the pretrained tokenizer's saved length when shorter (a model sdtrain
+    exported after training at that length); never the 512 a released T5 tokenizer saves, which is T5's limit, not
+    the model's. CLIP encoders keep their 77."""
     unet_overrides: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments that replace the preset's UNet2DConditionModel settings."""
     transformer_overrides: dict[str, Any] = field(default_factory=dict)
@@ -223,6 +233,8 @@ class ModelConfig:
         _check(self.offload_frozen in (True, False, "auto"), "model.offload_frozen", "must be true, false or auto")
         _check(self.offload_frozen is not True or self.frozen_precision != "fp32", "model.offload_frozen",
                "streams the weights frozen_precision stores low: set model.frozen_precision=bf16, fp8 or auto")
+        _check(self.denoiser_init in ("auto", "library", "reference"), "model.denoiser_init",
+               "must be auto, library or reference")
         _check(self.t5_text_length is None or self.t5_text_length >= 4, "model.t5_text_length",
                "must be at least 4 (or unset: the family's length)")
         _check(self.max_text_length is None or self.max_text_length >= 4, "model.max_text_length",
@@ -283,13 +295,14 @@ class DiffusionConfig:
     """Offset noise (Guttenberg, 2023): add this times a per-channel constant to the noise, so the model can
     learn to change an image's mean brightness (very dark or bright images); 0.05-0.1 is usual, 0 is off."""
     multires_noise_iterations: int = 0
-    """Multi-resolution ("pyramid") noise, as kohya's ``--multires_noise_iterations``: add this many levels of
-    noise drawn at ever coarser grids (each a random 2-4x smaller) and upsampled, so the noise has power at the
-    scale of the whole image, where plain noise has almost none. At high noise the layout then cannot be read
-    from the latents and must come from the caption; 6-10 is usual, 0 is off."""
+    """Multi-resolution ("pyramid") noise, kohya's ``--multires_noise_iterations`` as sd-scripts defines it: add
+    this many levels of noise, level i drawn on a grid r**i times smaller (r uniform in [2, 4), drawn per level;
+    level 0 at full resolution) and upsampled, so the noise has power at the scale of the whole image, where plain
+    noise has almost none. At high noise the layout then cannot be read from the latents and must come from the
+    caption; 6-10 is usual, 0 is off."""
     multires_noise_discount: float = 0.3
-    """Multi-resolution noise: level i is scaled by this to the power i before the sum is rescaled to unit
-    standard deviation (kohya's ``--multires_noise_discount``; 0.1-0.3 is usual, higher weights the coarse
+    """Multi-resolution noise: level i is scaled by this to the power i before the sum is divided by its standard
+    deviation over the batch (kohya's ``--multires_noise_discount``; 0.1-0.3 is usual, higher weights the coarse
     levels more)."""
     input_perturbation: float = 0.0
     """Input perturbation (Ning et al., 2023): noise the latents with noise + this times fresh noise while
@@ -609,10 +622,12 @@ class ValidationConfig:
     """Prompts of the sample grid written at each checkpoint and at the end (diffusion stage)."""
     seed: int = 0
     """Seed of the first prompt's image; prompt i uses seed + i."""
-    steps: int = 20
-    """Sampling steps."""
-    guidance: float = 5.0
-    """Classifier-free guidance scale."""
+    steps: int | None = None
+    """Sampling steps. Unset: the model's own where it has one (4 for Flux.1-schnell, distilled to it), else 20."""
+    guidance: float | None = None
+    """Guidance scale: classifier-free, or the input of a guidance embedding (Flux.1-dev). Unset: the model's own:
+    3.5 for a Flux.1 transformer with a guidance embedding, none (1) for one without (schnell: true classifier-free
+    guidance would double the cost and over-saturate), 5 for the other families."""
 
 
 @dataclass
@@ -656,6 +671,11 @@ class EvaluationConfig:
     """val_loss evaluates sample i at timestep t = (i mod N) / N of the schedule (flow matching: sigma = t;
     noise prediction: timestep t * num_train_timesteps) and reports the mean of the N per-timestep means
     (MLPerf's Flux.1: 8, t = 0, 1/8, ..., 7/8)."""
+    val_posterior: str = "mean"
+    """The latent val_loss scores each held-out image by: ``mean``, the VAE posterior's mean (the same value at
+    every evaluation of the same weights); ``sample``, a draw from the posterior as MLPerf's Flux.1 reference takes
+    it (for a compliance claim), drawn from (seed, sample index) alone so it stays repeatable. The metrics say which
+    (``val_posterior_sampled`` 0 or 1)."""
     target: dict[str, float] = field(default_factory=dict)
     """Stop training once every metric here meets its target: fid and val_loss at most, the others at least,
     e.g. MLPerf's {fid: 90, clip: 0.15}, MLPerf Flux.1's {val_loss: 0.586} or {adherence_overall: 0.9}. The
@@ -669,6 +689,8 @@ class EvaluationConfig:
         _check(self.steps >= 1 and self.batch >= 1 and self.num >= 0, "evaluation",
                "steps and batch at least 1, num 0 or more")
         _check(self.val_timesteps >= 1, "evaluation.val_timesteps", "must be at least 1 (MLPerf's Flux.1: 8)")
+        _check(self.val_posterior in ("mean", "sample"), "evaluation.val_posterior",
+               "must be mean or sample (MLPerf's reference samples the posterior)")
         if self.every_samples:
             _check(self.prompts is not None or not {"fid", "clip"} & set(self.metrics), "evaluation.prompts",
                    "required for fid and clip: a prompt file (MLPerf: the COCO-2014 captions TSV)")

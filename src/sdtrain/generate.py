@@ -86,13 +86,14 @@ def training_size(model: str | Path) -> int | None:
     return run_config(Path(model)).data.resolution if build.source_kind(model) == "run" else None
 
 
-def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int = 30, guidance: float = 5.0,
+def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int | None = None,
+             guidance: float | None = None,
              seed: int = 0, scheduler: str = "euler", ema: bool = True, device: str = "auto",
              negative_prompt: str | None = None, loras: Sequence[str | Path] = (), lora_scale: float = 1.0,
              embeddings: Sequence[str | Path] = (), tokenizer: str | Path | None = None,
              size: int | None = None) -> list[Path]:
     """Images of `prompts` into `out`, one file each plus a grid; `size` None: a run's training resolution, else
-    the pipeline's default."""
+    the pipeline's default; `steps` and `guidance` None: the model's own (see sample_images)."""
     if not prompts:
         raise UserError("no prompts: pass --prompt TEXT or --prompts FILE with one prompt per line")
     size = size or training_size(model)

@@ -49,7 +49,8 @@ class _TokenizerShape:
 def _component(config: RunConfig, family: ModelFamily, name: str, built: dict[str, Any]) -> tuple[Any, str]:
     source = build.component_source(config.model, name)
     if source is not None:
-        return load_component(name, source, trust_pickle=build.trusts_pickle(config.model), family=family), source
+        return load_component(name, source, trust_pickle=build.trusts_pickle(config.model), family=family,
+                              served=config.model), source
     model = config.model
     with torch.device("meta"):
         if name == "vae":

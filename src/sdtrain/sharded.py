@@ -18,6 +18,7 @@ instead (:class:`SafeReader`, :class:`SafePlanner`), as it reads every other fil
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import pathlib
 import pickle
@@ -162,8 +163,10 @@ def load(checkpoint: Path, modules: dict[str, nn.Module], ema: Any, optimizer: t
     with _dcp_errors():
         dcp.load(state, storage_reader=SafeReader(Path(checkpoint) / FOLDER), planner=SafePlanner(),
                  no_dist=not dist.is_initialized())
+    # Not strict: the model state holds only the trained parameters (frozen ones are left out, a LoRA base among
+    # them), and DCP has already filled every one of those or failed.
     set_state_dict(nn.ModuleDict(modules), optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"], options=_OPTIONS)
+                   optim_state_dict=state["optimizer"], options=dataclasses.replace(_OPTIONS, strict=False))
 
 
 def read_group(checkpoint: Path, group: str) -> dict[str, torch.Tensor]:

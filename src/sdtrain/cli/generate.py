@@ -21,8 +21,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--prompts", type=Path,
                        help="a file with one prompt per line, or a TSV/CSV with a caption column")
     parser.add_argument("--out", type=Path, default=Path("samples"), help="output folder")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="sampling steps (default: the model's own, 4 for Flux.1-schnell; else 30)")
+    parser.add_argument("--guidance", type=float, default=None,
+                        help="guidance scale (default: the model's own: 3.5 for Flux.1-dev's guidance embedding, "
+                        "off for Flux.1-schnell, else classifier-free guidance at 5)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first prompt; prompt i uses seed + i")
     parser.add_argument("--size", type=int, default=None,
                         help="image side in pixels (default: a run's training resolution, else the pipeline's "
@@ -49,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         prompts = read_prompts(args.prompts)
     else:
         prompts = args.prompt
-    if args.steps < 1:
+    if args.steps is not None and args.steps < 1:
         raise UserError("--steps: must be at least 1")
     if args.size is not None and (args.size < 8 or args.size % 8):
         raise UserError(f"--size: {args.size} is not a positive multiple of 8")

@@ -86,7 +86,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     encode.add_argument("src", metavar="SRC", help="shard folder, glob or brace pattern")
     encode.add_argument("--model", help="a diffusers pipeline folder or sdtrain run: its VAE, and its text encoder "
                                         "and tokenizer when it has them")
-    encode.add_argument("--vae", help="the VAE from here instead (component, pipeline or run folder)")
+    encode.add_argument("--vae", help="the VAE from here instead: a component, pipeline or run folder, or a VAE file "
+                                      "(ae.safetensors, sdxl_vae.safetensors), which takes the latent scaling of "
+                                      "--model's VAE, else of --family's released models")
+    encode.add_argument("--family", metavar="NAME",
+                        help="the model family the latents are for (sd, sdxl, sd3, flux), when --model does not say "
+                             "(a VAE file alone)")
     encode.add_argument("--text-encoder", help="the text encoder (and tokenizer) from here instead")
     encode.add_argument("--no-text", action="store_true", help="latents only (for a text encoder still in training)")
     encode.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
@@ -94,9 +99,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="image side the latents are taken at (default: the VAE's sample_size); training's "
                              "data.resolution must match it")
     encode.add_argument("--t5-text-length", type=int, default=None, metavar="N",
-                        help="SD3 and Flux.1: tokens per caption of the T5 encoder (default: its tokenizer's saved "
-                        "length, 512 for Flux.1's); train with the same model.t5_text_length (MLPerf's Flux "
-                        "recipe: 256)")
+                        help="SD3 and Flux.1: tokens per caption of the T5 encoder (default: what the model samples "
+                        "with: 256 for SD3 and Flux.1-schnell, 512 for Flux.1-dev, or the tokenizer's saved length "
+                        "when shorter; never the 512 a released T5 tokenizer saves); training reads the same by "
+                        "default, or set model.t5_text_length to match")
     encode.add_argument("--batch-size", type=int, default=32)
     encode.add_argument("--dtype", choices=("float16", "float32"), default="float16",
                         help="storage type of latents and embeddings (default float16)")
@@ -217,6 +223,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_encode(args: argparse.Namespace) -> int:
+    from sdtrain.config import ModelConfig
     from sdtrain.data.encode import Encoder, encode_dataset
     from sdtrain.distributed import detect_topology
     from sdtrain.errors import UserError
@@ -232,7 +239,8 @@ def run_encode(args: argparse.Namespace) -> int:
         raise UserError("--t5-text-length: must be at least 4")
     topology = detect_topology()
     device = resolve_device(args.device, topology.local_rank)
-    encoder = Encoder(vae, text, args.resolution, device, args.dtype, args.t5_text_length)
+    served = ModelConfig(pretrained=args.model, family=args.family)
+    encoder = Encoder(vae, text, args.resolution, device, args.dtype, args.t5_text_length, served)
     manifest = encode_dataset(args.src, args.out, encoder, batch_size=args.batch_size, rank=topology.rank,
                               world_size=topology.world_size)
     if manifest is not None:

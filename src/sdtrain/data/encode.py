@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sdtrain.config import DataConfig
+from sdtrain.config import DataConfig, ModelConfig
 from sdtrain.data.decode import SampleDecoder, caption_lines
 from sdtrain.data.encoded import (
     ALPHA,
@@ -65,13 +65,15 @@ class Encoder:
     """The frozen VAE (and text encoders) that turn decoded samples into what training consumes."""
 
     def __init__(self, vae_source: str, text_source: str | None, resolution: int | None, device: torch.device,
-                 dtype: str = "float16", t5_text_length: int | None = None):
-        """`t5_text_length`: the tokens per caption of a T5 encoder (SD3's, Flux.1's); None: its tokenizer's
-        saved length. Training must use the same (model.t5_text_length), which it checks against the manifest."""
+                 dtype: str = "float16", t5_text_length: int | None = None, served: Any = None):
+        """`t5_text_length`: the tokens per caption of a T5 encoder (SD3's, Flux.1's); None: what the model samples
+        with (`build.t5_text_length`). Training must use the same, which it checks against the manifest.
+        `served`: the ModelConfig of the model the latents are for, whose scaling a VAE file that does not say its
+        own takes (see load_component)."""
         self.device = device
         self.dtype = DTYPES[dtype]
         self.vae_source = build.pin_source(vae_source)
-        self.vae = load_component("vae", self.vae_source).to(device).eval()
+        self.vae = load_component("vae", self.vae_source, served=served).to(device).eval()
         scale = build.vae_scale(self.vae.config.block_out_channels)
         if resolution is None:
             # What the VAE was made for, as diffusers records it.
@@ -85,14 +87,17 @@ class Encoder:
         tokenizers: list[Any] = []
         self.t5_text_length = None
         if self.family is not None:
+            # The model the embeddings are for: --model's, else the text encoder's own folder.
+            model = ModelConfig(pretrained=served.pretrained if served and served.pretrained else self.text_source,
+                                t5_text_length=t5_text_length)
             for name, folder in zip(self.family.text_encoders, self.family.tokenizers):
                 module = load_component(name, self.text_source, family=self.family)
                 self.text_encoders.append(module.to(device).eval())
                 t5 = folder in self.family.t5_tokenizers
-                tokenizers.append(build.load_tokenizer(self.text_source, t5_text_length if t5 else None,
-                                                       folder=folder))
+                length = build.t5_text_length(model, self.family, self.text_source, folder) if t5 else None
+                tokenizers.append(build.load_tokenizer(self.text_source, length, folder=folder))
                 if t5:
-                    self.t5_text_length = tokenizers[-1].model_max_length
+                    self.t5_text_length = length
         keys = [self.family.ids_key(i) for i in range(len(tokenizers))] if self.family else []
         self.captions = CaptionTokenizer(tokenizers, keys)
         self.resolution = resolution

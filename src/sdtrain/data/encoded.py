@@ -56,6 +56,7 @@ def describe_encoding(vae_source: str | None, text_sources: dict[str, str | None
         "resolution": resolution,
         "latent_channels": vae_config.latent_channels,
         "scaling_factor": float(vae_config.scaling_factor),
+        "shift_factor": float(vae_config.get("shift_factor") or 0.0),
         "max_text_length": tokenizer.model_max_length if tokenizer is not None else None,
         "t5_text_length": t5_text_length,
         "dtype": dtype,

@@ -216,6 +216,8 @@ def evaluate(model: str | Path, prompts: list[str], settings: EvalSettings, devi
 def flat_metrics(result: dict[str, Any]) -> dict[str, float]:
     """The numbers of a result as metric names: fid, clip, val_loss, adherence_<key>."""
     flat = {k: float(result[k]) for k in ("fid", "clip", "val_loss") if k in result}
+    if "val_posterior" in result:  # which latent val_loss scored: MLPerf's reference samples the posterior
+        flat["val_posterior_sampled"] = float(result["val_posterior"] == "sample")
     for key, value in result.get("adherence", {}).items():
         if isinstance(value, float):
             flat[f"adherence_{key}"] = value

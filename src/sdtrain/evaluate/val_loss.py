@@ -6,8 +6,9 @@ t = k / N with k = i mod N, N = ``evaluation.val_timesteps`` (8), or the k its j
 ``timestep`` (MLPerf's COCO shards fix each sample's so): sigma = t for flow matching, timestep
 t * num_train_timesteps on a noise-prediction schedule. The value is the mean of the N per-timestep means. Unlike
 the reference, which draws fresh noise (and posterior samples) at every evaluation, sample i's noise comes from
-(seed, i) alone and its latent is the posterior's mean, so two evaluations of the same weights give the same
-number; no caption is dropped.
+(seed, i) alone and its latent is the posterior's mean (or, with ``evaluation.val_posterior: sample``, a draw from
+the posterior as the reference takes it, also from (seed, i) alone), so two evaluations of the same weights give
+the same number; no caption is dropped.
 
 Samples are cut into blocks of ``batch`` consecutive ones and each rank takes a contiguous run of blocks (so it
 reads only its own shards); each sample's loss is gathered by index and summed in index order. The blocks, and
@@ -42,15 +43,16 @@ from sdtrain.errors import UserError
 log = logging.getLogger(__name__)
 
 
-def sample_noise_seed(seed: int, index: int) -> int:
-    """The seed of held-out sample `index`'s noise: a function of the two alone."""
-    digest = hashlib.blake2b(f"val_loss/{seed}/{index}".encode(), digest_size=8).digest()
+def sample_noise_seed(seed: int, index: int, what: str = "") -> int:
+    """The seed of held-out sample `index`'s noise (`what`: "" for the diffusion noise, "posterior" for the draw of
+    its latent): a function of these alone."""
+    digest = hashlib.blake2b(f"val_loss/{what + '/' if what else ''}{seed}/{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def sample_noise(seed: int, index: int, shape: tuple[int, ...]) -> torch.Tensor:
+def sample_noise(seed: int, index: int, shape: tuple[int, ...], what: str = "") -> torch.Tensor:
     """Sample `index`'s noise, drawn on the CPU in fp32 so that every device and batch size sees the same numbers."""
-    generator = torch.Generator().manual_seed(sample_noise_seed(seed, index))
+    generator = torch.Generator().manual_seed(sample_noise_seed(seed, index, what))
     return torch.randn(shape, generator=generator, dtype=torch.float32)
 
 
@@ -81,6 +83,7 @@ class ValLoss:
                  bf16: bool = False):
         self.task, self.device, self.rank, self.world, self.bf16 = task, device, rank, world, bf16
         self.seed, self.batch, self.timesteps = config.seed, config.batch, config.val_timesteps
+        self.sample_posterior = config.val_posterior == "sample"
         self.spec = str(config.val_shards)
         try:
             self.shards = resolve_shards(self.spec)
@@ -160,14 +163,15 @@ class ValLoss:
             counts[k] += 1
         by_timestep = {f"{k}/{self.timesteps}": float(sums[k] / counts[k]) for k in range(self.timesteps) if counts[k]}
         return {"val_loss": float(np.mean(list(by_timestep.values()))), "val_samples": len(scored),
-                "val_loss_by_timestep": by_timestep, "world_size": self.world}
+                "val_loss_by_timestep": by_timestep, "world_size": self.world,
+                "val_posterior": "sample" if self.sample_posterior else "mean"}
 
     def _losses(self, batch: dict[str, Any]) -> torch.Tensor:
         """Each sample's loss at its fixed timestep and noise."""
         task = self.task
         with torch.autocast(self.device.type, enabled=False):
-            # The posterior's mean: with a spread of zero, the task's sampling of it (diffusion.sample_latents)
-            # gives the mean itself, and its random draw goes to a generator of its own.
+            # The collated latent (the posterior's mean, or its draw) with a spread of zero: the task's sampling of
+            # it (diffusion.sample_latents) gives it unchanged, and its random draw goes to a generator of its own.
             latents = task._latents(batch, torch.Generator(self.device).manual_seed(0))
         noise = torch.stack([sample_noise(self.seed, i, tuple(latents.shape[1:])) for i in batch["indices"]])
         fractions = torch.tensor(batch["timesteps"], dtype=torch.float32) / self.timesteps
@@ -226,7 +230,8 @@ class ValLoss:
                                  "keys": [row["key"] for row in rows],
                                  "captions": captions, "size_ids": torch.stack([row["size_ids"] for row in rows])}
         if self.encoded:
-            batch["latent_mean"] = torch.stack([row["latent_mean"] for row in rows])
+            mean = torch.stack([row["latent_mean"] for row in rows])
+            std = torch.stack([row["latent_std"] for row in rows]) if self.sample_posterior else None
             if self.text_embeddings:
                 for key in TEXT_FIELDS:
                     if all(key in row for row in rows):
@@ -234,8 +239,13 @@ class ValLoss:
         else:
             pixels = torch.stack([row["pixel_values"] for row in rows]).to(self.device)
             with torch.autocast(self.device.type, enabled=False):
-                batch["latent_mean"] = self.vae().encode(pixels).latent_dist.mode()
-        batch["latent_std"] = torch.zeros_like(batch["latent_mean"])
+                posterior = self.vae().encode(pixels).latent_dist
+            mean, std = posterior.mean, posterior.std
+        if self.sample_posterior:
+            draws = torch.stack([sample_noise(self.seed, i, tuple(mean.shape[1:]), "posterior") for i, _ in samples])
+            mean = mean.float() + std.float() * draws.to(std.device)
+        batch["latent_mean"] = mean
+        batch["latent_std"] = torch.zeros_like(mean)
         # Token ids too: the task reads embeddings only when its training batches carry them.
         batch.update(self.task.caption_tokenizer(captions))
         return batch

@@ -4,6 +4,7 @@ file, an sdtrain run or checkpoint), a run's trained modules from its checkpoint
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,15 @@ from sdtrain.errors import UserError, first_line
 from sdtrain.loaders.adapters import add_lora, add_token_rows
 from sdtrain.models import families, frozen, single_file
 from sdtrain.models.build import source_kind
+from sdtrain.models.families.clip import pool_at_eos
 from sdtrain.models.families.spec import ModelFamily
+
+log = logging.getLogger(__name__)
 
 
 def load_component(name: str, source: str | Path, trust_pickle: bool | None = None,
-                   family: ModelFamily | None = None, frozen_precision: str = "fp32", weights: bool = True) -> Any:
+                   family: ModelFamily | None = None, frozen_precision: str = "fp32", weights: bool = True,
+                   served: Any = None) -> Any:
     """Load component `name` ('vae', 'unet', 'text_encoder', ...; of `family`, else of whichever family has it)
     from a local source folder or single file (Stable Diffusion's original layout, or a Flux.1 transformer in
     Black Forest Labs').
@@ -34,13 +39,20 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
 
     Without `weights`, the module and its config with every tensor on the meta device, for a component training
     never reads (a text encoder on pre-encoded shards): from a folder nothing but its config.json is read.
+
+    `served`: the ModelConfig of the model the component serves. A VAE single file as released (Flux's
+    ae.safetensors, sdxl_vae.safetensors) does not say how its latents are normalised: it takes that model's
+    scaling and shift (`families.latent_constants`), and without a model that says which, loading it is an error.
     """
     kind = source_kind(source)
     if kind == "single_file":
         # Stable Diffusion's components, or a Flux.1 transformer in BFL's layout (the file says which).
-        return single_file.load_single_file_component(name, source, trust_pickle=trust_pickle,
-                                                      family=family.name if family else None,
-                                                      frozen_precision=frozen_precision, weights=weights)
+        module = single_file.load_single_file_component(name, source, trust_pickle=trust_pickle,
+                                                        family=family.name if family else None,
+                                                        frozen_precision=frozen_precision, weights=weights)
+        if name == "vae" and not single_file.states_latent_constants(source, trust_pickle):
+            module.register_to_config(**_served_latent_constants(source, served))
+        return module
     if not weights:
         if kind in ("component", "pipeline"):
             folder = Path(source) / name if kind == "pipeline" else Path(source)
@@ -70,6 +82,18 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
         hint = "" if trusted else ("; a folder with only pickled .bin weights loads with model.trust_pickle=true "
                                    f"(or {single_file.TRUST_PICKLE_ENV}=1) if you trust it")
         raise UserError(f"{folder}: cannot load the {name} ({first_line(exc)}){hint}") from exc
+
+
+def _served_latent_constants(source: str | Path, served: Any) -> dict[str, float | None]:
+    found = families.latent_constants(served) if served is not None else None
+    if found is None:
+        raise UserError(f"{source}: a VAE file that does not say how its latents are scaled (Flux.1, SDXL and SD3 "
+                        f"each scale them differently); set model.family to the family it serves (one of "
+                        f"{', '.join(families.FAMILIES)}), or model.pretrained to that model")
+    constants, origin = found
+    log.info("%s: a VAE file without latent constants; scaling %s, shift %s, from %s", source,
+             constants["scaling_factor"], constants["shift_factor"] or 0, origin)
+    return constants
 
 
 def _require_config(folder: Path, name: str) -> None:
@@ -146,6 +170,7 @@ def rebuild_textual_inversion(name: str, source: str, task_meta: dict[str, Any])
     family = families.get(task_meta.get("family", "sd"))
     module = load_component(name, source, trust_pickle=task_meta.get("trust_pickle"), family=family)
     module.requires_grad_(False)
+    pool_at_eos(module)  # as training did: at end-of-text, not at the new tokens (before they are added)
     width = module.get_input_embeddings().embedding_dim
     add_token_rows(module, torch.zeros(len(task_meta["tokens"]), width))
     return module

@@ -43,7 +43,7 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
         source = pinned.get(name) or build.component_source(model, name)
         if source is None:
             raise UserError(f"{run_dir}: the {name} was neither trained nor loaded from a folder")
-        return load_component(name, source, trust_pickle=trust, family=family)
+        return load_component(name, source, trust_pickle=trust, family=family, served=model)
 
     tokenizers = build.load_text_tokenizers(model, run_dir, pinned.get("text_encoder"))
     added_tokens = read_meta(checkpoint).get("task", {}).get("tokens")
@@ -62,6 +62,6 @@ def pipeline_from_file(path: str | Path, family: families.ModelFamily, tokenizer
     model = ModelConfig(pretrained=str(path), tokenizer=str(tokenizer) if tokenizer else None)
     # The tokenizers first: a missing one is said before the weights are read.
     tokenizers = build.load_text_tokenizers(model)
-    components = {name: load_component(name, path, family=family) for name in family.components}
+    components = {name: load_component(name, path, family=family, served=model) for name in family.components}
     noise = build.build_noise_scheduler(DiffusionConfig(), model)
     return family.assemble(components, tokenizers, sampler_from(noise, "euler"))

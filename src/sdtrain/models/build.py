@@ -11,6 +11,7 @@ cluster node behaves exactly like a laptop.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ from sdtrain.errors import UserError
 from sdtrain.models import families, frozen, single_file
 from sdtrain.models.families.spec import construct
 from sdtrain.models.tokenizer import load_tokenizer_folder
+
+log = logging.getLogger(__name__)
 
 
 def vae_scale(block_out_channels: list[int] | tuple[int, ...]) -> int:
@@ -49,7 +52,8 @@ def build_denoiser(config: ModelConfig, latent_channels: int, latent_size: int,
     """The family's denoiser (UNet, transformer) from its preset, shaped for the latents and for the text encoders
     it reads (the family says what it takes from either), or with the `derived` settings given instead. With a
     `frozen_precision` other than fp32 it is a base that stays frozen, built a layer at a time with its linear
-    weights stored low (`frozen.materialize`): a 12B transformer never exists in fp32."""
+    weights stored low (`frozen.materialize`): a 12B transformer never exists in fp32. A trainable one (fp32) is
+    initialised as ``model.denoiser_init`` says."""
     family = families.for_model(config)
     name = family.denoiser
     overrides = getattr(config, f"{name}_overrides")
@@ -58,7 +62,15 @@ def build_denoiser(config: ModelConfig, latent_channels: int, latent_size: int,
         derived = family.denoiser_settings({**kwargs, **overrides}, text_encoders)
     settings = {**kwargs, **derived, **overrides}
     if frozen_precision == "fp32":
-        return construct(family.components[name], f"{name}_overrides", settings)
+        module = construct(family.components[name], f"{name}_overrides", settings)
+        # A trainable denoiser from scratch: ``model.denoiser_init`` picks diffusers' layer defaults (drawn as it
+        # was constructed) or, on top of them, the family's reference initialisation (Flux.1's, from the same
+        # generator, seeded by the run's seed). A family without one draws nothing more.
+        applied = config.denoiser_init != "library" and family.init_denoiser(module)
+        if not applied and config.denoiser_init == "reference":
+            log.warning("model.denoiser_init=reference: %s has no reference initialisation; its %s keeps "
+                        "diffusers' defaults", family.title, name)
+        return module
     with frozen.parameters_on_meta():
         module = construct(family.components[name], f"{name}_overrides", settings)
     return frozen.materialize(module, frozen_precision)
@@ -247,16 +259,27 @@ def load_text_tokenizers(config: ModelConfig, fallback: str | Path | None = None
     for folder in family.tokenizers:
         named = getattr(config, folder, None) if folder != "tokenizer" else None
         if folder in family.t5_tokenizers:
-            # T5's relative positions read any length, so no encoder caps it: the pretrained tokenizer's length
-            # (what a model was trained and is sampled with), else the family's default for the preset.
-            found = _tokenizer_folder(named or source, folder)
-            # Not the first tokenizer's, where a run from scratch keeps the one it trained for every encoder.
-            saved = _saved_length(found / "tokenizer_config.json") if found.name != "tokenizer" else None
-            tokens = config.t5_text_length or saved or family.t5_text_length(config.preset)
-            tokenizers.append(load_tokenizer(named or source, tokens, folder))
+            tokenizers.append(load_tokenizer(named or source, t5_text_length(config, family, named or source, folder),
+                                             folder))
         else:
             tokenizers.append(load_tokenizer(named or source, length, folder))
     return tokenizers
+
+
+def t5_text_length(config: ModelConfig, family: families.ModelFamily, tokenizer_source: str | Path | None = None,
+                   folder: str = "tokenizer_2") -> int:
+    """T5's tokens per caption: ``model.t5_text_length``, else what the family's model samples with, or the length
+    the tokenizer at `tokenizer_source` (its `folder`) saves when shorter (a model exported after training at
+    that length). A released T5 tokenizer saves the encoder's limit (512), not the model's: T5's relative positions
+    read any length, and without an attention mask every padding state joins attention, so a longer saved
+    length never wins."""
+    if config.t5_text_length:
+        return config.t5_text_length
+    default = family.t5_text_length(config.preset, component_source(config, family.denoiser))
+    found = _tokenizer_folder(tokenizer_source, folder) if tokenizer_source else None
+    # Not the first tokenizer's, where a run from scratch keeps the one it trained for every encoder.
+    saved = _saved_length(found / "tokenizer_config.json") if found and found.name != "tokenizer" else None
+    return min(saved, default) if saved else default
 
 
 def load_text_tokenizer(config: ModelConfig, fallback: str | Path | None = None,

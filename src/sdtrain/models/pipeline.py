@@ -52,15 +52,20 @@ def sampler_from(scheduler: Any, name: str) -> Any:
 
 
 @torch.no_grad()
-def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int = 30, guidance: float = 5.0,
-                  negative_prompt: str | None = None, batch: int = 1, seeds: Sequence[int] | None = None,
-                  size: int | None = None) -> list[Image.Image]:
+def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int | None = None,
+                  guidance: float | None = None, negative_prompt: str | None = None, batch: int = 1,
+                  seeds: Sequence[int] | None = None, size: int | None = None, default_steps: int = 30
+                  ) -> list[Image.Image]:
     """One image per prompt; prompt i uses seed + i (or ``seeds[i]``), so adding prompts never changes earlier
     images. ``batch`` prompts run through the model together, each from the noise of its own seed: the same
     images up to floating-point rounding, several times faster for small models on a CPU. `size`: the side in
-    pixels (None: the pipeline's default, which for Flux.1 is 1024 px whatever the model trained on)."""
+    pixels (None: the pipeline's default, which for Flux.1 is 1024 px whatever the model trained on). `steps` and
+    `guidance` None: the model's own (its family's `sampling_defaults`), else `default_steps` and SD's 5."""
     pipe.set_progress_bar_config(disable=True)
     family = families.of_pipeline(pipe)
+    defaults = family.sampling_defaults(getattr(pipe, family.denoiser).config)
+    steps = steps or defaults.get("steps", default_steps)
+    guidance = defaults["guidance"] if guidance is None else guidance
     shape = {"height": size, "width": size} if size else {}
     seeds = list(seeds) if seeds is not None else [seed + i for i in range(len(prompts))]
     images = []

@@ -31,25 +31,23 @@ log = logging.getLogger(__name__)
 
 def multires_noise(noise: torch.Tensor, iterations: int, discount: float, generator: torch.Generator
                    ) -> torch.Tensor:
-    """`noise` (batch, channels, height, width) plus `iterations` levels of coarser noise, level i drawn on a
-    grid a random 2-4x smaller per level than the last, upsampled bilinearly and scaled by discount**i; the
-    sum rescaled to unit standard deviation per sample. Every draw comes from `generator`, so resumes repeat
-    it. Stops at the first level one cell wide."""
+    """kohya's pyramid noise (sd-scripts' ``pyramid_noise_like``): `noise` (batch, channels, height, width) plus
+    `iterations` levels of noise, level i (from 0) drawn on a grid r_i**i times smaller, r_i uniform in [2, 4)
+    and drawn afresh per level (level 0 is a second full-resolution draw), upsampled bilinearly and weighted
+    discount**i; the sum divided by its standard deviation over the whole batch. Stops after the first level one
+    cell wide or tall. Every draw comes from `generator`, so resumes repeat it."""
     height, width = noise.shape[-2:]
     total = noise.float()
-    shrink = 1.0
     # The grid sizes must be known on the host: one transfer for all levels, not one sync each.
     factors = (2 + 2 * torch.rand(iterations, generator=generator, device=noise.device)).tolist()
-    for level, factor in enumerate(factors, start=1):
-        shrink *= factor
-        size = (max(1, int(height / shrink)), max(1, int(width / shrink)))
+    for level, factor in enumerate(factors):
+        size = (max(1, int(height / factor**level)), max(1, int(width / factor**level)))
         coarse = torch.randn((*noise.shape[:2], *size), generator=generator, device=noise.device)
         total = total + discount**level * torch.nn.functional.interpolate(coarse, size=(height, width),
                                                                           mode="bilinear", align_corners=False)
         if min(size) == 1:
             break
-    total = total / total.flatten(1).std(dim=1).view(-1, 1, 1, 1)
-    return total.to(noise.dtype)
+    return (total / total.std()).to(noise.dtype)
 
 
 class NoisePrediction:

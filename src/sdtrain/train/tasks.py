@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdtrain.config import DataConfig, DiffusionConfig, RunConfig
+from sdtrain.data.decode import make_buckets
 from sdtrain.data.encoded import TEXT_FIELDS, dataset_encoding
 from sdtrain.distributed import detect_topology
 from sdtrain.errors import UserError
@@ -85,7 +86,7 @@ class Task:
         if source is None:
             return None
         return load_component(name, source, trust_pickle=self.trust_pickle, family=self.family,
-                              frozen_precision=frozen_precision, weights=weights)
+                              frozen_precision=frozen_precision, weights=weights, served=self.config.model)
 
     def parallel_modules(self) -> dict[str, nn.Module]:
         """The attributes the loss calls the trained modules through, for a data-parallel wrapper."""
@@ -274,6 +275,7 @@ class DiffusionTask(Task):
             setattr(self, name, _placed(module, device))
         denoiser = self.denoiser
         self._check_buckets(scale * family.downsampling(denoiser.config))
+        self._check_positions(denoiser.config, scale)
         # Read before the trainer wraps the denoiser (DDP, FSDP), whose wrapper has no config.
         self.takes_guidance = family.takes_guidance(denoiser.config)
         self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model)
@@ -282,6 +284,21 @@ class DiffusionTask(Task):
         self.caption_tokenizer = CaptionTokenizer(self.tokenizers, keys)
         self.trainable = self.make_trainable()
         self._store_frozen(self.frozen_precision)
+
+    def _check_positions(self, denoiser_config: Any, scale: int) -> None:
+        """A pretrained denoiser whose position table stops short of the largest image trained on (SD3's
+        pos_embed_max_size) is one line at start-up, not a traceback in the first step."""
+        longest = self.family.max_latent_side(denoiser_config)
+        if longest is None:
+            return
+        data = self.config.data
+        side = max(max(bucket) for bucket in make_buckets(data)) if data.aspect_buckets else data.resolution
+        if side > longest * scale:
+            where = self.source(self.family.denoiser) or "the denoiser"
+            raise UserError(f"data.resolution: {where} takes images of at most {longest * scale} px a side (its "
+                            f"position table covers {longest} latent rows), but this run trains at {side} px; set "
+                            f"data.resolution (and with aspect buckets data.max_aspect) so no side exceeds "
+                            f"{longest * scale}")
 
     def _components(self, unread: list[str], latent: tuple[int, int], weights: bool = True) -> dict[str, nn.Module]:
         """The text encoders and the denoiser, from their sources or built from the preset (the denoiser shaped by
@@ -517,7 +534,7 @@ class DiffusionTask(Task):
             return module
         # Stored as training stores it: validation then costs no more memory than the step.
         module = load_component(name, self.sources[name], trust_pickle=self.trust_pickle, family=self.family,
-                                frozen_precision=self.stored_as(name))
+                                frozen_precision=self.stored_as(name), served=self.config.model)
         return module.to(self.device).eval().requires_grad_(False)
 
     def _latents(self, batch, generator) -> torch.Tensor:
@@ -613,9 +630,12 @@ class DiffusionTask(Task):
         pipe = self.pipeline(modules)
         val = self.config.validation
         images = sample_images(pipe, prompts, seed=val.seed, steps=val.steps, guidance=val.guidance,
-                               size=self.config.data.resolution)
+                               size=self.config.data.resolution, default_steps=VALIDATION_STEPS)
         return save_grid(images, out, rows=max(1, len(prompts) // 4), labels=labels)
 
+
+VALIDATION_STEPS = 20
+"""Sampling steps of the validation grid when ``validation.steps`` is unset and the model has no count of its own."""
 
 TASKS: dict[str, type[Task]] = {"autoencoder": AutoencoderTask, "diffusion": DiffusionTask}
 

@@ -9,7 +9,7 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ from sdtrain.run import prepare_run_dir, resolve_device
 from sdtrain.train import autotune
 from sdtrain.train.ema import EMA
 from sdtrain.train.logger import RunLogger
-from sdtrain.train.modes import make_task, prepare_task
+from sdtrain.train.modes import has_trained_parts, make_task, prepare_task, save_trained_parts
 from sdtrain.train.optim import (
     allocate_state,
     build_lr_schedule,
@@ -478,21 +478,37 @@ class Trainer:
         # Every rank enters: each contributes its data position and RNG states.
         ranks = gather_objects(self.state.rank_state())
         path = self.checkpointer.path_for(self.state.step)
+        meta = {"task": self.task.checkpoint_meta()}
+        parts = has_trained_parts(meta)
         if self.checkpointer.sharded:
+            # Whole weights (no optimizer state) for the mode's files, before the write that holds them (small: only
+            # adapters or new vectors train), or for the validation grid, and only if it draws one.
+            snapshot = capture(self.task.trainable, self.ema, None) if parts else None
             self.checkpointer.save_sharded(self.state, ranks, sharded.live_state(self.task.trainable, self.ema,
-                                                                                 self.optimizer), self.is_main)
-            # Only the validation grid needs whole weights (no optimizer state), and only if it draws one.
-            snapshot = capture(self.task.trainable, self.ema, None) if self.task.validates(self.last_batch) \
-                else None
+                                                                                 self.optimizer), self.is_main,
+                                           extra=self._trained_parts(snapshot, meta) if parts else None)
+            if snapshot is None and self.task.validates(self.last_batch):
+                snapshot = capture(self.task.trainable, self.ema, None)
         else:
             snapshot = capture(self.task.trainable, self.ema, self.optimizer, keep=self.is_main)
             if self.is_main:
-                self.checkpointer.save(self.state, ranks, snapshot)
+                self.checkpointer.save(self.state, ranks, snapshot,
+                                       extra=self._trained_parts(snapshot, meta) if parts else None)
         if self.is_main and snapshot is not None:
             self.validate(snapshot)
         barrier()
         self.saved = (self.state.step, path)
         return path
+
+    def _trained_parts(self, snapshot: Snapshot, meta: dict[str, Any]) -> Callable[[Path], list[Path]]:
+        """What writes a LoRA or textual-inversion run's own files into a checkpoint folder: those `sdtrain export`
+        writes from that checkpoint (not its merged pipeline/), by the same function and from the same weights,
+        the EMA ones where the run keeps an EMA (export's default)."""
+        def write(folder: Path) -> list[Path]:
+            with self.averaged_modules(snapshot) as modules:
+                return save_trained_parts(modules, meta, folder)
+
+        return write
 
     @contextlib.contextmanager
     def averaged_modules(self, snapshot: Snapshot) -> Iterator[dict[str, nn.Module]]:
@@ -500,7 +516,7 @@ class Trainer:
         modules. A whole trained module is rebuilt around the snapshot's tensors instead of copying them
         (an 866M UNet copy is 3.5 GB that a machine training near its memory limit does not have); a
         partly trained one (adapters, new embeddings) is the live module with its averaged tensors swapped
-        in until the block ends."""
+        in, in fp32 as an export rebuilds them (bf16 weights, optim.weights, included), until the block ends."""
         modules: dict[str, nn.Module] = {}
         swapped: list[tuple[nn.Module, dict[str, torch.Tensor], bool]] = []
         try:
@@ -514,20 +530,18 @@ class Trainer:
                     modules[name] = instantiate_with(module_spec(module), weights).float().to(self.device).eval()
                     continue
                 params = {k: p for k, p in module.named_parameters() if p.requires_grad}
-                with torch.no_grad():
-                    live = {k: params[k].detach().clone() for k in params}
-                    for k, param in params.items():
-                        param.copy_(weights[k])
+                live = {k: param.data for k, param in params.items()}
                 swapped.append((module, live, module.training))
+                for k, param in params.items():
+                    param.data = weights[k].to(param.device, torch.float32)
                 modules[name] = module.eval()
             yield modules
         finally:
-            with torch.no_grad():
-                for module, live, training in swapped:
-                    for k, param in module.named_parameters():
-                        if k in live:
-                            param.copy_(live[k])
-                    module.train(training)
+            for module, live, training in swapped:
+                for k, param in module.named_parameters():
+                    if k in live:
+                        param.data = live[k]
+                module.train(training)
 
     @contextlib.contextmanager
     def averaged_in_place(self) -> Iterator[dict[str, nn.Module]]:

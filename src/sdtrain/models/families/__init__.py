@@ -7,6 +7,7 @@ its module, its tests and its entry in FAMILIES.
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -32,9 +33,14 @@ def get(name: str) -> ModelFamily:
 
 
 def for_model(config: Any) -> ModelFamily:
-    """The family of a run's model (a ModelConfig): ``model.family`` when set (checked against a pretrained
-    model's own files), else the pretrained model's, else the family whose presets alone name
-    ``model.preset``, else Stable Diffusion."""
+    """The family of a run's model (a ModelConfig): the one it names (`named`), else Stable Diffusion."""
+    return named(config) or SD
+
+
+def named(config: Any) -> ModelFamily | None:
+    """The family a model config (a ModelConfig) names: ``model.family`` when set (checked against a pretrained
+    model's own files), else the pretrained model's, else the family whose presets alone name ``model.preset``;
+    None when nothing says."""
     found = detect(config.pretrained) if config.pretrained else None
     if config.family:
         family = get(config.family)
@@ -45,7 +51,35 @@ def for_model(config: Any) -> ModelFamily:
     if found is not None:
         return found
     owners = [family for family in FAMILIES.values() if config.preset in family.presets]
-    return owners[0] if len(owners) == 1 else SD
+    return owners[0] if len(owners) == 1 else None
+
+
+def latent_constants(config: Any) -> tuple[dict[str, float | None], str] | None:
+    """The latent scaling and shift of the model a VAE serves (a ModelConfig), and where they come from: the
+    pretrained pipeline's own VAE config when it has one, else the released values of the family the config
+    names (`named`); None when nothing says which model it is."""
+    if config.pretrained:
+        vae_config = Path(config.pretrained) / "vae" / "config.json"
+        if vae_config.is_file():
+            try:
+                settings = json.loads(vae_config.read_text())
+            except (OSError, ValueError) as exc:
+                raise UserError(f"{vae_config}: cannot read it ({exc}); fix or replace the pipeline's VAE config") \
+                    from exc
+            vae_class = (named(config) or SD).components["vae"]
+            constants = {key: settings.get(key, _init_default(vae_class, key))
+                         for key in ("scaling_factor", "shift_factor")}
+            return constants, str(vae_config)
+    family = named(config)
+    if family is None:
+        return None
+    return dict(family.latent_constants), f"{family.title}'s released values"
+
+
+def _init_default(cls: type, key: str) -> Any:
+    """The value a diffusers class takes for constructor argument `key` when its config.json leaves it out."""
+    parameter = inspect.signature(cls.__init__).parameters.get(key)
+    return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
 
 def of_pipeline(pipe: Any) -> ModelFamily:

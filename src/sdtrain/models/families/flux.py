@@ -11,10 +11,15 @@ none. An empty caption (caption dropout) is encoded like any other, as the pipel
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
+from diffusers.models.normalization import RMSNorm
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import CLIPTextModel, T5Config, T5EncoderModel
 
@@ -73,6 +78,27 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+def _guidance_embedding(source: str | Path) -> bool | None:
+    """Whether the transformer at `source` has dev's guidance embedding, from its config or its file's keys alone;
+    None when neither says (a run, or no such file)."""
+    path = Path(source)
+    if path.is_file() and path.suffix == ".safetensors":
+        try:
+            with safe_open(str(path), framework="pt") as file:
+                keys = list(file.keys())
+        except (OSError, SafetensorError):
+            return None  # the loader reports what is wrong with the file
+        prefix = original_layout.original_prefix(keys)
+        return None if prefix is None else f"{prefix}guidance_in.in_layer.weight" in keys
+    for config in (path / "transformer" / "config.json", path / "config.json"):
+        if config.is_file():
+            try:
+                return bool(json.loads(config.read_text()).get("guidance_embeds", False))
+            except (OSError, ValueError):
+                return None  # the loader reports what is wrong with the file
+    return None
+
+
 def t5_config(settings: dict[str, Any], tokenizer: Any, key: str) -> T5Config:
     """A T5 encoder's config from preset settings; the vocabulary is the tokenizer's unless the preset names
     T5's own (a pretrained-size T5 keeps its 32,128 rows)."""
@@ -112,9 +138,71 @@ def image_ids(rows: int, columns: int, device: torch.device, dtype: torch.dtype)
     return ids.reshape(rows * columns, 3)
 
 
+def _xavier(*layers: nn.Linear) -> None:
+    """Xavier-uniform weights and zero biases for `layers` taken as one Linear, their outputs stacked: BFL's layout
+    fuses q, k and v (in a single block also the MLP's input) into one layer, and the reference draws its bound
+    from that layer's fans."""
+    fan_in, fan_out = layers[0].in_features, sum(layer.out_features for layer in layers)
+    bound = math.sqrt(6.0 / (fan_in + fan_out))
+    for layer in layers:
+        nn.init.uniform_(layer.weight, -bound, bound)
+        if layer.bias is not None:
+            nn.init.zeros_(layer.bias)
+
+
+def _normal(*layers: nn.Linear, std: float = 0.02) -> None:
+    for layer in layers:
+        nn.init.normal_(layer.weight, std=std)
+        if layer.bias is not None:
+            nn.init.zeros_(layer.bias)
+
+
+def _zero(*layers: nn.Linear) -> None:
+    for layer in layers:
+        nn.init.zeros_(layer.weight)
+        if layer.bias is not None:
+            nn.init.zeros_(layer.bias)
+
+
+def reference_init(transformer: FluxTransformer2DModel) -> None:
+    """Flux.1's reference initialisation (MLPerf's torchtitan FluxModel.init_weights, after DiT's), on diffusers'
+    modules, in its order: Xavier-uniform weights and zero biases for every linear layer (the image and text
+    inputs, attention and MLP layers, a fused layer's bound from its whole shape); N(0, 0.02) for the timestep,
+    pooled-text (vector) and guidance embedders' MLPs; zeros for every adaLN modulation (each block starts as the
+    identity) and for the final adaLN and output projection (the output starts at zero); RMSNorm scales at one."""
+    _xavier(transformer.x_embedder)  # img_in
+    _xavier(transformer.context_embedder)  # txt_in
+    embedders = transformer.time_text_embed
+    # time_in, vector_in, guidance_in (dev's alone).
+    for mlp in (embedders.timestep_embedder, embedders.text_embedder, getattr(embedders, "guidance_embedder", None)):
+        if mlp is not None:
+            _normal(mlp.linear_1, mlp.linear_2)
+    for block in transformer.single_transformer_blocks:
+        attn = block.attn
+        _xavier(attn.to_q, attn.to_k, attn.to_v, block.proj_mlp)  # linear1
+        _xavier(block.proj_out)  # linear2
+        _zero(block.norm.linear)  # modulation
+    for block in transformer.transformer_blocks:
+        attn = block.attn
+        for mlp in (block.ff, block.ff_context):  # img_mlp, txt_mlp
+            _xavier(mlp.net[0].proj)
+            _xavier(mlp.net[2])
+        _xavier(attn.to_q, attn.to_k, attn.to_v)  # img_attn.qkv
+        _xavier(attn.to_out[0])  # img_attn.proj
+        _zero(block.norm1.linear)  # img_mod
+        _xavier(attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)  # txt_attn.qkv
+        _xavier(attn.to_add_out)  # txt_attn.proj
+        _zero(block.norm1_context.linear)  # txt_mod
+    _zero(transformer.norm_out.linear, transformer.proj_out)  # final_layer
+    for module in transformer.modules():  # the q and k norms (the LayerNorms have no parameters)
+        if isinstance(module, (RMSNorm, nn.RMSNorm)) and module.weight is not None:
+            nn.init.ones_(module.weight)
+
+
 class Flux(ModelFamily):
     name = "flux"
     title = "Flux.1"
+    latent_constants = {key: _FLUX_VAE[key] for key in ("scaling_factor", "shift_factor")}
     components = {"vae": AutoencoderKL, "text_encoder": CLIPTextModel, "text_encoder_2": T5EncoderModel,
                   "transformer": FluxTransformer2DModel}
     text_encoders = ("text_encoder", "text_encoder_2")
@@ -139,9 +227,13 @@ class Flux(ModelFamily):
         dev = any(key.startswith(f"{prefix}guidance_in.") for key in keys)
         return dict(_DEV_SCHEDULER if dev else _SCHNELL_SCHEDULER)
 
-    def t5_text_length(self, preset: str) -> int:
-        # What each was released to sample with (FluxPipeline's max_sequence_length): dev 512, schnell 256.
-        return 256 if preset == "flux-schnell" else 512
+    def t5_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
+        # What each was released to sample with: dev 512, schnell 256 (Black Forest Labs' and kohya's); a
+        # pretrained transformer is dev's when it has the guidance embedding.
+        distilled = _guidance_embedding(denoiser_source) if denoiser_source else None
+        if distilled is None:
+            distilled = preset != "flux-schnell"
+        return 512 if distilled else 256
 
     def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
         if name == "text_encoder_2":
@@ -158,6 +250,12 @@ class Flux(ModelFamily):
 
     def downsampling(self, denoiser_config: Any) -> int:
         return 2
+
+    def init_denoiser(self, denoiser: nn.Module) -> bool:
+        if not isinstance(denoiser, FluxTransformer2DModel):
+            return False
+        reference_init(denoiser)
+        return True
 
     def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None
                     ) -> dict[str, torch.Tensor]:
@@ -202,6 +300,13 @@ class Flux(ModelFamily):
         return FluxPipeline(scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],
                             tokenizer=tokenizers[0], text_encoder_2=components["text_encoder_2"],
                             tokenizer_2=tokenizers[-1], transformer=components["transformer"])
+
+    def sampling_defaults(self, denoiser_config: Any) -> dict[str, Any]:
+        # dev's pipeline default; schnell (no guidance embedding) is distilled to 4 steps without guidance, which
+        # at 5 would run true classifier-free guidance: twice the cost and over-saturated images.
+        if denoiser_config.guidance_embeds:
+            return {"guidance": 3.5}
+        return {"guidance": 1.0, "steps": 4}
 
     def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
         # T5 reads as many tokens as it was trained with. A guidance-distilled model takes the scale as its

@@ -14,6 +14,7 @@ on the 0..1000 scale, as the pipeline passes the scheduler's.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -64,6 +65,7 @@ def transformer_blocks(transformer: SD3Transformer2DModel) -> list:
 class StableDiffusion3(ModelFamily):
     name = "sd3"
     title = "SD3"
+    latent_constants = {key: _SD3_VAE[key] for key in ("scaling_factor", "shift_factor")}
     components = {"vae": AutoencoderKL, "text_encoder": CLIPTextModelWithProjection,
                   "text_encoder_2": CLIPTextModelWithProjection, "text_encoder_3": T5EncoderModel,
                   "transformer": SD3Transformer2DModel}
@@ -85,7 +87,10 @@ class StableDiffusion3(ModelFamily):
     # No kohya layout: sdtrain writes diffusers' LoRA file alone, which ComfyUI reads for SD3.
     kohya_prefixes: dict[str, str] = {}
 
-    def t5_text_length(self, preset: str) -> int:
+    def max_latent_side(self, denoiser_config: Any) -> int | None:
+        return denoiser_config.pos_embed_max_size * denoiser_config.patch_size
+
+    def t5_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
         return T5_TEXT_LENGTH
 
     def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:

@@ -80,6 +80,7 @@ def _with_penultimate_states(encoder: nn.Module, tokens: torch.Tensor) -> tuple[
 class StableDiffusionXL(ModelFamily):
     name = "sdxl"
     title = "SDXL"
+    latent_constants = {"scaling_factor": _SDXL_VAE["scaling_factor"], "shift_factor": None}
     components = {"vae": AutoencoderKL, "text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection,
                   "unet": UNet2DConditionModel}
     text_encoders = ("text_encoder", "text_encoder_2")

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from sdtrain.errors import UserError, first_line
+from sdtrain.models.families.clip import pool_at_eos
 
 
 def construct(cls: Any, key: str, kwargs: dict[str, Any]) -> Any:
@@ -53,6 +54,9 @@ class ModelFamily:
     scripts leave it."""
     t5_tokenizers: tuple[str, ...] = ()
     """The tokenizers (of `tokenizers`) that feed a T5 encoder: their length is ``model.t5_text_length``."""
+    latent_constants: dict[str, float | None] = {"scaling_factor": 0.18215, "shift_factor": None}
+    """How the released models' latents are normalised for the denoiser, ``(latent - shift_factor) *
+    scaling_factor``: what a VAE file that does not say it takes when this family's model is trained or encoded."""
     pipeline_class: type
     """The diffusers pipeline export writes and generate loads."""
     pipeline_names: tuple[str, ...] = ()
@@ -91,9 +95,9 @@ class ModelFamily:
         None: the preset's."""
         return None
 
-    def t5_text_length(self, preset: str) -> int:
-        """Tokens per caption of the T5 encoder when ``model.t5_text_length`` is unset (what the pipeline samples
-        with)."""
+    def t5_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
+        """Tokens per caption of the T5 encoder when ``model.t5_text_length`` is unset: what the released model
+        samples with, for a denoiser built from `preset` or loaded from `denoiser_source` (a folder or file)."""
         return 256
 
     def ids_key(self, index: int) -> str:
@@ -115,6 +119,12 @@ class ModelFamily:
     def denoiser_shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
         """What the denoiser's shape takes from the latents it denoises."""
         return {"in_channels": latent_channels, "out_channels": latent_channels, "sample_size": latent_size}
+
+    def init_denoiser(self, denoiser: nn.Module) -> bool:
+        """Re-initialise a trainable `denoiser` just built from a preset as the family's reference training code
+        initialises it (``model.denoiser_init``), drawing from torch's default generator; False, with `denoiser`
+        and the generator untouched, for a family that has no reference initialisation (diffusers' own stays)."""
+        return False
 
     # ----------------------------------------------------------------------------- the conditioner
 
@@ -147,6 +157,11 @@ class ModelFamily:
         """Whether the denoiser has a guidance embedding (Flux.1-dev's), fed ``condition["guidance"]``."""
         return False
 
+    def max_latent_side(self, denoiser_config: Any) -> int | None:
+        """The longest latent side the denoiser's position table covers (SD3's ``pos_embed_max_size`` patches);
+        None: any."""
+        return None
+
     def downsampling(self, denoiser_config: Any) -> int:
         """How much smaller than the latent the denoiser's coarsest level is (bucket sides must survive it)."""
         return 2 ** (len(denoiser_config.block_out_channels) - 1)
@@ -178,9 +193,11 @@ class ModelFamily:
     def load_embedding(self, pipe: Any, path: str) -> None:
         """A textual-inversion file into the family's pipeline through diffusers' loader: a one-key file as it is;
         a file keyed by text encoder (SDXL's clip_l/clip_g) one encoder at a time, under the token its metadata
-        names, else its file name (A1111's convention)."""
+        names, else its file name (A1111's convention). The encoders given the token then pool at end-of-text, as
+        training did (`sd.pool_at_eos`), not at the new token a released CLIP config would pool at."""
         if not self.embedding_keys:
             pipe.load_textual_inversion(path, local_files_only=True)
+            pool_at_eos(pipe.text_encoder, pipe.tokenizer.eos_token_id)
             return
         with safe_open(path, framework="pt") as file:
             missing = [key for key in self.embedding_keys if key not in file.keys()]  # noqa: SIM118 - safe_open is no dict
@@ -192,12 +209,18 @@ class ModelFamily:
         for key, encoder, tokenizer in zip(self.embedding_keys, self.text_encoders, self.tokenizers):
             pipe.load_textual_inversion(vectors[key], token=token, text_encoder=getattr(pipe, encoder),
                                         tokenizer=getattr(pipe, tokenizer))
+            pool_at_eos(getattr(pipe, encoder), getattr(pipe, tokenizer).eos_token_id)
 
     # ----------------------------------------------------------------------------- the pipeline
 
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
         """The family's diffusers pipeline of these components."""
         raise NotImplementedError
+
+    def sampling_defaults(self, denoiser_config: Any) -> dict[str, Any]:
+        """What the model samples with where the user sets nothing: ``guidance`` (its scale), and ``steps`` where
+        the model has its own count (a distilled one)."""
+        return {"guidance": 5.0}
 
     def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
         """The pipeline call's guidance settings (classifier-free guidance at `guidance`, against

@@ -18,6 +18,7 @@ from sdtrain.models.single_file.read import (
     _File,
     _first_line,
     _info,
+    _metadata_json,
     _open,
     _past_layers,
     config_folder,
@@ -119,6 +120,19 @@ def load_single_file_component(name: str, path: str | Path, trust_pickle: bool |
                         "incomplete or in a layout diffusers does not read")
     _warn_unused(name, module, keys, info, path)
     return module
+
+
+def states_latent_constants(path: str | Path, trust_pickle: bool | None = None) -> bool:
+    """Whether a single file says how its VAE's latents are normalised (scaling and shift): in its metadata
+    (``vae_config``, as sdtrain writes it), or by holding the model the VAE serves (an SD, SDXL or SD3 checkpoint,
+    whose keys tell the family). A VAE file as released (Flux's ae.safetensors, sdxl_vae.safetensors, SD3's VAE)
+    says nothing: its constants are those of the model it is used with."""
+    file = _open(path, trust_pickle)
+    if sd3.is_sd3(file.shapes):
+        return True
+    if set(_info(file).prefixes) - {"vae"}:
+        return True
+    return "scaling_factor" in _metadata_json(file, file.metadata, "vae_config")
 
 
 def load_flux_transformer(path_or_file: str | Path | _File, trust_pickle: bool | None = None,

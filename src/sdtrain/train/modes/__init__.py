@@ -45,10 +45,19 @@ def make_task(config: RunConfig, device: torch.device, run_dir: Path, resumed: d
     """The run's task; `resumed`: the meta.json of the checkpoint it resumes from."""
     return task_class(config)(config, device, run_dir, resumed)
 
+
+def has_trained_parts(meta: dict[str, Any]) -> bool:
+    """Whether `save_trained_parts` writes any file for a checkpoint of this meta.json: LoRA runs (DreamBooth's
+    too) and textual-inversion runs."""
+    task = meta.get("task", {})
+    return bool(task.get("lora") or task.get("tokens"))
+
+
 def save_trained_parts(modules: dict[str, nn.Module], meta: dict[str, Any], folder: Path) -> list[Path]:
     """The small files a fine-tuning mode produces, in the layouts diffusers' loaders read:
     ``pytorch_lora_weights.safetensors`` (``load_lora_weights``) and ``learned_embeds.safetensors``
-    (``load_textual_inversion``)."""
+    (``load_textual_inversion``). `sdtrain export` writes them from a checkpoint, and the trainer into every
+    checkpoint folder it saves, with the same weights (EMA where the run keeps one)."""
     task = meta.get("task", {})
     family = families.get(task.get("family", "sd"))
     written = []

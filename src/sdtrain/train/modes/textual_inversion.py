@@ -15,6 +15,7 @@ from torch import nn
 from sdtrain.config import DataConfig, TextualInversionConfig
 from sdtrain.errors import UserError
 from sdtrain.loaders.adapters import add_token_rows
+from sdtrain.models.families.clip import pool_at_eos
 from sdtrain.models.families.spec import ModelFamily
 from sdtrain.train.tasks import DiffusionTask
 
@@ -77,6 +78,9 @@ class TextualInversionTask(DiffusionTask):
         trainable = {}
         for (name, text_encoder), tokenizer in zip(self.text_encoders.items(), self.tokenizers):
             start = _initial_vector(tokenizer, text_encoder, self.tokens, cfg.initializer_token)
+            # A released config pools at the highest id, which would now be the placeholder: pool at end-of-text,
+            # where the file's vectors are read by ComfyUI and SGM (SDXL's text_embeds).
+            pool_at_eos(text_encoder, tokenizer.eos_token_id)
             tokenizer.add_tokens(self.tokens)
             text_encoder.requires_grad_(False)
             add_token_rows(text_encoder, start.repeat(cfg.num_vectors, 1))
