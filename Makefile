@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; a GPU machine can install its own CUDA build first, pyproject only asks for a range.
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-dev demo test chaos lint clean bench-peer bench-peer-lora
+.PHONY: install install-dev demo test chaos lint clean bench-peer bench-peer-lora gpu-check gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,21 @@ bench-peer-lora: install
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python benchmarks/peer_lora.py --diffusers $(DIFFUSERS) $(BENCH_PEER_LORA_ARGS) --work runs/bench-peer-lora \
 		--out runs/bench-peer-lora/results.json
+
+# The CUDA paths checked and the seed's figures measured in one run (benchmarks/gpu_check.py): on a GPU machine,
+# whose python3 holds a CUDA PyTorch, with the packages it lacks installed offline from .gpu-wheels/; elsewhere a
+# dry run at tiny sizes on the CPU, in the project's venv. Writes runs/gpu-check/results.json.
+gpu-check:
+	@if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
+		python3 benchmarks/gpu_check.py; \
+	else \
+		$(MAKE) --no-print-directory install-dev && $(BIN)/python benchmarks/gpu_check.py; \
+	fi
+
+# The wheels of what a bare CUDA image lacks (diffusers, webdataset, omegaconf...), at this venv's versions, into
+# .gpu-wheels/ (ignored by git; carry it to the GPU machine with the tree).
+gpu-wheels: install
+	$(BIN)/python benchmarks/gpu_check.py wheels
 
 lint: install-dev
 	$(BIN)/ruff check src tests

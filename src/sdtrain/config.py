@@ -543,6 +543,12 @@ class TrainConfig:
     it compiles (minutes on CPU); worth it on GPUs for long runs."""
     device: str = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``."""
+    tf32: bool = False
+    """On CUDA, compute fp32 matmuls (those outside bf16 autocast) in TF32: faster, about 3 significant digits
+    (``torch.set_float32_matmul_precision("high")``)."""
+    cudnn_benchmark: bool = False
+    """On CUDA, let cuDNN time its algorithms for each new convolution shape and keep the fastest
+    (``torch.backends.cudnn.benchmark``): a slower first step per shape, and aspect buckets bring several shapes."""
     threads: int = 0
     """torch intra-op threads on CPU; 0 keeps torch's default."""
 

@@ -164,6 +164,10 @@ class Trainer:
         self.device = resolve_device(config.train.device, self.topology.local_rank)
         if config.train.threads and self.device.type == "cpu":
             torch.set_num_threads(config.train.threads)
+        if self.device.type == "cuda":
+            # Process-wide; off unless asked for (`make gpu-check` measures what each pays).
+            torch.set_float32_matmul_precision("high" if config.train.tf32 else "highest")
+            torch.backends.cudnn.benchmark = config.train.cudnn_benchmark
         init_distributed(self.topology, self.device, config.parallel.backend, config.parallel.timeout_minutes)
         self.is_main = self.topology.is_main
         random.seed(config.seed)

@@ -1,0 +1,351 @@
+"""`make gpu-check`: sdtrain's CUDA paths checked and the seed's figures measured in one run, sized for the minutes a
+GPU is at hand (at most 8 on an H100 or H200).
+
+1. The packages a bare CUDA image lacks are installed offline from the wheels `make gpu-wheels` fetched
+   (``.gpu-wheels/``, carried with the tree), if any is missing.
+2. The bf16 matmul peak of this device, measured, for MFU.
+3. ``pytest -m cuda`` (tests/test_cuda.py): one test per CUDA path.
+4. ``sdtrain benchmark train`` at real architecture with random weights: SD2-base at 512 px online and on encoded
+   latents (MosaicML's and MLPerf's settings), the MLPerf Flux.1-schnell transformer at the depth that fits the
+   card, Flux.1-dev LoRA at 1024 px over bf16 and fp8 bases, SDXL LoRA at 1024 px: images/s, s/step, MFU against
+   the measured peak and peak GPU memory.
+
+Writes ``OUT/results.json`` (default runs/gpu-check) and prints a markdown table last. Every case has its own time
+limit and a failing or slow one is recorded, never fatal, so one run reports everything it could measure.
+
+Without CUDA it says "no CUDA: dry run" first and runs the same steps at tiny sizes on the CPU (under 3 minutes),
+so the script is exercised between the chances to run it on a GPU (tests/test_gpu_check.py).
+
+`python benchmarks/gpu_check.py wheels` downloads the wheels into ``.gpu-wheels/`` (what `make gpu-wheels` runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "src" / "sdtrain" / "configs"
+WHEELS = ROOT / ".gpu-wheels"
+CARRIED = ("diffusers", "webdataset", "omegaconf", "braceexpand", "importlib_metadata")
+"""sdtrain's requirements the CUDA image does not hold (it has torch, transformers, peft, safetensors, tokenizers,
+torchmetrics, tensorboard, pyyaml, pillow, numpy, pytest), at the versions installed where the wheels are fetched."""
+WHEEL_PYTHON = "3.12"
+"""The CUDA image's Python: the wheels are fetched for it (all of them are pure Python)."""
+
+FLUX_DOUBLE_BLOCK = 340e6
+FLUX_SINGLE_BLOCK = 141e6
+"""Parameters of one Flux.1 double-stream and single-stream block at the released width (3072)."""
+
+
+@dataclass
+class Case:
+    name: str
+    what: str
+    config: str
+    overrides: list[str]
+    encoded: bool = False
+    steps: int = 10
+    warmup: int = 3
+    timeout: int = 90
+    flags: list[str] = field(default_factory=list)
+
+
+def _flux_depth(memory_gib: float) -> tuple[int, int]:
+    """Double and single blocks (one to two, as released) whose weights, gradients and AdamW state (16 bytes a
+    parameter) take at most 45% of the card, leaving the rest to activations."""
+    budget = 0.45 * memory_gib * 2**30 / 16
+    double = max(1, int(budget // (FLUX_DOUBLE_BLOCK + 2 * FLUX_SINGLE_BLOCK)))
+    return min(double, 19), min(2 * double, 38)
+
+
+# The text encoders of an encoded benchmark never run (the shards hold their states): T5-XXL is built one layer deep,
+# its width (what the transformer reads) as released, so the benchmark does not write 19 GB of random weights.
+SHALLOW_T5 = "model.text_encoder_2_overrides={num_layers: 1}"
+
+
+def cuda_cases(memory_gib: float) -> list[Case]:
+    double, single = _flux_depth(memory_gib)
+    sd2 = ["model.preset=sd2", "data.resolution=512", "data.batch_size=32", "ema.enabled=true",
+           "train.mixed_precision=bf16", "train.gradient_checkpointing=false", "data.num_workers=8"]
+    flux_lora = ["model.pretrained=null", "model.family=flux", "model.preset=flux-dev", "data.resolution=1024",
+                 "data.aspect_buckets=false", "data.batch_size=1", "train.mixed_precision=bf16", SHALLOW_T5,
+                 "model.t5_text_length=512", "train.gradient_checkpointing=true"]
+    return [
+        Case("sd2-512-online", "SD2-base UNet, 512 px, batch 32, EMA, bf16, VAE in the step (MosaicML: 48.2 img/s "
+             "per H100)", "sd2-256.yaml", sd2),
+        Case("sd2-512-encoded", "the same on pre-encoded latents (MLPerf SD2: about 137.6 img/s per H100)",
+             "sd2-256.yaml", sd2, encoded=True),
+        Case("flux-schnell-256", f"MLPerf Flux.1-schnell transformer, {double} double + {single} single blocks (of "
+             "19 + 38, what fits the card), 256 px, batch 16, bf16, full training, encoded",
+             "mlperf-flux1-schnell-256.yaml",
+             ["parallel.strategy=ddp", "data.batch_size=16", f"model.transformer_overrides={{num_layers: {double}, "
+              f"num_single_layers: {single}}}", SHALLOW_T5, "train.gradient_checkpointing=auto"],
+             encoded=True, timeout=100),
+        Case("flux-dev-lora-bf16", "Flux.1-dev LoRA rank 16, 1024 px, batch 1, bf16 base, encoded", "flux-lora.yaml",
+             [*flux_lora, "model.frozen_precision=bf16"], encoded=True, steps=5, warmup=2, timeout=110),
+        Case("flux-dev-lora-fp8", "the same over an fp8 base", "flux-lora.yaml",
+             [*flux_lora, "model.frozen_precision=fp8"], encoded=True, steps=5, warmup=2, timeout=110),
+        Case("sdxl-lora-1024", "SDXL LoRA, 1024 px, batch 1, bf16, encoded", "sdxl-lora.yaml",
+             ["model.pretrained=null", "model.family=sdxl", "model.preset=sdxl", "data.resolution=1024",
+              "data.aspect_buckets=false", "data.batch_size=1", "train.mixed_precision=bf16",
+              "model.tokenizer_vocab_size=49408"], encoded=True, steps=5, warmup=2, timeout=80),
+        Case("sd2-512-online-tuned", "sd2-512-online with cuDNN autotuning and TF32 (train.cudnn_benchmark, "
+             "train.tf32): kept as defaults only where they pay", "sd2-256.yaml",
+             [*sd2, "train.cudnn_benchmark=true", "train.tf32=true"]),
+    ]
+
+
+def dry_cases() -> list[Case]:
+    """The same cases at tiny sizes on the CPU: the script's every path, in seconds each (but the tuned variant,
+    whose CUDA switches do nothing on a CPU)."""
+    tiny = ["model.preset=tiny", "data.resolution=32", "data.batch_size=2", "data.num_workers=0",
+            "train.mixed_precision=fp32", "train.gradient_checkpointing=false", "model.tokenizer_vocab_size=1024"]
+    small = {"steps": 1, "warmup": 0, "timeout": 120, "flags": ["--peak-seconds", "0.1"]}
+    cases = []
+    for case in cuda_cases(80):
+        if case.name.endswith("-tuned"):
+            continue
+        family = {"flux-schnell-256": "flux", "flux-dev-lora-bf16": "flux", "flux-dev-lora-fp8": "flux",
+                  "sdxl-lora-1024": "sdxl"}.get(case.name, "sd")
+        kept = [o for o in case.overrides if o.startswith(("model.frozen_precision", "model.pretrained", "ema.",
+                                                           "data.aspect_buckets"))]
+        overrides = [*kept, f"model.family={family}", *tiny,
+                     *(["model.t5_text_length=8"] if family == "flux" else []),
+                     *(["parallel.strategy=ddp"] if case.name == "flux-schnell-256" else [])]
+        cases.append(Case(case.name, f"tiny stand-in for: {case.what}", case.config, overrides, case.encoded,
+                          **small))
+    return cases
+
+
+# --------------------------------------------------------------------------------------------------- wheels
+
+
+def download_wheels() -> int:
+    """The CARRIED packages, at the versions installed here, as wheels for the CUDA image's Python."""
+    WHEELS.mkdir(exist_ok=True)
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in CARRIED]
+    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+               "--python-version", WHEEL_PYTHON, "--dest", str(WHEELS), *pins]
+    print("fetching", " ".join(pins))
+    done = subprocess.run(command)
+    if done.returncode == 0:
+        size = sum(p.stat().st_size for p in WHEELS.glob("*.whl"))
+        print(f"{len(list(WHEELS.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB in {WHEELS}")
+    return done.returncode
+
+
+def install_missing() -> list[str]:
+    """Install the CARRIED packages this Python lacks from the carried wheels, without network."""
+    missing = [name for name in CARRIED if importlib.util.find_spec(name) is None]
+    if not missing:
+        return []
+    wheels = sorted(str(p) for p in WHEELS.glob("*.whl"))
+    if not wheels:
+        raise SystemExit(f"gpu-check: {', '.join(missing)} missing and no wheels in {WHEELS}; run `make gpu-wheels` "
+                         "on a machine with network first and carry .gpu-wheels with the tree")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", *wheels],
+                   check=True)
+    return missing
+
+
+# --------------------------------------------------------------------------------------------------- measuring
+
+
+def device_facts() -> dict[str, Any]:
+    import torch
+
+    facts: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        facts |= {"device": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
+                  "multiprocessors": props.multi_processor_count, "cuda": torch.version.cuda,
+                  "capability": ".".join(map(str, torch.cuda.get_device_capability(0)))}
+    else:
+        facts |= {"device": "cpu", "memory_gib": None, "threads": torch.get_num_threads()}
+    return facts
+
+
+def matmul_peak_tflops(cuda: bool) -> float:
+    """The bf16 matmul rate of this device: the best of several timed products of square matrices."""
+    import torch
+
+    side, repeats = (8192, 10) if cuda else (512, 3)
+    device = "cuda" if cuda else "cpu"
+    a = torch.randn(side, side, device=device, dtype=torch.bfloat16)
+    b = torch.randn(side, side, device=device, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(3):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        if cuda:
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return 2 * side**3 / best / 1e12
+
+
+def _env() -> dict[str, str]:
+    """The children import sdtrain from this tree, installed or not."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT),
+                                                                    os.environ.get("PYTHONPATH")]))}
+
+
+def run_tests(out: Path, timeout: int) -> dict[str, Any]:
+    report = out / "cuda-tests.xml"
+    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider",
+               f"--junitxml={report}", "tests/test_cuda.py"]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+        tail = (done.stdout + done.stderr)[-4000:]
+    except subprocess.TimeoutExpired as exc:
+        tail = f"timed out after {timeout} s\n{(exc.stdout or b'')[-2000:]!r}"
+    result: dict[str, Any] = {"seconds": round(time.perf_counter() - start, 1), "passed": 0, "failed": 0,
+                              "skipped": 0, "failures": [], "skip_reasons": []}
+    if not report.is_file():
+        result["error"] = tail
+        return result
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        name = case.get("name")
+        if case.find("failure") is not None or case.find("error") is not None:
+            found = case.find("failure") if case.find("failure") is not None else case.find("error")
+            result["failed"] += 1
+            result["failures"].append({"test": name, "message": (found.get("message") or "")[:500]})
+        elif case.find("skipped") is not None:
+            result["skipped"] += 1
+            reason = case.find("skipped").get("message") or ""
+            if reason not in result["skip_reasons"]:
+                result["skip_reasons"].append(reason)
+        else:
+            result["passed"] += 1
+    return result
+
+
+def run_case(case: Case, scratch: Path, seconds_left: float) -> dict[str, Any]:
+    out = scratch / f"{case.name}.json"
+    command = [sys.executable, "-m", "sdtrain", "benchmark", "train", str(CONFIGS / case.config), *case.overrides,
+               f"run_dir={scratch / case.name}", "--steps", str(case.steps), "--warmup", str(case.warmup),
+               "--out", str(out), *(["--encoded"] if case.encoded else []), *case.flags]
+    record: dict[str, Any] = {"name": case.name, "what": case.what,
+                              "command": " ".join(["sdtrain", *command[3:]]).replace(str(scratch), "SCRATCH")}
+    timeout = int(min(case.timeout, seconds_left))
+    if timeout < 10:
+        return {**record, "ok": False, "seconds": 0, "error": "not run: the time budget (--budget) was spent"}
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+        failure = None if done.returncode == 0 and out.is_file() else \
+            "\n".join((done.stdout + done.stderr).strip().splitlines()[-12:])
+    except subprocess.TimeoutExpired:
+        failure = f"timed out after {timeout} s"
+    record["seconds"] = round(time.perf_counter() - start, 1)
+    if failure is not None:
+        return {**record, "ok": False, "error": failure}
+    result = json.loads(out.read_text())
+    step_s = result["step_ms"] / 1000
+    return {**record, "ok": True, "images_per_s": result["images_per_s"], "s_per_step": step_s,
+            "mfu": result["mfu"], "batch_size": result["batch_size"], "resolution": result["resolution"],
+            "mixed_precision": result["mixed_precision"], "gradient_checkpointing": result["gradient_checkpointing"],
+            "trainable_parameters": result["trainable_parameters"],
+            "device_peak_memory_gib": result.get("device_peak_memory_gib"),
+            "host_peak_memory_gib": result["peak_memory_gib"], "benchmark": result}
+
+
+# --------------------------------------------------------------------------------------------------- report
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [f"gpu-check on {results['facts']['device']} (torch {results['facts']['torch']}), "
+             f"{results['date']}, commit {results['commit']}: bf16 matmul peak "
+             f"{results['matmul_peak_tflops']:.3g} TFLOP/s" + (" (dry run)" if results["dry_run"] else ""), ""]
+    tests = results["tests"]
+    lines.append(f"pytest -m cuda: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped "
+                 f"({tests['seconds']} s)")
+    lines += [f"- FAILED {f['test']}: {f['message'][:200]}" for f in tests["failures"]]
+    lines += ["", "| case | img/s | s/step | MFU | GPU peak GiB | host peak GiB | note |",
+              "|---|---|---|---|---|---|---|"]
+    for case in results["benchmarks"]:
+        if case["ok"]:
+            gpu = case["device_peak_memory_gib"]
+            lines.append(f"| {case['name']} | {case['images_per_s']:.3g} | {case['s_per_step']:.3g} | "
+                         f"{case['mfu']:.1%} | {'-' if gpu is None else f'{gpu:.1f}'} | "
+                         f"{case['host_peak_memory_gib']:.1f} | {case['what']} |")
+        else:
+            lines.append(f"| {case['name']} | - | - | - | - | - | FAILED: {case['error'].splitlines()[-1][:120]} |")
+    return "\n".join(lines)
+
+
+def _commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
+def check(out: Path, only: list[str], skip_tests: bool, budget: float) -> dict[str, Any]:
+    import torch
+
+    deadline = time.perf_counter() + budget
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        print("no CUDA: dry run (the same steps at tiny sizes on the CPU)", flush=True)
+    installed = install_missing() if cuda else []
+    out.mkdir(parents=True, exist_ok=True)
+    facts = device_facts()
+    results: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(), "commit": _commit(), "dry_run": not cuda, "facts": facts,
+        "installed_from_wheels": installed, "matmul_peak_tflops": matmul_peak_tflops(cuda)}
+    print(f"{facts['device']}: bf16 matmul {results['matmul_peak_tflops']:.1f} TFLOP/s", flush=True)
+    results["tests"] = {"passed": 0, "failed": 0, "skipped": 0, "failures": [], "seconds": 0} if skip_tests else \
+        run_tests(out, timeout=int(min(200 if cuda else 120, budget / 2)))
+    print(f"cuda tests: {results['tests']['passed']} passed, {results['tests']['failed']} failed, "
+          f"{results['tests']['skipped']} skipped", flush=True)
+    cases = cuda_cases(facts["memory_gib"]) if cuda else dry_cases()
+    results["benchmarks"] = []
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
+        for case in cases:
+            if only and case.name not in only:
+                continue
+            record = run_case(case, Path(scratch), deadline - time.perf_counter())
+            print(f"{case.name}: " + (f"{record['images_per_s']:.3g} img/s" if record["ok"] else "FAILED")
+                  + f" ({record['seconds']} s)", flush=True)
+            results["benchmarks"].append(record)
+            (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")  # what is done survives a kill
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", nargs="?", choices=("check", "wheels"), default="check")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu-check")
+    parser.add_argument("--only", action="append", default=[], metavar="CASE", help="run only this benchmark case")
+    parser.add_argument("--skip-tests", action="store_true", help="benchmarks only")
+    parser.add_argument("--budget", type=float, default=460,
+                        help="seconds for the whole check (default 460: 8 minutes with the start); the CUDA tests "
+                             "get at most 200 of them, and benchmark cases that would start later are not run")
+    args = parser.parse_args(argv)
+    if args.what == "wheels":
+        return download_wheels()
+    start = time.perf_counter()
+    results = check(args.out, args.only, args.skip_tests, args.budget)
+    print(f"\n{table(results)}\n\n{time.perf_counter() - start:.0f} s in all; {args.out / 'results.json'}")
+    failed = results["tests"]["failed"] or not all(case["ok"] for case in results["benchmarks"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""`make gpu-check` between GPUs: its dry run on the CPU goes through every step of the script (the CUDA tests,
+skipped with their reason, and each benchmark case at tiny size), and every case it runs on a GPU loads as a
+config, so the script is ready whenever a card is at hand."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_check  # noqa: E402 - a script beside the package, not part of it
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU `make gpu-check` runs the real thing")
+def test_the_dry_run_goes_through_every_step_and_writes_its_results(tmp_path):
+    out = tmp_path / "gpu-check"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[0].startswith("no CUDA: dry run")
+    results = json.loads((out / "results.json").read_text())
+    assert results["dry_run"] and results["matmul_peak_tflops"] > 0
+    tests = results["tests"]
+    # Every CUDA test was collected and skipped with the reason, none failed to import.
+    assert tests["skipped"] >= 10 and tests["passed"] == tests["failed"] == 0 and "error" not in tests
+    assert any("CUDA" in reason for reason in tests["skip_reasons"])
+    names = [case.name for case in gpu_check.dry_cases()]
+    assert set(names) == {case.name for case in gpu_check.cuda_cases(80)} - {"sd2-512-online-tuned"}
+    assert [case["name"] for case in results["benchmarks"]] == names
+    for case in results["benchmarks"]:
+        assert case["ok"], case.get("error")
+        assert case["images_per_s"] > 0 and 0 < case["mfu"] < 1 and case["s_per_step"] > 0
+    # The markdown table comes last, a row per case.
+    table = done.stdout[done.stdout.index("| case |"):]
+    assert all(f"| {name} |" in table for name in names)
+
+
+@pytest.mark.parametrize("memory_gib", [79.2, 139.8])
+def test_every_gpu_case_is_a_config_that_loads(memory_gib):
+    from sdtrain.benchmark import benchmark_overrides
+    from sdtrain.config import load_config
+
+    for case in gpu_check.cuda_cases(memory_gib):
+        path = gpu_check.CONFIGS / case.config
+        config = load_config(path, benchmark_overrides(path, case.overrides, "/runs/gpu-check"))
+        assert config.train.mixed_precision == "bf16", case.name
+    double, single = gpu_check._flux_depth(memory_gib)
+    # The transformer's weights, gradients and AdamW state in under half the card; the blocks one to two as released.
+    assert single == 2 * double and (double * gpu_check.FLUX_DOUBLE_BLOCK + single * gpu_check.FLUX_SINGLE_BLOCK) \
+        * 16 < 0.5 * memory_gib * 2**30
+
+
+def test_the_wheels_are_what_the_cuda_image_lacks_at_the_versions_tested_here(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(gpu_check, "WHEELS", tmp_path / "wheels")
+    monkeypatch.setattr(gpu_check.subprocess, "run", lambda command, **_: calls.append(command)
+                        or subprocess.CompletedProcess(command, 0))
+    assert gpu_check.download_wheels() == 0
+    (command,) = calls
+    assert "--no-deps" in command and command[command.index("--python-version") + 1] == gpu_check.WHEEL_PYTHON
+    import importlib.metadata
+
+    assert f"diffusers=={importlib.metadata.version('diffusers')}" in command
+    assert {c.split("==")[0] for c in command if "==" in c} == set(gpu_check.CARRIED)
