@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; a GPU machine can install its own CUDA build first, pyproject only asks for a range.
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-dev demo test chaos lint clean bench-peer bench-peer-lora gpu-check gpu-wheels
+.PHONY: install install-dev demo test chaos lint docs clean bench-peer bench-peer-lora gpu-check gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 demo: install
-	$(BIN)/sdtrain demo --out runs/demo
+	$(BIN)/sdtrain demo --out runs/demo --minutes 10
 
 # lint-imports: the layers of pyproject.toml's [tool.importlinter] hold (no import cycle, local imports included).
 test: install-dev
@@ -74,6 +74,11 @@ gpu-wheels: install
 lint: install-dev
 	$(BIN)/ruff check src tests
 	$(BIN)/lint-imports
+
+# docs/configuration.md from the config's field docstrings (src/sdtrain/config.py); tests/test_docs.py fails
+# when the committed page is stale.
+docs: install
+	$(BIN)/sdtrain docs config --out docs/configuration.md
 
 clean:
 	rm -rf runs .pytest_cache

@@ -71,3 +71,57 @@ def test_overrides_may_follow_options(capsys):
     assert small["unet"] > tiny["unet"]  # the override after --json was applied
     with pytest.raises(SystemExit):
         main(["params", str(config_path("diffusion.yaml")), "--bogus"])
+
+
+def test_the_demo_on_a_time_budget_records_its_steps_and_a_rerun_keeps_them(tmp_path, monkeypatch, capsys):
+    """`demo --minutes M` times each stage's step, scales both stages' steps alike to fit what is left of M, and
+    writes them into the runs' config.yaml (with a warmup of at most a tenth), where a rerun finds them: it does not
+    time again, and the resumed runs keep the same schedule."""
+    import pytest
+    from omegaconf import OmegaConf
+
+    from sdtrain.cli import demo_budget
+
+    timed = []
+
+    def step_seconds(config, overrides, encoded):
+        timed.append(config.name)
+        # Slow steps, so a budget of seconds sizes the stages at a few steps each.
+        return (1.0, 16) if config.name == "autoencoder.yaml" else (1.5, 64)
+
+    monkeypatch.setattr(demo_budget, "_timed_step", step_seconds)
+    monkeypatch.setattr(demo_budget, "STARTUP_S", 0.0)
+    monkeypatch.setattr(demo_budget, "LEAST_STEPS", 2)
+    out = tmp_path / "demo"
+    argv = ["demo", "--out", str(out), "--num", "32", "--minutes", "0.3", "--adherence-prompts", "4",
+            "--adherence-pairs", "2", "--sample-steps", "2"]
+    assert main(argv) == 0
+    assert timed == ["autoencoder.yaml", "diffusion.yaml"]
+    planned = capsys.readouterr().out
+    steps = {}
+    for stage in ("autoencoder", "diffusion"):
+        config = OmegaConf.load(out / stage / "config.yaml")
+        steps[stage] = config.train.max_steps
+        assert config.optim.warmup_steps == min(50, steps[stage] // 10)
+        assert f"{stage} {steps[stage]} steps" in planned
+        assert (out / stage / "checkpoints" / f"step_{steps[stage]:08d}").is_dir()
+    # Both stages scaled by one factor from the configs' 1,200 and 2,000 steps.
+    assert 2 <= steps["autoencoder"] < 20 and 2 <= steps["diffusion"] < 20
+    assert steps["autoencoder"] / 1200 == pytest.approx(steps["diffusion"] / 2000, abs=0.002)
+
+    # A rerun plans from what the runs recorded, without timing again (the runs then resume to those steps).
+    monkeypatch.setattr(demo_budget, "_timed_step", lambda *a: pytest.fail("a rerun timed the steps again"))
+    from sdtrain.cli.demo import config_path
+    from sdtrain.cli.main import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert demo_budget.plan_steps(args, 0.0, out / "data", (out / "autoencoder", out / "diffusion"),
+                                  (config_path("autoencoder.yaml"), config_path("diffusion.yaml")), []) == steps
+
+
+def test_the_budget_scales_every_stage_by_one_factor_at_most_one_and_a_half():
+    from sdtrain.cli.demo_budget import MOST, fit
+
+    stages = {"autoencoder": (1200, 0.1), "diffusion": (2000, 0.3)}  # 120 s + 600 s at the configs' steps
+    assert fit(360.0, stages) == 0.5
+    assert fit(10_000.0, stages) == MOST

@@ -352,7 +352,7 @@ def test_an_sd3_single_file_holds_every_component_in_stabilitys_layout_which_dif
     from safetensors import safe_open
 
     assert sorted(p.name for p in sd3_file.parent.iterdir()) == [
-        "sd3.safetensors", "sd3.tokenizer", "sd3.tokenizer_2", "sd3.tokenizer_3"]
+        "README.md", "sd3.safetensors", "sd3.tokenizer", "sd3.tokenizer_2", "sd3.tokenizer_3", "sd3.validation.png"]
     with safe_open(str(sd3_file), framework="pt") as f:
         keys, metadata = set(f.keys()), f.metadata()  # noqa: SIM118 (not a dict)
     assert metadata["model_family"] == "sd3"

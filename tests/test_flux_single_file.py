@@ -101,8 +101,8 @@ def test_export_writes_the_transformer_alone_in_bfl_layout_which_diffusers_loads
         single, pipeline, flux_run, diffusers_at_width):
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
-    # Nothing beside it (no tokenizer folders, no temporary): BFL's file is the transformer alone.
-    assert sorted(p.name for p in single.parent.iterdir()) == ["flux.safetensors"]
+    # Nothing beside it but its model card (no tokenizer folders, no temporary): BFL's file is the transformer alone.
+    assert sorted(p.name for p in single.parent.iterdir()) == ["README.md", "flux.safetensors"]
     with safe_open(str(single), framework="pt") as f:
         metadata, keys = f.metadata(), set(f.keys())  # noqa: SIM118 (not a dict)
         dtypes = {f.get_slice(k).get_dtype() for k in keys}

@@ -166,30 +166,44 @@ class ModelConfig:
     under ComfyUI's ``model.diffusion_model.``; name the VAE, text encoders and tokenizer below), or an SD3/3.5 file
     in Stability's layout (sd3_medium*.safetensors; name below what it lacks, and the tokenizers unless
     ``NAME.tokenizer/``, ``NAME.tokenizer_2/`` and ``NAME.tokenizer_3/`` lie beside it). Components not named below
-    load from it."""
+    load from it.
+
+    This and every source below may also be a Hugging Face Hub id: ``org/name``, ``org/name@REVISION`` (a branch,
+    tag or commit), or ``org/name/FILE.safetensors`` for one single file in it. It is fetched into the Hub cache
+    (``HF_HUB_CACHE``) unless cached already; ``HF_HUB_OFFLINE=1`` reads the cache only, and a gated or private
+    repository takes its token from ``HF_TOKEN``, never from a config. Only configs, tokenizer files and the
+    safetensors weights of the components loaded from it are fetched. A local path of the same spelling always
+    wins. The run records the snapshot folder the id resolved to (``.../snapshots/<commit>``), so resuming and
+    exporting read the same weights, offline too."""
     vae: str | None = None
-    """Autoencoder source: a diffusers ``vae`` folder, a pipeline folder, or an sdtrain autoencoder run."""
+    """Autoencoder source: a diffusers ``vae`` folder, a pipeline folder, or an sdtrain autoencoder run; or a Hub id
+    of either folder (see ``pretrained``), of which only the VAE's weights are fetched."""
     text_encoder: str | None = None
-    """Text encoder source: a CLIPTextModel folder, a pipeline folder, or an sdtrain run."""
+    """Text encoder source: a CLIPTextModel folder, a pipeline folder, or an sdtrain run; or a Hub id of either
+    folder (see ``pretrained``)."""
     text_encoder_2: str | None = None
     """SDXL's second text encoder (OpenCLIP bigG with projection): a CLIPTextModelWithProjection folder, a
-    pipeline folder, or an sdtrain run."""
+    pipeline folder, or an sdtrain run; or a Hub id of either folder (see ``pretrained``)."""
     tokenizer: str | None = None
-    """Tokenizer folder; when neither this nor ``pretrained`` is set, a BPE tokenizer is trained on
-    the training captions and saved in the run folder."""
+    """Tokenizer folder (or a pipeline folder, its ``tokenizer/``), or a Hub id of either (see ``pretrained``; only
+    tokenizer files and configs are fetched); when neither this nor ``pretrained`` is set, a BPE tokenizer is trained
+    on the training captions and saved in the run folder."""
     tokenizer_2: str | None = None
-    """SDXL's second tokenizer folder; unset: the ``tokenizer_2/`` beside the second text encoder, else the
-    first tokenizer."""
+    """SDXL's second tokenizer folder, or a Hub id (see ``tokenizer``); unset: the ``tokenizer_2/`` beside the second
+    text encoder, else the first tokenizer."""
     text_encoder_3: str | None = None
-    """SD3's T5 text encoder: a T5EncoderModel folder, a pipeline folder, or an sdtrain run."""
+    """SD3's T5 text encoder: a T5EncoderModel folder, a pipeline folder, or an sdtrain run; or a Hub id of either
+    folder (see ``pretrained``)."""
     tokenizer_3: str | None = None
-    """SD3's T5 tokenizer folder; unset: the ``tokenizer_3/`` beside the third text encoder, else the first
-    tokenizer."""
+    """SD3's T5 tokenizer folder, or a Hub id (see ``tokenizer``); unset: the ``tokenizer_3/`` beside the third text
+    encoder, else the first tokenizer."""
     unet: str | None = None
-    """UNet source: a UNet2DConditionModel folder, a pipeline folder, or an sdtrain run."""
+    """UNet source: a UNet2DConditionModel folder, a pipeline folder, or an sdtrain run; or a Hub id of either
+    folder (see ``pretrained``)."""
     transformer: str | None = None
     """Transformer source (SD3, Flux.1): an SD3Transformer2DModel or FluxTransformer2DModel folder, a pipeline
-    folder, a single file of the transformer alone, or an sdtrain run."""
+    folder, a single file of the transformer alone, or an sdtrain run; or a Hub id of a folder or file (see
+    ``pretrained``)."""
     trust_pickle: bool = False
     """Allow ``.ckpt``/``.pt``/``.bin`` checkpoints (pickle files) as sources. They are still read with
     ``torch.load(weights_only=True)``, which refuses code, but convert them to safetensors if you can."""

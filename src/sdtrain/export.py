@@ -2,7 +2,8 @@
 ``.safetensors`` file in the original layout that A1111/ComfyUI and diffusers' from_single_file read (Stable
 Diffusion's whole model; Flux.1's transformer alone, as Black Forest Labs ship it).
 
-Export is not checkpointing: a checkpoint is for resuming a run, an export is for using the model.
+Export is not checkpointing: a checkpoint is for resuming a run, an export is for using the model. Every export
+has its model card beside it (README.md, see sdtrain.model_card).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from sdtrain.errors import UserError
 from sdtrain.loaders.adapters import merge_partial
 from sdtrain.loaders.components import load_run_modules
 from sdtrain.loaders.pipelines import pipeline_from_run, run_config
+from sdtrain.model_card import FOLDER_FILES, write_file_card, write_folder_card
 from sdtrain.models import build, families, single_file
+from sdtrain.models.pipeline import write_sampling
 from sdtrain.models.single_file import flux as flux_layout
 from sdtrain.models.single_file import sd3 as sd3_layout
 from sdtrain.train.modes import save_trained_parts
@@ -41,7 +44,7 @@ def _check_replaceable(out: Path, run_dir: Path) -> None:
             raise UserError(f"--out: {out} is a folder with other contents; choose a new or empty folder")
 
 
-_VAE_FILES = {"config.json", "diffusion_pytorch_model.safetensors"}
+_VAE_FILES = {"config.json", "diffusion_pytorch_model.safetensors", *FOLDER_FILES}
 _PART_FILES = ("pytorch_lora_weights.safetensors", "learned_embeds.safetensors")
 
 
@@ -63,13 +66,15 @@ def _export_trained_parts(run_dir: Path, config: RunConfig, folder: Path, ema: b
     if full_pipeline:
         pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint, trained=modules).save_pretrained(
             folder / "pipeline", safe_serialization=True)
+        write_sampling(folder / "pipeline", config)
 
 
 def export_run(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | None = None,
-               full_pipeline: bool | None = None) -> Path:
+               full_pipeline: bool | None = None, card: bool = True, license: str | None = None) -> Path:
     """Write the run's model to `out`: a pipeline folder for diffusion runs (the adapter or embedding files
     for LoRA and textual-inversion runs, plus the merged pipeline when `full_pipeline` or the run's config
-    asks), a VAE folder for autoencoder runs."""
+    asks), a VAE folder for autoencoder runs; with its model card (README.md, unless not `card`; `license` a Hub
+    license id, else the base model's when its card is on disk)."""
     run_dir, out = Path(run_dir), Path(out)
     checkpoint = _checkpoint_to_export(run_dir, checkpoint)
     _check_replaceable(out, run_dir)
@@ -80,9 +85,13 @@ def export_run(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | No
             _export_trained_parts(run_dir, config, tmp, ema, checkpoint, full_pipeline)
         elif config.stage == "diffusion":
             pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint).save_pretrained(tmp, safe_serialization=True)
+            # generate's defaults from the folder are then those of the run's previews (size, steps, guidance).
+            write_sampling(tmp, config)
         else:
             load_run_modules(run_dir, ["vae"], ema=ema, checkpoint=checkpoint)["vae"].save_pretrained(
                 tmp, safe_serialization=True)
+        if card:
+            log.info("model card: %s", write_folder_card(tmp, out, run_dir, checkpoint, ema=ema, license=license))
 
     _swap_in_folder(out, write)
     log.info("exported %s -> %s", run_dir, out)
@@ -128,6 +137,21 @@ def _check_replaceable_file(out: Path, run_dir: Path) -> None:
 
 
 def export_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | None = None,
+                       half: bool = False, text_layout: str = "auto", card: bool = True,
+                       license: str | None = None) -> Path:
+    """`_write_single_file`, then its model card: README.md when the file has its folder to itself, else
+    OUT.md (see sdtrain.model_card.write_file_card), unless not `card`."""
+    run_dir, out = Path(run_dir), Path(out)
+    checkpoint = _checkpoint_to_export(run_dir, checkpoint)
+    _write_single_file(run_dir, out, ema, checkpoint, half, text_layout)
+    if card:
+        written = write_file_card(out, run_dir, checkpoint, ema=ema, half=half, license=license)
+        if written is not None:
+            log.info("model card: %s", written)
+    return out
+
+
+def _write_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | None = None,
                        half: bool = False, text_layout: str = "auto") -> Path:
     """Write the run's model as ONE .safetensors file in the original layout (see sdtrain.models.single_file).
 
@@ -202,9 +226,9 @@ def _export_flux_transformer(run_dir: Path, out: Path, family: families.ModelFam
                              half: bool) -> Path:
     """A Flux.1 run's transformer as ONE file in Black Forest Labs' layout (flux1-dev.safetensors'), its LoRA
     adapters merged in: what ComfyUI's Load Diffusion Model and diffusers' FluxTransformer2DModel.from_single_file
-    read. Nothing is written beside it: BFL's file holds no VAE, text encoder or tokenizer, and Flux.1 tools load
-    those separately (the exported pipeline folder's, or the released clip_l, t5xxl and ae files when they were
-    not trained). bf16 with `half`, Flux.1's own dtype (its activations overflow fp16)."""
+    read. Nothing but its model card is written beside it: BFL's file holds no VAE, text encoder or tokenizer, and
+    Flux.1 tools load those separately (the exported pipeline folder's, or the released clip_l, t5xxl and ae files
+    when they were not trained). bf16 with `half`, Flux.1's own dtype (its activations overflow fp16)."""
     name = family.denoiser
     trained = list(read_meta(checkpoint)["modules"])
     if name not in trained:

@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from sdtrain.errors import UserError, first_line
 from sdtrain.loaders.pipelines import pipeline_from_file, pipeline_from_run, run_config
-from sdtrain.models import build, families
-from sdtrain.models.pipeline import sample_images, sampler_from
+from sdtrain.models import build, families, hub
+from sdtrain.models.pipeline import DEFAULT_STEPS, read_sampling, run_sampling, sample_images, sampler_from
 from sdtrain.models.single_file import TRUST_PICKLE_ENV, load_single_file_pipeline, trust_pickle_from_env
 from sdtrain.run import resolve_device
-from sdtrain.utils import make_grid, save_image_atomic
+from sdtrain.utils import make_grid, save_image_atomic, save_images
+
+
+def local_model(model: str | Path, tokenizer: str | Path | None = None) -> tuple[str, str | None]:
+    """`model` (and a single file's `tokenizer`) as local paths: a Hub id (org/name[@revision], or a file in it)
+    becomes its folder in the Hugging Face cache, fetched if it is not cached (``sdtrain.models.hub``)."""
+    local = hub.resolve(str(model), "--model", pickles=hub.pickles_trusted())
+    assert local is not None
+    return local, hub.resolve(str(tokenizer), "--tokenizer", weights=()) if tokenizer is not None else None
 
 
 def load_pipeline(model: str | Path, ema: bool = True, device: str = "auto",
                   tokenizer: str | Path | None = None) -> Any:
+    """The pipeline of a pipeline folder, single file or diffusion run, or of a Hub id (see `local_model`)."""
+    model, tokenizer = local_model(model, tokenizer)
     kind = build.source_kind(model)
     if kind == "run":
         pipe = pipeline_from_run(Path(model), ema=ema)
@@ -76,14 +85,22 @@ def apply_additions(pipe: Any, loras: Sequence[str | Path] = (), lora_scale: flo
             raise UserError(f"--embedding: {path}: cannot load ({first_line(exc)})") from exc
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60] or "empty"
+def run_sampling_of(model: str | Path) -> dict[str, Any]:
+    """What the run behind `model` sampled its validation images with (models.pipeline.run_sampling): read from the
+    run itself, or as its export recorded it in a pipeline folder; empty for other models, whose pipeline knows its
+    own defaults (a Hub id among them)."""
+    if not Path(model).exists():
+        return {}  # a Hub id, or a path load_pipeline names as missing
+    kind = build.source_kind(model)
+    if kind == "run":
+        return run_sampling(run_config(Path(model)))
+    return read_sampling(Path(model)) if kind == "pipeline" else {}
 
 
 def training_size(model: str | Path) -> int | None:
-    """The image side a run trained at (its images are sampled at it); None for other sources, whose pipeline
-    knows its own default."""
-    return run_config(Path(model)).data.resolution if build.source_kind(model) == "run" else None
+    """The image side a run trained at (its images are sampled at it), for the run or its exported pipeline; None
+    for other sources, whose pipeline knows its own default."""
+    return run_sampling_of(model).get("size")
 
 
 def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int | None = None,
@@ -92,18 +109,23 @@ def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int | 
              negative_prompt: str | None = None, loras: Sequence[str | Path] = (), lora_scale: float = 1.0,
              embeddings: Sequence[str | Path] = (), tokenizer: str | Path | None = None,
              size: int | None = None) -> list[Path]:
-    """Images of `prompts` into `out`, one file each plus a grid; `size` None: a run's training resolution, else
-    the pipeline's default; `steps` and `guidance` None: the model's own (see sample_images)."""
+    """Images of `prompts` into `out`, one file each plus a grid. Unset `size`, `steps` and `guidance` are, for a run
+    or a pipeline its export recorded them in, those its validation images sampled with (so they match image for
+    image: prompt i from seed + i), else the pipeline's default size and the model's own (see sample_images)."""
     if not prompts:
         raise UserError("no prompts: pass --prompt TEXT or --prompts FILE with one prompt per line")
-    size = size or training_size(model)
+    recorded = run_sampling_of(model)
+    size = size or recorded.get("size")
+    steps = steps or recorded.get("steps")
+    guidance = recorded.get("guidance") if guidance is None else guidance
     pipe = load_pipeline(model, ema=ema, device=device, tokenizer=tokenizer)
     apply_additions(pipe, loras, lora_scale, embeddings)
     pipe.scheduler = sampler_from(pipe.scheduler, scheduler)
     images = sample_images(pipe, prompts, seed=seed, steps=steps, guidance=guidance,
-                           negative_prompt=negative_prompt, size=size)
+                           negative_prompt=negative_prompt, size=size,
+                           default_steps=recorded.get("default_steps", DEFAULT_STEPS))
     out = Path(out)
-    paths = [save_image_atomic(img, out / f"{i:03d}-{_slug(p)}.png") for i, (img, p) in enumerate(zip(images, prompts))]
+    paths = save_images(images, prompts, out)
     rows = max(1, round(len(images) ** 0.5))
     paths.append(save_image_atomic(make_grid(images, rows=rows, labels=prompts), out / "grid.png"))
     return paths

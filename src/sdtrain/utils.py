@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +37,19 @@ def save_image_atomic(image: Image.Image, path: Path) -> Path:
     image.save(encoded, format=Image.registered_extensions()[path.suffix.lower()])
     atomic_write_bytes(path, encoded.getvalue())
     return path
+
+
+def image_file_name(index: int, prompt: str) -> str:
+    """The file of prompt `index`'s image, ``000-a-red-circle.png``: what `sdtrain generate` writes, and validation
+    beside its grid, so the two compare file by file."""
+    slug = re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")[:60] or "empty"
+    return f"{index:03d}-{slug}.png"
+
+
+def save_images(images: Sequence[Image.Image], prompts: Sequence[str], folder: Path) -> list[Path]:
+    """Each image into `folder` under `image_file_name` of its prompt."""
+    return [save_image_atomic(image, Path(folder) / image_file_name(i, prompt))
+            for i, (image, prompt) in enumerate(zip(images, prompts))]
 
 
 def to_pil(images: torch.Tensor | Sequence[Image.Image]) -> list[Image.Image]:

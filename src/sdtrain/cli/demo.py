@@ -27,6 +27,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--sample-steps", type=int, default=SAMPLE_STEPS,
                         help="sampling steps of every image the demo draws: validation grids, the sample grid and "
                              "the adherence score (default %(default)s; fewer for a quick check that all runs)")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="finish within about this many minutes: each stage's steps are timed first and its "
+                        "step count (and so its learning-rate schedule) set to fit; the decided steps are in each "
+                        "run's config.yaml, and a rerun keeps them (default: the configs' fixed steps)")
     parser.add_argument("--family", choices=sorted(DIFFUSION_CONFIGS), default="sd",
                         help="the model family trained from scratch: sd (a UNet, the default) or flux (a Flux.1 "
                         "transformer trained by flow matching, with CLIP and T5 text encoders)")
@@ -44,6 +48,11 @@ DIFFUSION_CONFIGS = {"sd": "diffusion.yaml", "flux": "flux.yaml"}
 
 def config_path(name: str) -> Path:
     return Path(str(resources.files("sdtrain") / "configs" / "demo" / name))
+
+
+def _steps_overrides(steps: int) -> list[str]:
+    """A stage's step count; its warmup (the configs' 50) at most a tenth of it, so a short stage still decays."""
+    return [f"train.max_steps={steps}", f"optim.warmup_steps={min(50, steps // 10)}"]
 
 
 def _step(title: str, argv: list[str]) -> None:
@@ -69,18 +78,24 @@ def run(args: argparse.Namespace) -> int:
                                            "--two-shape-fraction", "0.75"])
     ae = ["train", str(config_path("autoencoder.yaml")), f"run_dir={ae_run}", f"data.shards={data}",
           f"model.family={args.family}"]
-    if args.autoencoder_steps:
-        ae.append(f"train.max_steps={args.autoencoder_steps}")
+    sd_config = config_path(DIFFUSION_CONFIGS[args.family])
+    planned = {}
+    if args.minutes is not None:
+        from sdtrain.cli.demo_budget import plan_steps
+
+        planned = plan_steps(args, started + 60 * args.minutes, data, (ae_run, sd_run),
+                             (config_path("autoencoder.yaml"), sd_config), [f"model.family={args.family}"])
+    if args.autoencoder_steps or "autoencoder" in planned:
+        ae += _steps_overrides(args.autoencoder_steps or planned["autoencoder"])
     _step("2/8 train the autoencoder", ae)
     # Encoding once instead of every step: the diffusion stage's images are centre crops without flips,
     # so the latents are exactly what it would compute. The text encoder trains, so no text embeddings.
     _step("3/8 encode the dataset with the autoencoder",
           ["prepare", "encode", str(data), "--model", str(ae_run), "--out", str(latents), "--resolution", RESOLUTION,
            "--dtype", "float32", "--no-text"])
-    sd = ["train", str(config_path(DIFFUSION_CONFIGS[args.family])), f"run_dir={sd_run}",
-          f"data.shards={latents}", f"model.vae={ae_run}"]
-    if args.diffusion_steps:
-        sd.append(f"train.max_steps={args.diffusion_steps}")
+    sd = ["train", str(sd_config), f"run_dir={sd_run}", f"data.shards={latents}", f"model.vae={ae_run}"]
+    if args.diffusion_steps or "diffusion" in planned:
+        sd += _steps_overrides(args.diffusion_steps or planned["diffusion"])
     if args.sample_steps != SAMPLE_STEPS:
         sd += [f"validation.steps={args.sample_steps}", f"evaluation.steps={args.sample_steps}"]
     _step("4/8 train the text encoders and the transformer" if args.family == "flux" else

@@ -15,7 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Generates an image per prompt, split over the ranks of torchrun/Slurm/mpirun, and scores them "
                     "(MLPerf: DDIM, 50 steps, guidance 8). `sdtrain evaluate stats SOURCE --out STATS.npz` writes "
                     "the Inception statistics of reference images instead.")
-    parser.add_argument("model", help="a pipeline folder, single-file checkpoint or diffusion run; or `stats`")
+    parser.add_argument("model", help="a pipeline folder, single-file checkpoint or diffusion run, or a Hugging Face "
+                        "Hub id (org/name[@REVISION]); or `stats`")
     parser.add_argument("source", nargs="?", help="with `stats`: a folder of images or WebDataset shards")
     parser.add_argument("--prompts", type=Path, help="one prompt per line, or a TSV/CSV with a caption column; "
                         "default with adherence alone: the shapes demo's prompt set")
@@ -61,7 +62,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     from sdtrain.distributed import detect_topology, init_distributed
     from sdtrain.errors import UserError
     from sdtrain.evaluate.run import EvalSettings, evaluate, read_prompts, summary_line, write_result
-    from sdtrain.generate import training_size
+    from sdtrain.generate import local_model, training_size
     from sdtrain.run import resolve_device
 
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
@@ -81,14 +82,15 @@ def _evaluate(args: argparse.Namespace) -> int:
         raise UserError("--prompts: pass the captions to generate (MLPerf: the 30k COCO-2014 captions TSV)")
     if args.steps < 1 or args.batch < 1:
         raise UserError("--steps and --batch must be at least 1")
+    model = local_model(args.model)[0]  # a Hub id: its folder in the Hugging Face cache, fetched if not cached
     topology = detect_topology()
     device = resolve_device(args.device, topology.local_rank)
     init_distributed(topology, device)
     settings = EvalSettings(metrics, num=args.num, steps=args.steps, guidance=args.guidance, seed=args.seed,
                             batch=args.batch, inception=args.inception, clip=args.clip, reference=args.reference,
-                            scheduler=args.scheduler, size=args.size or training_size(args.model),
+                            scheduler=args.scheduler, size=args.size or training_size(model),
                             extra={"resolution": args.resolution})
-    result = evaluate(args.model, prompts, settings, device, topology.rank, topology.world_size)
+    result = evaluate(model, prompts, settings, device, topology.rank, topology.world_size)
     if topology.is_main:
         write_result(result, args.out)
         print(summary_line(result))

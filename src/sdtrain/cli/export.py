@@ -32,6 +32,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--text-layout", choices=["auto", "clip", "openclip"], default="auto",
                         help="with --single-file: the text encoder's layout; auto is OpenCLIP (SD 2.x) when it came "
                              "from an SD 2.x file or is 1024 wide, else CLIP (SD 1.x)")
+    parser.add_argument("--card", action=argparse.BooleanOptionalAction, default=True,
+                        help="write the model card beside the export: README.md with the Hugging Face Hub's "
+                             "front-matter (base model, tags, instance prompt, validation grid), how to load it and "
+                             "how it was trained; a single file's is README.md when the file has its folder to "
+                             "itself, else OUT.md. A README.md sdtrain did not write (or one edited since) is kept, "
+                             "the card going to README.sdtrain.md (OUT.sdtrain.md) instead (default: on)")
+    parser.add_argument("--license", metavar="ID",
+                        help="the card's license, a Hub license id (e.g. openrail++, apache-2.0; default: the base "
+                             "model's, when its card is on disk, else none)")
     parser.set_defaults(run=run)
 
 
@@ -46,12 +55,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("no output: pass OUT (a folder, or OUT.safetensors with --single-file)")
     if args.single_file:
         out = export_single_file(args.run_dir, out, ema=args.ema, checkpoint=args.checkpoint, half=args.half,
-                                 text_layout=args.text_layout)
+                                 text_layout=args.text_layout, card=args.card, license=args.license)
     else:
         if args.half or args.text_layout != "auto":
             raise UserError("--half and --text-layout apply to --single-file exports only")
         if out.suffix.lower() == ".safetensors":
             raise UserError(f"{out} names a file; add --single-file to write one .safetensors, or choose a folder")
-        out = export_run(args.run_dir, out, ema=args.ema, checkpoint=args.checkpoint, full_pipeline=args.full_pipeline)
+        out = export_run(args.run_dir, out, ema=args.ema, checkpoint=args.checkpoint, full_pipeline=args.full_pipeline,
+                         card=args.card, license=args.license)
     print(f"exported to {out}")
     return 0

@@ -13,23 +13,27 @@ from sdtrain.errors import UserError
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("generate", help="images from prompts")
     parser.add_argument("--model", required=True,
-                        help="a diffusers pipeline folder, a single-file .safetensors checkpoint or a diffusion run")
-    parser.add_argument("--tokenizer", type=Path, help="with a single-file --model: its CLIP tokenizer folder "
-                        "(default: NAME.tokenizer/ beside the file)")
+                        help="a diffusers pipeline folder, a single-file .safetensors checkpoint or a diffusion run; "
+                        "or a Hugging Face Hub id: org/name, org/name@REVISION, org/name/FILE.safetensors (fetched "
+                        "into the Hub cache unless cached; HF_HUB_OFFLINE=1: from the cache only)")
+    parser.add_argument("--tokenizer", help="with a single-file --model: its CLIP tokenizer folder (default: "
+                        "NAME.tokenizer/ beside the file), or a Hub id of a pipeline or tokenizer")
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     group.add_argument("--prompts", type=Path,
                        help="a file with one prompt per line, or a TSV/CSV with a caption column")
     parser.add_argument("--out", type=Path, default=Path("samples"), help="output folder")
     parser.add_argument("--steps", type=int, default=None,
-                        help="sampling steps (default: the model's own, 4 for Flux.1-schnell; else 30)")
+                        help="sampling steps (default: a run's, or an sdtrain export's, validation steps; else the "
+                        "model's own, 4 for Flux.1-schnell; else 30)")
     parser.add_argument("--guidance", type=float, default=None,
-                        help="guidance scale (default: the model's own: 3.5 for Flux.1-dev's guidance embedding, "
-                        "off for Flux.1-schnell, else classifier-free guidance at 5)")
+                        help="guidance scale (default: a run's, or an sdtrain export's, validation guidance; else the "
+                        "model's own: 3.5 for Flux.1-dev's guidance embedding, off for Flux.1-schnell, else "
+                        "classifier-free guidance at 5)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first prompt; prompt i uses seed + i")
     parser.add_argument("--size", type=int, default=None,
-                        help="image side in pixels (default: a run's training resolution, else the pipeline's "
-                        "default: Flux.1's is 1024 whatever it trained on)")
+                        help="image side in pixels (default: a run's, or an sdtrain export's, training resolution, "
+                        "else the pipeline's default: Flux.1's is 1024 whatever it trained on)")
     parser.add_argument("--scheduler", default="euler", choices=["euler", "ddim", "dpmpp"],
                         help="sampler of DDPM-schedule models; flow-matching ones (SD3, Flux.1) use their Euler")
     parser.add_argument("--negative-prompt", default=None)
@@ -44,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sdtrain.generate import generate
+    from sdtrain.generate import generate, local_model
 
     if args.prompts is not None:
         from sdtrain.evaluate.run import read_prompts
@@ -56,9 +60,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--steps: must be at least 1")
     if args.size is not None and (args.size < 8 or args.size % 8):
         raise UserError(f"--size: {args.size} is not a positive multiple of 8")
-    paths = generate(args.model, prompts, args.out, steps=args.steps, guidance=args.guidance, seed=args.seed,
+    # A Hub id is fetched (or found in the cache) once, here: generate reads the folder it becomes.
+    model, tokenizer = local_model(args.model, args.tokenizer)
+    paths = generate(model, prompts, args.out, steps=args.steps, guidance=args.guidance, seed=args.seed,
                      scheduler=args.scheduler, ema=args.ema, device=args.device,
                      negative_prompt=args.negative_prompt, loras=args.lora, lora_scale=args.lora_scale,
-                     embeddings=args.embedding, tokenizer=args.tokenizer, size=args.size)
+                     embeddings=args.embedding, tokenizer=tokenizer, size=args.size)
     print(f"wrote {len(paths) - 1} images and {paths[-1]}")
     return 0

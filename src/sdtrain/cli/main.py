@@ -18,6 +18,7 @@ from sdtrain.cli import (  # noqa: E402
     benchmark,
     data,
     demo,
+    docs,
     evaluate,
     export,
     generate,
@@ -29,12 +30,13 @@ from sdtrain.cli import (  # noqa: E402
 )
 from sdtrain.errors import UserError  # noqa: E402
 
-COMMANDS = (prepare, data, train, generate, evaluate, export, launch, benchmark, params, report, demo)
+COMMANDS = (prepare, data, train, generate, evaluate, export, launch, benchmark, params, report, demo, docs)
 
 
 def _quiet_libraries() -> None:
-    # Nothing here ever talks to the hub; saying so up front keeps libraries from trying.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # HF_HUB_OFFLINE is the user's to set, not ours: every load passes local_files_only, and the Hub is reached
+    # only to fetch a Hub id (org/name) that is not cached yet (sdtrain.models.hub); HF_HUB_OFFLINE=1 keeps even
+    # that to the cache.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     # The libraries set their own loggers' levels as they import, from these: a level set before would be undone.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

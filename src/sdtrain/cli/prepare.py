@@ -85,7 +85,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "a rerun and the last process to finish writes the manifest.")
     encode.add_argument("src", metavar="SRC", help="shard folder, glob or brace pattern")
     encode.add_argument("--model", help="a diffusers pipeline folder or sdtrain run: its VAE, and its text encoder "
-                                        "and tokenizer when it has them")
+                                        "and tokenizer when it has them; or a Hugging Face Hub id (org/name, "
+                                        "org/name@REVISION; these three options alike), of which only the VAE, text "
+                                        "encoders, tokenizers and configs are fetched, unless cached")
     encode.add_argument("--vae", help="the VAE from here instead: a component, pipeline or run folder, or a VAE file "
                                       "(ae.safetensors, sdxl_vae.safetensors), which takes the latent scaling of "
                                       "--model's VAE, else of --family's released models")
@@ -229,6 +231,7 @@ def run_encode(args: argparse.Namespace) -> int:
     from sdtrain.errors import UserError
     from sdtrain.run import resolve_device
 
+    _resolve_encode_sources(args)
     vae = args.vae or args.model
     if vae is None:
         raise UserError("prepare encode: name the VAE with --model PIPELINE_OR_RUN or --vae FOLDER")
@@ -247,6 +250,19 @@ def run_encode(args: argparse.Namespace) -> int:
         what = "latents and text embeddings" if text else "latents"
         print(f"encoded {manifest['total']} samples ({what}) in {len(manifest['shards'])} shards to {args.out}")
     return 0
+
+
+def _resolve_encode_sources(args: argparse.Namespace) -> None:
+    """--model, --vae and --text-encoder given as Hub ids become their folders (or files) in the Hugging Face cache,
+    fetched if not cached, with the weights of only the components encoding reads from each."""
+    from sdtrain.models import hub
+
+    pickles = hub.pickles_trusted()
+    text = () if args.no_text or args.text_encoder else hub.TEXT_ENCODERS
+    vae = () if args.vae else ("vae",)
+    args.model = hub.resolve(args.model, "--model", (*vae, *text), pickles)
+    args.vae = hub.resolve(args.vae, "--vae", ("vae",), pickles)
+    args.text_encoder = hub.resolve(args.text_encoder, "--text-encoder", hub.TEXT_ENCODERS, pickles)
 
 
 def _text_encoder_of(model: str | None) -> str | None:

@@ -22,6 +22,11 @@ def run(args: argparse.Namespace) -> int:
 
     # Validate before the heavy imports, so a typo is reported at once.
     config = load_config(args.config, args.overrides)
+    from sdtrain.models.hub import resolve_model
+
+    # Hub ids (org/name) become their folders in the Hugging Face cache, fetched if not cached: the run's
+    # config.yaml and checkpoints record those folders, the same commit on resume and export.
+    config = resolve_model(config)
     from sdtrain.distributed import RankFailure, destroy, detect_topology, exit_without_teardown, is_distributed
     from sdtrain.run import run_dir_lock
     from sdtrain.train.trainer import Preempted, Trainer

@@ -5,7 +5,8 @@ folder (has config.json), a diffusers pipeline folder (has model_index.json), an
 folder (its newest checkpoint, EMA weights when it kept them), or a single-file checkpoint in the
 original Stable Diffusion layout (``.safetensors``; pickles only when trusted, see
 ``sdtrain.models.single_file``). No function here downloads: every load is local, so an offline
-cluster node behaves exactly like a laptop.
+cluster node behaves exactly like a laptop. A Hugging Face Hub id (``org/name``) is resolved to its snapshot
+folder in the Hub cache before it gets here (``sdtrain.models.hub``).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def build_noise_scheduler(config: DiffusionConfig, model: ModelConfig | None = N
         settings = single_file.scheduler_config(pretrained, trust_pickle=trust_pickle)
         return DDPMScheduler.from_config({**settings, **overrides})
     if pretrained and (Path(pretrained) / "scheduler").is_dir():
-        return DDPMScheduler.from_pretrained(Path(pretrained) / "scheduler", **overrides)
+        return DDPMScheduler.from_pretrained(Path(pretrained) / "scheduler", local_files_only=True, **overrides)
     return DDPMScheduler(
         num_train_timesteps=config.num_train_timesteps,
         beta_schedule=config.beta_schedule,
@@ -312,8 +313,12 @@ def tokenizer_source(config: ModelConfig) -> str | None:
 def pin_source(source: str | Path) -> str:
     """An absolute path that keeps meaning the same weights: a run is pinned to its newest checkpoint, so a
     resumed or exported run keeps the autoencoder it trained with even after that run trains on. A single
-    file is pinned to its absolute path."""
-    path = Path(source).resolve()
+    file is pinned to its absolute path under its own name, its folder's links resolved but not its own (a
+    file in the Hugging Face cache links to a blob named by its hash). A Hub id's source is its snapshot folder
+    (``.../snapshots/<commit>``, see ``sdtrain.models.hub``): the same commit's weights, read from the cache
+    offline too."""
+    given = Path(source)
+    path = given.parent.resolve() / given.name if given.is_file() else given.resolve()
     if source_kind(path) == "run":
         newest = latest_checkpoint(path)
         if newest is None:

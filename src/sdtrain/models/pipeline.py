@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,9 +18,11 @@ from diffusers import (
 )
 from PIL import Image
 
+from sdtrain.config import RunConfig
 from sdtrain.errors import UserError
 from sdtrain.models import families
 from sdtrain.models.families.sd import SD
+from sdtrain.utils import atomic_write_text
 
 SAMPLERS = {
     "euler": EulerDiscreteScheduler,
@@ -51,10 +56,15 @@ def sampler_from(scheduler: Any, name: str) -> Any:
     return SAMPLERS[name].from_config(scheduler.config, **settings)
 
 
+DEFAULT_STEPS = 30
+"""Sampling steps where neither the caller, the model nor a run's validation settings give a count."""
+
+
 @torch.no_grad()
 def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int | None = None,
                   guidance: float | None = None, negative_prompt: str | None = None, batch: int = 1,
-                  seeds: Sequence[int] | None = None, size: int | None = None, default_steps: int = 30
+                  seeds: Sequence[int] | None = None, size: int | None = None,
+                  default_steps: int = DEFAULT_STEPS
                   ) -> list[Image.Image]:
     """One image per prompt; prompt i uses seed + i (or ``seeds[i]``), so adding prompts never changes earlier
     images. ``batch`` prompts run through the model together, each from the noise of its own seed: the same
@@ -79,3 +89,58 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
                       **arguments)
         images += result.images
     return images
+
+
+PREVIEW_STEPS = 20
+"""Sampling steps of a run's validation images when ``validation.steps`` is unset and the model has no count of its
+own; `generate` on the run (or on its export) takes the same default, other models get 30."""
+
+SAMPLING_FILE = "sdtrain_sampling.json"
+"""Beside an exported pipeline's model_index.json: the settings the run's validation images were sampled with
+(`run_sampling`), which `generate` defaults to for that folder."""
+
+
+def run_sampling(config: RunConfig) -> dict[str, Any]:
+    """What a run's validation images sample with where ``validation`` leaves it to the model, as `sample_images`
+    takes it: the image side (the training resolution: a pipeline's own default, Flux.1's 1024 px or a pretrained
+    UNet's sample_size, may differ), steps and guidance (None: the model's own), and the step count without one."""
+    val = config.validation
+    return {"size": config.data.resolution, "steps": val.steps, "guidance": val.guidance,
+            "default_steps": PREVIEW_STEPS}
+
+
+def write_sampling(folder: Path, config: RunConfig) -> Path:
+    """Record `run_sampling` in an exported pipeline `folder` (diffusers ignores the file)."""
+    path = Path(folder) / SAMPLING_FILE
+    atomic_write_text(path, json.dumps(run_sampling(config), indent=2) + "\n")
+    return path
+
+
+def read_sampling(folder: Path) -> dict[str, Any]:
+    """The settings `write_sampling` recorded in a pipeline `folder`; empty when none were (a folder from elsewhere,
+    or unreadable: the pipeline's own defaults then apply)."""
+    path = Path(folder) / SAMPLING_FILE
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(recorded, dict):
+        return {}
+    keep = {"size": int, "steps": int, "guidance": (int, float), "default_steps": int}
+    return {key: value for key, value in recorded.items()
+            if key in keep and isinstance(value, keep[key]) and not isinstance(value, bool)}
+
+
+@contextlib.contextmanager
+def exact_sampling() -> Iterator[None]:
+    """Sampling inside a training process as a fresh one (`sdtrain generate`) does: fp32 matmuls in full precision
+    (not TF32, ``train.tf32``) and cuDNN's default convolution algorithms (not the ones ``train.cudnn_benchmark``
+    timed), both restored afterwards."""
+    precision, benchmark = torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.benchmark = benchmark

@@ -26,11 +26,11 @@ from sdtrain.loaders.components import load_component
 from sdtrain.models import build, families
 from sdtrain.models.frozen import storage_bytes, store_frozen, stored_bytes
 from sdtrain.models.offload import WeightStream
-from sdtrain.models.pipeline import sample_images, sampler_from
+from sdtrain.models.pipeline import exact_sampling, run_sampling, sample_images, sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer, train_clip_tokenizer
 from sdtrain.train import autotune
 from sdtrain.train.objectives import FlowMatching, NoisePrediction
-from sdtrain.utils import save_grid
+from sdtrain.utils import save_grid, save_images
 
 log = logging.getLogger(__name__)
 
@@ -610,6 +610,8 @@ class DiffusionTask(Task):
     def text_encoder_trains(self) -> bool:
         return self.config.diffusion.train_text_encoder
 
+    _told_stored_low = False
+
     def validates(self, batch):
         return bool(self.config.validation.prompts)
 
@@ -626,16 +628,26 @@ class DiffusionTask(Task):
 
     @torch.no_grad()
     def render(self, modules: dict[str, nn.Module], out: Path, prompts: list[str], labels: list[str]) -> Path:
-        """A grid of the prompts' images from the given trained modules and this task's frozen ones."""
+        """A grid of the prompts' images from the given trained modules and this task's frozen ones at `out`
+        (RUN/samples/step_N.png), and each image beside it (step_N/000-<label>.png). They are what `sdtrain
+        generate` draws from the run or its export with the validation settings (its defaults there) and the
+        labels as prompts: the same pipeline, sampler, seeds and size, in fp32 as a fresh process samples."""
         pipe = self.pipeline(modules)
         val = self.config.validation
-        images = sample_images(pipe, prompts, seed=val.seed, steps=val.steps, guidance=val.guidance,
-                               size=self.config.data.resolution, default_steps=VALIDATION_STEPS)
+        stored_low = sorted(name for name in ("vae", *self.family.text_encoders, self.family.denoiser)
+                            if self.stored_as(name) != "fp32")
+        if stored_low and not self._told_stored_low:
+            self._told_stored_low = True
+            log.info("validation samples with the frozen %s stored in %s (model.frozen_precision), its export in "
+                     "fp32: their images can differ slightly", ", ".join(stored_low), self.frozen_precision)
+        settings = run_sampling(self.config)
+        with exact_sampling():
+            images = sample_images(pipe, prompts, seed=val.seed, steps=settings["steps"],
+                                   guidance=settings["guidance"], size=settings["size"],
+                                   default_steps=settings["default_steps"])
+        save_images(images, labels, out.with_suffix(""))
         return save_grid(images, out, rows=max(1, len(prompts) // 4), labels=labels)
 
-
-VALIDATION_STEPS = 20
-"""Sampling steps of the validation grid when ``validation.steps`` is unset and the model has no count of its own."""
 
 TASKS: dict[str, type[Task]] = {"autoencoder": AutoencoderTask, "diffusion": DiffusionTask}
 
