@@ -103,6 +103,16 @@ def test_mirrored_images_match_reversed_captions(rendered) -> None:
     assert score_images(mirrored, reversed_captions)["two_shape_accuracy"] >= 0.9
 
 
+def test_a_pair_on_swapped_sides_is_drawn_whole_but_not_in_order(rendered) -> None:
+    """pairs_drawn_accuracy leaves the sides aside: a mirrored image still shows both shapes of its caption."""
+    doubles = [(image, caption, meta) for image, caption, meta in rendered if len(meta["shapes"]) == 2
+               and meta["shapes"][0] != meta["shapes"][1]]
+    mirrored = [image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) for image, _, _ in doubles]
+    captions = [_caption([(s["colour"], s["kind"]) for s in meta["shapes"]]) for _, _, meta in doubles]
+    scores = score_images(mirrored, captions)
+    assert scores["pairs_drawn_accuracy"] >= 0.9 and scores["two_shape_accuracy"] <= 0.1
+
+
 @pytest.mark.parametrize("noise", [0.0, 12.0])
 def test_blank_image_fails_count(noise: float) -> None:
     pixels = np.full((64, 64, 3), 235.0) + np.random.default_rng(0).normal(0.0, noise, (64, 64, 3))

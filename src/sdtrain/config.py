@@ -717,7 +717,7 @@ class EvaluationConfig:
             _check(self.val_shards is not None or "val_loss" not in self.metrics, "evaluation.val_shards",
                    "required for val_loss: the held-out shards (MLPerf's Flux.1: the COCO-2014 subset, encoded)")
         known = {"fid", "clip", "val_loss"} | {f"adherence_{k}" for k in (
-            "colour_accuracy", "shape_accuracy", "two_shape_accuracy", "pairs_sides_accuracy",
+            "colour_accuracy", "shape_accuracy", "two_shape_accuracy", "pairs_drawn_accuracy", "pairs_sides_accuracy",
             "pairs_sides_reversed_accuracy", "pairs_plain_accuracy", "count_accuracy", "overall")}
         _check(set(self.target) <= known, "evaluation.target", f"keys must be among {', '.join(sorted(known))}")
 

@@ -242,7 +242,8 @@ def score_image(image: Image.Image | np.ndarray, prompt: str) -> dict:
     Returns ``expected`` and ``detected`` (lists of ``(colour, kind)`` left to right), ``phrasing`` (a pair's, see
     :func:`phrasing_of`) and booleans:
     ``count_ok`` (as many shapes as the prompt names), ``colour_ok`` / ``shape_ok`` (count right and every
-    shape's colour / kind right, position by position) and ``all_ok`` (both). ``ValueError`` if the prompt
+    shape's colour / kind right, position by position), ``all_ok`` (both) and ``drawn_ok`` (count right and the
+    same shapes, in any order: a pair drawn whole, whichever side each is on). ``ValueError`` if the prompt
     is not a shapes prompt (:func:`parse_prompt`).
     """
     expected, phrasing = _parse(prompt)
@@ -259,6 +260,7 @@ def score_image(image: Image.Image | np.ndarray, prompt: str) -> dict:
         "colour_ok": colour_ok,
         "shape_ok": shape_ok,
         "all_ok": colour_ok and shape_ok,
+        "drawn_ok": count_ok and sorted(detected) == sorted(expected),
     }
 
 
@@ -274,6 +276,8 @@ def score_images(images: Sequence[Image.Image | np.ndarray], prompts: Sequence[s
     - ``shape_accuracy``: the same for the kind;
     - ``two_shape_accuracy``: fraction of two-shape prompts whose image shows exactly two shapes with both
       colours and kinds right, in the prompt's left-to-right order;
+    - ``pairs_drawn_accuracy``: fraction of two-shape prompts whose image shows exactly their two shapes, in either
+      order (which side each lands on left aside);
     - ``count_accuracy``: fraction of all prompts whose image shows as many shapes as named;
     - ``overall``: fraction of all prompts fully right (``all_ok``);
     - ``pairs_<phrasing>_accuracy``: ``two_shape_accuracy`` over the pairs of each of
@@ -293,6 +297,7 @@ def score_images(images: Sequence[Image.Image | np.ndarray], prompts: Sequence[s
         "shape_accuracy": _mean([r["shape_ok"] for r in singles]),
         "two_shape_accuracy": _mean([r["all_ok"] for r in doubles]),
         **by_phrasing,
+        "pairs_drawn_accuracy": _mean([r["drawn_ok"] for r in doubles]),
         "count_accuracy": _mean([r["count_ok"] for r in results]),
         "overall": _mean([r["all_ok"] for r in results]),
         "num_single": len(singles),
