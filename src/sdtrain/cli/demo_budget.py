@@ -23,6 +23,9 @@ LEAST_STEPS = 20
 STARTUP_S = 8.0
 """What each of the demo's commands costs before its first step (imports, building models), measured on the demo."""
 COMMANDS = 7
+IN_RUN = 1.12
+"""How much longer a step takes in the run than when timed alone (its checkpoints, previews and loader's epochs):
+the demo's diffusion stage, timed at 0.382 s a step, trained at about 0.43."""
 SAMPLING_COST = 1.0
 """Seconds of one sampling step of one image, as a fraction of one training step's seconds per image: a forward
 pass with and without the caption (classifier-free guidance) against a forward and a backward of one."""
@@ -78,6 +81,7 @@ def plan_steps(args: argparse.Namespace, deadline: float, data: Path, runs: tupl
     with tempfile.TemporaryDirectory(prefix="sdtrain-demo-vae-") as scratch:
         vae = _demo_vae(ae_config, autoencoder_overrides, Path(scratch) / "vae")
         sd_s, batch = _timed_step(sd_config, [f"model.vae={vae}"], encoded=True)
+    ae_s, sd_s = IN_RUN * ae_s, IN_RUN * sd_s
     # What the demo draws besides training, each image costing `sample_steps` sampling steps.
     image_s = args.sample_steps * SAMPLING_COST * sd_s / batch
     evaluation = OmegaConf.select(sd_settings, "evaluation", default={}) or {}
