@@ -47,12 +47,10 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
     kind = source_kind(source)
     if kind == "single_file":
         # Stable Diffusion's components, or a Flux.1 transformer in BFL's layout (the file says which).
-        module = single_file.load_single_file_component(name, source, trust_pickle=trust_pickle,
-                                                        family=family.name if family else None,
-                                                        frozen_precision=frozen_precision, weights=weights)
-        if name == "vae" and not single_file.states_latent_constants(source, trust_pickle):
-            module.register_to_config(**_served_latent_constants(source, served))
-        return module
+        return single_file.load_single_file_component(
+            name, source, trust_pickle=trust_pickle, family=family.name if family else None,
+            frozen_precision=frozen_precision, weights=weights,
+            latent_constants=lambda: _served_latent_constants(source, served))
     if not weights:
         if kind in ("component", "pipeline"):
             folder = Path(source) / name if kind == "pipeline" else Path(source)

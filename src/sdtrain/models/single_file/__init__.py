@@ -95,7 +95,6 @@ from sdtrain.models.single_file.load import (
     load_flux_transformer,
     load_single_file_component,
     load_single_file_pipeline,
-    states_latent_constants,
 )
 from sdtrain.models.single_file.read import (
     CLIP_PREFIX,
@@ -157,7 +156,6 @@ __all__ = [
     "load_single_file_component",
     "original_unet_path",
     "load_single_file_pipeline", "looks_like_single_file", "model_family", "prediction_type", "save_single_file",
-    "scheduler_config", "single_file_metadata",
-    "states_latent_constants", "tensor_names", "text_encoder_layout", "to_original_state_dict",
+    "scheduler_config", "single_file_metadata", "tensor_names", "text_encoder_layout", "to_original_state_dict",
     "tokenizer_folder", "tokenizer_for", "trust_pickle_from_env", "written_by_sdtrain",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +45,16 @@ def _missing_parameters(module: torch.nn.Module) -> list[str]:
 
 
 def load_single_file_component(name: str, path: str | Path, trust_pickle: bool | None = None,
-                               family: str | None = None, frozen_precision: str = "fp32", weights: bool = True) -> Any:
+                               family: str | None = None, frozen_precision: str = "fp32", weights: bool = True,
+                               latent_constants: Callable[[], dict[str, float | None]] | None = None) -> Any:
     """Component `name` ('unet', 'vae', 'text_encoder', or SDXL's 'text_encoder_2') of a single file, in fp32,
     through diffusers' single-file loaders with a local config folder; never a download. A Flux.1 transformer
     in BFL's layout is the 'transformer' (see `load_flux_transformer`). `family` (the model's ``model.family``,
     when known) must agree with the file's. `frozen_precision` and `weights` (see `load_flux_transformer`) apply to
-    a Flux.1 transformer; other components load whole in fp32 (moved to the meta device without `weights`)."""
+    a Flux.1 transformer; other components load whole in fp32 (moved to the meta device without `weights`).
+
+    A VAE file that does not say how its latents are normalised (`_states_latent_constants`) takes the scaling and
+    shift `latent_constants()` gives (the model it serves says them); without it, the ones SD's layout implies."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from diffusers.loaders.single_file_utils import SingleFileComponentError, create_diffusers_clip_model_from_ldm
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
@@ -65,7 +70,8 @@ def load_single_file_component(name: str, path: str | Path, trust_pickle: bool |
                             "writes)")
         return load_flux_transformer(file, frozen_precision=frozen_precision, weights=weights)
     if not weights:
-        return load_single_file_component(name, path, trust_pickle, family).to("meta")
+        return load_single_file_component(name, path, trust_pickle, family,
+                                          latent_constants=latent_constants).to("meta")
     if sd3.is_sd3(file.shapes):
         if family not in (None, sd3.FAMILY):
             raise UserError(f"{path}: an SD3 checkpoint, but the model is of family {family}; set model.family=sd3, "
@@ -119,18 +125,17 @@ def load_single_file_component(name: str, path: str | Path, trust_pickle: bool |
         raise UserError(f"{path}: the {name} lacks {len(missing)} weights (e.g. {missing[0]}); the file is "
                         "incomplete or in a layout diffusers does not read")
     _warn_unused(name, module, keys, info, path)
+    if name == "vae" and latent_constants is not None and not _states_latent_constants(file, info):
+        module.register_to_config(**latent_constants())
     return module
 
 
-def states_latent_constants(path: str | Path, trust_pickle: bool | None = None) -> bool:
-    """Whether a single file says how its VAE's latents are normalised (scaling and shift): in its metadata
-    (``vae_config``, as sdtrain writes it), or by holding the model the VAE serves (an SD, SDXL or SD3 checkpoint,
-    whose keys tell the family). A VAE file as released (Flux's ae.safetensors, sdxl_vae.safetensors, SD3's VAE)
-    says nothing: its constants are those of the model it is used with."""
-    file = _open(path, trust_pickle)
-    if sd3.is_sd3(file.shapes):
-        return True
-    if set(_info(file).prefixes) - {"vae"}:
+def _states_latent_constants(file: _File, info: SingleFileInfo) -> bool:
+    """Whether a single file (not SD3's, whose reader knows its constants) says how its VAE's latents are normalised:
+    in its metadata (``vae_config``, as sdtrain writes it), or by holding the model the VAE serves (an SD or SDXL
+    checkpoint, whose keys tell the family). A VAE file as released (Flux's ae.safetensors, sdxl_vae.safetensors,
+    SD3's VAE) says nothing: its constants are those of the model it is used with."""
+    if set(info.prefixes) - {"vae"}:
         return True
     return "scaling_factor" in _metadata_json(file, file.metadata, "vae_config")
 
