@@ -27,11 +27,11 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,8 +59,10 @@ class Case:
     encoded: bool = False
     steps: int = 10
     warmup: int = 3
-    timeout: int = 90
-    flags: list[str] = field(default_factory=list)
+    timeout: int = 150
+    # A full-size model's checkpoint (weights, EMA, AdamW state: 14 GB for SD2) takes longer to write than the
+    # steps take to time, and says nothing of the GPU.
+    flags: list[str] = field(default_factory=lambda: ["--no-save", "--peak-seconds", "0.5"])
 
 
 def _flux_depth(memory_gib: float) -> tuple[int, int]:
@@ -93,15 +95,15 @@ def cuda_cases(memory_gib: float) -> list[Case]:
              "mlperf-flux1-schnell-256.yaml",
              ["parallel.strategy=ddp", "data.batch_size=16", f"model.transformer_overrides={{num_layers: {double}, "
               f"num_single_layers: {single}}}", SHALLOW_T5, "train.gradient_checkpointing=auto"],
-             encoded=True, timeout=100),
+             encoded=True),
         Case("flux-dev-lora-bf16", "Flux.1-dev LoRA rank 16, 1024 px, batch 1, bf16 base, encoded", "flux-lora.yaml",
-             [*flux_lora, "model.frozen_precision=bf16"], encoded=True, steps=5, warmup=2, timeout=110),
+             [*flux_lora, "model.frozen_precision=bf16"], encoded=True, steps=5, warmup=2),
         Case("flux-dev-lora-fp8", "the same over an fp8 base", "flux-lora.yaml",
-             [*flux_lora, "model.frozen_precision=fp8"], encoded=True, steps=5, warmup=2, timeout=110),
+             [*flux_lora, "model.frozen_precision=fp8"], encoded=True, steps=5, warmup=2),
         Case("sdxl-lora-1024", "SDXL LoRA, 1024 px, batch 1, bf16, encoded", "sdxl-lora.yaml",
              ["model.pretrained=null", "model.family=sdxl", "model.preset=sdxl", "data.resolution=1024",
               "data.aspect_buckets=false", "data.batch_size=1", "train.mixed_precision=bf16",
-              "model.tokenizer_vocab_size=49408"], encoded=True, steps=5, warmup=2, timeout=80),
+              "model.tokenizer_vocab_size=49408"], encoded=True, steps=5, warmup=2),
         Case("sd2-512-online-tuned", "sd2-512-online with cuDNN autotuning and TF32 (train.cudnn_benchmark, "
              "train.tf32): kept as defaults only where they pay", "sd2-256.yaml",
              [*sd2, "train.cudnn_benchmark=true", "train.tf32=true"]),
@@ -113,7 +115,7 @@ def dry_cases() -> list[Case]:
     whose CUDA switches do nothing on a CPU)."""
     tiny = ["model.preset=tiny", "data.resolution=32", "data.batch_size=2", "data.num_workers=0",
             "train.mixed_precision=fp32", "train.gradient_checkpointing=false", "model.tokenizer_vocab_size=1024"]
-    small = {"steps": 1, "warmup": 0, "timeout": 120, "flags": ["--peak-seconds", "0.1"]}
+    small = {"steps": 1, "warmup": 0, "timeout": 120, "flags": ["--no-save", "--peak-seconds", "0.1"]}
     cases = []
     for case in cuda_cases(80):
         if case.name.endswith("-tuned"):
@@ -200,39 +202,81 @@ def matmul_peak_tflops(cuda: bool) -> float:
 
 
 def _env() -> dict[str, str]:
-    """The children import sdtrain from this tree, installed or not."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT),
-                                                                    os.environ.get("PYTHONPATH")]))}
+    """The children import sdtrain from this tree, installed or not; they write their output as it comes, and
+    dump every thread's Python stack on SIGABRT, so a case stopped at its time limit says where it was."""
+    paths = [str(ROOT / "src"), str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, paths))}
 
 
-def run_tests(out: Path, timeout: int) -> dict[str, Any]:
-    report = out / "cuda-tests.xml"
-    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider",
-               f"--junitxml={report}", "tests/test_cuda.py"]
+def _run_logged(command: list[str], log: Path, timeout: float,
+                env: dict[str, str] | None = None) -> tuple[int | None, str]:
+    """Run `command` with its output going to `log`; past `timeout` seconds, stop it with SIGABRT (its stacks are
+    dumped first), then kill it. The exit status (None when stopped) and the output's last 60 lines."""
+    with log.open("w") as sink:
+        child = subprocess.Popen(command, cwd=ROOT, env={**_env(), **(env or {})}, stdout=sink,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            status: int | None = child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            status = None
+            os.killpg(child.pid, signal.SIGABRT)
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+    # faulthandler ends its dump with a list of every extension module: one line of thousands of characters.
+    lines = [line for line in log.read_text(errors="replace").strip().splitlines()
+             if not line.startswith("Extension modules:")]
+    return status, "\n".join(lines[-60:])
+
+
+def pytest_runtest_logreport(report: Any) -> None:
+    """pytest's hook, when the CUDA tests load this module as a plugin (-p gpu_check): each test's outcome is
+    appended to the file GPU_CHECK_REPORTS names the moment it is known, so the tests finished before a time limit
+    stopped the run keep their outcome and failure text."""
+    path = os.environ.get("GPU_CHECK_REPORTS")
+    if path and (report.failed or report.skipped or report.when == "call"):
+        entry = {"test": report.nodeid.split("::")[-1], "when": report.when, "outcome": report.outcome,
+                 "message": (report.longreprtext or "")[-3000:]}
+        with open(path, "a") as sink:
+            sink.write(json.dumps(entry) + "\n")
+
+
+def run_tests(out: Path, timeout: int, select: str | None = None) -> dict[str, Any]:
+    reports = out / "cuda-tests.jsonl"
+    reports.unlink(missing_ok=True)
+    # Each test gets a limit of its own (pytest-timeout, where installed): one that hangs is reported with its
+    # stack and the rest still run.
+    per_test = ["--timeout", "120"] if importlib.util.find_spec("pytest_timeout") else []
+    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider", "-p", "gpu_check",
+               *per_test, *(["-k", select] if select else []), "tests/test_cuda.py"]
     start = time.perf_counter()
-    try:
-        done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-        tail = (done.stdout + done.stderr)[-4000:]
-    except subprocess.TimeoutExpired as exc:
-        tail = f"timed out after {timeout} s\n{(exc.stdout or b'')[-2000:]!r}"
+    status, tail = _run_logged(command, out / "cuda-tests.log", timeout,
+                               {"GPU_CHECK_REPORTS": str(reports), "NCCL_DEBUG": "WARN"})
     result: dict[str, Any] = {"seconds": round(time.perf_counter() - start, 1), "passed": 0, "failed": 0,
                               "skipped": 0, "failures": [], "skip_reasons": []}
-    if not report.is_file():
-        result["error"] = tail
-        return result
-    for case in ElementTree.parse(report).getroot().iter("testcase"):
-        name = case.get("name")
-        if case.find("failure") is not None or case.find("error") is not None:
-            found = case.find("failure") if case.find("failure") is not None else case.find("error")
+    outcomes: dict[str, dict[str, str]] = {}
+    for line in reports.read_text().splitlines() if reports.is_file() else []:
+        entry = json.loads(line)
+        if outcomes.get(entry["test"], {}).get("outcome") != "failed":  # a failure in any phase is the test's
+            outcomes[entry["test"]] = entry
+    for name, entry in outcomes.items():
+        if entry["outcome"] == "failed":
             result["failed"] += 1
-            result["failures"].append({"test": name, "message": (found.get("message") or "")[:500]})
-        elif case.find("skipped") is not None:
+            result["failures"].append({"test": name, "message": entry["message"]})
+        elif entry["outcome"] == "skipped":
             result["skipped"] += 1
-            reason = case.find("skipped").get("message") or ""
+            reason = entry["message"].rsplit("Skipped: ", 1)[-1].strip(" ')\n")
             if reason not in result["skip_reasons"]:
                 result["skip_reasons"].append(reason)
         else:
             result["passed"] += 1
+    if status is None:
+        result["error"] = f"stopped at its limit of {timeout} s, {len(outcomes)} tests done:\n{tail}"
+    elif status not in (0, 1, 5):  # 1: some failed; 5: none selected
+        result["error"] = f"pytest exit {status}:\n{tail}"
     return result
 
 
@@ -247,12 +291,10 @@ def run_case(case: Case, scratch: Path, seconds_left: float) -> dict[str, Any]:
     if timeout < 10:
         return {**record, "ok": False, "seconds": 0, "error": "not run: the time budget (--budget) was spent"}
     start = time.perf_counter()
-    try:
-        done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-        failure = None if done.returncode == 0 and out.is_file() else \
-            "\n".join((done.stdout + done.stderr).strip().splitlines()[-12:])
-    except subprocess.TimeoutExpired:
-        failure = f"timed out after {timeout} s"
+    status, tail = _run_logged(command, scratch / f"{case.name}.log", timeout)
+    failure = None if status == 0 and out.is_file() else \
+        (f"timed out after {timeout} s" if status is None else f"exit {status}: {tail.splitlines()[-1:]}")
+    record["log_tail"] = tail
     record["seconds"] = round(time.perf_counter() - start, 1)
     if failure is not None:
         return {**record, "ok": False, "error": failure}
@@ -295,7 +337,7 @@ def _commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
-def check(out: Path, only: list[str], skip_tests: bool, budget: float) -> dict[str, Any]:
+def check(out: Path, only: list[str], skip_tests: bool, budget: float, tests: str | None = None) -> dict[str, Any]:
     import torch
 
     deadline = time.perf_counter() + budget
@@ -310,7 +352,7 @@ def check(out: Path, only: list[str], skip_tests: bool, budget: float) -> dict[s
         "installed_from_wheels": installed, "matmul_peak_tflops": matmul_peak_tflops(cuda)}
     print(f"{facts['device']}: bf16 matmul {results['matmul_peak_tflops']:.1f} TFLOP/s", flush=True)
     results["tests"] = {"passed": 0, "failed": 0, "skipped": 0, "failures": [], "seconds": 0} if skip_tests else \
-        run_tests(out, timeout=int(min(200 if cuda else 120, budget / 2)))
+        run_tests(out, timeout=int(min(240 if cuda else 120, budget / 2)), select=tests)
     print(f"cuda tests: {results['tests']['passed']} passed, {results['tests']['failed']} failed, "
           f"{results['tests']['skipped']} skipped", flush=True)
     cases = cuda_cases(facts["memory_gib"]) if cuda else dry_cases()
@@ -334,14 +376,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu-check")
     parser.add_argument("--only", action="append", default=[], metavar="CASE", help="run only this benchmark case")
     parser.add_argument("--skip-tests", action="store_true", help="benchmarks only")
-    parser.add_argument("--budget", type=float, default=460,
-                        help="seconds for the whole check (default 460: 8 minutes with the start); the CUDA tests "
-                             "get at most 200 of them, and benchmark cases that would start later are not run")
+    parser.add_argument("--tests", metavar="EXPR", help="run only the CUDA tests pytest's -k EXPR selects")
+    parser.add_argument("--budget", type=float, default=540,
+                        help="seconds for the whole check (default 540: under 10 minutes with a machine's start); the "
+                             "CUDA tests get at most 240 of them, and benchmark cases that would start later are not "
+                             "run")
     args = parser.parse_args(argv)
     if args.what == "wheels":
         return download_wheels()
     start = time.perf_counter()
-    results = check(args.out, args.only, args.skip_tests, args.budget)
+    results = check(args.out, args.only, args.skip_tests, args.budget, args.tests)
     print(f"\n{table(results)}\n\n{time.perf_counter() - start:.0f} s in all; {args.out / 'results.json'}")
     failed = results["tests"]["failed"] or not all(case["ok"] for case in results["benchmarks"])
     return 1 if failed else 0

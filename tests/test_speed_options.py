@@ -35,9 +35,10 @@ def _train(model: nn.Module, config: OptimConfig, steps: int = 5, eager: bool = 
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing moved
         assert all("exp_avg" in optimizer.state[p] for p in model.parameters())
     generator = torch.Generator().manual_seed(1)
+    device = next(model.parameters()).device
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        model(torch.randn(4, 8, generator=generator)).pow(2).mean().backward()
+        model(torch.randn(4, 8, generator=generator).to(device)).pow(2).mean().backward()
         optimizer.step()
     return [p.detach().clone() for p in model.parameters()]
 

@@ -231,11 +231,11 @@ class Benchmark(Trainer):
 
 
 def run_benchmark(config: RunConfig, steps: int, warmup: int, encoded: bool = False,
-                  peak_seconds: float = 2.0) -> dict[str, Any] | None:
+                  peak_seconds: float = 2.0, save: bool = True) -> dict[str, Any] | None:
     """Time the config's training step in this process (and its torchrun peers); the main rank's result."""
     benchmark = Benchmark(config, encoded)
     try:
-        result = benchmark.measure(steps, warmup, peak_seconds)
+        result = benchmark.measure(steps, warmup, peak_seconds, save=save)
     finally:
         benchmark.data.close()
         benchmark.memory.stop()

@@ -36,6 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                             "(repeat the flag), e.g. --sweep data.batch_size=1,2,4 --sweep ema.enabled=true,false")
     train.add_argument("--peak-seconds", type=float, default=2.0,
                        help="time spent measuring this machine's peak GFLOP/s for MFU, before and after (default 2)")
+    train.add_argument("--no-save", dest="save", action="store_false",
+                       help="skip timing a checkpoint save (for a full-size model it writes weights, EMA and "
+                            "optimizer state: many GB)")
     train.add_argument("--out", type=Path, help="also write the result as JSON here")
     train.set_defaults(run=run)
 
@@ -92,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, benchmark.benchmark_overrides(args.config, args.overrides, run_dir))
     config = resolve_model(config)
     try:
-        result = benchmark.run_benchmark(config, args.steps, args.warmup, args.encoded, args.peak_seconds)
+        result = benchmark.run_benchmark(config, args.steps, args.warmup, args.encoded, args.peak_seconds,
+                                         args.save)
     except BaseException:
         destroy()
         raise
