@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from sdtrain.errors import UserError, first_line
-from sdtrain.loaders.pipelines import pipeline_from_file, pipeline_from_run, run_config
+from sdtrain.loaders.pipelines import load_single_file_pipeline, pipeline_from_file, pipeline_from_run, run_config
 from sdtrain.models import build, families, hub
 from sdtrain.models.pipeline import DEFAULT_STEPS, read_sampling, run_sampling, sample_images, sampler_from
-from sdtrain.models.single_file import TRUST_PICKLE_ENV, load_single_file_pipeline, trust_pickle_from_env
+from sdtrain.models.single_file import TRUST_PICKLE_ENV, trust_pickle_from_env
 from sdtrain.run import resolve_device
 from sdtrain.utils import make_grid, save_image_atomic, save_images
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 # Commands import what they run inside their functions: `sdtrain --help` and a mistyped argument answer
 # without loading torch, diffusers or the data stack.
 import argparse
+import functools
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -55,13 +57,9 @@ def _steps_overrides(steps: int) -> list[str]:
     return [f"train.max_steps={steps}", f"optim.warmup_steps={min(50, steps // 10)}"]
 
 
-def _step(title: str, argv: list[str]) -> None:
-    # The demo is a script of the whole CLI, and the CLI lists the demo among its commands: main is
-    # looked up when a step runs (pyproject.toml's [tool.importlinter] ignores this import by name).
-    from sdtrain.cli.main import main
-
+def _step(cli: Callable[[list[str]], int], title: str, argv: list[str]) -> None:
     print(f"\n== {title}\n$ sdtrain {' '.join(argv)}", flush=True)
-    code = main(argv)
+    code = cli(argv)
     if code:
         raise SystemExit(code)
 
@@ -73,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     data, ae_run, sd_run = out / "data", out / "autoencoder", out / "diffusion"
     latents, pipeline, samples = out / "latents", out / "pipeline", out / "samples"
+    step = functools.partial(_step, args.cli)
     # Three of four images show a pair: single shapes are learned long before pairs are, in any phrasing.
-    _step("1/8 write the shapes dataset", ["prepare", "shapes", "--out", str(data), "--num", str(args.num),
+    step("1/8 write the shapes dataset", ["prepare", "shapes", "--out", str(data), "--num", str(args.num),
                                            "--two-shape-fraction", "0.75"])
     ae = ["train", str(config_path("autoencoder.yaml")), f"run_dir={ae_run}", f"data.shards={data}",
           f"model.family={args.family}"]
@@ -87,10 +86,10 @@ def run(args: argparse.Namespace) -> int:
                              (config_path("autoencoder.yaml"), sd_config), [f"model.family={args.family}"])
     if args.autoencoder_steps or "autoencoder" in planned:
         ae += _steps_overrides(args.autoencoder_steps or planned["autoencoder"])
-    _step("2/8 train the autoencoder", ae)
+    step("2/8 train the autoencoder", ae)
     # Encoding once instead of every step: the diffusion stage's images are centre crops without flips,
     # so the latents are exactly what it would compute. The text encoder trains, so no text embeddings.
-    _step("3/8 encode the dataset with the autoencoder",
+    step("3/8 encode the dataset with the autoencoder",
           ["prepare", "encode", str(data), "--model", str(ae_run), "--out", str(latents), "--resolution", RESOLUTION,
            "--dtype", "float32", "--no-text"])
     sd = ["train", str(sd_config), f"run_dir={sd_run}", f"data.shards={latents}", f"model.vae={ae_run}"]
@@ -98,27 +97,27 @@ def run(args: argparse.Namespace) -> int:
         sd += _steps_overrides(args.diffusion_steps or planned["diffusion"])
     if args.sample_steps != SAMPLE_STEPS:
         sd += [f"validation.steps={args.sample_steps}", f"evaluation.steps={args.sample_steps}"]
-    _step("4/8 train the text encoders and the transformer" if args.family == "flux" else
+    step("4/8 train the text encoders and the transformer" if args.family == "flux" else
           "4/8 train the text encoder and UNet", sd)
-    _step("5/8 export a diffusers pipeline", ["export", str(sd_run), "--out", str(pipeline)])
+    step("5/8 export a diffusers pipeline", ["export", str(sd_run), "--out", str(pipeline)])
     prompts = out / "prompts.txt"
     prompts.write_text("\n".join(caption_prompts()) + "\n")
     # Guidance 7 rather than 4: scored on one demo model, single shapes went from 93% to 98% right in
     # colour and 87% to 98% in kind, and pairs from 22% to 28%; 2.5 was worse on all three.
-    _step("6/8 generate from the prompts",
+    step("6/8 generate from the prompts",
           ["generate", "--model", str(pipeline), "--prompts", str(prompts), "--out", str(samples),
            "--steps", str(args.sample_steps), "--guidance", str(GUIDANCE), "--seed", "0", "--size", RESOLUTION])
     grid = out / "samples.png"
     (samples / "grid.png").replace(grid)
     # The same sampler settings as the grid: the score says how often those images show their prompt.
     adherence = out / "adherence.json"
-    _step("7/8 score prompt adherence (colour, shape, both shapes of a pair)",
+    step("7/8 score prompt adherence (colour, shape, both shapes of a pair)",
           ["evaluate", str(pipeline), "--metrics", "adherence", "--num", str(args.adherence_prompts),
            "--pairs", str(min(args.adherence_pairs, args.adherence_prompts)),
            "--steps", str(args.sample_steps), "--guidance", str(GUIDANCE), "--scheduler", "euler", "--batch", "18",
            "--size", RESOLUTION,
            "--out", str(adherence)])
-    _step("8/8 write the diffusion run's report", ["report", str(sd_run)])
+    step("8/8 write the diffusion run's report", ["report", str(sd_run)])
     minutes = (time.perf_counter() - started) / 60
     print(f"\ndemo finished in {minutes:.1f} min")
     print(f"  samples grid:       {grid}")

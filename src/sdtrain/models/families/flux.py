@@ -26,6 +26,7 @@ from transformers import CLIPTextModel, T5Config, T5EncoderModel
 from sdtrain.models.families.sd import _TINY_VAE, _text_blocks, _vae_blocks, clip_text_config
 from sdtrain.models.families.spec import ModelFamily, construct
 from sdtrain.models.single_file import flux as original_layout
+from sdtrain.models.single_file.read import original_prefix
 
 # Flux.1's autoencoder: SD's shape with 16 latent channels, no quant convs, its latents centred and scaled.
 _FLUX_VAE = dict(
@@ -88,7 +89,7 @@ def _guidance_embedding(source: str | Path) -> bool | None:
                 keys = list(file.keys())
         except (OSError, SafetensorError):
             return None  # the loader reports what is wrong with the file
-        prefix = original_layout.original_prefix(keys)
+        prefix = original_prefix(keys)
         return None if prefix is None else f"{prefix}guidance_in.in_layer.weight" in keys
     for config in (path / "transformer" / "config.json", path / "config.json"):
         if config.is_file():
@@ -223,7 +224,7 @@ class Flux(ModelFamily):
 
     def file_scheduler(self, keys: list[str]) -> dict[str, Any] | None:
         # dev's guidance embedding (guidance_in) marks the guidance-distilled model, sampled with the dynamic shift.
-        prefix = original_layout.original_prefix(keys) or ""
+        prefix = original_prefix(keys) or ""
         dev = any(key.startswith(f"{prefix}guidance_in.") for key in keys)
         return dict(_DEV_SCHEDULER if dev else _SCHNELL_SCHEDULER)
 

@@ -94,7 +94,6 @@ from __future__ import annotations
 from sdtrain.models.single_file.load import (
     load_flux_transformer,
     load_single_file_component,
-    load_single_file_pipeline,
 )
 from sdtrain.models.single_file.read import (
     CLIP_PREFIX,
@@ -155,7 +154,7 @@ __all__ = [
     "config_folder", "family_of", "inspect_single_file", "is_single_file", "load_flux_transformer",
     "load_single_file_component",
     "original_unet_path",
-    "load_single_file_pipeline", "looks_like_single_file", "model_family", "prediction_type", "save_single_file",
+    "looks_like_single_file", "model_family", "prediction_type", "save_single_file",
     "scheduler_config", "single_file_metadata", "tensor_names", "text_encoder_layout", "to_original_state_dict",
     "tokenizer_folder", "tokenizer_for", "trust_pickle_from_env", "written_by_sdtrain",
 ]

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from sdtrain.errors import UserError
+from sdtrain.models.single_file.read import FLUX_PREFIXES as _PREFIXES
 from sdtrain.models.single_file.read import FORMAT_KEY, FORMAT_VERSION
 from sdtrain.models.single_file.write import write_tensors
 
@@ -40,7 +41,6 @@ SHAPE_KEYS = frozenset({"in_channels", "out_channels", "num_layers", "num_single
 # diffusers' FluxTransformer2DModel builds every MLP (double blocks' and single blocks' proj_mlp) 4 times as wide.
 _MLP_RATIO = 4
 # Full checkpoints (ComfyUI's, A1111's) hold the transformer under one of these.
-_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 # Its rows are (scale, shift) in diffusers, (shift, scale) originally.
 _SWAPPED = "final_layer.adaLN_modulation.1"
 _KOHYA_PREFIX = "lora_unet_"
@@ -117,16 +117,6 @@ def _swap_halves(tensor: torch.Tensor) -> torch.Tensor:
     """(scale, shift) <-> (shift, scale) along the rows: its own inverse."""
     first, second = tensor.chunk(2, dim=0)
     return torch.cat([second, first], dim=0)
-
-
-def original_prefix(keys: Iterable[str]) -> str | None:
-    """The prefix of a Flux.1 transformer's keys in BFL's layout ('' in BFL's own files, ComfyUI's
-    ``model.diffusion_model.`` in a whole checkpoint), or None when the keys hold none."""
-    keys = list(keys)
-    for prefix in ("", *_PREFIXES):
-        if any(k.startswith((f"{prefix}double_blocks.", f"{prefix}single_blocks.")) for k in keys):
-            return prefix
-    return None
 
 
 def _strip_prefix(state: Mapping[str, Any]) -> dict[str, Any]:

@@ -23,9 +23,7 @@ from sdtrain.models.single_file.read import (
     _open,
     _past_layers,
     config_folder,
-    inspect_single_file,
-    scheduler_config,
-    tokenizer_for,
+    original_prefix,
 )
 from sdtrain.models.single_file.write import _module_config, _to_original
 
@@ -60,7 +58,7 @@ def load_single_file_component(name: str, path: str | Path, trust_pickle: bool |
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     file = _open(path, trust_pickle)
-    if flux.original_prefix(file.shapes) is not None:
+    if original_prefix(file.shapes) is not None:
         if family not in (None, flux.FAMILY):
             raise UserError(f"{path}: a Flux.1 transformer, but the model is of family {family}; set "
                             "model.family=flux, or point the source at a file of that family")
@@ -154,7 +152,7 @@ def load_flux_transformer(path_or_file: str | Path | _File, trust_pickle: bool |
     from diffusers import FluxTransformer2DModel
 
     file = path_or_file if isinstance(path_or_file, _File) else _open(path_or_file, trust_pickle)
-    prefix = flux.original_prefix(file.shapes)
+    prefix = original_prefix(file.shapes)
     if prefix is None:
         raise UserError(f"{file.path}: holds no Flux.1 transformer in BFL's layout (double_blocks.*, single_blocks.*); "
                         "point model.transformer at one")
@@ -221,32 +219,3 @@ def _warn_unused(name: str, module: Any, keys: list[str], info: SingleFileInfo, 
                     and not ignorable.search(k))
     if unused:
         log.warning("%s: %d tensors of the %s were not used (e.g. %s)", path, len(unused), name, unused[0])
-
-
-def load_single_file_pipeline(path: str | Path, tokenizer: str | Path | None = None,
-                              trust_pickle: bool | None = None, tokenizer_2: str | Path | None = None) -> Any:
-    """A StableDiffusionPipeline (StableDiffusionXLPipeline for an SDXL file) from a single file: its components
-    as `load_single_file_component` reads them, the tokenizers from `tokenizer` and `tokenizer_2` (or the file's
-    OUT.tokenizer/ and OUT.tokenizer_2/ siblings), an Euler sampler on its noise schedule."""
-    from diffusers import DDPMScheduler
-
-    # Deferred: diffusers and transformers load only when a whole pipeline is asked for.
-    from sdtrain.models.pipeline import assemble_pipeline, sampler_from
-    from sdtrain.models.tokenizer import load_clip_tokenizer
-
-    xl = inspect_single_file(path, trust_pickle).family == "sdxl"
-    # The tokenizers first: a missing one is said before the weights are read.
-    tok = load_clip_tokenizer(Path(tokenizer or tokenizer_for(path)))
-    tok_2 = load_clip_tokenizer(Path(tokenizer_2 or tokenizer_for(path, 2))) if xl else None
-    names = ("vae", "text_encoder", "text_encoder_2", "unet") if xl else ("vae", "text_encoder", "unet")
-    modules = {name: load_single_file_component(name, path, trust_pickle) for name in names}
-    noise = DDPMScheduler.from_config(scheduler_config(path, trust_pickle))
-    sampler = sampler_from(noise, "euler")
-    if not xl:
-        return assemble_pipeline(modules["vae"], modules["text_encoder"], tok, modules["unet"], sampler)
-    from diffusers import StableDiffusionXLPipeline
-
-    # No invisible watermark: it needs a package sdtrain does not install, and changes the images it returns.
-    return StableDiffusionXLPipeline(vae=modules["vae"], text_encoder=modules["text_encoder"],
-                                     text_encoder_2=modules["text_encoder_2"], tokenizer=tok, tokenizer_2=tok_2,
-                                     unet=modules["unet"], scheduler=sampler, add_watermarker=False)

@@ -37,6 +37,8 @@ OPENCLIP_PREFIX = "cond_stage_model.model."
 SDXL_CLIP_PREFIX = "conditioner.embedders.0.transformer.text_model."
 SDXL_OPENCLIP_PREFIX = "conditioner.embedders.1.model."
 _VAE_PREFIXES = (VAE_PREFIX, "vae.", "")
+FLUX_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+"""Where a Flux.1 transformer's keys in BFL's layout may stand in a file: ComfyUI's whole checkpoints, and bare."""
 FAMILIES = ("sd", "sdxl")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 # Bumped when the inference below changes, so a cached config folder is never reused across versions.
@@ -566,13 +568,21 @@ def _infer(shapes: dict[str, tuple[int, ...]], metadata: dict[str, str], file: _
     return configs, prefixes, text_layout, prediction, scheduler, errors
 
 
+def original_prefix(keys: Iterable[str]) -> str | None:
+    """The prefix of a Flux.1 transformer's keys in BFL's layout ('' in BFL's own files, ComfyUI's
+    ``model.diffusion_model.`` in a whole checkpoint), or None when the keys hold none."""
+    keys = list(keys)
+    for prefix in ("", *FLUX_PREFIXES):
+        if any(k.startswith((f"{prefix}double_blocks.", f"{prefix}single_blocks.")) for k in keys):
+            return prefix
+    return None
+
+
 def _info(file: _File) -> SingleFileInfo:
     if file._info is None:
         try:
             configs, prefixes, layout, prediction, scheduler, errors = _infer(file.shapes, file.metadata, file)
         except _Unrecognized as exc:
-            from sdtrain.models.single_file.flux import original_prefix
-
             if original_prefix(file.shapes) is not None:
                 raise UserError(f"{file.path}: holds a Flux.1 transformer alone (BFL's layout), read only as "
                                 "model.transformer (or model.pretrained, with model.vae, model.text_encoder, "
