@@ -39,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sdtrain.models import families
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "demo" / "autoencoder.yaml"
 STEPS = 12
@@ -77,8 +79,9 @@ def sdtrain(*args: str, env: dict[str, str] | None = None, limit_file_bytes: int
     return subprocess.run(command, env=environ, capture_output=True, text=True, preexec_fn=limits)
 
 
-FAMILIES = ("sd", "sdxl", "sd3", "flux")
-"""The model families a chaos run draws from: each builds its own autoencoder (SD3's and Flux.1's 16 channels)."""
+FAMILIES = tuple(families.FAMILIES)
+"""The model families a chaos run draws from, every registered one: each builds its own autoencoder (SD3's and
+Flux.1's 16 channels)."""
 
 
 def train_args(run: Path, data: Path, *extra: str, family: str = "sd") -> list[str]:

@@ -1,0 +1,154 @@
+"""The same guarantees for every registered model family, at its tiny preset: a family added to the registry gets
+these cases with no test edits. Each builds the family's components as training does (`sdtrain.models.build`
+from a ModelConfig naming the family), then checks what the trainer, the encoded shards, the loaders and the
+exports rely on the spec for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sdtrain.config import DiffusionConfig, ModelConfig
+from sdtrain.models import build, families
+from sdtrain.models.pipeline import sampler_from
+from sdtrain.models.tokenizer import train_clip_tokenizer
+
+FAMILIES = list(families.FAMILIES)
+TEXT_LENGTH = 12
+LATENT_SIDE = 8
+
+
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory) -> Path:
+    """One small BPE tokenizer for every text encoder, as a from-scratch run trains on its captions."""
+    folder = tmp_path_factory.mktemp("tokenizer")
+    captions = [f"a {c} {s} beside a {s2}" for c in ("red", "green", "blue") for s in ("circle", "square")
+                for s2 in ("triangle", "star")]
+    train_clip_tokenizer(captions, folder, 600, TEXT_LENGTH)
+    return folder
+
+
+class Tiny:
+    """A family's tiny model, built as a from-scratch run builds it."""
+
+    def __init__(self, name: str, tokenizer_folder: Path):
+        torch.manual_seed(0)
+        self.family = families.get(name)
+        self.config = ModelConfig(family=name, preset="tiny", tokenizer=str(tokenizer_folder),
+                                  t5_text_length=TEXT_LENGTH)
+        self.tokenizers = build.load_text_tokenizers(self.config)
+        self.vae = build.build_vae(self.config)
+        self.text_encoders = {encoder: build.build_text_encoder(self.config, tokenizer, encoder)
+                              for encoder, tokenizer in zip(self.family.text_encoders, self.tokenizers)}
+        self.denoiser = build.build_denoiser(self.config, self.vae.config.latent_channels, LATENT_SIDE,
+                                             self.text_encoders)
+
+    @property
+    def components(self) -> dict[str, torch.nn.Module]:
+        return {"vae": self.vae, **self.text_encoders, self.family.denoiser: self.denoiser}
+
+    def ids(self, captions: list[str]) -> list[torch.Tensor]:
+        return [tokenizer(captions, padding="max_length", truncation=True, max_length=tokenizer.model_max_length,
+                          return_tensors="pt").input_ids for tokenizer in self.tokenizers]
+
+    def text(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        encoders = [self.text_encoders[name] for name in self.family.text_encoders]
+        return self.family.encode_text(encoders, self.ids(captions), captions)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(request, tokenizer_folder) -> Tiny:
+    return Tiny(request.param, tokenizer_folder)
+
+
+def test_every_component_the_family_lists_is_built_of_its_class(tiny):
+    assert set(tiny.family.components) == set(tiny.components)
+    for name, module in tiny.components.items():
+        assert isinstance(module, tiny.family.components[name]), name
+
+
+def test_the_denoiser_and_each_text_encoder_list_their_repeated_blocks(tiny):
+    """The units of activation checkpointing, compilation and FSDP: in forward order, each a module of its
+    component, and the registry-wide lookup finds the same."""
+    for name in (tiny.family.denoiser, *tiny.family.text_encoders):
+        module = tiny.components[name]
+        blocks = tiny.family.blocks(module)
+        assert blocks, f"{tiny.family.name}: no blocks listed for the {name}"
+        inside = {id(m) for m in module.modules()}
+        assert all(id(block) in inside for block in blocks)
+        assert [id(b) for b in families.blocks(module)] == [id(b) for b in blocks]
+
+
+def test_the_conditioner_gives_the_shapes_it_declares(tiny):
+    """What encoded shards store is sized from `text_shapes` before any caption is encoded."""
+    captions = ["a red circle", ""]
+    text = tiny.text(captions)
+    configs = {name: encoder.config for name, encoder in tiny.text_encoders.items()}
+    lengths = [tokenizer.model_max_length for tokenizer in tiny.tokenizers]
+    declared = tiny.family.text_shapes(configs, lengths)
+    assert set(text) == set(declared) and "text_emb" in text
+    for key, tensor in text.items():
+        assert tuple(tensor.shape) == (len(captions), *declared[key]), key
+
+
+def test_a_denoiser_step_predicts_the_latents_shape_and_trains_every_weight(tiny):
+    latents = torch.randn(2, tiny.vae.config.latent_channels, LATENT_SIDE, LATENT_SIDE)
+    with torch.no_grad():
+        text = tiny.text(["a red circle", "a blue square"])
+    batch = {"size_ids": torch.tensor([[64, 64, 0, 0, 64, 64]] * 2)}
+    condition = tiny.family.condition(text, batch, torch.device("cpu"))
+    if tiny.family.takes_guidance(tiny.denoiser.config):
+        condition["guidance"] = torch.full((2,), 3.5)
+    timesteps = torch.tensor([100.0, 900.0])
+    output = tiny.family.denoise(tiny.denoiser, latents, timesteps, condition)
+    assert output.shape == latents.shape and torch.isfinite(output).all()
+    tiny.denoiser.zero_grad()
+    output.square().mean().backward()
+    untouched = [n for n, p in tiny.denoiser.named_parameters() if p.requires_grad and p.grad is None]
+    assert not untouched, f"{tiny.family.name}: no gradient reaches {untouched[:3]}"
+
+
+def test_the_latents_side_survives_the_denoiser(tiny):
+    """Aspect buckets are multiples of what the denoiser downsamples by; the position table (if any) covers them."""
+    step = tiny.family.downsampling(tiny.denoiser.config)
+    assert step >= 1 and LATENT_SIDE % step == 0
+    longest = tiny.family.max_latent_side(tiny.denoiser.config)
+    assert longest is None or longest >= LATENT_SIDE
+
+
+def test_the_pipeline_it_assembles_loads_in_diffusers_and_is_recognised(tiny, tmp_path):
+    noise = build.build_noise_scheduler(DiffusionConfig(), tiny.config)
+    pipe = tiny.family.assemble(tiny.components, tiny.tokenizers, sampler_from(noise, "euler"))
+    assert isinstance(pipe, tiny.family.pipeline_class)
+    pipe.save_pretrained(tmp_path)
+    assert families.detect(tmp_path) is tiny.family
+    loaded = tiny.family.pipeline_class.from_pretrained(tmp_path, local_files_only=True)
+    state = getattr(loaded, tiny.family.denoiser).state_dict()
+    for key, value in tiny.denoiser.state_dict().items():
+        assert torch.equal(state[key], value), key
+
+
+def test_the_sampling_defaults_are_what_the_pipeline_takes(tiny):
+    defaults = tiny.family.sampling_defaults(tiny.denoiser.config)
+    assert defaults["guidance"] > 0 and set(defaults) <= {"guidance", "steps"}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_preset_sets_every_component(name):
+    family = families.get(name)
+    assert "tiny" in family.presets
+    for preset, settings in family.presets.items():
+        missing = [c for c in family.components if c not in settings]
+        assert not missing, f"{name} preset {preset} lacks {missing}"
+
+
+def test_families_are_told_apart_by_their_files():
+    """No two families claim the same pipeline class name or single-file key prefix, and each name is its own."""
+    names = [f.pipeline_names for f in families.FAMILIES.values()]
+    flat = [n for group in names for n in group]
+    assert len(flat) == len(set(flat))
+    for name, family in families.FAMILIES.items():
+        assert family.name == name and families.get(name) is family
+        assert family.pipeline_class.__name__ in family.pipeline_names
