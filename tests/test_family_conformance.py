@@ -13,32 +13,29 @@ import torch
 from sdtrain.config import DiffusionConfig, ModelConfig
 from sdtrain.models import build, families
 from sdtrain.models.pipeline import sampler_from
-from sdtrain.models.tokenizer import train_clip_tokenizer
+from sdtrain.models.tokenizer import CaptionTokenizer
 
 FAMILIES = list(families.FAMILIES)
 TEXT_LENGTH = 12
 LATENT_SIDE = 8
 
 
-@pytest.fixture(scope="module")
-def tokenizer_folder(tmp_path_factory) -> Path:
-    """One small BPE tokenizer for every text encoder, as a from-scratch run trains on its captions."""
-    folder = tmp_path_factory.mktemp("tokenizer")
-    captions = [f"a {c} {s} beside a {s2}" for c in ("red", "green", "blue") for s in ("circle", "square")
-                for s2 in ("triangle", "star")]
-    train_clip_tokenizer(captions, folder, 600, TEXT_LENGTH)
-    return folder
+CAPTIONS = [f"a {c} {s} beside a {s2}" for c in ("red", "green", "blue") for s in ("circle", "square")
+            for s2 in ("triangle", "star")]
 
 
 class Tiny:
-    """A family's tiny model, built as a from-scratch run builds it."""
+    """A family's tiny model, built as a from-scratch run builds it: its tokenizer learnt from captions by the
+    family's own trainer, every text encoder reading its ids."""
 
-    def __init__(self, name: str, tokenizer_folder: Path):
+    def __init__(self, name: str, folder: Path):
         torch.manual_seed(0)
         self.family = families.get(name)
-        self.config = ModelConfig(family=name, preset="tiny", tokenizer=str(tokenizer_folder),
+        self.family.train_tokenizer(CAPTIONS, folder / "tokenizer", 600, TEXT_LENGTH)
+        self.config = ModelConfig(family=name, preset="tiny", tokenizer=str(folder / "tokenizer"),
                                   t5_text_length=TEXT_LENGTH)
         self.tokenizers = build.load_text_tokenizers(self.config)
+        self.captions = CaptionTokenizer(self.tokenizers, self.family)
         self.vae = build.build_vae(self.config)
         self.text_encoders = {encoder: build.build_text_encoder(self.config, tokenizer, encoder)
                               for encoder, tokenizer in zip(self.family.text_encoders, self.tokenizers)}
@@ -49,18 +46,16 @@ class Tiny:
     def components(self) -> dict[str, torch.nn.Module]:
         return {"vae": self.vae, **self.text_encoders, self.family.denoiser: self.denoiser}
 
-    def ids(self, captions: list[str]) -> list[torch.Tensor]:
-        return [tokenizer(captions, padding="max_length", truncation=True, max_length=tokenizer.model_max_length,
-                          return_tensors="pt").input_ids for tokenizer in self.tokenizers]
-
     def text(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        """As training conditions a batch: the loader's tokens, then the family's conditioner."""
         encoders = [self.text_encoders[name] for name in self.family.text_encoders]
-        return self.family.encode_text(encoders, self.ids(captions), captions)
+        ids, masks = self.family.token_inputs(self.captions(captions))
+        return self.family.encode_text(encoders, ids, captions, masks)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def tiny(request, tokenizer_folder) -> Tiny:
-    return Tiny(request.param, tokenizer_folder)
+def tiny(request, tmp_path_factory) -> Tiny:
+    return Tiny(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def test_every_component_the_family_lists_is_built_of_its_class(tiny):
@@ -81,8 +76,14 @@ def test_the_denoiser_and_each_text_encoder_list_their_repeated_blocks(tiny):
         assert [id(b) for b in families.blocks(module)] == [id(b) for b in blocks]
 
 
-def test_the_conditioner_gives_the_shapes_it_declares(tiny):
-    """What encoded shards store is sized from `text_shapes` before any caption is encoded."""
+def test_the_loader_tokens_are_picklable_and_the_conditioner_gives_the_shapes_it_declares(tiny):
+    """Loader workers receive the tokenizers pickled; what encoded shards store is sized from `text_shapes` before
+    any caption is encoded."""
+    import pickle
+
+    again = pickle.loads(pickle.dumps(tiny.captions))
+    for key, value in tiny.captions(["a red circle"]).items():
+        assert torch.equal(again(["a red circle"])[key], value), key
     captions = ["a red circle", ""]
     text = tiny.text(captions)
     configs = {name: encoder.config for name, encoder in tiny.text_encoders.items()}

@@ -34,7 +34,6 @@ from sdtrain.distributed import barrier, gather_objects
 from sdtrain.errors import UserError
 from sdtrain.memory import TreePeak, own_peak_bytes
 from sdtrain.models import build, families
-from sdtrain.models.tokenizer import train_clip_tokenizer
 from sdtrain.train import autotune
 from sdtrain.train.parallel import uncounted_recomputation
 from sdtrain.train.trainer import Trainer
@@ -73,8 +72,8 @@ class Benchmark(Trainer):
             # No captions to learn from: a tokenizer of the configured size on generic text will do,
             # since only its length and vocabulary size shape the step.
             words = [f"token{i} word{i % 97} thing{i % 13}" for i in range(self.config.model.tokenizer_vocab_size)]
-            tokenizer = train_clip_tokenizer(words, self.run_dir / "tokenizer", model.tokenizer_vocab_size,
-                                             build.text_length(model))
+            tokenizer = families.for_model(model).train_tokenizer(words, self.run_dir / "tokenizer",
+                                                                  model.tokenizer_vocab_size, build.text_length(model))
             for name in families.for_model(model).text_encoders:
                 if getattr(model, name) == str(self.run_dir / random_text_encoder(name)):
                     build.build_text_encoder(model, tokenizer, name).save_pretrained(getattr(model, name))

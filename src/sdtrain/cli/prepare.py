@@ -92,7 +92,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                       "(ae.safetensors, sdxl_vae.safetensors), which takes the latent scaling of "
                                       "--model's VAE, else of --family's released models")
     encode.add_argument("--family", metavar="NAME",
-                        help="the model family the latents are for (sd, sdxl, sd3, flux), when --model does not say "
+                        help="the model family the latents are for (a model.family value), when --model does not say "
                              "(a VAE file alone)")
     encode.add_argument("--text-encoder", help="the text encoder (and tokenizer) from here instead")
     encode.add_argument("--no-text", action="store_true", help="latents only (for a text encoder still in training)")

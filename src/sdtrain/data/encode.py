@@ -98,8 +98,7 @@ class Encoder:
                 tokenizers.append(build.load_tokenizer(self.text_source, length, folder=folder))
                 if t5:
                     self.t5_text_length = length
-        keys = [self.family.ids_key(i) for i in range(len(tokenizers))] if self.family else []
-        self.captions = CaptionTokenizer(tokenizers, keys)
+        self.captions = CaptionTokenizer(tokenizers, self.family)
         self.resolution = resolution
 
     @property
@@ -114,8 +113,8 @@ class Encoder:
     @torch.no_grad()
     def text(self, captions: list[str]) -> dict[str, np.ndarray]:
         """The captions' text conditioning as the family's conditioner makes it, field -> array."""
-        ids = [tokens.to(self.device) for tokens in self.captions(captions).values()]
-        encoded = self.family.encode_text(self.text_encoders, ids, captions)
+        ids, masks = self.family.token_inputs(self.captions(captions), self.device)
+        encoded = self.family.encode_text(self.text_encoders, ids, captions, masks)
         return {field: value.float().cpu().numpy() for field, value in encoded.items()}
 
     def description(self) -> dict[str, Any]:

@@ -20,10 +20,11 @@ MASK, ALPHA = "mask.npy", "alpha.npy"
 its image's transparency (used with data.alpha_mask)."""
 MASK_IMAGE = "mask.png"
 """A sample's loss mask as an image (white counts, black does not): from ``{key}.mask.png`` beside the image."""
-TEXT_FIELDS = {"text_emb": TEXT_EMB, "text_pooled": "text_pooled.npy"}
-"""Text conditioning a sample may carry, batch key -> sample field: the sequence the denoiser attends to, and a
-family's pooled vector (SDXL's)."""
-TEXT_FIELD_DIMS = {"text_emb": 2, "text_pooled": 1}
+TEXT_FIELDS = {"text_emb": TEXT_EMB, "text_pooled": "text_pooled.npy", "text_mask": "text_mask.npy"}
+"""Text conditioning a sample may carry, batch key -> sample field: the sequence the denoiser attends to, a
+family's pooled vector (SDXL's), and which positions of the sequence are the caption's (1) rather than padding
+(0), for a family whose denoiser reads only those (Z-Image's)."""
+TEXT_FIELD_DIMS = {"text_emb": 2, "text_pooled": 1, "text_mask": 1}
 """Dimensions of one caption's text conditioning; a sample with several captions (lines of its caption field)
 carries them stacked on one more, first axis, in line order."""
 

@@ -44,8 +44,14 @@ class SyntheticBatches:
             "keys": [f"synthetic-{i}" for i in range(count)],
         }
         captions = task.caption_tokenizer
-        for key, tokenizer in zip(captions.keys, captions.tokenizers) if captions is not None else ():
-            self.batch[key] = torch.randint(0, len(tokenizer), (count, tokenizer.model_max_length), generator=generator)
+        # Every position a caption's: random ids at the tokenizer's whole length, and a full attention mask where
+        # the family's encoder reads one, so the text encoders do a real caption's most work.
+        for index, tokenizer in enumerate(captions.tokenizers if captions is not None else ()):
+            shape = (count, tokenizer.model_max_length)
+            self.batch[captions.family.ids_key(index)] = torch.randint(0, len(tokenizer), shape, generator=generator)
+        if captions is not None:
+            for key, value in captions(self.batch["captions"]).items():
+                self.batch.setdefault(key, torch.ones_like(value))
         self.batch["size_ids"] = torch.tensor([[size, size, 0, 0, size, size]] * count)
         if task.text_embeddings:  # the shards' embeddings, or a mode's prompts encoded once
             for key, shape in text_shapes(task).items():

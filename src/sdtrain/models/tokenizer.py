@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, models, trainers
-from transformers import CLIPTokenizer, T5Tokenizer
+from transformers import AutoTokenizer, CLIPTokenizer, T5Tokenizer
 
 from sdtrain.errors import UserError
 
@@ -126,44 +126,55 @@ def load_clip_tokenizer(path: str | Path, max_length: int | None = None) -> CLIP
     return tok
 
 
+def _tokenizer_class(path: Path) -> str:
+    try:
+        return json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class") or ""
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
 def is_t5_tokenizer(path: str | Path) -> bool:
     """Whether a tokenizer folder holds a T5 (SentencePiece) tokenizer rather than CLIP's BPE."""
     path = Path(path)
-    try:
-        named = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class") or ""
-    except (OSError, ValueError, AttributeError):
-        named = ""
-    return (path / "spiece.model").is_file() or named.startswith("T5")
+    return (path / "spiece.model").is_file() or _tokenizer_class(path).startswith("T5")
 
 
 def load_tokenizer_folder(path: str | Path, max_length: int | None = None) -> Any:
-    """A CLIP or T5 tokenizer folder (a pipeline's ``tokenizer_2/`` of Flux.1 holds T5's), offline; ``max_length``
-    overrides the saved ``model_max_length``."""
-    if not is_t5_tokenizer(path):
+    """A tokenizer folder, offline: CLIP's (the default: its files alone say little), T5's (a pipeline's
+    ``tokenizer_2/`` of Flux.1), or any other class its tokenizer_config.json names (a language model's, Qwen2's
+    for Z-Image), through transformers' AutoTokenizer. ``max_length`` overrides the saved ``model_max_length``."""
+    path = Path(path)
+    named = _tokenizer_class(path)
+    if not is_t5_tokenizer(path) and (not named or named.startswith("CLIP")):
         return load_clip_tokenizer(path, max_length)
     kwargs = {} if max_length is None else {"model_max_length": max_length}
     try:
-        return T5Tokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
+        if is_t5_tokenizer(path):
+            return T5Tokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
     except Exception as e:  # the Rust backend reports corrupt files as a bare Exception
-        raise UserError(f"cannot load the T5 tokenizer in {path} ({' '.join(str(e).split())}); "
+        raise UserError(f"cannot load the {named or 'T5'} tokenizer in {path} ({' '.join(str(e).split())}); "
                         "point the model at a pipeline's tokenizer folder") from e
 
 
 class CaptionTokenizer:
     """A family's tokenizers as one callable, which the loader runs when it collates a batch: captions -> the
-    token ids of each text encoder, under the batch keys the family reads them by (input_ids, input_ids_2).
-    Picklable, so loader workers receive it."""
+    token ids of each text encoder (and an attention mask, for an encoder that reads one), under the batch keys
+    the family reads them by (input_ids, input_ids_2), as `family.tokenize` makes them. Picklable, so loader
+    workers receive it (the family by reference to its module)."""
 
-    def __init__(self, tokenizers: list[Any], keys: list[str]):
+    def __init__(self, tokenizers: list[Any], family: Any):
         self.tokenizers = tokenizers
-        self.keys = keys
+        self.family = family
 
     @property
     def modules(self) -> list[str]:
         """What a fresh loader process imports to run it (see data.pipeline.worker_context)."""
-        return list(dict.fromkeys([__name__, *(type(t).__module__ for t in self.tokenizers)]))
+        family = [type(self.family).__module__] if self.family is not None else []
+        return list(dict.fromkeys([__name__, *family, *(type(t).__module__ for t in self.tokenizers)]))
 
     def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]:
-        return {key: tokenizer(captions, padding="max_length", truncation=True,
-                               max_length=tokenizer.model_max_length, return_tensors="pt").input_ids
-                for key, tokenizer in zip(self.keys, self.tokenizers)}
+        batch: dict[str, torch.Tensor] = {}
+        for index, tokenizer in enumerate(self.tokenizers):
+            batch |= self.family.tokenize(tokenizer, index, captions)
+        return batch

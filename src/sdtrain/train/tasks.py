@@ -27,7 +27,7 @@ from sdtrain.models import build, families
 from sdtrain.models.frozen import storage_bytes, store_frozen, stored_bytes
 from sdtrain.models.offload import WeightStream
 from sdtrain.models.pipeline import exact_sampling, run_sampling, sample_images, sampler_from
-from sdtrain.models.tokenizer import CaptionTokenizer, train_clip_tokenizer
+from sdtrain.models.tokenizer import CaptionTokenizer
 from sdtrain.train import autotune
 from sdtrain.train.objectives import FlowMatching, NoisePrediction
 from sdtrain.utils import save_grid, save_images
@@ -280,8 +280,7 @@ class DiffusionTask(Task):
         self.takes_guidance = family.takes_guidance(denoiser.config)
         self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model)
         self.objective = make_objective(family, config.diffusion, self.noise_scheduler, device, denoiser.config)
-        keys = [family.ids_key(i) for i in range(len(self.tokenizers))]
-        self.caption_tokenizer = CaptionTokenizer(self.tokenizers, keys)
+        self.caption_tokenizer = CaptionTokenizer(self.tokenizers, family)
         self.trainable = self.make_trainable()
         self._store_frozen(self.frozen_precision)
 
@@ -428,7 +427,7 @@ class DiffusionTask(Task):
         """Train the run's tokenizer on the captions when no tokenizer is given (main rank only)."""
         model = config.model
         saved = run_dir / "tokenizer"
-        if build.tokenizer_source(model) or (saved / "vocab.json").is_file():
+        if build.tokenizer_source(model) or (saved / "tokenizer_config.json").is_file():
             return
         from sdtrain.data.pipeline import read_captions
 
@@ -439,7 +438,7 @@ class DiffusionTask(Task):
         else:
             captions = read_captions(config.data.shards, config.data.caption_key)
         log.info("training a %d-token BPE tokenizer on %d captions", model.tokenizer_vocab_size, len(captions))
-        train_clip_tokenizer(captions, saved, model.tokenizer_vocab_size, build.text_length(model))
+        families.for_model(model).train_tokenizer(captions, saved, model.tokenizer_vocab_size, build.text_length(model))
 
     def encode_text(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The batch's text conditioning from its token ids, through the family's conditioner."""
@@ -449,8 +448,8 @@ class DiffusionTask(Task):
                 log.warning("a batch without text embeddings: loading the released %s back", name)
                 setattr(self, name, self.frozen(name))
             encoders.append(getattr(self, name))
-        ids = [batch[self.family.ids_key(i)].to(self.device, non_blocking=True) for i in range(len(encoders))]
-        return self.family.encode_text(encoders, ids, batch.get("captions"))
+        ids, masks = self.family.token_inputs(batch, self.device)
+        return self.family.encode_text(encoders, ids, batch.get("captions"), masks)
 
     def use_encoded(self, encoding: dict[str, Any] | None) -> None:
         """Check pre-encoded shards against this task's frozen weights; text embeddings are used only

@@ -258,8 +258,8 @@ class Flux(ModelFamily):
         reference_init(denoiser)
         return True
 
-    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None
-                    ) -> dict[str, torch.Tensor]:
+    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
+                    masks: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
         clip, t5 = encoders
         return {"text_emb": t5(ids[1]).last_hidden_state, "text_pooled": clip(ids[0]).pooler_output}
 

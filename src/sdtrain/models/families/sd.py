@@ -108,8 +108,8 @@ class StableDiffusion(ModelFamily):
     def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
         return {"cross_attention_dim": text_encoders["text_encoder"].config.hidden_size}
 
-    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None
-                    ) -> dict[str, torch.Tensor]:
+    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
+                    masks: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
         # The last layer's states: SD 2's tower already ends at its penultimate layer (23 of 24 kept).
         return {"text_emb": encoders[0](ids[0])[0]}
 

@@ -119,8 +119,8 @@ class StableDiffusion3(ModelFamily):
     def downsampling(self, denoiser_config: Any) -> int:
         return denoiser_config.patch_size
 
-    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None
-                    ) -> dict[str, torch.Tensor]:
+    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
+                    masks: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
         states, pooled = [], []
         for encoder, tokens in zip(encoders[:2], ids[:2]):
             output, penultimate = _with_penultimate_states(encoder, tokens)

@@ -109,8 +109,8 @@ class StableDiffusionXL(ModelFamily):
                 "projection_class_embeddings_input_dim": SIZE_IDS * settings["addition_time_embed_dim"]
                 + second.projection_dim}
 
-    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None
-                    ) -> dict[str, torch.Tensor]:
+    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
+                    masks: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
         states = []
         for encoder, tokens in zip(encoders, ids):
             output, penultimate = _with_penultimate_states(encoder, tokens)

@@ -20,6 +20,7 @@ from torch import nn
 
 from sdtrain.errors import UserError, first_line
 from sdtrain.models.families.clip import pool_at_eos
+from sdtrain.models.tokenizer import train_clip_tokenizer
 
 
 def construct(cls: Any, key: str, kwargs: dict[str, Any]) -> Any:
@@ -53,7 +54,8 @@ class ModelFamily:
     """The text encoders ``lora.text_encoder`` adapts (None: all); T5 is left frozen, as kohya's and diffusers'
     scripts leave it."""
     t5_tokenizers: tuple[str, ...] = ()
-    """The tokenizers (of `tokenizers`) that feed a T5 encoder: their length is ``model.t5_text_length``."""
+    """The tokenizers (of `tokenizers`) that feed a long-context encoder, T5 or a language model: their length is
+    ``model.t5_text_length``, else the family's `t5_text_length`, not CLIP's 77."""
     latent_constants: dict[str, float | None] = {"scaling_factor": 0.18215, "shift_factor": None}
     """How the released models' latents are normalised for the denoiser, ``(latent - shift_factor) *
     scaling_factor``: what a VAE file that does not say it takes when this family's model is trained or encoded."""
@@ -104,6 +106,34 @@ class ModelFamily:
         """The batch key of the token ids for text encoder `index` (diffusers' names: input_ids, input_ids_2)."""
         return "input_ids" if index == 0 else f"input_ids_{index + 1}"
 
+    def mask_key(self, index: int) -> str:
+        """The batch key of the attention mask for text encoder `index`, for an encoder that reads one."""
+        return "attention_mask" if index == 0 else f"attention_mask_{index + 1}"
+
+    # ----------------------------------------------------------------------------- tokenizers
+
+    def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
+        """Text encoder `index`'s batch entries for `captions`, which the loader makes as it collates: the token ids
+        (under `ids_key`), padded to the tokenizer's length, and whatever else the encoder reads (an attention
+        mask under `mask_key`). The captions as they are: a family whose encoder is a chat model templates them."""
+        return {self.ids_key(index): tokenizer(captions, padding="max_length", truncation=True,
+                                               max_length=tokenizer.model_max_length, return_tensors="pt").input_ids}
+
+    def token_inputs(self, batch: dict[str, Any], device: torch.device | None = None
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Each text encoder's token ids and attention mask (None where it reads none) from a batch `tokenize`
+        filled, moved to `device`."""
+        def moved(value: Any) -> Any:
+            return value if value is None or device is None else value.to(device, non_blocking=True)
+
+        count = range(len(self.text_encoders))
+        return [moved(batch[self.ids_key(i)]) for i in count], [moved(batch.get(self.mask_key(i))) for i in count]
+
+    def train_tokenizer(self, captions: list[str], out_dir: Path, vocab_size: int, max_length: int) -> Any:
+        """A tokenizer for a model trained from scratch, learnt from the run's captions and saved to `out_dir`
+        (every text encoder of the family reads its ids): CLIP's byte-level BPE layout."""
+        return train_clip_tokenizer(captions, out_dir, vocab_size, max_length)
+
     # ----------------------------------------------------------------------------- building from presets
 
     def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
@@ -128,11 +158,12 @@ class ModelFamily:
 
     # ----------------------------------------------------------------------------- the conditioner
 
-    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None
-                    ) -> dict[str, torch.Tensor]:
-        """The text conditioning of a batch, from each text encoder's token ids: ``text_emb`` (the sequence the
-        denoiser attends to) and any pooled vectors, under the names pre-encoded shards store them by. `captions`
-        (None when unknown) tell a family that conditions empty captions on zeros which rows are empty."""
+    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
+                    masks: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
+        """The text conditioning of a batch, from each text encoder's token ids (and attention mask, for an encoder
+        that reads one: `token_inputs`): ``text_emb`` (the sequence the denoiser attends to) and any pooled vectors
+        or mask, under the names pre-encoded shards store them by. `captions` (None when unknown) tell a family
+        that conditions empty captions on zeros which rows are empty."""
         raise NotImplementedError
 
     def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:

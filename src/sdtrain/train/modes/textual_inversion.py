@@ -71,7 +71,7 @@ class TextualInversionTask(DiffusionTask):
         cfg = self.config.textual_inversion
         if self.family.t5_tokenizers:
             raise UserError(f"mode: textual_inversion learns CLIP token vectors (SD 1/2, SDXL); {self.family.title} "
-                            "conditions mostly on T5: train a LoRA instead (mode: lora)")
+                            "conditions mostly on a T5 or language-model encoder: train a LoRA instead (mode: lora)")
         self.tokens = placeholder_tokens(cfg)
         self.denoiser.eval().requires_grad_(False)
         self.vocab = len(self.tokenizer)

@@ -1,0 +1,91 @@
+"""A causal language model as a text encoder, the building block of the families that condition on one (Z-Image's
+Qwen3; Qwen-Image's Qwen2.5-VL and Flux.2's Mistral are the same pattern): captions go through the model's chat
+template, and the denoiser reads a hidden layer's states at the caption's own positions (an attention mask, not
+padding). Here: the chat tokenizer a model trained from scratch learns from its captions, the template, and the
+hidden states."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from torch import nn
+
+from sdtrain.errors import UserError
+
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+THINK = ("<think>", "</think>")
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+"""Qwen3's chat layout for one user turn and the assistant's opening, which is all a text-to-image pipeline
+renders: ``<|im_start|>user\\n{caption}<|im_end|>\\n<|im_start|>assistant\\n``."""
+
+
+def chat_texts(tokenizer: Any, captions: list[str]) -> list[str]:
+    """Each caption as the user turn of the tokenizer's chat template, the assistant's turn opened after it, as
+    diffusers' Z-Image pipeline renders prompts (thinking left on: no empty think block)."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": caption}], tokenize=False,
+                                          add_generation_prompt=True, enable_thinking=True) for caption in captions]
+
+
+def chat_tokens(tokenizer: Any, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of the templated captions, padded (right) to the tokenizer's length."""
+    tokens = tokenizer(chat_texts(tokenizer, captions), padding="max_length", truncation=True,
+                       max_length=tokenizer.model_max_length, return_tensors="pt")
+    return tokens.input_ids, tokens.attention_mask
+
+
+def hidden_states(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, layer: int) -> torch.Tensor:
+    """The output of hidden layer `layer` (Python indexing over the embeddings and every layer's output: -2 is the
+    last layer's input, before the final norm) for token ids under their attention mask."""
+    return model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[layer]
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated decoder layers of a transformers language model (its base model's ``layers``)."""
+    return list(getattr(model, "model", model).layers)
+
+
+def train_chat_tokenizer(captions: Iterable[str], out_dir: str | Path, vocab_size: int, max_length: int) -> Any:
+    """A byte-level BPE tokenizer in Qwen2's layout (the pad, chat and think markers as special tokens, the chat
+    template), learnt from `captions` and saved to `out_dir`, which a model trained from scratch reads its ids
+    from. Written in a temporary sibling and renamed into place: an interrupted run never leaves half a folder."""
+    from transformers import Qwen2Tokenizer
+
+    specials = [PAD, IM_START, IM_END, *THINK]
+    smallest = len(pre_tokenizers.ByteLevel.alphabet()) + len(specials)
+    if vocab_size <= smallest:
+        raise UserError(f"model.tokenizer_vocab_size: {vocab_size} is too small for a byte-level tokenizer; use "
+                        f"more than {smallest}")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(list(captions), trainer)
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+              for m in json.loads(bpe.to_str())["model"]["merges"]]
+    tokenizer = Qwen2Tokenizer(vocab=bpe.get_vocab(), merges=merges, model_max_length=max_length)
+    tokenizer.add_special_tokens({"additional_special_tokens": [IM_START, IM_END]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save_pretrained(str(tmp))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return tokenizer
