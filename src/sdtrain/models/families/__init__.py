@@ -22,8 +22,9 @@ from sdtrain.models.families.sd import SD
 from sdtrain.models.families.sd3 import SD3
 from sdtrain.models.families.sdxl import SDXL
 from sdtrain.models.families.spec import ModelFamily
+from sdtrain.models.families.zimage import ZIMAGE
 
-FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (SD, SDXL, SD3, FLUX)}
+FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (SD, SDXL, SD3, FLUX, ZIMAGE)}
 
 
 def get(name: str) -> ModelFamily:
