@@ -81,7 +81,8 @@ def build_assets(size: str, work: Path, num_images: int, settings: dict[str, Any
 
     from sdtrain.config import DiffusionConfig, ModelConfig
     from sdtrain.data.shapes import render_shapes_sample
-    from sdtrain.models.build import build_noise_scheduler, build_text_encoder, build_unet, build_vae, vae_scale
+    from sdtrain.models import families
+    from sdtrain.models.build import build_noise_scheduler, build_text_encoder, build_unet, build_vae
     from sdtrain.models.pipeline import assemble_pipeline
     from sdtrain.models.tokenizer import train_clip_tokenizer
 
@@ -107,7 +108,7 @@ def build_assets(size: str, work: Path, num_images: int, settings: dict[str, Any
                         unet_overrides=settings["unet_overrides"])
     vae = build_vae(ModelConfig(preset=settings["vae_preset"], vae_overrides=settings["vae_overrides"]))
     text_encoder = build_text_encoder(model, tokenizer)
-    latent = res // vae_scale(vae.config.block_out_channels)
+    latent = res // families.SD.latent_downsampling(vae.config)
     unet = build_unet(model, vae.config.latent_channels, latent, text_encoder.config.hidden_size)
     scheduler = build_noise_scheduler(DiffusionConfig(prediction_type=settings["prediction_type"]))
     pipe = assemble_pipeline(vae, text_encoder, tokenizer, unet, scheduler)

@@ -164,7 +164,7 @@ def build_assets(family: str, work: Path, num_images: int, settings: dict[str, A
     vae = build.build_vae(model)
     text_encoders = {name: build.build_text_encoder(model, tok, name)
                      for name, tok in zip(spec.text_encoders, tokenizers)}
-    latent = res // build.vae_scale(vae.config.block_out_channels)
+    latent = res // spec.latent_downsampling(vae.config)
     denoiser = build.build_denoiser(model, vae.config.latent_channels, latent, text_encoders=text_encoders)
     scheduler = build.build_noise_scheduler(DiffusionConfig(), model)
     pipe = spec.assemble({"vae": vae, **text_encoders, spec.denoiser: denoiser}, tokenizers, scheduler)

@@ -299,11 +299,12 @@ def test_previews_and_generate_sample_as_the_model_does_schnell_without_guidance
 
 
 def test_a_resolution_past_sd3s_position_table_is_one_line_at_start(tmp_path, pretrained, shapes_dir, capsys):
-    from sdtrain.models.build import vae_scale
+    from diffusers import AutoencoderKL
+    from diffusers.configuration_utils import FrozenDict
 
     folder = pretrained["sd3"]
     rows = json.loads((folder / "transformer" / "config.json").read_text())["pos_embed_max_size"] * 2  # patch 2
-    largest = rows * vae_scale(json.loads((folder / "vae" / "config.json").read_text())["block_out_channels"])
+    largest = rows * families.get("sd3").latent_downsampling(FrozenDict(AutoencoderKL.load_config(folder / "vae")))
     command = _command("full", tmp_path / "run", folder, shapes_dir, 1)
     capsys.readouterr()
     assert main([*command, f"data.resolution={largest * 2}"]) == 2

@@ -60,7 +60,7 @@ def _component(config: RunConfig, family: ModelFamily, name: str, built: dict[st
             module = build.build_text_encoder(model, shape, name)
         else:
             vae = built["vae"]
-            side = config.data.resolution // build.vae_scale(vae.config.block_out_channels)
+            side = config.data.resolution // family.latent_downsampling(vae.config)
             module = build.build_denoiser(model, vae.config.latent_channels, side,
                                           text_encoders={te: built[te] for te in family.text_encoders})
     return module, f"preset {model.preset}"

@@ -74,7 +74,8 @@ class Encoder:
         self.dtype = DTYPES[dtype]
         self.vae_source = build.pin_source(vae_source)
         self.vae = load_component("vae", self.vae_source, served=served).to(device).eval()
-        scale = build.vae_scale(self.vae.config.block_out_channels)
+        scale = (families.for_model(served) if served is not None else families.SD).latent_downsampling(
+            self.vae.config)
         if resolution is None:
             # What the VAE was made for, as diffusers records it.
             resolution = int(self.vae.config.sample_size)

@@ -22,7 +22,6 @@ from sdtrain.data.encoded import (
 )
 from sdtrain.data.shapes import render_shapes_sample
 from sdtrain.data.shards import ShardWriter
-from sdtrain.models import build
 from sdtrain.utils import atomic_write_bytes
 
 
@@ -60,7 +59,7 @@ class SyntheticBatches:
             self.batch["pixel_values"] = torch.rand(count, 3, size, size, generator=generator) * 2 - 1
             return
         vae = task.vae.config
-        side = size // build.vae_scale(vae.block_out_channels)
+        side = size // task.family.latent_downsampling(vae)
         self.batch["latent_mean"] = torch.randn(count, vae.latent_channels, side, side, generator=generator)
         self.batch["latent_std"] = torch.full_like(self.batch["latent_mean"], 0.1)
 
@@ -116,7 +115,7 @@ def text_shapes(task: Any) -> dict[str, tuple[int, ...]]:
 
 
 def _encoded_fields(encoding: dict[str, Any], task: Any, rng: np.random.Generator) -> dict[str, bytes]:
-    side = encoding["resolution"] // build.vae_scale(task.vae.config.block_out_channels)
+    side = encoding["resolution"] // task.family.latent_downsampling(task.vae.config)
     shape = (encoding["latent_channels"], side, side)
     fields = {LATENT_MEAN: npy_bytes(rng.standard_normal(shape).astype(np.float16)),
               LATENT_STD: npy_bytes(np.full(shape, 0.1, dtype=np.float16))}

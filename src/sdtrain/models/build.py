@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from diffusers import AutoencoderKL, DDPMScheduler, FlowMatchEulerDiscreteScheduler
+from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
 from torch import nn
 
 from sdtrain.checkpoint import latest_checkpoint, read_meta
@@ -29,14 +29,10 @@ from sdtrain.models.tokenizer import load_tokenizer_folder
 log = logging.getLogger(__name__)
 
 
-def vae_scale(block_out_channels: list[int] | tuple[int, ...]) -> int:
-    """An AutoencoderKL halves the resolution at every level but the last."""
-    return 2 ** (len(block_out_channels) - 1)
-
-
-def build_vae(config: ModelConfig) -> AutoencoderKL:
-    kwargs = {**families.for_model(config).preset(config.preset, "vae"), **config.vae_overrides}
-    return construct(AutoencoderKL, "vae_overrides", kwargs)
+def build_vae(config: ModelConfig) -> nn.Module:
+    family = families.for_model(config)
+    kwargs = {**family.preset(config.preset, "vae"), **config.vae_overrides}
+    return construct(family.components["vae"], "vae_overrides", kwargs)
 
 
 def build_text_encoder(config: ModelConfig, tokenizer: Any, name: str = "text_encoder") -> nn.Module:

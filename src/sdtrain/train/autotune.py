@@ -183,6 +183,10 @@ def time_precisions(step: Callable[[], torch.Tensor], params: list[nn.Parameter]
     return {name: 1000 * seconds / samples for name, seconds in best.items()}
 
 
+CONTENDED_SHARE = 0.75
+"""Below this share of its threads' wall time spent on the CPU, a process timing precisions was not running alone."""
+
+
 def _load_cache(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
@@ -194,15 +198,24 @@ def measured_precision(fingerprint: list[Any], step: Callable[[], torch.Tensor],
                        device: torch.device, samples: int) -> tuple[dict[str, float], str]:
     """The fp32 and bf16 timings of ``step`` on this machine, from the cache when it has them for this
     ``fingerprint`` (what identifies the model and batch)."""
-    # v3: the bf16 round under bf16 autocast; v2 entries timed fp32 twice (the trial step switched autocast off),
-    # v1 ones single layers at a batch of one.
-    identity = json.dumps(["v3", _machine_key(device), torch.__version__, samples, fingerprint])
+    # v4: timings taken on shared cores are no longer kept, so v3 entries may hold such; v3: the bf16 round under
+    # bf16 autocast; v2 entries timed fp32 twice (the trial step switched autocast off), v1 ones single layers at a
+    # batch of one.
+    identity = json.dumps(["v4", _machine_key(device), torch.__version__, samples, fingerprint])
     key = hashlib.sha256(identity.encode()).hexdigest()[:24]
     path = cache_dir() / "precision.json"
     cached = _load_cache(path).get(key)
     if cached is not None:
         return cached, "cache"
+    wall, cpu = time.perf_counter(), time.process_time()
     timings = time_precisions(step, params, device, samples)
+    # On a CPU, timings taken while another job held the cores would decide every later run: measured, not kept.
+    share = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9) / torch.get_num_threads()
+    log.debug("precision timings took %.0f%% of %d threads' time", 100 * share, torch.get_num_threads())
+    if device.type == "cpu" and share < CONTENDED_SHARE:
+        log.warning("precision timings not cached: while measuring, this process ran %.0f%% of the time its %d "
+                    "threads had (another job on the cores?)", 100 * share, torch.get_num_threads())
+        return timings, "measured"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Re-read: another run may have added its own entry meanwhile.

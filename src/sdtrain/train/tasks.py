@@ -143,7 +143,7 @@ class Task:
 
     def _check_resolution(self, vae: nn.Module) -> int:
         """The VAE's downsampling factor, which the training resolution must be a multiple of."""
-        scale = build.vae_scale(vae.config.block_out_channels)
+        scale = self.family.latent_downsampling(vae.config)
         if self.config.data.resolution % scale:
             raise UserError(
                 f"data.resolution: {self.config.data.resolution} is not a multiple of the VAE's factor {scale}"
@@ -546,9 +546,7 @@ class DiffusionTask(Task):
         else:
             posterior = self.vae.encode(batch["pixel_values"].to(self.device, non_blocking=True)).latent_dist
             latents = posterior.sample(generator) if sample else posterior.mode()
-        # SD3's and Flux.1's VAEs centre their latents as well as scaling them.
-        shift = self.vae.config.get("shift_factor") or 0.0
-        return (latents.float() - shift) * self.vae.config.scaling_factor
+        return self.family.normalize_latents(latents, self.vae.config)
 
     def loss(self, batch, generator):
         loss = self.denoising_loss(batch, generator)

@@ -146,6 +146,19 @@ class ModelFamily:
         its other `settings` (preset and overrides)."""
         raise NotImplementedError
 
+    # ----------------------------------------------------------------------------- the latent codec
+
+    def latent_downsampling(self, vae_config: Any) -> int:
+        """How many pixels one latent pixel spans on a side: an AutoencoderKL halves the resolution at every level
+        but the last."""
+        return 2 ** (len(vae_config.block_out_channels) - 1)
+
+    def normalize_latents(self, latents: torch.Tensor, vae_config: Any) -> torch.Tensor:
+        """The VAE's latents as the denoiser reads them, in fp32: an AutoencoderKL's are centred by its
+        ``shift_factor`` (SD3's, Flux.1's) and scaled by its ``scaling_factor``."""
+        shift = vae_config.get("shift_factor") or 0.0
+        return (latents.float() - shift) * vae_config.scaling_factor
+
     def denoiser_shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
         """What the denoiser's shape takes from the latents it denoises."""
         return {"in_channels": latent_channels, "out_channels": latent_channels, "sample_size": latent_size}
