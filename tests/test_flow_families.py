@@ -245,7 +245,7 @@ def test_t5_reads_what_the_model_samples_with_not_the_512_a_released_tokenizer_s
         folder = tmp_path / f"{family}-{guidance}"
         shutil.copytree(pretrained[family], folder)
         spec = families.get(family)
-        t5 = folder / spec.t5_tokenizers[0] / "tokenizer_config.json"
+        t5 = folder / spec.long_text_tokenizers[0] / "tokenizer_config.json"
         t5.write_text(json.dumps({**json.loads(t5.read_text()), "model_max_length": 512}))
         if guidance is not None:
             config = folder / "transformer" / "config.json"
@@ -255,7 +255,7 @@ def test_t5_reads_what_the_model_samples_with_not_the_512_a_released_tokenizer_s
     def t5_length(folder: Path, **model) -> int:
         family = families.detect(folder)
         tokenizers = build.load_text_tokenizers(ModelConfig(pretrained=str(folder), **model))
-        return tokenizers[family.tokenizers.index(family.t5_tokenizers[0])].model_max_length
+        return tokenizers[family.tokenizers.index(family.long_text_tokenizers[0])].model_max_length
 
     schnell = released("flux", guidance=False)
     assert t5_length(schnell) == 256

@@ -94,7 +94,7 @@ class Encoder:
             for name, folder in zip(self.family.text_encoders, self.family.tokenizers):
                 module = load_component(name, self.text_source, family=self.family)
                 self.text_encoders.append(module.to(device).eval())
-                t5 = folder in self.family.t5_tokenizers
+                t5 = folder in self.family.long_text_tokenizers
                 length = build.t5_text_length(model, self.family, self.text_source, folder) if t5 else None
                 tokenizers.append(build.load_tokenizer(self.text_source, length, folder=folder))
                 if t5:

@@ -158,7 +158,7 @@ def _tokenizer_folder(source: str | Path, folder: str = "tokenizer") -> Path:
         if beside.is_dir():
             return beside
         # SDXL's second CLIP tokenizer may stand in for the first; a T5's (Flux's second, SD3's third) never does.
-        if folder in families.detect(path).t5_tokenizers:
+        if folder in families.detect(path).long_text_tokenizers:
             return Path(single_file.tokenizer_for(path, int(folder.rpartition("_")[2])))
         return Path(single_file.tokenizer_for(path))
     for name in dict.fromkeys((folder, "tokenizer")):
@@ -255,7 +255,7 @@ def load_text_tokenizers(config: ModelConfig, fallback: str | Path | None = None
     tokenizers = []
     for folder in family.tokenizers:
         named = getattr(config, folder, None) if folder != "tokenizer" else None
-        if folder in family.t5_tokenizers:
+        if folder in family.long_text_tokenizers:
             tokenizers.append(load_tokenizer(named or source, t5_text_length(config, family, named or source, folder),
                                              folder))
         else:
@@ -272,7 +272,7 @@ def t5_text_length(config: ModelConfig, family: families.ModelFamily, tokenizer_
     length never wins."""
     if config.t5_text_length:
         return config.t5_text_length
-    default = family.t5_text_length(config.preset, component_source(config, family.denoiser))
+    default = family.long_text_length(config.preset, component_source(config, family.denoiser))
     found = _tokenizer_folder(tokenizer_source, folder) if tokenizer_source else None
     # Not the first tokenizer's, where a run from scratch keeps the one it trained for every encoder.
     saved = _saved_length(found / "tokenizer_config.json") if found and found.name != "tokenizer" else None

@@ -399,7 +399,7 @@ class DiffusionTask(Task):
     def t5_text_length(self) -> int | None:
         """T5's tokens per caption (SD3, Flux.1), None for families without T5."""
         lengths = [tokenizer.model_max_length for folder, tokenizer in zip(self.family.tokenizers, self.tokenizers)
-                   if folder in self.family.t5_tokenizers]
+                   if folder in self.family.long_text_tokenizers]
         return lengths[0] if lengths else None
 
     @property

@@ -208,7 +208,7 @@ class Flux(ModelFamily):
                   "transformer": FluxTransformer2DModel}
     text_encoders = ("text_encoder", "text_encoder_2")
     tokenizers = ("tokenizer", "tokenizer_2")
-    t5_tokenizers = ("tokenizer_2",)
+    long_text_tokenizers = ("tokenizer_2",)
     lora_text_encoders = ("text_encoder",)
     denoiser = "transformer"
     denoiser_lora_peft_names = True
@@ -228,7 +228,7 @@ class Flux(ModelFamily):
         dev = any(key.startswith(f"{prefix}guidance_in.") for key in keys)
         return dict(_DEV_SCHEDULER if dev else _SCHNELL_SCHEDULER)
 
-    def t5_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
+    def long_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
         # What each was released to sample with: dev 512, schnell 256 (Black Forest Labs' and kohya's); a
         # pretrained transformer is dev's when it has the guidance embedding.
         distilled = _guidance_embedding(denoiser_source) if denoiser_source else None

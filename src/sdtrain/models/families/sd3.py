@@ -71,7 +71,7 @@ class StableDiffusion3(ModelFamily):
                   "transformer": SD3Transformer2DModel}
     text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
     tokenizers = ("tokenizer", "tokenizer_2", "tokenizer_3")
-    t5_tokenizers = ("tokenizer_3",)
+    long_text_tokenizers = ("tokenizer_3",)
     # diffusers' SD3 LoRA loader (and its training script) adapts the two CLIPs; T5 stays frozen.
     lora_text_encoders = ("text_encoder", "text_encoder_2")
     denoiser = "transformer"
@@ -90,7 +90,7 @@ class StableDiffusion3(ModelFamily):
     def max_latent_side(self, denoiser_config: Any) -> int | None:
         return denoiser_config.pos_embed_max_size * denoiser_config.patch_size
 
-    def t5_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
+    def long_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
         return T5_TEXT_LENGTH
 
     def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:

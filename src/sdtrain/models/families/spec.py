@@ -53,9 +53,10 @@ class ModelFamily:
     lora_text_encoders: tuple[str, ...] | None = None
     """The text encoders ``lora.text_encoder`` adapts (None: all); T5 is left frozen, as kohya's and diffusers'
     scripts leave it."""
-    t5_tokenizers: tuple[str, ...] = ()
+    long_text_tokenizers: tuple[str, ...] = ()
     """The tokenizers (of `tokenizers`) that feed a long-context encoder, T5 or a language model: their length is
-    ``model.t5_text_length``, else the family's `t5_text_length`, not CLIP's 77."""
+    ``model.t5_text_length`` (the key keeps T5's name, the first such encoder), else the family's
+    `long_text_length`, not CLIP's 77."""
     latent_constants: dict[str, float | None] = {"scaling_factor": 0.18215, "shift_factor": None}
     """How the released models' latents are normalised for the denoiser, ``(latent - shift_factor) *
     scaling_factor``: what a VAE file that does not say it takes when this family's model is trained or encoded."""
@@ -97,9 +98,10 @@ class ModelFamily:
         None: the preset's."""
         return None
 
-    def t5_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
-        """Tokens per caption of the T5 encoder when ``model.t5_text_length`` is unset: what the released model
-        samples with, for a denoiser built from `preset` or loaded from `denoiser_source` (a folder or file)."""
+    def long_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
+        """Tokens per caption of the long-context encoder (T5, a language model) when ``model.t5_text_length`` is
+        unset: what the released model samples with, for a denoiser built from `preset` or loaded from
+        `denoiser_source` (a folder or file)."""
         return 256
 
     def ids_key(self, index: int) -> str:

@@ -61,7 +61,7 @@ class ZImage(ModelFamily):
     title = "Z-Image"
     latent_constants = {key: _FLUX_VAE[key] for key in ("scaling_factor", "shift_factor")}
     components = {"vae": AutoencoderKL, "text_encoder": Qwen3Model, "transformer": ZImageTransformer2DModel}
-    t5_tokenizers = ("tokenizer",)
+    long_text_tokenizers = ("tokenizer",)
     # diffusers' Z-Image LoRA loader adapts the transformer alone.
     lora_text_encoders = ()
     denoiser = "transformer"
@@ -73,7 +73,7 @@ class ZImage(ModelFamily):
                    AutoencoderKL: _vae_blocks}
     presets = PRESETS
 
-    def t5_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
+    def long_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
         return TEXT_LENGTH
 
     def train_tokenizer(self, captions: list[str], out_dir: Path, vocab_size: int, max_length: int) -> Any:

@@ -69,7 +69,7 @@ class TextualInversionTask(DiffusionTask):
 
     def make_trainable(self) -> dict[str, nn.Module]:
         cfg = self.config.textual_inversion
-        if self.family.t5_tokenizers:
+        if self.family.long_text_tokenizers:
             raise UserError(f"mode: textual_inversion learns CLIP token vectors (SD 1/2, SDXL); {self.family.title} "
                             "conditions mostly on a T5 or language-model encoder: train a LoRA instead (mode: lora)")
         self.tokens = placeholder_tokens(cfg)
