@@ -144,12 +144,12 @@ def load_tokenizer_folder(path: str | Path, max_length: int | None = None) -> An
     ``tokenizer_2/`` of Flux.1), or any other class its tokenizer_config.json names (a language model's, Qwen2's
     for Z-Image), through transformers' AutoTokenizer. ``max_length`` overrides the saved ``model_max_length``."""
     path = Path(path)
-    named = _tokenizer_class(path)
-    if not is_t5_tokenizer(path) and (not named or named.startswith("CLIP")):
+    named, t5 = _tokenizer_class(path), is_t5_tokenizer(path)
+    if not t5 and (not named or named.startswith("CLIP")):
         return load_clip_tokenizer(path, max_length)
     kwargs = {} if max_length is None else {"model_max_length": max_length}
     try:
-        if is_t5_tokenizer(path):
+        if t5:
             return T5Tokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
     except Exception as e:  # the Rust backend reports corrupt files as a bare Exception

@@ -103,9 +103,7 @@ class ZImage(ModelFamily):
 
     def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
                     masks: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
-        mask = masks[0] if masks else None
-        if mask is None:  # ids made without the family's tokenize: every position but the padding is the caption's
-            mask = ids[0].ne(encoders[0].config.pad_token_id).long()
+        mask = masks[0]  # `tokenize` makes one with every caption's ids
         states = causal_lm.hidden_states(encoders[0], ids[0], mask, TEXT_LAYER)
         return {"text_emb": states, "text_mask": mask.to(states.dtype)}
 
