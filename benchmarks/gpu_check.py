@@ -254,7 +254,8 @@ def run_tests(out: Path, timeout: int, select: str | None = None) -> dict[str, A
                *per_test, *(["-k", select] if select else []), "tests/test_cuda.py"]
     start = time.perf_counter()
     status, tail = _run_logged(command, out / "cuda-tests.log", timeout,
-                               {"GPU_CHECK_REPORTS": str(reports), "NCCL_DEBUG": "WARN"})
+                               {"GPU_CHECK_REPORTS": str(reports), "NCCL_DEBUG": "WARN",
+                                "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
     result: dict[str, Any] = {"seconds": round(time.perf_counter() - start, 1), "passed": 0, "failed": 0,
                               "skipped": 0, "failures": [], "skip_reasons": []}
     outcomes: dict[str, dict[str, str]] = {}

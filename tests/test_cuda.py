@@ -31,10 +31,24 @@ ON_CUDA = [*TINY, "train.device=cuda", "validation.prompts=[]", "evaluation.ever
 
 
 @pytest.fixture
-def cuda() -> torch.device:
+def cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU; `make gpu-check` runs these on one")
-    return torch.device("cuda")
+    yield torch.device("cuda")
+    # train.deterministic is process-wide: the next test starts from torch's defaults.
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.deterministic = False
+
+
+def _update_cosine(pretrained: Path, a: Path, b: Path) -> float:
+    """The cosine between two runs' whole updates of the UNet (from the same pretrained weights). Adam moves each
+    weight by about lr whatever its gradient's size, so a weight whose gradient is near zero flips direction under
+    any rounding change: compare updates as a whole, not weight by weight."""
+    base = load_file(str(pretrained / "unet" / "diffusion_pytorch_model.safetensors"))
+    after = [read_weights(run, "model") for run in (a, b)]
+    keys = [k for k in after[0] if k.startswith("unet.") and k[len("unet."):] in base]
+    delta = [torch.cat([(w[k].float() - base[k[len("unet."):]].float()).flatten() for k in keys]) for w in after]
+    return float(torch.nn.functional.cosine_similarity(delta[0], delta[1], dim=0))
 
 
 def _finetune(config: str, run: Path, pretrained: Path, shapes_dir: Path, *extra: str) -> Path:
@@ -58,12 +72,7 @@ def test_a_bf16_step_matches_fp32_within_bf16s_precision(cuda, tmp_path, pretrai
                   "ema.enabled=false", f"train.mixed_precision={precision}", "optim.warmup_steps=0")
     fp32, bf16 = (_losses(runs[p]) for p in ("fp32", "bf16"))
     assert bf16[0] == pytest.approx(fp32[0], rel=2e-2)
-    base = load_file(str(pretrained / "unet" / "diffusion_pytorch_model.safetensors"))
-    after = {p: read_weights(latest_checkpoint(runs[p]), "model") for p in runs}
-    keys = [k for k in after["fp32"] if k.startswith("unet.") and k[len("unet."):] in base]
-    delta = {p: torch.cat([(after[p][k].float() - base[k[len("unet."):]].float()).flatten() for k in keys])
-             for p in runs}
-    assert torch.nn.functional.cosine_similarity(delta["fp32"], delta["bf16"], dim=0) > 0.9
+    assert _update_cosine(pretrained, latest_checkpoint(runs["fp32"]), latest_checkpoint(runs["bf16"])) > 0.9
 
 
 def test_fused_adamw_on_cuda_steps_as_the_cpu_loop_does(cuda):
@@ -112,7 +121,8 @@ def test_fp8_base_and_block_swap_train_the_lora_of_a_resident_bf16_base(cuda, tm
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_step_over_nccl_at_world_size_one_matches_one_process(cuda, tmp_path, pretrained, shapes_dir, strategy):
-    common = ["train.max_steps=2", "optim.lr=0.01", "ema.enabled=false", "checkpoint.every=2"]
+    common = ["train.max_steps=2", "optim.lr=0.01", "ema.enabled=false", "checkpoint.every=2",
+              "train.deterministic=true"]
     single = _finetune("finetune-full.yaml", tmp_path / "single", pretrained, shapes_dir, *common)
     run = tmp_path / strategy
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "sdtrain",
@@ -128,7 +138,10 @@ def test_a_step_over_nccl_at_world_size_one_matches_one_process(cuda, tmp_path, 
 
 
 def test_an_async_sharded_save_on_cuda_resumes_bitwise(cuda, tmp_path, pretrained, shapes_dir):
-    common = ["optim.lr=0.01", "checkpoint.every=1", "checkpoint.format=sharded", "checkpoint.async_save=true"]
+    """Bitwise needs deterministic kernels on CUDA (train.deterministic): cuDNN's and attention's backward
+    kernels otherwise sum in a different order on every run, resumed or not."""
+    common = ["optim.lr=0.01", "checkpoint.every=1", "checkpoint.format=sharded", "checkpoint.async_save=true",
+              "train.deterministic=true"]
     straight = _finetune("finetune-full.yaml", tmp_path / "straight", pretrained, shapes_dir, "train.max_steps=4",
                          *common)
     resumed = tmp_path / "resumed"
@@ -157,12 +170,11 @@ def test_the_loader_pins_batches_and_the_step_copies_them_without_blocking(cuda,
 
 
 def test_compiled_blocks_train_as_eager_ones(cuda, tmp_path, pretrained, shapes_dir):
-    """torch.compile of each repeated block (train.compile): the same losses and weights within kernel rounding."""
+    """torch.compile of each repeated block (train.compile): the same losses within kernel rounding, and the same
+    update (fused kernels round differently, which Adam turns into sign flips where gradients are near zero)."""
     common = ["train.max_steps=3", "optim.lr=0.01", "ema.enabled=false"]
     eager = _finetune("finetune-full.yaml", tmp_path / "eager", pretrained, shapes_dir, *common)
     compiled = _finetune("finetune-full.yaml", tmp_path / "compiled", pretrained, shapes_dir, *common,
                          "train.compile=true")
     assert _losses(tmp_path / "compiled") == pytest.approx(_losses(tmp_path / "eager"), rel=1e-3)
-    got, expected = read_weights(compiled, "model"), read_weights(eager, "model")
-    for key in expected:
-        torch.testing.assert_close(got[key], expected[key], rtol=1e-3, atol=1e-4, msg=key)
+    assert _update_cosine(pretrained, eager, compiled) > 0.99

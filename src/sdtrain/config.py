@@ -563,6 +563,10 @@ class TrainConfig:
     cudnn_benchmark: bool = False
     """On CUDA, let cuDNN time its algorithms for each new convolution shape and keep the fastest
     (``torch.backends.cudnn.benchmark``): a slower first step per shape, and aspect buckets bring several shapes."""
+    deterministic: bool = False
+    """On CUDA, only deterministic kernels (``torch.use_deterministic_algorithms``, cuDNN's deterministic
+    convolutions, cuBLAS's fixed workspace): two runs, or a run and its resume, agree bit for bit, at some speed.
+    An operation with no deterministic kernel stops the run and is named. CPU kernels are deterministic already."""
     threads: int = 0
     """torch intra-op threads on CPU; 0 keeps torch's default."""
 

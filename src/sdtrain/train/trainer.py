@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import random
 import signal
 import time
@@ -167,7 +168,12 @@ class Trainer:
         if self.device.type == "cuda":
             # Process-wide; off unless asked for (`make gpu-check` measures what each pays).
             torch.set_float32_matmul_precision("high" if config.train.tf32 else "highest")
-            torch.backends.cudnn.benchmark = config.train.cudnn_benchmark
+            torch.backends.cudnn.benchmark = config.train.cudnn_benchmark and not config.train.deterministic
+            if config.train.deterministic:
+                # cuBLAS reads its workspace setting when first used: set before any matmul of this process.
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+                torch.backends.cudnn.deterministic = True
+                torch.use_deterministic_algorithms(True)
         init_distributed(self.topology, self.device, config.parallel.backend, config.parallel.timeout_minutes)
         self.is_main = self.topology.is_main
         random.seed(config.seed)
