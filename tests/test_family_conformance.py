@@ -153,3 +153,28 @@ def test_families_are_told_apart_by_their_files():
     for name, family in families.FAMILIES.items():
         assert family.name == name and families.get(name) is family
         assert family.pipeline_class.__name__ in family.pipeline_names
+
+
+def test_its_single_file_layout_reads_back_what_it_writes(tiny, tmp_path):
+    """Every family with a single-file layout: what `export --single-file` writes of the components the layout
+    holds is recognised as the family's and loads back weight for weight, through the path training and
+    `generate` read files by (`loaders.components.load_component`)."""
+    from sdtrain.loaders.components import load_component
+
+    layout = tiny.family.single_file
+    if layout is None:
+        pytest.skip(f"{tiny.family.title} has no single-file layout")
+    held = layout.holds or tuple(tiny.components)
+    out = tmp_path / "model.safetensors"
+    layout.write(out, {name: tiny.components[name] for name in held}, half=False,
+                 scheduler=build.build_noise_scheduler(DiffusionConfig(), tiny.config), text_layout="auto",
+                 text_source=None)
+    assert families.detect(out) is tiny.family
+    for name in held:
+        loaded = load_component(name, out, family=tiny.family, served=tiny.config)
+        assert isinstance(loaded, tiny.family.components[name])
+        expected = tiny.components[name].state_dict()
+        got = loaded.state_dict()
+        assert set(expected) <= set(got), name
+        for key, tensor in expected.items():
+            assert torch.equal(got[key].float(), tensor.float()), f"{name}: {key}"

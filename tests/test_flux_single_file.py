@@ -231,7 +231,7 @@ def test_bad_flux_files_are_one_line_user_errors(tmp_path, single, pipeline, sha
     cases = {
         truncated: "not a readable safetensors file",
         write("sd.safetensors", {"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(4, 4, 3, 3)}):
-            "holds no Flux.1 transformer",
+            "holds Stable Diffusion 1.x/2.x's model, no Flux.1 transformer",
         write("hole.safetensors", {k: v for k, v in state.items() if k != "double_blocks.0.img_attn.qkv.bias"}):
             r"cannot read it as a Flux.1 transformer .*double_blocks\.0\.img_attn\.qkv\.bias",
         write("extra.safetensors", {**state, "double_blocks.0.lora_extra.weight": torch.zeros(2)}):
@@ -243,7 +243,7 @@ def test_bad_flux_files_are_one_line_user_errors(tmp_path, single, pipeline, sha
         with pytest.raises(UserError, match=message) as caught:
             load_component("transformer", path, family=FLUX)
         assert str(path) in str(caught.value) and "\n" not in str(caught.value)
-    with pytest.raises(UserError, match="holds a Flux.1 transformer alone.*model.vae"):
+    with pytest.raises(UserError, match="holds Flux.1.s transformer alone, no Flux.1 vae; set model.vae"):
         load_component("vae", single, family=FLUX)
     # Stable Diffusion's readers (what `generate --model FILE` and the text settings inspect) say what it is.
     with pytest.raises(UserError, match="holds a Flux.1 transformer alone.*Flux pipeline folder"):

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from sdtrain.config import DiffusionConfig, ModelConfig
 from sdtrain.errors import UserError
 from sdtrain.loaders.components import load_component
-from sdtrain.loaders.pipelines import load_single_file_pipeline
+from sdtrain.loaders.pipelines import pipeline_from_file
 from sdtrain.models import build
 from sdtrain.models import single_file as sf
 from sdtrain.models.families.sd import PRESETS
@@ -78,7 +78,7 @@ def test_round_trip_loads_in_diffusers_and_sdtrain_with_the_runs_weights(exporte
     for name in ("unet", "vae", "text_encoder"):
         _assert_same_weights(getattr(single, name), getattr(reference, name), f"diffusers {name}")
     plain = StableDiffusionPipeline.from_pretrained(folder, local_files_only=True)
-    ours = load_single_file_pipeline(path)  # sdtrain's loader, the OUT.tokenizer/ beside the file
+    ours = pipeline_from_file(path)  # sdtrain's loader, the OUT.tokenizer/ beside the file
     images = []
     for pipe in (single, plain, ours):
         pipe.set_progress_bar_config(disable=True)

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from sdtrain.errors import UserError
-from sdtrain.loaders.pipelines import load_single_file_pipeline
+from sdtrain.loaders.pipelines import pipeline_from_file
 from sdtrain.models import single_file as sf
 
 NAMES = ("unet", "vae", "text_encoder", "text_encoder_2")
@@ -148,7 +148,7 @@ def test_sdtrain_reads_each_component_and_the_pipeline_without_a_config_folder(s
         for key in ("hidden_act", "num_attention_heads", "projection_dim", "eos_token_id"):
             assert getattr(loaded[name].config, key) == getattr(parts[name].config, key), (name, key)
 
-    ours = load_single_file_pipeline(path)  # tokenizers from OUT.tokenizer/ and OUT.tokenizer_2/
+    ours = pipeline_from_file(path)  # tokenizers from OUT.tokenizer/ and OUT.tokenizer_2/
     assert isinstance(ours, StableDiffusionXLPipeline) and ours.watermark is None
     assert ours.config.force_zeros_for_empty_prompt is True
     assert (ours.scheduler.config.timestep_spacing, ours.scheduler.config.steps_offset) == ("leading", 1)
@@ -184,9 +184,13 @@ def test_a_file_without_metadata_reads_with_sdxl_defaults(sdxl, tmp_path):
         sf.load_single_file_component("text_encoder_2", broken)
     assert str(broken) in str(caught.value) and "\n" not in str(caught.value)
     _assert_same_weights(sf.load_single_file_component("unet", broken), parts["unet"], "unet beside it")
-    with pytest.raises(UserError, match="no tokenizer; set model.tokenizer_2") as caught:
-        load_single_file_pipeline(bare, tokenizer=sf.tokenizer_folder(path))
+    with pytest.raises(UserError, match="no tokenizer") as caught:
+        pipeline_from_file(bare)
     assert "\n" not in str(caught.value)
+    # One tokenizer named for a bare file serves both encoders, as training reads such a file: SDXL's two share
+    # their vocabulary.
+    pipe = pipeline_from_file(bare, tokenizer=sf.tokenizer_folder(path))
+    assert pipe.tokenizer_2.get_vocab() == pipe.tokenizer.get_vocab()
 
 
 def test_writer_refuses_what_sdxl_files_cannot_hold(sdxl, tmp_path):

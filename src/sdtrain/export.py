@@ -13,6 +13,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from sdtrain.checkpoint import latest_checkpoint, pinned_sources, read_meta
 from sdtrain.config import RunConfig
@@ -23,8 +24,6 @@ from sdtrain.loaders.pipelines import pipeline_from_run, run_config
 from sdtrain.model_card import FOLDER_FILES, write_file_card, write_folder_card
 from sdtrain.models import build, families, single_file
 from sdtrain.models.pipeline import write_sampling
-from sdtrain.models.single_file import flux as flux_layout
-from sdtrain.models.single_file import sd3 as sd3_layout
 from sdtrain.train.modes import save_trained_parts
 
 log = logging.getLogger(__name__)
@@ -174,72 +173,53 @@ def _write_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: P
         return out
     # The family the run trained, as its checkpoint records it (the config's sources may have moved since).
     family = families.detect(checkpoint)
-    if family.name == flux_layout.FAMILY:
-        if text_layout != "auto":
-            raise UserError("--text-layout: a Flux.1 single file holds the transformer alone, no text encoder; "
-                            "drop the option")
-        return _export_flux_transformer(run_dir, out, family, ema, checkpoint, half)
-    if family.name == sd3_layout.FAMILY:
-        if text_layout != "auto":
-            raise UserError("--text-layout: an SD3 single file keeps its text encoders in their own layout; drop the "
-                            "option")
-        return _export_sd3(run_dir, out, family, ema, checkpoint, half)
-    if family.name not in single_file.FAMILIES:
-        raise UserError(f"{run_dir}: a {family.title} run; --single-file writes Stable Diffusion 1.x/2.x, SDXL, SD3 "
-                        "and Flux.1 files: export the diffusers folder (sdtrain export RUN OUT)")
-    pipe = pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint)
+    layout = family.single_file
+    if layout is None:
+        raise UserError(f"{run_dir}: a {family.title} run; {family.title} has no single-file layout sdtrain writes: "
+                        "export the diffusers folder (sdtrain export RUN OUT)")
+    if text_layout != "auto" and not layout.text_layouts:
+        holds_text = layout.holds is None or any(name in family.text_encoders for name in layout.holds)
+        what = "keeps its text encoders in one layout" if holds_text else \
+            f"holds the {' and '.join(layout.holds or ())} alone, no text encoder"
+        raise UserError(f"--text-layout: a {family.title} single file {what}; drop the option")
     model = config.model
-    # The training noise schedule (not the pipeline's sampler): its prediction type and betas go in the metadata.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if layout.holds is not None:
+        components = _held_components(run_dir, family, layout.holds, ema, checkpoint)
+    else:
+        pipe = pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint)
+        components = {name: getattr(pipe, name) for name in family.components}
+        # Beside the file, as OUT.tokenizer/, OUT.tokenizer_2/...: a single file holds none.
+        _write_tokenizers(out, [getattr(pipe, name) for name in family.tokenizers])
+    # The training noise schedule (not the pipeline's sampler): a DDPM file keeps its prediction type and betas.
     noise = build.build_noise_scheduler(config.diffusion, model)
     text_source = pinned_sources(checkpoint).get("text_encoder") or build.component_source(model, "text_encoder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Beside the file, as OUT.tokenizer/ (and SDXL's OUT.tokenizer_2/), swapped in whole like every export.
-    second = getattr(pipe, "text_encoder_2", None)
-    _write_tokenizers(out, [pipe.tokenizer] + ([pipe.tokenizer_2] if second is not None else []))
-    single_file.save_single_file(out, unet=pipe.unet, vae=pipe.vae, text_encoder=pipe.text_encoder,
-                                 text_encoder_2=second, scheduler=noise, text_layout=text_layout,
-                                 text_source=text_source, half=half)
-    log.info("exported %s -> %s", run_dir, out)
+    layout.write(out, components, half=half, scheduler=noise, text_layout=text_layout, text_source=text_source)
+    held = "" if layout.holds is None else f" ({' and '.join(layout.holds)} alone; the rest is the pipeline folder's " \
+        f"`sdtrain export {run_dir} OUT` writes)"
+    log.info("exported %s -> %s%s", run_dir, out, held)
     return out
+
+
+def _held_components(run_dir: Path, family: families.ModelFamily, held: tuple[str, ...], ema: bool,
+                     checkpoint: Path) -> dict[str, Any]:
+    """The components a partial single file holds (Flux.1's transformer alone), as the run trained them, adapters
+    merged in; a run that trained none of them, or more than they are, is said."""
+    trained = list(read_meta(checkpoint)["modules"])
+    missing = [name for name in held if name not in trained]
+    if missing:
+        raise UserError(f"{run_dir}: this run trained {', '.join(trained)}, not the {' and '.join(missing)}, which "
+                        f"is what a {family.title} single file holds; export the diffusers folder instead "
+                        "(sdtrain export RUN OUT)")
+    others = [name for name in trained if name not in held]
+    if others:
+        log.warning("%s: the run also trained %s, which a %s single file does not hold; use them from the "
+                    "diffusers folder `sdtrain export %s OUT` writes", run_dir, ", ".join(others), family.title,
+                    run_dir)
+    modules = load_run_modules(run_dir, list(held), ema=ema, checkpoint=checkpoint)
+    return {name: merge_partial(module) for name, module in modules.items()}
 
 
 def _write_tokenizers(out: Path, tokenizers: list) -> None:
     for index, tokenizer in enumerate(tokenizers, 1):
         _swap_in_folder(single_file.tokenizer_folder(out, index), tokenizer.save_pretrained)
-
-
-def _export_sd3(run_dir: Path, out: Path, family: families.ModelFamily, ema: bool, checkpoint: Path,
-                half: bool) -> Path:
-    """An SD3 run as ONE file in Stability's layout (sd3_medium_incl_clips_t5xxlfp8.safetensors'): the MMDiT with its
-    LoRA adapters merged, the VAE and all three text encoders, which ComfyUI's Load Checkpoint and diffusers'
-    from_single_file read; the tokenizers beside it as OUT.tokenizer/, OUT.tokenizer_2/ and OUT.tokenizer_3/. fp16
-    with `half`, as SD3 was released."""
-    pipe = pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _write_tokenizers(out, [getattr(pipe, name) for name in family.tokenizers])
-    sd3_layout.save_original(out, {name: getattr(pipe, name) for name in family.components}, half=half)
-    log.info("exported %s -> %s", run_dir, out)
-    return out
-
-
-def _export_flux_transformer(run_dir: Path, out: Path, family: families.ModelFamily, ema: bool, checkpoint: Path,
-                             half: bool) -> Path:
-    """A Flux.1 run's transformer as ONE file in Black Forest Labs' layout (flux1-dev.safetensors'), its LoRA
-    adapters merged in: what ComfyUI's Load Diffusion Model and diffusers' FluxTransformer2DModel.from_single_file
-    read. Nothing but its model card is written beside it: BFL's file holds no VAE, text encoder or tokenizer, and
-    Flux.1 tools load those separately (the exported pipeline folder's, or the released clip_l, t5xxl and ae files
-    when they were not trained). bf16 with `half`, Flux.1's own dtype (its activations overflow fp16)."""
-    name = family.denoiser
-    trained = list(read_meta(checkpoint)["modules"])
-    if name not in trained:
-        raise UserError(f"{run_dir}: this run trained {', '.join(trained)}, not the transformer, which is all a Flux.1 "
-                        "single file holds; export the diffusers folder instead (sdtrain export RUN OUT)")
-    others = [n for n in trained if n != name]
-    if others:
-        log.warning("%s: the run also trained %s, which a Flux.1 single file does not hold; use them from the "
-                    "diffusers folder `sdtrain export %s OUT` writes", run_dir, ", ".join(others), run_dir)
-    transformer = merge_partial(load_run_modules(run_dir, [name], ema=ema, checkpoint=checkpoint)[name])
-    flux_layout.save_original(out, transformer, half=half)
-    log.info("exported %s -> %s (the Flux.1 transformer alone, in Black Forest Labs' layout; its VAE, text encoders "
-             "and tokenizers are those of the pipeline `sdtrain export %s OUT` writes)", run_dir, out, run_dir)
-    return out

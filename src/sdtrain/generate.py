@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from sdtrain.errors import UserError, first_line
-from sdtrain.loaders.pipelines import load_single_file_pipeline, pipeline_from_file, pipeline_from_run, run_config
+from sdtrain.loaders.pipelines import pipeline_from_file, pipeline_from_run, run_config
 from sdtrain.models import build, families, hub
 from sdtrain.models.pipeline import DEFAULT_STEPS, read_sampling, run_sampling, sample_images, sampler_from
 from sdtrain.models.single_file import TRUST_PICKLE_ENV, trust_pickle_from_env
@@ -31,19 +31,14 @@ def load_pipeline(model: str | Path, ema: bool = True, device: str = "auto",
     if kind == "run":
         pipe = pipeline_from_run(Path(model), ema=ema)
     elif kind == "single_file":
-        family = families.detect(model)
-        # An SD3 file holds its whole model; SD's are read by the single-file module, Flux.1's transformer alone is
-        # refused there with the way to use it.
-        pipe = pipeline_from_file(model, family, tokenizer) if family is families.get("sd3") else \
-            load_single_file_pipeline(model, tokenizer=tokenizer)
+        pipe = pipeline_from_file(model, tokenizer)
     elif kind == "pipeline":
         trusted = trust_pickle_from_env()
         try:
             family = families.detect(model)
-            # SD's safety checker is not part of a trained model; other families have none.
-            extra = {"safety_checker": None, "requires_safety_checker": False} if family is families.SD else {}
             pipe = family.pipeline_class.from_pretrained(model, local_files_only=True,
-                                                         use_safetensors=not trusted or None, **extra)
+                                                         use_safetensors=not trusted or None,
+                                                         **family.pipeline_loading)
         except (OSError, ValueError) as exc:
             hint = "" if trusted else (f"; a pipeline with pickled .bin weights loads with {TRUST_PICKLE_ENV}=1 "
                                        "if you trust it")

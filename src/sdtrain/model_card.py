@@ -282,9 +282,9 @@ def _summary(export: _Export) -> str:
            }.get(export.mode, f"{'fine-tuned' if base.source else 'trained'} {start} with sdtrain")
     if export.kind != "file":
         return f"A {family.title} pipeline for diffusers, {how}."
-    if family.name == "flux":
-        return f"The {family.title} transformer alone, in one file in Black Forest Labs' layout, {how}."
-    return f"A {family.title} model in one file in the original layout (A1111, ComfyUI, diffusers), {how}."
+    layout = family.single_file
+    assert layout is not None  # a file is exported only in a family's layout
+    return f"{layout.description.format(title=family.title)}, {how}."
 
 
 def _code(lines: list[str]) -> str:
@@ -329,19 +329,14 @@ def _usage(export: _Export) -> list[str]:
                                                          family.tokenizers)]
         else:
             lines.append(f"pipe.load_textual_inversion({here}, weight_name={json.dumps(LEARNED_EMBEDS)}){comment}")
-    elif family.name == "flux":
-        lines = [f"from diffusers import FluxTransformer2DModel, {pipeline}", "",
-                 f"transformer = FluxTransformer2DModel.from_single_file({here}, config={base}, "
-                 "subfolder=\"transformer\")",
-                 f"pipe = {pipeline}.from_pretrained({base}, transformer=transformer)"]
     else:
-        lines = [*head, f"pipe = {pipeline}.from_single_file({here}, config={base})"]
+        lines = family.single_file.diffusers_code(pipeline, here, base)
     lines.append(f"image = pipe({prompt}).images[0]")
     out += [_code(lines), ""]
     if export.kind == "file" and not export.base.hub_id:
         out += ["`config` is a pipeline folder of the same architecture: the one `sdtrain export RUN OUT` writes "
                 "from this run will do.", ""]
-    if export.kind == "file" and family.name != "flux":
+    if export.kind == "file" and family.single_file.holds is None:
         tokenizers = ", ".join(f"`{tokenizer_folder(name, i).name}/`" for i in range(1, len(family.tokenizers) + 1))
         out += [f"Tokenizer folders beside it: {tokenizers}. sdtrain reads the file as `model.pretrained` or "
                 "`generate --model`.", ""]
@@ -357,12 +352,11 @@ def _usage(export: _Export) -> list[str]:
 
 def _comfyui(export: _Export) -> str | None:
     family, name = export.family, export.name
-    if export.kind == "file" and family is not None and family.name == "flux":
-        return (f"put `{name}` in `ComfyUI/models/diffusion_models/` and load it with Load Diffusion Model, beside "
-                "Flux.1's own `clip_l` and `t5xxl` (DualCLIPLoader) and `ae` (Load VAE) files.")
     if export.kind == "file":
-        return f"put `{name}` in `ComfyUI/models/checkpoints/` and load it with Load Checkpoint."
-    if export.kind == "lora" and (export.kohya or family.name == "sd3"):
+        layout = family.single_file if family is not None else None
+        return layout.comfyui.format(name=name) if layout else \
+            f"put `{name}` in `ComfyUI/models/vae/` and load it with Load VAE."
+    if export.kind == "lora" and (export.kohya or family.comfyui_reads_diffusers_lora):
         weights = KOHYA_WEIGHTS if export.kohya else LORA_WEIGHTS
         return (f"put `{weights}` (renamed as you like) in `ComfyUI/models/loras/` and apply it to the base model "
                 "with a Load LoRA node.")
@@ -414,8 +408,8 @@ def training_settings(export: _Export) -> list[tuple[str, str]]:
         rows.append(("KL weight", f"{config.autoencoder.kl_weight:g}"))
     rows.append(("Seed", f"{config.seed}"))
     if export.kind == "file":
-        stored = ("bf16" if export.family is not None and export.family.name == "flux" else "fp16") \
-            if export.half else "fp32"
+        layout = export.family.single_file if export.family is not None else None
+        stored = (layout.half_dtype if layout else "fp16") if export.half else "fp32"
         rows.append(("Stored as", stored))
     rows.append(("Checkpoint", export.checkpoint.name))
     return rows

@@ -46,11 +46,7 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
     """
     kind = source_kind(source)
     if kind == "single_file":
-        # Stable Diffusion's components, or a Flux.1 transformer in BFL's layout (the file says which).
-        return single_file.load_single_file_component(
-            name, source, trust_pickle=trust_pickle, family=family.name if family else None,
-            frozen_precision=frozen_precision, weights=weights,
-            latent_constants=lambda: _served_latent_constants(source, served))
+        return _from_single_file(name, Path(source), trust_pickle, family, frozen_precision, weights, served)
     if not weights:
         if kind in ("component", "pipeline"):
             folder = Path(source) / name if kind == "pipeline" else Path(source)
@@ -80,6 +76,29 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
         hint = "" if trusted else ("; a folder with only pickled .bin weights loads with model.trust_pickle=true "
                                    f"(or {single_file.TRUST_PICKLE_ENV}=1) if you trust it")
         raise UserError(f"{folder}: cannot load the {name} ({first_line(exc)}){hint}") from exc
+
+
+def _from_single_file(name: str, path: Path, trust_pickle: bool | None, family: ModelFamily | None,
+                      frozen_precision: str, weights: bool, served: Any) -> Any:
+    """Component `name` of a single file, read by the layout of the family its keys name (`file_layout_family`),
+    which must be the model's own family unless that layout serves any (`SingleFileLayout.family_bound`)."""
+    if path.suffix in single_file.SAFE_SUFFIXES or not (trust_pickle or single_file.trust_pickle_from_env()):
+        # An unreadable file, or a pickle not trusted, is said as such before its keys are asked anything (a
+        # trusted pickle is read once, by its layout).
+        single_file.tensor_names(path, trust_pickle)
+    found = families.file_layout_family(path)
+    layout = found.single_file
+    assert layout is not None  # a family is recognised from a single file only by its layout's keys
+    if family is not None and found is not family and layout.family_bound:
+        raise UserError(f"{path}: a {found.title} file, but the model is {family.title}; set "
+                        f"model.family={found.name}, or point model.{name} at a {family.title} source")
+    if name not in found.components or (layout.holds is not None and name not in layout.holds):
+        what = f"{found.title}'s {' and '.join(layout.holds)} alone" if layout.holds else f"{found.title}'s model"
+        wanted = f"{family.title} {name}" if family is not None else name
+        raise UserError(f"{path}: holds {what}, no {wanted}; set model.{name} to a source that has one (a pipeline "
+                        "folder, e.g. what `sdtrain export RUN OUT` writes, or a single file that includes it)")
+    return layout.load(name, path, trust_pickle=trust_pickle, frozen_precision=frozen_precision, weights=weights,
+                       latent_constants=lambda: _served_latent_constants(path, served))
 
 
 def _served_latent_constants(source: str | Path, served: Any) -> dict[str, float | None]:

@@ -11,9 +11,8 @@ from sdtrain.config import DiffusionConfig, ModelConfig, RunConfig, load_config
 from sdtrain.errors import UserError
 from sdtrain.loaders.adapters import merge_partial
 from sdtrain.loaders.components import load_component, load_run_modules
-from sdtrain.models import build, families, single_file
-from sdtrain.models.pipeline import assemble_pipeline, sampler_from
-from sdtrain.models.tokenizer import load_clip_tokenizer
+from sdtrain.models import build, families
+from sdtrain.models.pipeline import sampler_from
 
 
 def run_config(run_dir: Path) -> RunConfig:
@@ -56,38 +55,20 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
                            sampler_from(noise, "euler"))
 
 
-def pipeline_from_file(path: str | Path, family: families.ModelFamily, tokenizer: str | Path | None = None) -> Any:
-    """The family's pipeline from ONE file holding the whole model (SD3's, with its text encoders): every component
-    from the file, the tokenizers from `tokenizer` or beside it (OUT.tokenizer/, OUT.tokenizer_2/...), the sampler
-    of the schedule its family was released with."""
-    model = ModelConfig(pretrained=str(path), tokenizer=str(tokenizer) if tokenizer else None)
+def pipeline_from_file(path: str | Path, tokenizer: str | Path | None = None) -> Any:
+    """The pipeline of ONE file holding a whole model in its family's original layout (Stable Diffusion's,
+    SDXL's, SD3's): every component read from the file by its family's layout, the tokenizers from `tokenizer` or
+    beside it (OUT.tokenizer/, OUT.tokenizer_2/...), the sampler of the noise schedule the file says or its family
+    was released with. A file of part of a model (Flux.1's transformer alone) is one line saying what to use."""
+    family = families.detect(path)
+    layout = family.single_file
+    if layout is None or layout.holds is not None:
+        held = f"{family.title}'s {' and '.join(layout.holds)} alone" if layout else f"a {family.title} file"
+        raise UserError(f"--model: {path} holds {held}, not a whole pipeline; pass a {family.title} pipeline folder "
+                        "(for a trained file, the one `sdtrain export RUN OUT` writes from its run)")
+    model = ModelConfig(pretrained=str(path), family=family.name, tokenizer=str(tokenizer) if tokenizer else None)
     # The tokenizers first: a missing one is said before the weights are read.
     tokenizers = build.load_text_tokenizers(model)
     components = {name: load_component(name, path, family=family, served=model) for name in family.components}
     noise = build.build_noise_scheduler(DiffusionConfig(), model)
     return family.assemble(components, tokenizers, sampler_from(noise, "euler"))
-
-
-def load_single_file_pipeline(path: str | Path, tokenizer: str | Path | None = None,
-                              trust_pickle: bool | None = None, tokenizer_2: str | Path | None = None) -> Any:
-    """A StableDiffusionPipeline (StableDiffusionXLPipeline for an SDXL file) from a single file: its components
-    as `load_single_file_component` reads them, the tokenizers from `tokenizer` and `tokenizer_2` (or the file's
-    OUT.tokenizer/ and OUT.tokenizer_2/ siblings), an Euler sampler on its noise schedule."""
-    from diffusers import DDPMScheduler
-
-    xl = single_file.inspect_single_file(path, trust_pickle).family == "sdxl"
-    # The tokenizers first: a missing one is said before the weights are read.
-    tok = load_clip_tokenizer(Path(tokenizer or single_file.tokenizer_for(path)))
-    tok_2 = load_clip_tokenizer(Path(tokenizer_2 or single_file.tokenizer_for(path, 2))) if xl else None
-    names = ("vae", "text_encoder", "text_encoder_2", "unet") if xl else ("vae", "text_encoder", "unet")
-    modules = {name: single_file.load_single_file_component(name, path, trust_pickle) for name in names}
-    noise = DDPMScheduler.from_config(single_file.scheduler_config(path, trust_pickle))
-    sampler = sampler_from(noise, "euler")
-    if not xl:
-        return assemble_pipeline(modules["vae"], modules["text_encoder"], tok, modules["unet"], sampler)
-    from diffusers import StableDiffusionXLPipeline
-
-    # No invisible watermark: it needs a package sdtrain does not install, and changes the images it returns.
-    return StableDiffusionXLPipeline(vae=modules["vae"], text_encoder=modules["text_encoder"],
-                                     text_encoder_2=modules["text_encoder_2"], tokenizer=tok, tokenizer_2=tok_2,
-                                     unet=modules["unet"], scheduler=sampler, add_watermarker=False)

@@ -102,6 +102,29 @@ def blocks(root: nn.Module) -> list[nn.Module]:
     return [module for module in root.modules() if id(module) in found]
 
 
+def _file_family(path: Path) -> tuple[ModelFamily | None, list[str]]:
+    """The family whose single-file layout a .safetensors file's keys are in (None: no family's), and the keys.
+    An unreadable file is taken for SD's: its loader says what is wrong with it."""
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            keys = list(file.keys())
+    except (OSError, SafetensorError):
+        return SD, []
+    # SDXL and SD3 files hold SD's VAE (and SDXL its UNet) prefixes too: the most specific keys decide.
+    for candidate in FAMILIES.values():
+        if candidate is not SD and any(key.startswith(candidate.single_file_keys) for key in keys):
+            return candidate, keys
+    return (SD if any(key.startswith(SD.single_file_keys) for key in keys) else None), keys
+
+
+def file_layout_family(path: str | Path) -> ModelFamily:
+    """The family whose single-file layout reads the file at `path`: the one its keys name, else Stable
+    Diffusion's original layout (a VAE alone, a pickle checkpoint), whose reader says what it cannot read."""
+    path = Path(path)
+    found = _file_family(path)[0] if path.suffix == ".safetensors" else None
+    return found or SD
+
+
 def detect(source: str | Path) -> ModelFamily:
     """The family of a pretrained pipeline folder, single file or sdtrain run, from its files alone (the pipeline
     class in model_index.json; a single file's key names; the family a run's checkpoint records). Other sources
@@ -120,17 +143,9 @@ def detect(source: str | Path) -> ModelFamily:
         if known is not None:
             return known
     elif path.is_file() and path.suffix == ".safetensors":
-        try:
-            with safe_open(str(path), framework="pt") as file:
-                keys = list(file.keys())
-        except (OSError, SafetensorError):
-            return SD  # the single-file loader reports what is wrong with the file
-        # SDXL and SD3 files hold SD's VAE (and SDXL its UNet) prefixes too: the most specific keys decide.
-        for candidate in FAMILIES.values():
-            if candidate is not SD and any(key.startswith(candidate.single_file_keys) for key in keys):
-                return candidate
-        if any(key.startswith(SD.single_file_keys) for key in keys):
-            return SD
+        known, keys = _file_family(path)
+        if known is not None:
+            return known
         found = f"keys such as {', '.join(keys[:3])}"
     else:
         return SD

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,9 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import CLIPTextModel, T5Config, T5EncoderModel
 
+from sdtrain.models import single_file
 from sdtrain.models.families.sd import _TINY_VAE, _text_blocks, _vae_blocks, clip_text_config
-from sdtrain.models.families.spec import ModelFamily, construct
+from sdtrain.models.families.spec import ModelFamily, SingleFileLayout, construct
 from sdtrain.models.single_file import flux as original_layout
 from sdtrain.models.single_file.read import original_prefix
 
@@ -200,6 +202,34 @@ def reference_init(transformer: FluxTransformer2DModel) -> None:
             nn.init.ones_(module.weight)
 
 
+class TransformerFile(SingleFileLayout):
+    """Black Forest Labs' release file (flux1-dev.safetensors'): the transformer alone, in their layout, bare or
+    under ComfyUI's ``model.diffusion_model.`` (`sdtrain.models.single_file.flux`). Its VAE, text encoders and
+    tokenizers are loaded separately, as Flux.1 tools load them. Written in bf16 with ``--half``: Flux.1's
+    activations overflow fp16."""
+
+    holds = ("transformer",)
+    half_dtype = "bf16"
+    description = "The {title} transformer alone, in one file in Black Forest Labs' layout"
+    comfyui = ("put `{name}` in `ComfyUI/models/diffusion_models/` and load it with Load Diffusion Model, beside "
+               "Flux.1's own `clip_l` and `t5xxl` (DualCLIPLoader) and `ae` (Load VAE) files.")
+
+    def diffusers_code(self, pipeline: str, file: str, base: str) -> list[str]:
+        return [f"from diffusers import FluxTransformer2DModel, {pipeline}", "",
+                f"transformer = FluxTransformer2DModel.from_single_file({file}, config={base}, "
+                "subfolder=\"transformer\")",
+                f"pipe = {pipeline}.from_pretrained({base}, transformer=transformer)"]
+
+    def load(self, name: str, path: Path, *, trust_pickle: bool | None, frozen_precision: str, weights: bool,
+             latent_constants: Callable[[], dict[str, float | None]]) -> nn.Module:
+        return single_file.load_flux_transformer(path, trust_pickle, frozen_precision=frozen_precision,
+                                                 weights=weights)
+
+    def write(self, out: Path, components: dict[str, nn.Module], *, half: bool, scheduler: Any,
+              text_layout: str, text_source: str | Path | None) -> None:
+        original_layout.save_original(out, components["transformer"], half=half)
+
+
 class Flux(ModelFamily):
     name = "flux"
     title = "Flux.1"
@@ -217,6 +247,7 @@ class Flux(ModelFamily):
     pipeline_names = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
     # BFL's own files hold the transformer alone; ComfyUI's all-in-one files put it under model.diffusion_model.
     single_file_keys = ("double_blocks.", "model.diffusion_model.double_blocks.")
+    single_file = TransformerFile()
     block_lists = {FluxTransformer2DModel: transformer_blocks, AutoencoderKL: _vae_blocks, CLIPTextModel: _text_blocks,
                    T5EncoderModel: t5_blocks}
     presets = PRESETS

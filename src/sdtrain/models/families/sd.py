@@ -3,6 +3,8 @@ ViT-H for 2.x) and a UNet2DConditionModel conditioned on its hidden states."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -10,7 +12,8 @@ from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionMod
 from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModel
 
-from sdtrain.models.families.spec import ModelFamily, construct
+from sdtrain.models import single_file
+from sdtrain.models.families.spec import ModelFamily, SingleFileLayout, construct
 
 # 4x downsampling: 64 px images become 16x16x4 latents. No mid-block attention: on a CPU it costs
 # 15% of the step and flat shapes need no global context to reconstruct.
@@ -91,13 +94,40 @@ def clip_text_config(settings: dict[str, Any], tokenizer: Any, key: str) -> CLIP
     ))
 
 
+class OriginalCheckpoint(SingleFileLayout):
+    """Stable Diffusion's original checkpoint (CompVis/LDM, Stability's SGM for SDXL): UNet, VAE and text
+    encoders in one file, as A1111 and ComfyUI load it (`sdtrain.models.single_file`). Its VAE-only files (Flux's
+    ae.safetensors, sdxl_vae.safetensors) serve every family."""
+
+    family_bound = False
+    text_layouts = single_file.TEXT_LAYOUTS
+
+    def load(self, name: str, path: Path, *, trust_pickle: bool | None, frozen_precision: str, weights: bool,
+             latent_constants: Callable[[], dict[str, float | None]]) -> nn.Module:
+        return single_file.load_single_file_component(name, path, trust_pickle, weights=weights,
+                                                      latent_constants=latent_constants)
+
+    def write(self, out: Path, components: dict[str, nn.Module], *, half: bool, scheduler: Any,
+              text_layout: str, text_source: str | Path | None) -> None:
+        single_file.save_single_file(out, unet=components.get("unet"), vae=components.get("vae"),
+                                     text_encoder=components.get("text_encoder"),
+                                     text_encoder_2=components.get("text_encoder_2"), scheduler=scheduler,
+                                     text_layout=text_layout, text_source=text_source, half=half)
+
+
+ORIGINAL_CHECKPOINT = OriginalCheckpoint()
+
+
 class StableDiffusion(ModelFamily):
     name = "sd"
     title = "Stable Diffusion 1.x/2.x"
     components = {"vae": AutoencoderKL, "text_encoder": CLIPTextModel, "unet": UNet2DConditionModel}
     pipeline_class = StableDiffusionPipeline
+    # A released SD folder's safety checker is not part of a trained model.
+    pipeline_loading = {"safety_checker": None, "requires_safety_checker": False}
     pipeline_names = ("StableDiffusionPipeline",)
     single_file_keys = ("model.diffusion_model.input_blocks.", "cond_stage_model.", "first_stage_model.")
+    single_file = ORIGINAL_CHECKPOINT
     block_lists = {UNet2DConditionModel: _unet_blocks, AutoencoderKL: _vae_blocks, CLIPTextModel: _text_blocks}
     presets = PRESETS
     kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te_"}

@@ -14,6 +14,7 @@ on the 0..1000 scale, as the pipeline passes the scheduler's.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,13 @@ from torch import nn
 from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
 from sdtrain.errors import UserError
+from sdtrain.models import single_file
 from sdtrain.models.families.flux import _FLUX_VAE, _T5_XXL, _TINY_FLUX_VAE, t5_blocks, t5_config
 from sdtrain.models.families.flux import _TINY_T5 as _FLUX_TINY_T5
 from sdtrain.models.families.sd import _text_blocks, _vae_blocks, clip_text_config
 from sdtrain.models.families.sdxl import _SDXL_TEXT, _SDXL_TEXT_2, _TINY_TEXT, _TINY_TEXT_2, _with_penultimate_states
-from sdtrain.models.families.spec import ModelFamily
+from sdtrain.models.families.spec import ModelFamily, SingleFileLayout
+from sdtrain.models.single_file import sd3 as stability_layout
 
 # SD3's autoencoder: Flux.1's shape (16 channels, no quant convs) with its own centring and scale.
 _SD3_VAE = {**_FLUX_VAE, "shift_factor": 0.0609, "scaling_factor": 1.5305}
@@ -62,6 +65,19 @@ def transformer_blocks(transformer: SD3Transformer2DModel) -> list:
     return list(transformer.transformer_blocks)
 
 
+class StabilityCheckpoint(SingleFileLayout):
+    """SD3's and SD3.5's release file (sd3_medium_incl_clips_t5xxlfp8.safetensors'): the MMDiT, the VAE and all
+    three text encoders in Stability's layout (`sdtrain.models.single_file.sd3`)."""
+
+    def load(self, name: str, path: Path, *, trust_pickle: bool | None, frozen_precision: str, weights: bool,
+             latent_constants: Callable[[], dict[str, float | None]]) -> nn.Module:
+        return single_file.load_sd3_component(name, path, trust_pickle, weights=weights)
+
+    def write(self, out: Path, components: dict[str, nn.Module], *, half: bool, scheduler: Any,
+              text_layout: str, text_source: str | Path | None) -> None:
+        stability_layout.save_original(out, components, half=half)
+
+
 class StableDiffusion3(ModelFamily):
     name = "sd3"
     title = "SD3"
@@ -81,11 +97,13 @@ class StableDiffusion3(ModelFamily):
     pipeline_names = ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline",
                       "StableDiffusion3InpaintPipeline")
     single_file_keys = ("model.diffusion_model.joint_blocks.",)
+    single_file = StabilityCheckpoint()
     block_lists = {SD3Transformer2DModel: transformer_blocks, AutoencoderKL: _vae_blocks,
                    CLIPTextModelWithProjection: _text_blocks, T5EncoderModel: t5_blocks}
     presets = PRESETS
     # No kohya layout: sdtrain writes diffusers' LoRA file alone, which ComfyUI reads for SD3.
     kohya_prefixes: dict[str, str] = {}
+    comfyui_reads_diffusers_lora = True
 
     def max_latent_side(self, denoiser_config: Any) -> int | None:
         return denoiser_config.pos_embed_max_size * denoiser_config.patch_size

@@ -19,7 +19,15 @@ from torch import nn
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
 from sdtrain.models import single_file
-from sdtrain.models.families.sd import _SD_VAE, _TINY_VAE, _text_blocks, _unet_blocks, _vae_blocks, clip_text_config
+from sdtrain.models.families.sd import (
+    _SD_VAE,
+    _TINY_VAE,
+    ORIGINAL_CHECKPOINT,
+    _text_blocks,
+    _unet_blocks,
+    _vae_blocks,
+    clip_text_config,
+)
 from sdtrain.models.families.spec import ModelFamily
 
 _SDXL_VAE = {**_SD_VAE, "scaling_factor": 0.13025, "sample_size": 1024}
@@ -88,6 +96,7 @@ class StableDiffusionXL(ModelFamily):
     pipeline_class = StableDiffusionXLPipeline
     pipeline_names = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline")
     single_file_keys = ("conditioner.embedders.",)
+    single_file = ORIGINAL_CHECKPOINT
     block_lists = {UNet2DConditionModel: _unet_blocks, AutoencoderKL: _vae_blocks, CLIPTextModel: _text_blocks,
                    CLIPTextModelWithProjection: _text_blocks}
     presets = PRESETS

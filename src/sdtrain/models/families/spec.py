@@ -31,6 +31,45 @@ def construct(cls: Any, key: str, kwargs: dict[str, Any]) -> Any:
         raise UserError(f"model.{key}: {first_line(exc)}; fix the override") from exc
 
 
+class SingleFileLayout:
+    """How a family's model is kept as ONE file in its authors' original layout, the file ComfyUI and A1111 load
+    (the role of torchtitan's ``state_dict_adapter``): which components such a file holds, how each is read, and
+    how a trained model is written. A family without one exports diffusers folders alone."""
+
+    holds: tuple[str, ...] | None = None
+    """The components a file of this layout holds (Flux.1's: its transformer alone); None: the whole model."""
+    family_bound: bool = True
+    """Whether a file of this layout serves its own family's models only. False for Stable Diffusion's original
+    layout, whose files' components (a VAE alone, SDXL's UNet) other families read too."""
+    text_layouts: tuple[str, ...] = ()
+    """The layouts its text encoder can be written in (``--text-layout``); empty: the layout has one."""
+    half_dtype: str = "fp16"
+    """What ``--half`` stores: ``fp16``, or ``bf16`` for a model whose activations overflow fp16."""
+    description: str = "A {title} model in one file in the original layout (A1111, ComfyUI, diffusers)"
+    """What such a file is, as a model card says it (``{title}``: the family's)."""
+    comfyui: str = "put `{name}` in `ComfyUI/models/checkpoints/` and load it with Load Checkpoint."
+    """How ComfyUI loads such a file named `{name}`, as a model card says it."""
+
+    def diffusers_code(self, pipeline: str, file: str, base: str) -> list[str]:
+        """Python lines that load the file (`file`, a quoted path) into diffusers' `pipeline` class, with `base`
+        (quoted) a pipeline folder or Hub id of the same architecture, into ``pipe``."""
+        return [f"from diffusers import {pipeline}", "", f"pipe = {pipeline}.from_single_file({file}, config={base})"]
+
+    def load(self, name: str, path: Path, *, trust_pickle: bool | None, frozen_precision: str, weights: bool,
+             latent_constants: Callable[[], dict[str, float | None]]) -> nn.Module:
+        """Component `name` of the file at `path`, in fp32 (or its linear weights in `frozen_precision`, where the
+        layout reads tensor by tensor); without `weights`, every tensor on the meta device. A VAE whose file does
+        not say how its latents are normalised takes `latent_constants()` (the served model's)."""
+        raise NotImplementedError
+
+    def write(self, out: Path, components: dict[str, nn.Module], *, half: bool, scheduler: Any,
+              text_layout: str, text_source: str | Path | None) -> None:
+        """Write `components` (those of `holds`, or all) as one file at `out`, under a temporary name renamed
+        into place: `scheduler` is the training noise schedule, `text_layout` the one asked for (``auto`` or one
+        of `text_layouts`), `text_source` where the text encoder was loaded from (a file's layout is kept)."""
+        raise NotImplementedError
+
+
 class ModelFamily:
     name: str
     """The config's ``model.family`` value."""
@@ -62,16 +101,23 @@ class ModelFamily:
     scaling_factor``: what a VAE file that does not say it takes when this family's model is trained or encoded."""
     pipeline_class: type
     """The diffusers pipeline export writes and generate loads."""
+    pipeline_loading: dict[str, Any] = {}
+    """What the pipeline class's from_pretrained is also given to load a pretrained folder of this family."""
     pipeline_names: tuple[str, ...] = ()
     """model_index.json ``_class_name`` values of pretrained folders of this family."""
     single_file_keys: tuple[str, ...] = ()
     """Key prefixes that mark a single file as this family's (the original layout)."""
+    single_file: SingleFileLayout | None = None
+    """The family's single-file layout, None where it has none this release writes or reads."""
     block_lists: dict[type[nn.Module], Callable[[nn.Module], list[nn.Module | None]]] = {}
     """Component class -> its repeated blocks, in forward order (None entries, an absent mid block, are skipped)."""
     presets: dict[str, dict[str, dict[str, Any]]] = {}
     """Preset name -> component name -> constructor settings."""
     kohya_prefixes: dict[str, str] = {}
     """Component name -> the prefix of its modules in kohya's LoRA files (``lora_unet_``, ``lora_te_``)."""
+    comfyui_reads_diffusers_lora: bool = False
+    """Whether ComfyUI's Load LoRA reads the diffusers LoRA file of this family's (it reads kohya's of every
+    family that has `kohya_prefixes`)."""
     embedding_keys: tuple[str, ...] = ()
     """The key of each text encoder's vectors in a textual-inversion file, in text encoder order; empty: the file
     holds one key, the placeholder (diffusers' and A1111's layout for one text encoder)."""

@@ -43,13 +43,11 @@ def _missing_parameters(module: torch.nn.Module) -> list[str]:
 
 
 def load_single_file_component(name: str, path: str | Path, trust_pickle: bool | None = None,
-                               family: str | None = None, frozen_precision: str = "fp32", weights: bool = True,
+                               weights: bool = True,
                                latent_constants: Callable[[], dict[str, float | None]] | None = None) -> Any:
-    """Component `name` ('unet', 'vae', 'text_encoder', or SDXL's 'text_encoder_2') of a single file, in fp32,
-    through diffusers' single-file loaders with a local config folder; never a download. A Flux.1 transformer
-    in BFL's layout is the 'transformer' (see `load_flux_transformer`). `family` (the model's ``model.family``,
-    when known) must agree with the file's. `frozen_precision` and `weights` (see `load_flux_transformer`) apply to
-    a Flux.1 transformer; other components load whole in fp32 (moved to the meta device without `weights`).
+    """Component `name` ('unet', 'vae', 'text_encoder', or SDXL's 'text_encoder_2') of a Stable Diffusion file in
+    the original layout, in fp32, through diffusers' single-file loaders with a local config folder; never a
+    download. Without `weights`, moved to the meta device.
 
     A VAE file that does not say how its latents are normalised (`_states_latent_constants`) takes the scaling and
     shift `latent_constants()` gives (the model it serves says them); without it, the ones SD's layout implies."""
@@ -57,29 +55,9 @@ def load_single_file_component(name: str, path: str | Path, trust_pickle: bool |
     from diffusers.loaders.single_file_utils import SingleFileComponentError, create_diffusers_clip_model_from_ldm
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-    file = _open(path, trust_pickle)
-    if original_prefix(file.shapes) is not None:
-        if family not in (None, flux.FAMILY):
-            raise UserError(f"{path}: a Flux.1 transformer, but the model is of family {family}; set "
-                            "model.family=flux, or point the source at a file of that family")
-        if name != "transformer":
-            raise UserError(f"{path}: holds a Flux.1 transformer alone (BFL's layout), no {name}; set model.{name} "
-                            "to a source that has one (a Flux pipeline folder, e.g. what `sdtrain export RUN OUT` "
-                            "writes)")
-        return load_flux_transformer(file, frozen_precision=frozen_precision, weights=weights)
     if not weights:
-        return load_single_file_component(name, path, trust_pickle, family,
-                                          latent_constants=latent_constants).to("meta")
-    if sd3.is_sd3(file.shapes):
-        if family not in (None, sd3.FAMILY):
-            raise UserError(f"{path}: an SD3 checkpoint, but the model is of family {family}; set model.family=sd3, "
-                            "or point the source at a file of that family")
-        return sd3.load_component(file, name)
-    if name == "transformer":
-        raise UserError(f"{path}: holds no Flux.1 transformer in BFL's layout (double_blocks.*, single_blocks.*), the "
-                        "only transformer read from a single file; point model.transformer at one "
-                        "(flux1-dev.safetensors, `sdtrain export --single-file` of a Flux run) or at a diffusers "
-                        "transformer folder")
+        return load_single_file_component(name, path, trust_pickle, latent_constants=latent_constants).to("meta")
+    file = _open(path, trust_pickle)
     if name not in _COMPONENT_LABELS:
         raise UserError(f"{path}: no component '{name}' in a single file; use one of {', '.join(_COMPONENT_LABELS)}")
     info = _info(file)
@@ -136,6 +114,13 @@ def _states_latent_constants(file: _File, info: SingleFileInfo) -> bool:
     if set(info.prefixes) - {"vae"}:
         return True
     return "scaling_factor" in _metadata_json(file, file.metadata, "vae_config")
+
+
+def load_sd3_component(name: str, path: str | Path, trust_pickle: bool | None = None, weights: bool = True) -> Any:
+    """Component `name` of an SD3 file in Stability's layout, in fp32 (see `sd3.load_component`); without
+    `weights`, moved to the meta device."""
+    module = sd3.load_component(_open(path, trust_pickle), name)
+    return module if weights else module.to("meta")
 
 
 def load_flux_transformer(path_or_file: str | Path | _File, trust_pickle: bool | None = None,
