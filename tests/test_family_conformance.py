@@ -178,3 +178,33 @@ def test_its_single_file_layout_reads_back_what_it_writes(tiny, tmp_path):
         assert set(expected) <= set(got), name
         for key, tensor in expected.items():
             assert torch.equal(got[key].float(), tensor.float()), f"{name}: {key}"
+
+
+def test_its_lora_file_loads_whole_through_the_pipelines_own_loader(tiny, tmp_path):
+    """What a LoRA run exports of the denoiser's adapters, the family pipeline's own load_lora_weights attaches in
+    full: fused, the pipeline's denoiser carries exactly the update sdtrain's adapters make."""
+    import copy
+
+    from sdtrain.config import LoraConfig
+    from sdtrain.loaders.adapters import add_lora, merge_lora
+    from sdtrain.train.modes.lora import save_lora
+
+    noise = build.build_noise_scheduler(DiffusionConfig(), tiny.config)
+    tiny.family.assemble(tiny.components, tiny.tokenizers, sampler_from(noise, "euler")).save_pretrained(
+        tmp_path / "pipeline")
+    adapted = copy.deepcopy(tiny.denoiser)
+    torch.manual_seed(1)
+    # Random ups as well as downs (peft starts the ups at zero), so every adapter changes its layer.
+    add_lora(adapted, {"r": 2, "lora_alpha": 4, "target_modules": LoraConfig().target_modules,
+                       "init_lora_weights": False}, "lora.target_modules")
+    save_lora({tiny.family.denoiser: adapted}, tmp_path / "lora", tiny.family)
+    pipe = tiny.family.pipeline_class.from_pretrained(tmp_path / "pipeline", local_files_only=True)
+    pipe.load_lora_weights(tmp_path / "lora")
+    pipe.fuse_lora()
+    expected = merge_lora(adapted).state_dict()
+    got = {key.replace(".base_layer.", "."): value
+           for key, value in getattr(pipe, tiny.family.denoiser).state_dict().items() if "lora_" not in key}
+    changed = [key for key, value in expected.items() if not torch.equal(value, tiny.denoiser.state_dict()[key])]
+    assert changed  # the adapters do change the weights they sit on
+    for key in changed:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)

@@ -267,7 +267,7 @@ def test_t5_reads_what_the_model_samples_with_not_the_512_a_released_tokenizer_s
     from sdtrain.data.encode import Encoder
 
     encoder = Encoder(str(schnell), str(schnell), 32, torch.device("cpu"), served=ModelConfig(pretrained=str(schnell)))
-    assert encoder.t5_text_length == 256
+    assert encoder.long_text_length == 256
 
 
 def test_previews_and_generate_sample_as_the_model_does_schnell_without_guidance(pretrained, monkeypatch):
@@ -446,13 +446,13 @@ def test_flux_clip_pools_at_end_of_text_after_an_embedding_is_loaded(tmp_path):
     from safetensors.torch import save_file
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from sdtrain.models.families.flux import _TINY_TEXT
+    from sdtrain.models.families.text_towers import TINY_CLIP
     from sdtrain.models.tokenizer import train_clip_tokenizer
 
     tokenizer = train_clip_tokenizer(["a red circle", "a blue square"] * 8, tmp_path / "tokenizer", 600)
     torch.manual_seed(0)
     clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(tokenizer), max_position_embeddings=tokenizer.model_max_length,
-                                        bos_token_id=0, eos_token_id=2, pad_token_id=1, **_TINY_TEXT)).eval()
+                                        bos_token_id=0, eos_token_id=2, pad_token_id=1, **TINY_CLIP)).eval()
     pipe = FluxPipeline(scheduler=None, vae=None, text_encoder=clip, tokenizer=tokenizer, text_encoder_2=None,
                         tokenizer_2=None, transformer=None)
     save_file({"<shp>": torch.randn(1, clip.config.hidden_size)}, str(tmp_path / "learned_embeds.safetensors"))

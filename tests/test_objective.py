@@ -372,3 +372,17 @@ def test_objectives_name_themselves_and_flow_ignores_ddpm_options_out_loud(laten
     assert all(torch.equal(a, b) for a, b in zip(weighted.draw(latent_mean, torch.Generator().manual_seed(3)),
                                                  plain.draw(latent_mean, torch.Generator().manual_seed(3))))
     assert torch.equal(weighted.weight(torch.ones(2), torch.tensor([10.0, 900.0])), torch.ones(2))
+
+
+@pytest.mark.parametrize("option", [{"flow_shift": 3.0}, {"flow_dynamic_shift": True},
+                                    {"guidance_range": [1.0, 4.0]}, {"loss_weighting": "cosmap"}])
+def test_a_flow_matching_option_on_a_noise_prediction_model_is_one_line(option):
+    """A model that trains by noise prediction (SD's) would silently ignore the shift, Flux.1-dev's guidance range
+    or flow loss weighting: the key is named instead, before anything trains."""
+    from sdtrain.errors import UserError
+
+    config = DiffusionConfig(**option)
+    with pytest.raises(UserError, match=rf"^diffusion\.{next(iter(option))}: .*flow-matching options.*noise "
+                                        r"prediction.*remove them$") as caught:
+        NoisePrediction(config, build.build_noise_scheduler(config), torch.device("cpu"))
+    assert "\n" not in str(caught.value)

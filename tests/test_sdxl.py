@@ -255,7 +255,8 @@ def test_textual_inversion_pools_clip_g_at_end_of_text_not_at_the_placeholder(tm
 
     from sdtrain.config import TextualInversionConfig
     from sdtrain.loaders.components import rebuild_textual_inversion
-    from sdtrain.models.families.sdxl import _TINY_TEXT, _TINY_TEXT_2, SDXL
+    from sdtrain.models.families.sdxl import SDXL
+    from sdtrain.models.families.text_towers import TINY_CLIP, TINY_CLIP_WIDER
     from sdtrain.models.tokenizer import load_clip_tokenizer, train_clip_tokenizer
     from sdtrain.train.modes.textual_inversion import TextualInversionTask
 
@@ -263,8 +264,8 @@ def test_textual_inversion_pools_clip_g_at_end_of_text_not_at_the_placeholder(tm
     tokenizers = [load_clip_tokenizer(tmp_path / "tokenizer") for _ in range(2)]
     eos = tokenizers[0].eos_token_id
     assert eos == len(tokenizers[0]) - 1  # as in CLIP's vocabulary: argmax and end-of-text agree until a token is added
-    encoders = {"text_encoder": _released_style_clip(CLIPTextModel, _TINY_TEXT, tokenizers[0]),
-                "text_encoder_2": _released_style_clip(CLIPTextModelWithProjection, _TINY_TEXT_2, tokenizers[1])}
+    encoders = {"text_encoder": _released_style_clip(CLIPTextModel, TINY_CLIP, tokenizers[0]),
+                "text_encoder_2": _released_style_clip(CLIPTextModelWithProjection, TINY_CLIP_WIDER, tokenizers[1])}
     encoders["text_encoder_2"].save_pretrained(tmp_path / "text_encoder_2")
 
     def ids(caption: str) -> list[torch.Tensor]:

@@ -164,3 +164,33 @@ def test_encoded_shards_hold_each_captions_states_and_its_mask(tmp_path, release
 def test_an_unknown_preset_names_the_family_s_own(tmp_path):
     with pytest.raises(UserError, match="'sdxl' is not a Z-Image preset; choose one of tiny, z-image"):
         families.get("z-image").preset("sdxl", "transformer")
+
+
+def test_a_single_file_export_loads_in_diffusers_and_is_a_training_source(tmp_path, released, shapes_dir, capsys):
+    """`export --single-file` writes the transformer alone in the authors' layout (fused qkv, no diffusers names):
+    diffusers' own from_single_file reads the run's weights from it, sdtrain trains from it as model.transformer,
+    and `generate` on it says in one line what to pass instead."""
+    from diffusers import ZImageTransformer2DModel
+
+    from sdtrain.loaders.pipelines import pipeline_from_run
+
+    run = tmp_path / "full"
+    assert main(_command("full", run, released, shapes_dir, 2)) == 0
+    single = tmp_path / "z-image.safetensors"
+    assert main(["export", str(run), str(single), "--single-file"]) == 0
+    assert families.detect(single) is families.get("z-image")
+    keys = load_file(str(single))
+    assert "layers.0.attention.qkv.weight" in keys and "x_embedder.weight" in keys
+    assert not any(".to_q." in key or key.startswith("all_") for key in keys)
+    loaded = ZImageTransformer2DModel.from_single_file(str(single), config=str(released / "transformer"),
+                                                       local_files_only=True, torch_dtype=torch.float32)
+    trained = pipeline_from_run(run).transformer.state_dict()
+    assert set(loaded.state_dict()) == set(trained)
+    assert all(torch.equal(loaded.state_dict()[key], tensor) for key, tensor in trained.items())
+    assert main(["train", str(CONFIGS / "lora.yaml"), f"run_dir={tmp_path / 'again'}", *COMMON,
+                 f"model.pretrained={released}", f"model.transformer={single}", f"data.shards={shapes_dir}",
+                 "train.max_steps=1", "lora.rank=4"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", str(single), "--prompt", "a red circle", "--out", str(tmp_path / "x")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "transformer alone" in error[0] and str(single) in error[0]

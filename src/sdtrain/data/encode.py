@@ -65,9 +65,10 @@ class Encoder:
     """The frozen VAE (and text encoders) that turn decoded samples into what training consumes."""
 
     def __init__(self, vae_source: str, text_source: str | None, resolution: int | None, device: torch.device,
-                 dtype: str = "float16", t5_text_length: int | None = None, served: Any = None):
-        """`t5_text_length`: the tokens per caption of a T5 encoder (SD3's, Flux.1's); None: what the model samples
-        with (`build.t5_text_length`). Training must use the same, which it checks against the manifest.
+                 dtype: str = "float16", long_text_length: int | None = None, served: Any = None):
+        """`long_text_length`: the tokens per caption of a long-context encoder (SD3's and Flux.1's T5, Z-Image's
+        language model); None: what the model samples with (`build.long_text_length`). Training must use the same,
+        which it checks against the manifest.
         `served`: the ModelConfig of the model the latents are for, whose scaling a VAE file that does not say its
         own takes (see load_component)."""
         self.device = device
@@ -86,19 +87,19 @@ class Encoder:
         self.family = families.detect(self.text_source) if self.text_source else None
         self.text_encoders: list[torch.nn.Module] = []
         tokenizers: list[Any] = []
-        self.t5_text_length = None
+        self.long_text_length = None
         if self.family is not None:
             # The model the embeddings are for: --model's, else the text encoder's own folder.
             model = ModelConfig(pretrained=served.pretrained if served and served.pretrained else self.text_source,
-                                t5_text_length=t5_text_length)
+                                t5_text_length=long_text_length)
             for name, folder in zip(self.family.text_encoders, self.family.tokenizers):
                 module = load_component(name, self.text_source, family=self.family)
                 self.text_encoders.append(module.to(device).eval())
                 t5 = folder in self.family.long_text_tokenizers
-                length = build.t5_text_length(model, self.family, self.text_source, folder) if t5 else None
+                length = build.long_text_length(model, self.family, self.text_source, folder) if t5 else None
                 tokenizers.append(build.load_tokenizer(self.text_source, length, folder=folder))
                 if t5:
-                    self.t5_text_length = length
+                    self.long_text_length = length
         self.captions = CaptionTokenizer(tokenizers, self.family)
         self.resolution = resolution
 
@@ -121,7 +122,7 @@ class Encoder:
     def description(self) -> dict[str, Any]:
         sources = {name: self.text_source for name in self.family.text_encoders} if self.family else {}
         return describe_encoding(self.vae_source, sources, self.resolution, self.vae.config, self.tokenizer,
-                                 np.dtype(self.dtype).name, self.t5_text_length)
+                                 np.dtype(self.dtype).name, self.long_text_length)
 
 
 def encode_dataset(src: str, out: Path, encoder: Encoder, batch_size: int = 32, rank: int = 0,

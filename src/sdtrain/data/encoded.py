@@ -46,10 +46,11 @@ def load_npy(data: bytes) -> np.ndarray:
 
 
 def describe_encoding(vae_source: str | None, text_sources: dict[str, str | None], resolution: int, vae_config: Any,
-                      tokenizer: Any | None, dtype: str, t5_text_length: int | None = None) -> dict[str, Any]:
+                      tokenizer: Any | None, dtype: str, long_text_length: int | None = None) -> dict[str, Any]:
     """The manifest's `encoding` entry: which weights and settings produced the latents and embeddings
     (`text_sources`: each text encoder's, by component name; empty when the shards hold no embeddings;
-    `t5_text_length`: the tokens per caption of a T5 encoder's states, for SD3 and Flux.1)."""
+    `long_text_length`: the tokens per caption of a long-context encoder's states, T5's or a language model's;
+    the manifest keeps T5's name for it)."""
     return {
         "vae": vae_source,
         "text_encoder": None,
@@ -59,7 +60,7 @@ def describe_encoding(vae_source: str | None, text_sources: dict[str, str | None
         "scaling_factor": float(vae_config.scaling_factor),
         "shift_factor": float(vae_config.get("shift_factor") or 0.0),
         "max_text_length": tokenizer.model_max_length if tokenizer is not None else None,
-        "t5_text_length": t5_text_length,
+        "t5_text_length": long_text_length,
         "dtype": dtype,
     }
 

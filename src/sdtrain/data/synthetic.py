@@ -105,7 +105,7 @@ def _encoding(config: DataConfig, task: Any) -> dict[str, Any]:
     text_encoders = {} if task.text_encoder_trains() else {name: task.sources.get(name)
                                                            for name in task.family.text_encoders}
     return describe_encoding(task.sources.get("vae"), text_encoders, config.resolution, task.vae.config,
-                             task.tokenizer, "float16", task.t5_text_length)
+                             task.tokenizer, "float16", task.long_text_length)
 
 
 def text_shapes(task: Any) -> dict[str, tuple[int, ...]]:

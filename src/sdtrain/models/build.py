@@ -256,14 +256,14 @@ def load_text_tokenizers(config: ModelConfig, fallback: str | Path | None = None
     for folder in family.tokenizers:
         named = getattr(config, folder, None) if folder != "tokenizer" else None
         if folder in family.long_text_tokenizers:
-            tokenizers.append(load_tokenizer(named or source, t5_text_length(config, family, named or source, folder),
+            tokenizers.append(load_tokenizer(named or source, long_text_length(config, family, named or source, folder),
                                              folder))
         else:
             tokenizers.append(load_tokenizer(named or source, length, folder))
     return tokenizers
 
 
-def t5_text_length(config: ModelConfig, family: families.ModelFamily, tokenizer_source: str | Path | None = None,
+def long_text_length(config: ModelConfig, family: families.ModelFamily, tokenizer_source: str | Path | None = None,
                    folder: str = "tokenizer_2") -> int:
     """T5's tokens per caption: ``model.t5_text_length``, else what the family's model samples with, or the length
     the tokenizer at `tokenizer_source` (its `folder`) saves when shorter (a model exported after training at

@@ -60,10 +60,11 @@ class NoisePrediction:
     def __init__(self, config: DiffusionConfig, scheduler: DDPMScheduler, device: torch.device):
         unsupported = [f"{name}: {getattr(config, name)}" for name, default in (
             ("timestep_sampling", ("uniform", "logit_normal")), ("loss_weighting", ("none",)),
-            ("precondition_outputs", (False,))) if getattr(config, name) not in default]
+            ("precondition_outputs", (False,)), ("flow_shift", (None,)), ("flow_dynamic_shift", (None,)),
+            ("guidance_range", ([],))) if getattr(config, name) not in default]
         if unsupported:
-            raise UserError(f"diffusion.{', diffusion.'.join(unsupported)}: flow-matching options (SD3, Flux.1), "
-                            "not supported by noise prediction; remove them")
+            raise UserError(f"diffusion.{', diffusion.'.join(unsupported)}: flow-matching options, which this "
+                            "model's objective (noise prediction on a DDPM schedule) does not use; remove them")
         self.config = config
         self.scheduler = scheduler
         self.device = device

@@ -234,14 +234,49 @@ class AutoencoderTask(Task):
         return save_grid(torch.cat([pixels, reconstruction]).clamp(-1, 1), out, rows=2)
 
 
+class DataRecipe:
+    """What a diffusion run trains on and how its samples' losses combine: the component a data mode supplies to
+    the task, beside what trains (the whole model, adapters or new tokens, each a task of its own), so any of those
+    combines with any recipe. The plain recipe reads ``data`` as the trained part asks for it and averages;
+    DreamBooth's adds its class images for prior preservation (train/modes/dreambooth.py)."""
+
+    def __init__(self, config: RunConfig, run_dir: Path):
+        self.config = config
+        self.run_dir = run_dir
+
+    @staticmethod
+    def prepare(config: RunConfig, run_dir: Path) -> None:
+        """One-off work before every rank builds the task, done once by the main rank (after the task's own)."""
+
+    def data_config(self, data: DataConfig) -> DataConfig:
+        """The loader's settings, from those the trained part asks for (`data`)."""
+        return data
+
+    def make_data(self, data: DataConfig, batches: Callable[[DataConfig], Any]) -> Any:
+        """The training batches, from `batches(config)` for each dataset the recipe reads."""
+        return batches(data)
+
+    def fixed_prompts(self) -> list[str]:
+        """Every caption the batches carry, when they are a few known before training; empty when the captions
+        are the data's own."""
+        return []
+
+    def loss(self, per_sample: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The step's loss from each sample's, and what else to log."""
+        return per_sample.mean(), {}
+
+
 class DiffusionTask(Task):
     """Denoising loss of a text-conditioned denoiser in the latent space of a frozen autoencoder; what the model
-    is (its components, conditioning and denoiser call) comes from its family's spec."""
+    is (its components, conditioning and denoiser call) comes from its family's spec, what it trains on from its
+    data recipe."""
 
     needs_captions = True
     reads_encoded = True
 
-    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, resumed: dict[str, Any] | None = None):
+    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, resumed: dict[str, Any] | None = None,
+                 recipe: DataRecipe | None = None):
+        self.recipe = recipe or DataRecipe(config, run_dir)
         super().__init__(config, device, run_dir, resumed)
         model, family = config.model, self.family
         self.tokenizers = self._tokenizers()
@@ -396,8 +431,8 @@ class DiffusionTask(Task):
         return getattr(self, self.family.denoiser)
 
     @property
-    def t5_text_length(self) -> int | None:
-        """T5's tokens per caption (SD3, Flux.1), None for families without T5."""
+    def long_text_length(self) -> int | None:
+        """The long-context encoder's tokens per caption (T5's, a language model's), None for families without one."""
         lengths = [tokenizer.model_max_length for folder, tokenizer in zip(self.family.tokenizers, self.tokenizers)
                    if folder in self.family.long_text_tokenizers]
         return lengths[0] if lengths else None
@@ -464,11 +499,11 @@ class DiffusionTask(Task):
             unread = self.unread(encoding)
         self.text_embeddings = any(name in unread for name in self.family.text_encoders)
         encoded_t5 = (encoding or {}).get("t5_text_length")
-        if self.text_embeddings and encoded_t5 and encoded_t5 != self.t5_text_length:
+        if self.text_embeddings and encoded_t5 and encoded_t5 != self.long_text_length:
             raise UserError(
-                f"data.shards: T5's states were encoded at {encoded_t5} tokens per caption but this run reads "
-                f"{self.t5_text_length}; set model.t5_text_length={encoded_t5}, or encode again with "
-                f"`prepare encode --t5-text-length {self.t5_text_length}`")
+                f"data.shards: the long-context text encoder's states were encoded at {encoded_t5} tokens per "
+                f"caption but this run reads {self.long_text_length}; set model.t5_text_length={encoded_t5}, or "
+                f"encode again with `prepare encode --t5-text-length {self.long_text_length}`")
         if encoding is not None:
             log.info("pre-encoded shards: VAE encoder skipped%s", ", text encoder skipped" if self.text_embeddings
                      else "")
@@ -484,10 +519,16 @@ class DiffusionTask(Task):
     """The text conditioning of each of `fixed_prompts`, computed once at start."""
 
     def fixed_prompts(self) -> list[str]:
-        """Every caption this mode's batches carry, when they are a few known before training (DreamBooth's
-        prompts): with frozen text encoders, each is encoded once and the encoders are released, as the scripts
-        users compare with do. Empty when the captions are the data's own."""
-        return []
+        """Every caption the batches carry, when the recipe knows them before training (DreamBooth's prompts):
+        with frozen text encoders, each is encoded once and the encoders are released, as the scripts users
+        compare with do. Empty when the captions are the data's own."""
+        return self.recipe.fixed_prompts()
+
+    def data_config(self) -> DataConfig:
+        return self.recipe.data_config(super().data_config())
+
+    def make_data(self, batches: Callable[[DataConfig], Any]) -> Any:
+        return self.recipe.make_data(self.data_config(), batches)
 
     @torch.no_grad()
     def _encode_prompts(self, prompts: list[str]) -> dict[str, dict[str, torch.Tensor]]:
@@ -549,8 +590,7 @@ class DiffusionTask(Task):
         return self.family.normalize_latents(latents, self.vae.config)
 
     def loss(self, batch, generator):
-        loss = self.denoising_loss(batch, generator)
-        return loss.mean(), {}
+        return self.recipe.loss(self.denoising_loss(batch, generator), batch)
 
     def denoising_loss(self, batch, generator) -> torch.Tensor:
         """The per-sample loss of the denoiser's prediction against the objective's target, weighted by it."""

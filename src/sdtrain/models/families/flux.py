@@ -22,34 +22,24 @@ from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
 from diffusers.models.normalization import RMSNorm
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import CLIPTextModel, T5Config, T5EncoderModel
+from transformers import CLIPTextModel, T5EncoderModel
 
 from sdtrain.models import single_file
-from sdtrain.models.families.sd import _TINY_VAE, _text_blocks, _vae_blocks, clip_text_config
-from sdtrain.models.families.spec import ModelFamily, SingleFileLayout, construct
+from sdtrain.models.families.autoencoder import FLUX_VAE, TINY_FLUX_VAE, vae_blocks
+from sdtrain.models.families.spec import ModelFamily, SingleFileLayout
+from sdtrain.models.families.text_towers import (
+    CLIP_L,
+    T5_XXL,
+    TINY_CLIP,
+    TINY_T5,
+    clip_text_config,
+    t5_blocks,
+    t5_config,
+    text_blocks,
+)
 from sdtrain.models.single_file import flux as original_layout
 from sdtrain.models.single_file.read import original_prefix
 
-# Flux.1's autoencoder: SD's shape with 16 latent channels, no quant convs, its latents centred and scaled.
-_FLUX_VAE = dict(
-    down_block_types=["DownEncoderBlock2D"] * 4,
-    up_block_types=["UpDecoderBlock2D"] * 4,
-    block_out_channels=[128, 256, 512, 512],
-    layers_per_block=2,
-    latent_channels=16,
-    norm_num_groups=32,
-    use_quant_conv=False,
-    use_post_quant_conv=False,
-    shift_factor=0.1159,
-    scaling_factor=0.3611,
-    sample_size=1024,
-)
-_CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-               projection_dim=768, hidden_act="quick_gelu")
-# T5 v1.1 XXL's encoder.
-_T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-               relative_attention_num_buckets=32, relative_attention_max_distance=128,
-               feed_forward_proj="gated-gelu", dropout_rate=0.0, layer_norm_epsilon=1e-6)
 # Flux.1-dev: 11,901,408,320 parameters (its context and pooled widths come from T5 and CLIP, see
 # denoiser_settings).
 _FLUX_DEV = dict(patch_size=1, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
@@ -61,22 +51,17 @@ _DEV_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=
                       base_image_seq_len=256, max_image_seq_len=4096)
 _SCHNELL_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
 
-_TINY_FLUX_VAE = {**_TINY_VAE, "latent_channels": 16, "use_quant_conv": False, "use_post_quant_conv": False,
-                  "shift_factor": 0.0, "scaling_factor": 1.0}
-_TINY_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, projection_dim=32)
-_TINY_T5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
-                relative_attention_max_distance=32, feed_forward_proj="gated-gelu", dropout_rate=0.0)
 # dev's structure (guidance embedding, double and single blocks) at a size tests train; the RoPE axes add up to
 # the head width.
 _TINY_FLUX = dict(patch_size=1, num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
                   guidance_embeds=True, axes_dims_rope=[4, 6, 6])
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "tiny": {"vae": _TINY_FLUX_VAE, "text_encoder": _TINY_TEXT, "text_encoder_2": _TINY_T5,
+    "tiny": {"vae": TINY_FLUX_VAE, "text_encoder": TINY_CLIP, "text_encoder_2": TINY_T5,
              "transformer": _TINY_FLUX, "scheduler": _DEV_SCHEDULER},
-    "flux-dev": {"vae": _FLUX_VAE, "text_encoder": _CLIP_L, "text_encoder_2": _T5_XXL, "transformer": _FLUX_DEV,
+    "flux-dev": {"vae": FLUX_VAE, "text_encoder": CLIP_L, "text_encoder_2": T5_XXL, "transformer": _FLUX_DEV,
                  "scheduler": _DEV_SCHEDULER},
-    "flux-schnell": {"vae": _FLUX_VAE, "text_encoder": _CLIP_L, "text_encoder_2": _T5_XXL,
+    "flux-schnell": {"vae": FLUX_VAE, "text_encoder": CLIP_L, "text_encoder_2": T5_XXL,
                      "transformer": _FLUX_SCHNELL, "scheduler": _SCHNELL_SCHEDULER},
 }
 
@@ -100,18 +85,6 @@ def _guidance_embedding(source: str | Path) -> bool | None:
             except (OSError, ValueError):
                 return None  # the loader reports what is wrong with the file
     return None
-
-
-def t5_config(settings: dict[str, Any], tokenizer: Any, key: str) -> T5Config:
-    """A T5 encoder's config from preset settings; the vocabulary is the tokenizer's unless the preset names
-    T5's own (a pretrained-size T5 keeps its 32,128 rows)."""
-    return construct(T5Config, key, {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
-                                     "eos_token_id": tokenizer.eos_token_id, "is_encoder_decoder": False,
-                                     "use_cache": False, **settings})
-
-
-def t5_blocks(encoder: T5EncoderModel) -> list:
-    return list(encoder.encoder.block)
 
 
 def transformer_blocks(transformer: nn.Module) -> list:
@@ -233,7 +206,7 @@ class TransformerFile(SingleFileLayout):
 class Flux(ModelFamily):
     name = "flux"
     title = "Flux.1"
-    latent_constants = {key: _FLUX_VAE[key] for key in ("scaling_factor", "shift_factor")}
+    latent_constants = {key: FLUX_VAE[key] for key in ("scaling_factor", "shift_factor")}
     components = {"vae": AutoencoderKL, "text_encoder": CLIPTextModel, "text_encoder_2": T5EncoderModel,
                   "transformer": FluxTransformer2DModel}
     text_encoders = ("text_encoder", "text_encoder_2")
@@ -248,7 +221,7 @@ class Flux(ModelFamily):
     # BFL's own files hold the transformer alone; ComfyUI's all-in-one files put it under model.diffusion_model.
     single_file_keys = ("double_blocks.", "model.diffusion_model.double_blocks.")
     single_file = TransformerFile()
-    block_lists = {FluxTransformer2DModel: transformer_blocks, AutoencoderKL: _vae_blocks, CLIPTextModel: _text_blocks,
+    block_lists = {FluxTransformer2DModel: transformer_blocks, AutoencoderKL: vae_blocks, CLIPTextModel: text_blocks,
                    T5EncoderModel: t5_blocks}
     presets = PRESETS
     kohya_prefixes = {"transformer": "lora_unet_", "text_encoder": "lora_te1_"}

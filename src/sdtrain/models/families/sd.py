@@ -3,38 +3,18 @@ ViT-H for 2.x) and a UNet2DConditionModel conditioned on its hidden states."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
 from torch import nn
-from transformers import CLIPTextConfig, CLIPTextModel
+from transformers import CLIPTextModel
 
-from sdtrain.models import single_file
-from sdtrain.models.families.spec import ModelFamily, SingleFileLayout, construct
+from sdtrain.models.families.autoencoder import SD_VAE, TINY_VAE, vae_blocks
+from sdtrain.models.families.spec import ModelFamily
+from sdtrain.models.families.text_towers import clip_text_config, text_blocks
+from sdtrain.models.families.unet import ORIGINAL_CHECKPOINT, unet_blocks
 
-# 4x downsampling: 64 px images become 16x16x4 latents. No mid-block attention: on a CPU it costs
-# 15% of the step and flat shapes need no global context to reconstruct.
-_TINY_VAE = dict(
-    down_block_types=["DownEncoderBlock2D"] * 3,
-    up_block_types=["UpDecoderBlock2D"] * 3,
-    block_out_channels=[32, 32, 64],
-    layers_per_block=1,
-    latent_channels=4,
-    # 32 groups over 32 channels would normalise every channel on its own, which washes out colour.
-    norm_num_groups=8,
-    mid_block_add_attention=False,
-)
-_SD_VAE = dict(
-    down_block_types=["DownEncoderBlock2D"] * 4,
-    up_block_types=["UpDecoderBlock2D"] * 4,
-    block_out_channels=[128, 256, 512, 512],
-    layers_per_block=2,
-    latent_channels=4,
-    norm_num_groups=32,
-)
 _TINY_UNET = dict(
     block_out_channels=[32, 64, 64],
     layers_per_block=1,
@@ -62,60 +42,10 @@ _SD2_TEXT = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=23,
                  projection_dim=512, hidden_act="gelu")
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "tiny": {"vae": _TINY_VAE, "unet": _TINY_UNET, "text_encoder": _TINY_TEXT},
-    "small": {"vae": _TINY_VAE, "unet": _SMALL_UNET, "text_encoder": _SMALL_TEXT},
-    "sd2": {"vae": _SD_VAE, "unet": _SD2_UNET, "text_encoder": _SD2_TEXT},
+    "tiny": {"vae": TINY_VAE, "unet": _TINY_UNET, "text_encoder": _TINY_TEXT},
+    "small": {"vae": TINY_VAE, "unet": _SMALL_UNET, "text_encoder": _SMALL_TEXT},
+    "sd2": {"vae": SD_VAE, "unet": _SD2_UNET, "text_encoder": _SD2_TEXT},
 }
-
-
-def _unet_blocks(unet: UNet2DConditionModel) -> list:
-    return [*unet.down_blocks, unet.mid_block, *unet.up_blocks]
-
-
-def _vae_blocks(vae: AutoencoderKL) -> list:
-    return [*vae.encoder.down_blocks, vae.encoder.mid_block, vae.decoder.mid_block, *vae.decoder.up_blocks]
-
-
-def _text_blocks(text_encoder: CLIPTextModel) -> list:
-    # transformers 5 holds the transformer directly; 4.x under text_model.
-    return list(getattr(text_encoder, "text_model", text_encoder).encoder.layers)
-
-
-def clip_text_config(settings: dict[str, Any], tokenizer: Any, key: str) -> CLIPTextConfig:
-    """A CLIP text tower's config from preset settings, its vocabulary, length and special ids the tokenizer's
-    (the pooled output is read at the eos position, so the ids must be the tokenizer's own)."""
-    return construct(CLIPTextConfig, key, dict(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=tokenizer.model_max_length,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **settings,
-    ))
-
-
-class OriginalCheckpoint(SingleFileLayout):
-    """Stable Diffusion's original checkpoint (CompVis/LDM, Stability's SGM for SDXL): UNet, VAE and text
-    encoders in one file, as A1111 and ComfyUI load it (`sdtrain.models.single_file`). Its VAE-only files (Flux's
-    ae.safetensors, sdxl_vae.safetensors) serve every family."""
-
-    family_bound = False
-    text_layouts = single_file.TEXT_LAYOUTS
-
-    def load(self, name: str, path: Path, *, trust_pickle: bool | None, frozen_precision: str, weights: bool,
-             latent_constants: Callable[[], dict[str, float | None]]) -> nn.Module:
-        return single_file.load_single_file_component(name, path, trust_pickle, weights=weights,
-                                                      latent_constants=latent_constants)
-
-    def write(self, out: Path, components: dict[str, nn.Module], *, half: bool, scheduler: Any,
-              text_layout: str, text_source: str | Path | None) -> None:
-        single_file.save_single_file(out, unet=components.get("unet"), vae=components.get("vae"),
-                                     text_encoder=components.get("text_encoder"),
-                                     text_encoder_2=components.get("text_encoder_2"), scheduler=scheduler,
-                                     text_layout=text_layout, text_source=text_source, half=half)
-
-
-ORIGINAL_CHECKPOINT = OriginalCheckpoint()
 
 
 class StableDiffusion(ModelFamily):
@@ -128,7 +58,7 @@ class StableDiffusion(ModelFamily):
     pipeline_names = ("StableDiffusionPipeline",)
     single_file_keys = ("model.diffusion_model.input_blocks.", "cond_stage_model.", "first_stage_model.")
     single_file = ORIGINAL_CHECKPOINT
-    block_lists = {UNet2DConditionModel: _unet_blocks, AutoencoderKL: _vae_blocks, CLIPTextModel: _text_blocks}
+    block_lists = {UNet2DConditionModel: unet_blocks, AutoencoderKL: vae_blocks, CLIPTextModel: text_blocks}
     presets = PRESETS
     kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
 

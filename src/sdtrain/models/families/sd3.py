@@ -26,15 +26,25 @@ from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
 from sdtrain.errors import UserError
 from sdtrain.models import single_file
-from sdtrain.models.families.flux import _FLUX_VAE, _T5_XXL, _TINY_FLUX_VAE, t5_blocks, t5_config
-from sdtrain.models.families.flux import _TINY_T5 as _FLUX_TINY_T5
-from sdtrain.models.families.sd import _text_blocks, _vae_blocks, clip_text_config
-from sdtrain.models.families.sdxl import _SDXL_TEXT, _SDXL_TEXT_2, _TINY_TEXT, _TINY_TEXT_2, _with_penultimate_states
+from sdtrain.models.families.autoencoder import FLUX_VAE, TINY_FLUX_VAE, vae_blocks
 from sdtrain.models.families.spec import ModelFamily, SingleFileLayout
+from sdtrain.models.families.text_towers import (
+    CLIP_L,
+    OPENCLIP_BIGG,
+    T5_XXL,
+    TINY_CLIP,
+    TINY_CLIP_WIDER,
+    TINY_T5,
+    clip_text_config,
+    penultimate_states,
+    t5_blocks,
+    t5_config,
+    text_blocks,
+)
 from sdtrain.models.single_file import sd3 as stability_layout
 
 # SD3's autoencoder: Flux.1's shape (16 channels, no quant convs) with its own centring and scale.
-_SD3_VAE = {**_FLUX_VAE, "shift_factor": 0.0609, "scaling_factor": 1.5305}
+_SD3_VAE = {**FLUX_VAE, "shift_factor": 0.0609, "scaling_factor": 1.5305}
 # SD3-medium: 2,028,328,000 parameters (its context and pooled widths come from T5 and the CLIPs, see
 # denoiser_settings; in/out channels and sample_size from the latents, see denoiser_shape).
 _SD3_MEDIUM = dict(patch_size=2, num_layers=24, attention_head_dim=64, num_attention_heads=24,
@@ -43,7 +53,7 @@ _SD3_MEDIUM = dict(patch_size=2, num_layers=24, attention_head_dim=64, num_atten
 _SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
 
 # T5 must be at least as wide as the two CLIPs side by side (32 + 48): their states are zero-padded to its width.
-_TINY_T5 = {**_FLUX_TINY_T5, "d_model": 96, "d_kv": 16, "d_ff": 128}
+_TINY_T5 = {**TINY_T5, "d_model": 96, "d_kv": 16, "d_ff": 128}
 # SD3.5-medium's structure (image self-attention in the first blocks, RMS query-key norms) at a size tests train;
 # the caption projection is the transformer's width (heads x head width), as joint attention requires. 16
 # positions a side cover 128 px square images through the 4x tiny VAE and 2x2 patches.
@@ -51,10 +61,10 @@ _TINY_SD3 = dict(patch_size=2, num_layers=2, attention_head_dim=16, num_attentio
                  pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm")
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "tiny": {"vae": _TINY_FLUX_VAE, "text_encoder": _TINY_TEXT, "text_encoder_2": _TINY_TEXT_2,
+    "tiny": {"vae": TINY_FLUX_VAE, "text_encoder": TINY_CLIP, "text_encoder_2": TINY_CLIP_WIDER,
              "text_encoder_3": _TINY_T5, "transformer": _TINY_SD3, "scheduler": _SD3_SCHEDULER},
-    "sd3-medium": {"vae": _SD3_VAE, "text_encoder": _SDXL_TEXT, "text_encoder_2": _SDXL_TEXT_2,
-                   "text_encoder_3": _T5_XXL, "transformer": _SD3_MEDIUM, "scheduler": _SD3_SCHEDULER},
+    "sd3-medium": {"vae": _SD3_VAE, "text_encoder": CLIP_L, "text_encoder_2": OPENCLIP_BIGG,
+                   "text_encoder_3": T5_XXL, "transformer": _SD3_MEDIUM, "scheduler": _SD3_SCHEDULER},
 }
 
 T5_TEXT_LENGTH = 256
@@ -98,8 +108,8 @@ class StableDiffusion3(ModelFamily):
                       "StableDiffusion3InpaintPipeline")
     single_file_keys = ("model.diffusion_model.joint_blocks.",)
     single_file = StabilityCheckpoint()
-    block_lists = {SD3Transformer2DModel: transformer_blocks, AutoencoderKL: _vae_blocks,
-                   CLIPTextModelWithProjection: _text_blocks, T5EncoderModel: t5_blocks}
+    block_lists = {SD3Transformer2DModel: transformer_blocks, AutoencoderKL: vae_blocks,
+                   CLIPTextModelWithProjection: text_blocks, T5EncoderModel: t5_blocks}
     presets = PRESETS
     # No kohya layout: sdtrain writes diffusers' LoRA file alone, which ComfyUI reads for SD3.
     kohya_prefixes: dict[str, str] = {}
@@ -141,7 +151,7 @@ class StableDiffusion3(ModelFamily):
                     masks: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
         states, pooled = [], []
         for encoder, tokens in zip(encoders[:2], ids[:2]):
-            output, penultimate = _with_penultimate_states(encoder, tokens)
+            output, penultimate = penultimate_states(encoder, tokens)
             # The last layer and the final norm take part with weight zero, so that every parameter of a trained
             # encoder gets a gradient each step, as DDP requires.
             states.append(penultimate + 0 * output.last_hidden_state)

@@ -19,24 +19,20 @@ from torch import nn
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
 from sdtrain.models import single_file
-from sdtrain.models.families.sd import (
-    _SD_VAE,
-    _TINY_VAE,
-    ORIGINAL_CHECKPOINT,
-    _text_blocks,
-    _unet_blocks,
-    _vae_blocks,
-    clip_text_config,
-)
+from sdtrain.models.families.autoencoder import SD_VAE, TINY_VAE, vae_blocks
 from sdtrain.models.families.spec import ModelFamily
+from sdtrain.models.families.text_towers import (
+    CLIP_L,
+    OPENCLIP_BIGG,
+    TINY_CLIP,
+    TINY_CLIP_WIDER,
+    clip_text_config,
+    penultimate_states,
+    text_blocks,
+)
+from sdtrain.models.families.unet import ORIGINAL_CHECKPOINT, unet_blocks
 
-_SDXL_VAE = {**_SD_VAE, "scaling_factor": 0.13025, "sample_size": 1024}
-# CLIP ViT-L/14's text tower, whole: SDXL reads its penultimate layer's states.
-_SDXL_TEXT = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                  projection_dim=768, hidden_act="quick_gelu")
-# OpenCLIP ViT-bigG/14's text tower with its projection.
-_SDXL_TEXT_2 = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
-                    projection_dim=1280, hidden_act="gelu")
+_SDXL_VAE = {**SD_VAE, "scaling_factor": 0.13025, "sample_size": 1024}
 # The SDXL 1.0 base UNet: 2,567,463,684 parameters (its cross-attention width and added-embedding input
 # come from the text encoders, see denoiser_settings).
 _SDXL_UNET = dict(
@@ -51,38 +47,18 @@ _SDXL_UNET = dict(
     addition_time_embed_dim=256,
     norm_num_groups=32,
 )
-_TINY_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, projection_dim=32)
-# Wider than the first, as bigG is than ViT-L: diffusers' single-file loader tells the two towers apart by width.
-_TINY_TEXT_2 = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                    projection_dim=48)
 # SDXL's structure (attention from the second level on, linear projections, text_time) at a size tests train.
 _TINY_UNET = {**_SDXL_UNET, "block_out_channels": [32, 64, 64], "layers_per_block": 1,
               "transformer_layers_per_block": [1, 1, 2], "attention_head_dim": [2, 4, 4],
               "addition_time_embed_dim": 8, "norm_num_groups": 8}
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "tiny": {"vae": _TINY_VAE, "text_encoder": _TINY_TEXT, "text_encoder_2": _TINY_TEXT_2, "unet": _TINY_UNET},
-    "sdxl": {"vae": _SDXL_VAE, "text_encoder": _SDXL_TEXT, "text_encoder_2": _SDXL_TEXT_2, "unet": _SDXL_UNET},
+    "tiny": {"vae": TINY_VAE, "text_encoder": TINY_CLIP, "text_encoder_2": TINY_CLIP_WIDER, "unet": _TINY_UNET},
+    "sdxl": {"vae": _SDXL_VAE, "text_encoder": CLIP_L, "text_encoder_2": OPENCLIP_BIGG, "unet": _SDXL_UNET},
 }
 
 SIZE_IDS = 6
 """Original height and width, crop top and left, target height and width."""
-
-
-def _with_penultimate_states(encoder: nn.Module, tokens: torch.Tensor) -> tuple[Any, torch.Tensor]:
-    """The encoder's output and its penultimate layer's states (what ``output_hidden_states`` gives as
-    hidden_states[-2]), read by a hook on that layer: transformers collects hidden states by layer class, which
-    FSDP2 replaces, and a wrapped encoder (DDP) forwards no such option."""
-    layers = _text_blocks(getattr(encoder, "module", encoder))
-    captured = []
-    handle = layers[-2].register_forward_hook(
-        lambda _module, _inputs, out: captured.append(out[0] if isinstance(out, tuple) else out))
-    try:
-        output = encoder(tokens)
-    finally:
-        # Before backward: a checkpointed layer runs again there, and must not be captured twice.
-        handle.remove()
-    return output, captured[0]
 
 
 class StableDiffusionXL(ModelFamily):
@@ -97,8 +73,8 @@ class StableDiffusionXL(ModelFamily):
     pipeline_names = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline")
     single_file_keys = ("conditioner.embedders.",)
     single_file = ORIGINAL_CHECKPOINT
-    block_lists = {UNet2DConditionModel: _unet_blocks, AutoencoderKL: _vae_blocks, CLIPTextModel: _text_blocks,
-                   CLIPTextModelWithProjection: _text_blocks}
+    block_lists = {UNet2DConditionModel: unet_blocks, AutoencoderKL: vae_blocks, CLIPTextModel: text_blocks,
+                   CLIPTextModelWithProjection: text_blocks}
     presets = PRESETS
     kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
     # A1111's and ComfyUI's SDXL embeddings: one entry per text encoder.
@@ -122,7 +98,7 @@ class StableDiffusionXL(ModelFamily):
                     masks: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
         states = []
         for encoder, tokens in zip(encoders, ids):
-            output, penultimate = _with_penultimate_states(encoder, tokens)
+            output, penultimate = penultimate_states(encoder, tokens)
             # The last layer and the final norm take part with weight zero, so that every parameter of a trained
             # encoder gets a gradient each step, as DDP requires.
             states.append(penultimate + 0 * output.last_hidden_state)

@@ -12,6 +12,7 @@ as the pipeline does before each sampler step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,11 @@ from diffusers import AutoencoderKL, ZImagePipeline, ZImageTransformer2DModel
 from torch import nn
 from transformers import Qwen3Config, Qwen3Model
 
+from sdtrain.models import single_file
 from sdtrain.models.families import causal_lm
-from sdtrain.models.families.flux import _FLUX_VAE, _TINY_FLUX_VAE
-from sdtrain.models.families.sd import _vae_blocks
-from sdtrain.models.families.spec import ModelFamily, construct
+from sdtrain.models.families.autoencoder import FLUX_VAE, TINY_FLUX_VAE, vae_blocks
+from sdtrain.models.families.spec import ModelFamily, SingleFileLayout, construct
+from sdtrain.models.single_file import zimage as original_layout
 
 # Qwen3-4B, the released text encoder (read as Qwen3Model: no language-model head).
 _QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
@@ -47,8 +49,8 @@ _TINY_ZIMAGE = dict(all_patch_size=[2], all_f_patch_size=[1], dim=32, n_layers=2
                     n_kv_heads=2, qk_norm=True, axes_dims=[8, 4, 4], axes_lens=[512, 64, 64])
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "tiny": {"vae": _TINY_FLUX_VAE, "text_encoder": _TINY_TEXT, "transformer": _TINY_ZIMAGE, "scheduler": _SCHEDULER},
-    "z-image": {"vae": _FLUX_VAE, "text_encoder": _QWEN3_4B, "transformer": _ZIMAGE, "scheduler": _SCHEDULER},
+    "tiny": {"vae": TINY_FLUX_VAE, "text_encoder": _TINY_TEXT, "transformer": _TINY_ZIMAGE, "scheduler": _SCHEDULER},
+    "z-image": {"vae": FLUX_VAE, "text_encoder": _QWEN3_4B, "transformer": _ZIMAGE, "scheduler": _SCHEDULER},
 }
 
 
@@ -56,10 +58,38 @@ def transformer_blocks(transformer: ZImageTransformer2DModel) -> list[nn.Module]
     return [*transformer.noise_refiner, *transformer.context_refiner, *transformer.layers]
 
 
+class TransformerFile(SingleFileLayout):
+    """Tongyi-MAI's release file (and ComfyUI's ``diffusion_models/`` one): the transformer alone, in its authors'
+    layout (`sdtrain.models.single_file.zimage`). Its VAE (Flux.1's), Qwen3 text encoder and tokenizer are loaded
+    separately, as Z-Image tools load them. bf16 with ``--half``, the released dtype."""
+
+    holds = ("transformer",)
+    half_dtype = "bf16"
+    description = "The {title} transformer alone, in one file in its authors' layout"
+    comfyui = ("put `{name}` in `ComfyUI/models/diffusion_models/` and load it with Load Diffusion Model, beside "
+               "Z-Image's own Qwen3 text encoder (Load CLIP) and Flux.1's `ae` autoencoder (Load VAE).")
+
+    def load(self, name: str, path: Path, *, trust_pickle: bool | None, frozen_precision: str, weights: bool,
+             latent_constants: Callable[[], dict[str, float | None]]) -> nn.Module:
+        # A released file carries no settings beyond its shapes: the released model's.
+        return single_file.load_zimage_transformer(path, trust_pickle, frozen_precision=frozen_precision,
+                                                   weights=weights, defaults=_ZIMAGE)
+
+    def write(self, out: Path, components: dict[str, nn.Module], *, half: bool, scheduler: Any,
+              text_layout: str, text_source: str | Path | None) -> None:
+        original_layout.save_original(out, components["transformer"], half=half)
+
+    def diffusers_code(self, pipeline: str, file: str, base: str) -> list[str]:
+        return [f"from diffusers import ZImageTransformer2DModel, {pipeline}", "",
+                f"transformer = ZImageTransformer2DModel.from_single_file({file}, config={base}, "
+                "subfolder=\"transformer\")",
+                f"pipe = {pipeline}.from_pretrained({base}, transformer=transformer)"]
+
+
 class ZImage(ModelFamily):
     name = "z-image"
     title = "Z-Image"
-    latent_constants = {key: _FLUX_VAE[key] for key in ("scaling_factor", "shift_factor")}
+    latent_constants = {key: FLUX_VAE[key] for key in ("scaling_factor", "shift_factor")}
     components = {"vae": AutoencoderKL, "text_encoder": Qwen3Model, "transformer": ZImageTransformer2DModel}
     long_text_tokenizers = ("tokenizer",)
     # diffusers' Z-Image LoRA loader adapts the transformer alone.
@@ -69,8 +99,11 @@ class ZImage(ModelFamily):
     objective = "flow_matching"
     pipeline_class = ZImagePipeline
     pipeline_names = ("ZImagePipeline",)
+    # The authors' files hold the transformer alone; ComfyUI's put it under model.diffusion_model.
+    single_file_keys = ("layers.0.adaLN_modulation.", "model.diffusion_model.layers.0.adaLN_modulation.")
+    single_file = TransformerFile()
     block_lists = {ZImageTransformer2DModel: transformer_blocks, Qwen3Model: causal_lm.decoder_layers,
-                   AutoencoderKL: _vae_blocks}
+                   AutoencoderKL: vae_blocks}
     presets = PRESETS
 
     def long_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:

@@ -12,38 +12,48 @@ from torch import nn
 
 from sdtrain.config import RunConfig
 from sdtrain.models import families
-from sdtrain.train.modes.dreambooth import DreamBoothLoraTask, DreamBoothTask
+from sdtrain.train.modes.dreambooth import DreamBoothRecipe
 from sdtrain.train.modes.lora import LoraTask, save_lora
 from sdtrain.train.modes.textual_inversion import (
     LEARNED_EMBEDS,
     TextualInversionTask,
     save_learned_embeds,
 )
-from sdtrain.train.tasks import TASKS, Task
+from sdtrain.train.tasks import TASKS, DataRecipe, DiffusionTask, Task
 
-MODES = {"lora": LoraTask, "textual_inversion": TextualInversionTask, "dreambooth": DreamBoothTask}
-
-
-def mode_task(config: Any) -> type:
-    if config.mode == "dreambooth" and config.dreambooth.lora:
-        return DreamBoothLoraTask
-    return MODES[config.mode]
+# What trains, by mode; DreamBooth trains the whole model, or adapters with dreambooth.lora.
+TRAINED = {"full": DiffusionTask, "lora": LoraTask, "textual_inversion": TextualInversionTask,
+           "dreambooth": DiffusionTask}
+# What the run trains on, by mode: the data as it is, or DreamBooth's instance and class images.
+RECIPES: dict[str, type[DataRecipe]] = {"dreambooth": DreamBoothRecipe}
 
 
 def task_class(config: RunConfig) -> type[Task]:
-    """What a run trains: a stage's task, or for fine-tuning the diffusion stage, its mode's."""
-    if config.stage == "diffusion" and config.mode != "full":
-        return mode_task(config)
-    return TASKS[config.stage]
+    """What a run trains: a stage's task, or for the diffusion stage its mode's trained part."""
+    if config.stage != "diffusion":
+        return TASKS[config.stage]
+    if config.mode == "dreambooth" and config.dreambooth.lora:
+        return LoraTask
+    return TRAINED[config.mode]
+
+
+def recipe_class(config: RunConfig) -> type[DataRecipe]:
+    """What a diffusion run trains on: its mode's data recipe, else the plain one."""
+    return RECIPES.get(config.mode, DataRecipe)
 
 
 def prepare_task(config: RunConfig, run_dir: Path) -> None:
     task_class(config).prepare(config, run_dir)
+    if config.stage == "diffusion":
+        recipe_class(config).prepare(config, run_dir)
 
 
 def make_task(config: RunConfig, device: torch.device, run_dir: Path, resumed: dict[str, Any] | None = None) -> Task:
-    """The run's task; `resumed`: the meta.json of the checkpoint it resumes from."""
-    return task_class(config)(config, device, run_dir, resumed)
+    """The run's task, its data recipe given to it; `resumed`: the meta.json of the checkpoint it resumes from."""
+    cls = task_class(config)
+    if config.stage != "diffusion":
+        return cls(config, device, run_dir, resumed)
+    return cls(config, device, run_dir, resumed, recipe=recipe_class(config)(config, run_dir))
 
 
 def has_trained_parts(meta: dict[str, Any]) -> bool:

@@ -25,8 +25,7 @@ from sdtrain.loaders.components import load_component
 from sdtrain.models import build, families
 from sdtrain.models.pipeline import sample_images, sampler_from
 from sdtrain.run import resolve_device
-from sdtrain.train.modes.lora import LoraTask
-from sdtrain.train.tasks import DiffusionTask
+from sdtrain.train.tasks import DataRecipe
 from sdtrain.utils import save_image_atomic
 
 log = logging.getLogger(__name__)
@@ -153,16 +152,19 @@ class WithPriorBatches:
         self.prior.close()
 
 
-class DreamBoothTask(DiffusionTask):
+class DreamBoothRecipe(DataRecipe):
+    """DreamBooth's data and loss, for whatever trains (the whole model, or LoRA adapters with
+    ``dreambooth.lora``): every instance image under the instance prompt, and with a class prompt a batch of class
+    images alongside, their loss weighted by ``dreambooth.prior_loss_weight``."""
+
     @property
     def prior_preservation(self) -> bool:
         return bool(self.config.dreambooth.class_prompt.strip())
 
     @staticmethod
     def prepare(config: RunConfig, run_dir: Path) -> None:
-        DiffusionTask.prepare(config, run_dir)
-        DreamBoothTask._class_shards(config, run_dir)
-        DreamBoothTask._cache(config, run_dir)
+        DreamBoothRecipe._class_shards(config, run_dir)
+        DreamBoothRecipe._cache(config, run_dir)
 
     @staticmethod
     def _class_shards(config: RunConfig, run_dir: Path) -> None:
@@ -181,9 +183,9 @@ class DreamBoothTask(DiffusionTask):
             with_prior = bool(config.dreambooth.class_prompt.strip())
             cache_latents(config, run_dir, [config.data.shards, *([str(class_shards(run_dir))] if with_prior else [])])
 
-    def data_config(self) -> DataConfig:
+    def data_config(self, data: DataConfig) -> DataConfig:
         # Every instance image is the subject under its prompt: none dropped, no pre-encoded captions.
-        data, db = self.config.data, self.config.dreambooth
+        db = self.config.dreambooth
         return dataclasses.replace(data, shards=self._shards(data.shards), use_encoded=db.cache_latents,
                                    prompt_templates=[db.instance_prompt], caption_dropout=0.0)
 
@@ -198,26 +200,20 @@ class DreamBoothTask(DiffusionTask):
         # A prompt that takes each image's own caption ({caption}) is not known before the data is read.
         return [] if any("{caption}" in prompt for prompt in prompts) else prompts
 
-    def make_data(self, batches: Callable[[DataConfig], Any]) -> Any:
-        instance = batches(self.data_config())
+    def make_data(self, data: DataConfig, batches: Callable[[DataConfig], Any]) -> Any:
+        instance = batches(data)
         if not self.prior_preservation:
             return instance
         db = self.config.dreambooth
-        prior = dataclasses.replace(self.data_config(), shards=self._shards(str(class_shards(self.run_dir))),
-                                    filters={}, prompt_templates=[db.class_prompt],
+        prior = dataclasses.replace(data, shards=self._shards(str(class_shards(self.run_dir))), filters={},
+                                    prompt_templates=[db.class_prompt],
                                     batch_size=db.class_batch_size or self.config.data.batch_size)
         return WithPriorBatches(instance, batches(prior))
 
-    def loss(self, batch, generator):
-        per_sample = self.denoising_loss(batch, generator)
+    def loss(self, per_sample: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         count = batch.get("instance_count", len(per_sample))
         if count == len(per_sample):
             return per_sample.mean(), {}
         instance, prior = per_sample[:count].mean(), per_sample[count:].mean()
         loss = instance + self.config.dreambooth.prior_loss_weight * prior
         return loss, {"instance_loss": instance.detach(), "prior_loss": prior.detach()}
-
-
-class DreamBoothLoraTask(DreamBoothTask, LoraTask):
-    """DreamBooth's data and loss, LoRA's trainable adapters."""
-

@@ -106,7 +106,8 @@ class TextualInversionTask(DiffusionTask):
         cfg = self.config.textual_inversion
         templates = cfg.templates or (STYLE_TEMPLATES if cfg.learnable_property == "style" else OBJECT_TEMPLATES)
         # Every caption names the concept: an empty one would teach the new vectors nothing.
-        return dataclasses.replace(self.config.data, prompt_templates=[t.replace("{}", self.phrase) for t in templates],
+        return dataclasses.replace(super().data_config(),
+                                   prompt_templates=[t.replace("{}", self.phrase) for t in templates],
                                    caption_dropout=0.0)
 
     def checkpoint_meta(self) -> dict[str, Any]:
