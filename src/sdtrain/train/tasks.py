@@ -20,16 +20,13 @@ from torch import nn
 from sdtrain.config import DataConfig, DiffusionConfig, RunConfig
 from sdtrain.data.decode import make_buckets
 from sdtrain.data.encoded import TEXT_FIELDS, dataset_encoding
-from sdtrain.distributed import detect_topology
 from sdtrain.errors import UserError
 from sdtrain.loaders.components import load_component
 from sdtrain.models import build, families
-from sdtrain.models.frozen import storage_bytes, store_frozen, stored_bytes
-from sdtrain.models.offload import WeightStream
 from sdtrain.models.pipeline import exact_sampling, run_sampling, sample_images, sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer
-from sdtrain.train import autotune
 from sdtrain.train.objectives import FlowMatching, NoisePrediction
+from sdtrain.train.storage import FrozenStorage, on_meta
 from sdtrain.utils import save_grid, save_images
 
 log = logging.getLogger(__name__)
@@ -294,19 +291,13 @@ class DiffusionTask(Task):
         self.vae = _placed(vae, device).eval().requires_grad_(False)
         scale = self._check_resolution(self.vae)
         latent = (self.vae.config.latent_channels, config.data.resolution // scale)
-        # A resumed run keeps the storage it started with: its adapters trained over that base.
-        fixed = model.frozen_precision if model.frozen_precision != "auto" else self.resumed.get("frozen_precision")
-        self.frozen_precision = fixed or "auto"
-        self.offloads = model.offload_frozen is True
-        offload_planned = model.offload_frozen == "auto" and device.type == "cuda" and fixed != "fp32"
-        if fixed is None or offload_planned:
+        self.storage = FrozenStorage(config, device, family, self.keeps_frozen, self.resumed)
+        if self.storage.needs_plan:
             # Planned from the shapes alone, before any weight loads, since weights are stored low as they load.
-            plan = self._plan_frozen(self._components(unread, latent, weights=False), unread, fixed)
-            self.frozen_precision = plan.precision
-            self.offloads = self.offloads or (offload_planned and not plan.fits)
+            self.storage.plan(self._components(unread, latent, weights=False), unread)
         # The denoiser under the family's name (unet, transformer): the trainer wraps and checkpoints modules by name.
         for name, module in self._components(unread, latent).items():
-            self._offload(module)  # before placing: streamed weights never all reach the device
+            self.storage.offload(module)  # before placing: streamed weights never all reach the device
             setattr(self, name, _placed(module, device))
         denoiser = self.denoiser
         self._check_buckets(scale * family.downsampling(denoiser.config))
@@ -317,7 +308,7 @@ class DiffusionTask(Task):
         self.objective = make_objective(family, config.diffusion, self.noise_scheduler, device, denoiser.config)
         self.caption_tokenizer = CaptionTokenizer(self.tokenizers, family)
         self.trainable = self.make_trainable()
-        self._store_frozen(self.frozen_precision)
+        self.storage.store([self.denoiser, *self.text_encoders.values()])
 
     def _check_positions(self, denoiser_config: Any, scale: int) -> None:
         """A pretrained denoiser whose position table stops short of the largest image trained on (SD3's
@@ -360,66 +351,18 @@ class DiffusionTask(Task):
                                               frozen_precision=self.stored_as(name) if weights else "fp32")
         return {**built, name: module}
 
-    def _plan_frozen(self, modules: dict[str, nn.Module], unread: list[str],
-                     fixed: str | None = None) -> autotune.FrozenPlan:
-        """``model.frozen_precision: auto``: the storage the planner picks for the frozen weights of `modules` (built
-        without weights) that training reads, beside the state of those that train (see
-        autotune.plan_frozen_precision), or whether the `fixed` one fits (for ``model.offload_frozen: auto``);
-        logged with the figures behind it."""
-        stored = dict.fromkeys(autotune.FROZEN_ORDER, 0)
-        trained: list[nn.Parameter] = []
-        for name, module in modules.items():
-            if name in unread:
-                continue
-            if self.keeps_frozen(name):
-                stored = {precision: stored[precision] + size for precision, size in storage_bytes(module).items()}
-            else:  # a text encoder with adapters counts whole: the planner errs on the side of fitting
-                trained += list(module.parameters())
-        optim = self.config.optim
-        state = autotune.training_bytes(trained, [], 0, 0, self.config.ema.enabled, checkpointing=False,
-                                        optimizer=optim.name, in_backward=optim.in_backward,
-                                        weight_size=2 if optim.weights == "bf16" else None)
-        available, held = autotune.memory_budget(self.device, detect_topology().local_world_size)
-        plan = autotune.plan_frozen_precision(stored, state, held, available, fixed)
-        log.info("model.frozen_precision=%s: %s (%s)", fixed or "auto", plan.precision, plan.why)
-        return plan
-
-    def _offload(self, module: nn.Module) -> None:
-        """``model.offload_frozen``: the frozen linear weights stored low in `module`'s blocks kept in host memory and
-        streamed to the device a block ahead of use (models/offload.py). Layers stored later are streamed when they
-        are (`_store_frozen`)."""
-        if not self.offloads or _on_meta(module):
-            return
-        stream = WeightStream(families.blocks(module), self.device)
-        if stream.layers:
-            log.info("model.offload_frozen: %d frozen linear layers in %d blocks of the %s stay in host memory, "
-                     "streamed to the %s a block ahead", sum(map(len, stream.layers)), len(stream.layers),
-                     type(module).__name__, self.device.type)
+    @property
+    def frozen_precision(self) -> str:
+        return self.storage.precision
 
     def stored_as(self, name: str) -> str:
-        """How component `name`'s linear weights are stored as it loads: `frozen_precision` for the
-        denoiser and text encoders this mode keeps frozen (`keeps_frozen`), so their full-precision weights never
-        all exist; fp32 for the rest (the VAE's few linear layers, in its attention, decode validation images)."""
-        if name not in (self.family.denoiser, *self.family.text_encoders) or not self.keeps_frozen(name):
-            return "fp32"
-        return self.frozen_precision
+        """How component `name`'s linear weights are stored as it loads (see FrozenStorage.stored_as)."""
+        return self.storage.stored_as(name)
 
     def keeps_frozen(self, name: str) -> bool:
         """Whether this mode trains none of component `name`'s linear weights: here the text encoders, unless they
         train. Modes that freeze more say so."""
         return name in self.family.text_encoders and not self.config.diffusion.train_text_encoder
-
-    def _store_frozen(self, precision: str) -> None:
-        """The frozen linear weights of the denoiser and text encoders in `precision` (model.frozen_precision)."""
-        if precision == "fp32":
-            return
-        modules = [m for m in (self.denoiser, *self.text_encoders.values()) if not _on_meta(m)]
-        for module in modules:
-            store_frozen(module, precision)
-            self._offload(module)
-        stored, full = (sum(sizes) for sizes in zip(*(stored_bytes(module) for module in modules)))
-        log.info("model.frozen_precision=%s: frozen linear weights take %.2f GiB (%.2f GiB in fp32)", precision,
-                 stored / 2**30, full / 2**30)
 
     takes_guidance = False
     """Whether the denoiser has a guidance embedding (Flux.1-dev's), read in setup before any wrapper hides its
@@ -564,13 +507,13 @@ class DiffusionTask(Task):
                 continue
             if name in unread:
                 getattr(self, name).to("meta")
-            elif _on_meta(getattr(self, name)):
+            elif on_meta(getattr(self, name)):
                 setattr(self, name, self.frozen(name))
 
     def frozen(self, name: str) -> nn.Module:
         """A frozen component with its weights, loaded again from its source if they were released."""
         module = getattr(self, name)
-        if not _on_meta(module):
+        if not on_meta(module):
             return module
         # Stored as training stores it: validation then costs no more memory than the step.
         module = load_component(name, self.sources[name], trust_pickle=self.trust_pickle, family=self.family,
@@ -689,11 +632,6 @@ class DiffusionTask(Task):
 TASKS: dict[str, type[Task]] = {"autoencoder": AutoencoderTask, "diffusion": DiffusionTask}
 
 
-def _on_meta(module: nn.Module) -> bool:
-    """Whether `module` was built or released without its weights."""
-    return next(module.parameters()).is_meta
-
-
 def latent_mask(batch: dict[str, Any], latents: torch.Tensor) -> torch.Tensor | None:
     """The batch's loss masks (data.alpha_mask, ``mask.png``) averaged down to the `latents`' grid, or None."""
     mask = batch.get("mask")
@@ -705,4 +643,4 @@ def latent_mask(batch: dict[str, Any], latents: torch.Tensor) -> torch.Tensor | 
 
 def _placed(module: nn.Module, device: torch.device) -> nn.Module:
     """`module` on `device`, unless it has no weights to move (see `load_component`'s `weights`)."""
-    return module if _on_meta(module) else module.to(device)
+    return module if on_meta(module) else module.to(device)
