@@ -244,8 +244,8 @@ def pytest_runtest_logreport(report: Any) -> None:
             sink.write(json.dumps(entry) + "\n")
 
 
-def run_tests(out: Path, timeout: int, select: str | None = None) -> dict[str, Any]:
-    reports = out / "cuda-tests.jsonl"
+def run_tests(out: Path, timeout: int, select: str | None = None, name: str = "cuda-tests") -> dict[str, Any]:
+    reports = out / f"{name}.jsonl"
     reports.unlink(missing_ok=True)
     # Each test gets a limit of its own (pytest-timeout, where installed): one that hangs is reported with its
     # stack and the rest still run.
@@ -253,7 +253,7 @@ def run_tests(out: Path, timeout: int, select: str | None = None) -> dict[str, A
     command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider", "-p", "gpu_check",
                *per_test, *(["-k", select] if select else []), "tests/test_cuda.py"]
     start = time.perf_counter()
-    status, tail = _run_logged(command, out / "cuda-tests.log", timeout,
+    status, tail = _run_logged(command, out / f"{name}.log", timeout,
                                {"GPU_CHECK_REPORTS": str(reports), "NCCL_DEBUG": "WARN",
                                 "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
     result: dict[str, Any] = {"seconds": round(time.perf_counter() - start, 1), "passed": 0, "failed": 0,
@@ -320,6 +320,13 @@ def table(results: dict[str, Any]) -> str:
     lines.append(f"pytest -m cuda: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped "
                  f"({tests['seconds']} s)")
     lines += [f"- FAILED {f['test']}: {f['message'][:200]}" for f in tests["failures"]]
+    if results.get("late_tests", {}).get("error"):
+        lines.append(f"- late tests ({LATE_TESTS}): {results['late_tests']['error'].splitlines()[0]}")
+    bisect = results.get("kernel_bisect")
+    if bisect:
+        lines += ["", "kernel bisect (benchmarks/flux_kernel_bisect.py):"]
+        lines += [f"- {c.get('kind')} / {c.get('backend')}: " + ("ok" if c.get("ok") else f"FAILED {c.get('tail')}")
+                  for c in bisect.get("cases", [])] or [f"- {bisect.get('error')}"]
     lines += ["", "| case | img/s | s/step | MFU | GPU peak GiB | host peak GiB | note |",
               "|---|---|---|---|---|---|---|"]
     for case in results["benchmarks"]:
@@ -338,6 +345,25 @@ def _commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
+# Compiling a real model's blocks takes inductor minutes on a cold cache: that test runs after the benchmark cases,
+# with whatever time they leave, so a short lease still measures the table.
+LATE_TESTS = "compiled"
+# What a case's log says when a kernel broke rather than the step (a sticky CUDA error).
+CUDA_FAULTS = ("illegal memory access", "CUBLAS_STATUS_EXECUTION_FAILED", "CUDA error")
+
+
+def run_bisect(out: Path, seconds_left: float) -> dict[str, Any]:
+    """benchmarks/flux_kernel_bisect.py, after a Flux case broke a kernel: attention in Flux's layout and one
+    real-width block under each attention backend, each in its own process; one JSON line per case."""
+    timeout = int(min(300, seconds_left))
+    if timeout < 30:
+        return {"ok": False, "error": "not run: the time budget (--budget) was spent"}
+    command = [sys.executable, str(ROOT / "benchmarks" / "flux_kernel_bisect.py")]
+    status, tail = _run_logged(command, out / "kernel-bisect.log", timeout)
+    cases = [json.loads(line) for line in tail.splitlines() if line.startswith("{")]
+    return {"ok": status == 0, "cases": cases, **({} if status == 0 else {"error": tail.splitlines()[-1:]})}
+
+
 def check(out: Path, only: list[str], skip_tests: bool, budget: float, tests: str | None = None) -> dict[str, Any]:
     import torch
 
@@ -353,7 +379,7 @@ def check(out: Path, only: list[str], skip_tests: bool, budget: float, tests: st
         "installed_from_wheels": installed, "matmul_peak_tflops": matmul_peak_tflops(cuda)}
     print(f"{facts['device']}: bf16 matmul {results['matmul_peak_tflops']:.1f} TFLOP/s", flush=True)
     results["tests"] = {"passed": 0, "failed": 0, "skipped": 0, "failures": [], "seconds": 0} if skip_tests else \
-        run_tests(out, timeout=int(min(240 if cuda else 120, budget / 2)), select=tests)
+        run_tests(out, timeout=int(min(240 if cuda else 120, budget / 2)), select=tests or f"not {LATE_TESTS}")
     print(f"cuda tests: {results['tests']['passed']} passed, {results['tests']['failed']} failed, "
           f"{results['tests']['skipped']} skipped", flush=True)
     cases = cuda_cases(facts["memory_gib"]) if cuda else dry_cases()
@@ -367,6 +393,22 @@ def check(out: Path, only: list[str], skip_tests: bool, budget: float, tests: st
                   + f" ({record['seconds']} s)", flush=True)
             results["benchmarks"].append(record)
             (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")  # what is done survives a kill
+    broken = [case["name"] for case in results["benchmarks"] if not case["ok"] and case["name"].startswith("flux")
+              and any(fault in case.get("log_tail", "") for fault in CUDA_FAULTS)]
+    if broken and cuda:
+        print(f"{', '.join(broken)}: a CUDA kernel broke; bisecting it (benchmarks/flux_kernel_bisect.py)", flush=True)
+        results["kernel_bisect"] = run_bisect(out, deadline - time.perf_counter())
+        (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    if not skip_tests and tests is None:
+        left = int(deadline - time.perf_counter())
+        late = run_tests(out, timeout=left, select=LATE_TESTS, name="cuda-tests-late") if left >= 60 else \
+            {"passed": 0, "failed": 0, "skipped": 0, "failures": [], "seconds": 0,
+             "error": f"not run: {left} s of the budget left"}
+        print(f"late cuda tests ({LATE_TESTS}): {late['passed']} passed, {late['failed']} failed", flush=True)
+        results["late_tests"] = late
+        for key in ("passed", "failed", "skipped"):
+            results["tests"][key] += late[key]
+        results["tests"]["failures"] += late["failures"]
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     return results
 
