@@ -95,7 +95,6 @@ from sdtrain.models.single_file.load import (
     load_flux_transformer,
     load_sd3_component,
     load_single_file_component,
-    load_zimage_transformer,
 )
 from sdtrain.models.single_file.read import (
     CLIP_PREFIX,
@@ -127,6 +126,7 @@ from sdtrain.models.single_file.read import (
     is_single_file,
     looks_like_single_file,
     model_family,
+    open_file,
     prediction_type,
     scheduler_config,
     tensor_names,
@@ -154,9 +154,9 @@ __all__ = [
     "SUFFIXES", "TEXT_ENCODERS", "TEXT_EXTRA_KEYS", "TEXT_LAYOUTS", "TEXT_SHAPE_KEYS", "TRUST_PICKLE_ENV",
     "UNET_PREFIX", "UNET_SHAPE_KEYS", "VAE_PREFIX", "VAE_SHAPE_KEYS", "SingleFileInfo", "choose_text_layout",
     "config_folder", "family_of", "inspect_single_file", "is_single_file", "load_flux_transformer",
-    "load_sd3_component", "load_single_file_component", "load_zimage_transformer",
+    "load_sd3_component", "load_single_file_component",
     "original_unet_path",
-    "looks_like_single_file", "model_family", "prediction_type", "save_single_file",
+    "looks_like_single_file", "model_family", "open_file", "prediction_type", "save_single_file",
     "scheduler_config", "single_file_metadata", "tensor_names", "text_encoder_layout", "to_original_state_dict",
     "tokenizer_folder", "tokenizer_for", "trust_pickle_from_env", "written_by_sdtrain",
 ]

@@ -13,7 +13,7 @@ import torch
 
 from sdtrain.errors import UserError
 from sdtrain.models import frozen
-from sdtrain.models.single_file import flux, sd3, zimage
+from sdtrain.models.single_file import flux, sd3
 from sdtrain.models.single_file.read import (
     SingleFileInfo,
     _File,
@@ -169,48 +169,6 @@ def load_flux_transformer(path_or_file: str | Path | _File, trust_pickle: bool |
     missing = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
     if missing:
         raise UserError(f"{file.path}: the Flux.1 transformer lacks {len(missing)} weights (e.g. {missing[0]}); the "
-                        "file is incomplete")
-    return module.eval()
-
-
-def load_zimage_transformer(path: str | Path, trust_pickle: bool | None = None, frozen_precision: str = "fp32",
-                            weights: bool = True, defaults: dict[str, Any] | None = None) -> Any:
-    """A ZImageTransformer2DModel, in fp32, from a file of Z-Image's transformer in its authors' layout (bare keys,
-    or under ComfyUI's ``model.diffusion_model.``): sizes from the tensor shapes, the other settings from the file's
-    metadata, else `defaults` (the released model's). Built on the meta device and filled a tensor at a time, its
-    linear weights stored in `frozen_precision` as they come; without `weights`, only the header is read."""
-    from diffusers import ZImageTransformer2DModel
-
-    file = _open(path, trust_pickle)
-    prefix = zimage.prefix_of(file.shapes)
-    fix = ("pass a Z-Image transformer file (the released z_image_*.safetensors, or `sdtrain export --single-file` "
-           "of a Z-Image run) or a diffusers transformer folder")
-    if prefix is None:
-        raise UserError(f"{file.path}: holds no Z-Image transformer in its authors' layout ({zimage.MARK}); {fix}")
-    keys = [k for k in file.shapes if k.startswith(prefix)]
-    try:
-        config = zimage.transformer_config({k[len(prefix):]: file.shapes[k] for k in keys}, file.metadata,
-                                           defaults or {})
-    except ValueError as exc:
-        raise UserError(f"{file.path}: cannot read it as a Z-Image transformer ({_first_line(exc)}); {fix}") from exc
-    with frozen.parameters_on_meta():
-        module = ZImageTransformer2DModel(**config)
-    if not weights:
-        return module.eval()
-    tensors = zimage.iter_from_original([k[len(prefix):] for k in keys],
-                                        lambda key: file.floats([prefix + key])[prefix + key])
-    try:
-        if frozen_precision != "fp32":
-            missing = frozen.fill_streamed(module, tensors, frozen_precision)
-        else:
-            # Trainable: the parts of a fused qkv get storage of their own, as checkpoints share no tensors.
-            state = {key: tensor.clone() if tensor._base is not None else tensor for key, tensor in tensors}
-            module.load_state_dict(state, strict=True, assign=True)
-            missing = []
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise UserError(f"{file.path}: cannot load the Z-Image transformer ({_first_line(exc)}); {fix}") from exc
-    if missing:
-        raise UserError(f"{file.path}: the Z-Image transformer lacks {len(missing)} weights (e.g. {missing[0]}); the "
                         "file is incomplete")
     return module.eval()
 

@@ -215,6 +215,13 @@ def _open(path: str | Path, trust_pickle: bool | None = None) -> _File:
     raise UserError(f"{path}: not a single-file checkpoint; use a {', '.join(SUFFIXES)} file")
 
 
+def open_file(path: str | Path, trust_pickle: bool | None = None) -> _File:
+    """A single file's tensor names and shapes (`shapes`), its safetensors metadata and its tensors on demand
+    (`floats`, read one at a time): what a family's own layout reads a file through. A pickle is read whole, and
+    only when trusted; an unreadable file is one line."""
+    return _open(path, trust_pickle)
+
+
 def tensor_names(path: str | Path, trust_pickle: bool | None = None) -> list[str]:
     """The keys of a single file's tensors, from its header (a pickle file, once trusted, is read whole)."""
     return list(_open(path, trust_pickle).shapes)
