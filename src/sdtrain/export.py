@@ -152,15 +152,12 @@ def export_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: P
 
 def _write_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | None = None,
                        half: bool = False, text_layout: str = "auto") -> Path:
-    """Write the run's model as ONE .safetensors file in the original layout (see sdtrain.models.single_file).
-
-    A Stable Diffusion (1.x, 2.x, XL) run gives UNet (``model.diffusion_model.*``), VAE (``first_stage_model.*``)
-    and text encoder (``cond_stage_model.transformer.*`` CLIP, or ``cond_stage_model.model.*`` OpenCLIP:
-    `text_layout` 'auto' picks OpenCLIP when the text encoder came from an SD 2.x-layout file or is 1024 wide),
-    its tokenizer in OUT.tokenizer/ beside it; an autoencoder run gives a VAE-only file (bare
-    ``encoder.*``/``decoder.*`` keys). A Flux.1 run gives its transformer alone (see `_export_flux_transformer`).
-    EMA weights by default, fp32 unless `half` (fp16; bf16 for Flux.1). The file is written under a temporary name
-    and renamed. An SD3 run gives every component in Stability's layout (see `_export_sd3`).
+    """Write the run's model as ONE .safetensors file in its family's original layout (`SingleFileLayout`): the
+    whole model (Stable Diffusion's, SDXL's, SD3's), its tokenizers beside it as OUT.tokenizer/, OUT.tokenizer_2/...,
+    or the part a layout holds (Flux.1's and Z-Image's transformer alone, adapters merged in). `text_layout` picks
+    the text encoder's layout where the family has several (SD's CLIP or OpenCLIP; 'auto' as the text encoder came).
+    An autoencoder run gives a VAE-only file (bare ``encoder.*``/``decoder.*`` keys). EMA weights by default, fp32
+    unless `half` (the layout's half dtype). The file is written under a temporary name and renamed.
     """
     run_dir, out = Path(run_dir), Path(out)
     checkpoint = _checkpoint_to_export(run_dir, checkpoint)

@@ -51,9 +51,6 @@ FOLDER_FILES = frozenset({CARD, CARD_ASIDE, IMAGE})
 
 _MARKER = re.compile(r"<!-- sdtrain model card of (\S+) sha256:([0-9a-f]{64})\b.*-->")
 _PNG_KEY, _PNG_VALUE = "sdtrain", "model card image"
-_FAMILY_TAGS = {"sd": ["stable-diffusion", "stable-diffusion-diffusers"],
-                "sdxl": ["stable-diffusion-xl", "stable-diffusion-xl-diffusers"],
-                "sd3": ["sd3", "sd3-diffusers"], "flux": ["flux", "flux-diffusers"]}
 _GRID = re.compile(r"step_(\d+)\.png")
 
 
@@ -243,7 +240,7 @@ def _tags(export: _Export) -> list[str]:
         modes += ["lora", "template:sd-lora"]
     if export.kind == "embedding":
         modes.append("textual-inversion")
-    return ["text-to-image", "diffusers", *_FAMILY_TAGS.get(export.family.name, [export.family.name]), *modes,
+    return ["text-to-image", "diffusers", *(export.family.hub_tags or [export.family.name]), *modes,
             "sdtrain"]
 
 

@@ -21,14 +21,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                              "tokens merged in, under OUT/pipeline (default: the run's lora.save_merged or "
                              "textual_inversion.save_as_full_pipeline)")
     parser.add_argument("--single-file", action="store_true",
-                        help="write ONE .safetensors in the original layout (A1111, ComfyUI, diffusers "
-                             "from_single_file): Stable Diffusion's whole model, its tokenizer beside it in "
-                             "OUT.tokenizer/; for Flux.1 the transformer alone in Black Forest Labs' layout (as "
-                             "flux1-dev.safetensors), to pair with the VAE, text encoders and tokenizers of the "
-                             "pipeline folder `sdtrain export RUN OUT` writes; for SD3 every component in Stability's "
-                             "layout (as sd3_medium_incl_clips_t5xxlfp8.safetensors), its three tokenizers beside it")
+                        help="write ONE .safetensors in the family's original layout (A1111, ComfyUI, diffusers "
+                             "from_single_file): the whole model where the layout holds it (Stable Diffusion, SDXL, "
+                             "SD3), its tokenizers beside it in OUT.tokenizer/, OUT.tokenizer_2/...; the transformer "
+                             "alone where the authors ship it so (Flux.1, Z-Image), to pair with the VAE, text "
+                             "encoders and tokenizers of the pipeline folder `sdtrain export RUN OUT` writes")
     parser.add_argument("--half", action="store_true",
-                        help="with --single-file: store fp16 weights (bf16 for Flux.1; default fp32)")
+                        help="with --single-file: store half-precision weights, in the dtype the family was "
+                             "released in (fp16; bf16 for Flux.1 and Z-Image; default fp32)")
     parser.add_argument("--text-layout", choices=["auto", "clip", "openclip"], default="auto",
                         help="with --single-file: the text encoder's layout; auto is OpenCLIP (SD 2.x) when it came "
                              "from an SD 2.x file or is 1024 wide, else CLIP (SD 1.x)")

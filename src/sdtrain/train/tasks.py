@@ -2,7 +2,8 @@
 
 The Trainer owns the loop, optimizer, EMA, checkpoints and logging; a task only builds its
 models, names the trainable ones, computes the loss of a batch and renders validation images.
-New modes (LoRA, textual inversion, DreamBooth) subclass a task and override those steps.
+What trains in a fine-tuning mode (LoRA adapters, textual inversion's tokens) is a task that overrides those
+steps; what it trains on (DreamBooth's class images and prior loss) is a DataRecipe any of them takes.
 """
 
 from __future__ import annotations

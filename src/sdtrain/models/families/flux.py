@@ -217,6 +217,7 @@ class Flux(ModelFamily):
     denoiser_lora_peft_names = True
     objective = "flow_matching"
     pipeline_class = FluxPipeline
+    hub_tags = ("flux", "flux-diffusers")
     pipeline_names = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
     # BFL's own files hold the transformer alone; ComfyUI's all-in-one files put it under model.diffusion_model.
     single_file_keys = ("double_blocks.", "model.diffusion_model.double_blocks.")

@@ -53,6 +53,7 @@ class StableDiffusion(ModelFamily):
     title = "Stable Diffusion 1.x/2.x"
     components = {"vae": AutoencoderKL, "text_encoder": CLIPTextModel, "unet": UNet2DConditionModel}
     pipeline_class = StableDiffusionPipeline
+    hub_tags = ("stable-diffusion", "stable-diffusion-diffusers")
     # A released SD folder's safety checker is not part of a trained model.
     pipeline_loading = {"safety_checker": None, "requires_safety_checker": False}
     pipeline_names = ("StableDiffusionPipeline",)

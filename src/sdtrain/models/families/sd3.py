@@ -104,6 +104,7 @@ class StableDiffusion3(ModelFamily):
     denoiser_lora_peft_names = True
     objective = "flow_matching"
     pipeline_class = StableDiffusion3Pipeline
+    hub_tags = ("sd3", "sd3-diffusers")
     pipeline_names = ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline",
                       "StableDiffusion3InpaintPipeline")
     single_file_keys = ("model.diffusion_model.joint_blocks.",)

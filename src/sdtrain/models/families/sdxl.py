@@ -70,6 +70,7 @@ class StableDiffusionXL(ModelFamily):
     text_encoders = ("text_encoder", "text_encoder_2")
     tokenizers = ("tokenizer", "tokenizer_2")
     pipeline_class = StableDiffusionXLPipeline
+    hub_tags = ("stable-diffusion-xl", "stable-diffusion-xl-diffusers")
     pipeline_names = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline")
     single_file_keys = ("conditioner.embedders.",)
     single_file = ORIGINAL_CHECKPOINT

@@ -101,6 +101,9 @@ class ModelFamily:
     scaling_factor``: what a VAE file that does not say it takes when this family's model is trained or encoded."""
     pipeline_class: type
     """The diffusers pipeline export writes and generate loads."""
+    hub_tags: tuple[str, ...] = ()
+    """The Hugging Face Hub tags a model card of this family carries (empty: its name), as the Hub's own cards of
+    its models tag them."""
     pipeline_loading: dict[str, Any] = {}
     """What the pipeline class's from_pretrained is also given to load a pretrained folder of this family."""
     pipeline_names: tuple[str, ...] = ()
