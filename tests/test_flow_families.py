@@ -465,3 +465,14 @@ def test_flux_clip_pools_at_end_of_text_after_an_embedding_is_loaded(tmp_path):
         states = clip(torch.tensor([ids])).last_hidden_state[0]
     torch.testing.assert_close(pooled, states[end], rtol=0, atol=0)
     assert not torch.allclose(pooled, states[placeholder])
+
+
+def test_a_guidance_range_for_a_model_without_guidance_embedding_is_one_line(tmp_path, pretrained, shapes_dir,
+                                                                             capsys):
+    """SD3 has no guidance embedding: a guidance range would be drawn and never read, so the key is named."""
+    assert main([*_command("full", tmp_path / "run", pretrained["sd3"], shapes_dir, 1),
+                 "diffusion.guidance_range=[1.0,4.0]"]) == 2
+    err = capsys.readouterr().err
+    error = [line for line in err.splitlines() if "error:" in line]  # beside transformers' loading bars
+    assert "Traceback" not in err and len(error) == 1
+    assert "diffusion.guidance_range" in error[0] and "no guidance embedding" in error[0]

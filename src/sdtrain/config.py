@@ -296,7 +296,8 @@ class DiffusionConfig:
     """Flux.1-dev's guidance embedding during training: the constant it is fed (kohya's and diffusers' scripts
     default to 3.5; 1.0 is also common). Ignored by models without one (schnell, SD3)."""
     guidance_range: list[float] = field(default_factory=list)
-    """[low, high]: draw Flux.1-dev's guidance per sample uniformly from this range instead of ``guidance``."""
+    """[low, high]: draw Flux.1-dev's guidance per sample uniformly from this range instead of ``guidance``; a model
+    without a guidance embedding refuses it."""
     snr_gamma: float = 0.0
     """Min-SNR loss weighting (Hang et al., 2023): clamp each timestep's weight at this signal-to-noise
     ratio, so the many easy low-noise steps stop dominating; 5 is the paper's value, 0 turns it off."""

@@ -305,6 +305,9 @@ class DiffusionTask(Task):
         self._check_positions(denoiser.config, scale)
         # Read before the trainer wraps the denoiser (DDP, FSDP), whose wrapper has no config.
         self.takes_guidance = family.takes_guidance(denoiser.config)
+        if config.diffusion.guidance_range and not self.takes_guidance:
+            raise UserError("diffusion.guidance_range: this model's denoiser has no guidance embedding (a "
+                            "guidance-distilled model's, as Flux.1-dev has), so nothing would read it; remove it")
         self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model)
         self.objective = make_objective(family, config.diffusion, self.noise_scheduler, device, denoiser.config)
         self.caption_tokenizer = CaptionTokenizer(self.tokenizers, family)
