@@ -327,7 +327,7 @@ def _usage(export: _Export) -> list[str]:
         else:
             lines.append(f"pipe.load_textual_inversion({here}, weight_name={json.dumps(LEARNED_EMBEDS)}){comment}")
     else:
-        lines = family.single_file.diffusers_code(pipeline, here, base)
+        lines = family.single_file.diffusers_code(pipeline, here, base, family.components)
     lines.append(f"image = pipe({prompt}).images[0]")
     out += [_code(lines), ""]
     if export.kind == "file" and not export.base.hub_id:

@@ -80,13 +80,15 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
 
 def _from_single_file(name: str, path: Path, trust_pickle: bool | None, family: ModelFamily | None,
                       frozen_precision: str, weights: bool, served: Any) -> Any:
-    """Component `name` of a single file, read by the layout of the family its keys name (`file_layout_family`),
+    """Component `name` of a single file, read by the layout of the family its keys name (`family_of_keys`; a
+    VAE alone or a pickle checkpoint: Stable Diffusion's original layout, whose reader says what it cannot read),
     which must be the model's own family unless that layout serves any (`SingleFileLayout.family_bound`)."""
+    keys: list[str] = []
     if path.suffix in single_file.SAFE_SUFFIXES or not (trust_pickle or single_file.trust_pickle_from_env()):
-        # An unreadable file, or a pickle not trusted, is said as such before its keys are asked anything (a
-        # trusted pickle is read once, by its layout).
-        single_file.tensor_names(path, trust_pickle)
-    found = families.file_layout_family(path)
+        # Its header (an unreadable file, or a pickle not trusted, is one line here); a trusted pickle is read
+        # once, by its layout.
+        keys = single_file.tensor_names(path, trust_pickle)
+    found = families.family_of_keys(keys) or families.SD
     layout = found.single_file
     assert layout is not None  # a family is recognised from a single file only by its layout's keys
     if family is not None and found is not family and layout.family_bound:

@@ -102,27 +102,13 @@ def blocks(root: nn.Module) -> list[nn.Module]:
     return [module for module in root.modules() if id(module) in found]
 
 
-def _file_family(path: Path) -> tuple[ModelFamily | None, list[str]]:
-    """The family whose single-file layout a .safetensors file's keys are in (None: no family's), and the keys.
-    An unreadable file is taken for SD's: its loader says what is wrong with it."""
-    try:
-        with safe_open(str(path), framework="pt") as file:
-            keys = list(file.keys())
-    except (OSError, SafetensorError):
-        return SD, []
+def family_of_keys(keys: list[str]) -> ModelFamily | None:
+    """The family whose single-file layout a file's tensor `keys` are in; None: no family's."""
     # SDXL and SD3 files hold SD's VAE (and SDXL its UNet) prefixes too: the most specific keys decide.
     for candidate in FAMILIES.values():
         if candidate is not SD and any(key.startswith(candidate.single_file_keys) for key in keys):
-            return candidate, keys
-    return (SD if any(key.startswith(SD.single_file_keys) for key in keys) else None), keys
-
-
-def file_layout_family(path: str | Path) -> ModelFamily:
-    """The family whose single-file layout reads the file at `path`: the one its keys name, else Stable
-    Diffusion's original layout (a VAE alone, a pickle checkpoint), whose reader says what it cannot read."""
-    path = Path(path)
-    found = _file_family(path)[0] if path.suffix == ".safetensors" else None
-    return found or SD
+            return candidate
+    return SD if any(key.startswith(SD.single_file_keys) for key in keys) else None
 
 
 def detect(source: str | Path) -> ModelFamily:
@@ -143,7 +129,12 @@ def detect(source: str | Path) -> ModelFamily:
         if known is not None:
             return known
     elif path.is_file() and path.suffix == ".safetensors":
-        known, keys = _file_family(path)
+        try:
+            with safe_open(str(path), framework="pt") as file:
+                keys = list(file.keys())
+        except (OSError, SafetensorError):
+            return SD  # the single-file loader reports what is wrong with the file
+        known = family_of_keys(keys)
         if known is not None:
             return known
         found = f"keys such as {', '.join(keys[:3])}"

@@ -187,12 +187,6 @@ class TransformerFile(SingleFileLayout):
     comfyui = ("put `{name}` in `ComfyUI/models/diffusion_models/` and load it with Load Diffusion Model, beside "
                "Flux.1's own `clip_l` and `t5xxl` (DualCLIPLoader) and `ae` (Load VAE) files.")
 
-    def diffusers_code(self, pipeline: str, file: str, base: str) -> list[str]:
-        return [f"from diffusers import FluxTransformer2DModel, {pipeline}", "",
-                f"transformer = FluxTransformer2DModel.from_single_file({file}, config={base}, "
-                "subfolder=\"transformer\")",
-                f"pipe = {pipeline}.from_pretrained({base}, transformer=transformer)"]
-
     def load(self, name: str, path: Path, *, trust_pickle: bool | None, frozen_precision: str, weights: bool,
              latent_constants: Callable[[], dict[str, float | None]]) -> nn.Module:
         return single_file.load_flux_transformer(path, trust_pickle, frozen_precision=frozen_precision,

@@ -50,10 +50,18 @@ class SingleFileLayout:
     comfyui: str = "put `{name}` in `ComfyUI/models/checkpoints/` and load it with Load Checkpoint."
     """How ComfyUI loads such a file named `{name}`, as a model card says it."""
 
-    def diffusers_code(self, pipeline: str, file: str, base: str) -> list[str]:
+    def diffusers_code(self, pipeline: str, file: str, base: str, classes: dict[str, type]) -> list[str]:
         """Python lines that load the file (`file`, a quoted path) into diffusers' `pipeline` class, with `base`
-        (quoted) a pipeline folder or Hub id of the same architecture, into ``pipe``."""
-        return [f"from diffusers import {pipeline}", "", f"pipe = {pipeline}.from_single_file({file}, config={base})"]
+        (quoted) a pipeline folder or Hub id of the same architecture, into ``pipe``: the whole pipeline from the
+        file, or the part it holds (of its class in `classes`, the family's components) into `base`'s pipeline."""
+        if self.holds is None:
+            return [f"from diffusers import {pipeline}", "",
+                    f"pipe = {pipeline}.from_single_file({file}, config={base})"]
+        names = {name: classes[name].__name__ for name in self.holds}
+        return [f"from diffusers import {', '.join([*names.values(), pipeline])}", "",
+                *(f"{name} = {cls}.from_single_file({file}, config={base}, subfolder=\"{name}\")"
+                  for name, cls in names.items()),
+                f"pipe = {pipeline}.from_pretrained({base}, {', '.join(f'{name}={name}' for name in names)})"]
 
     def load(self, name: str, path: Path, *, trust_pickle: bool | None, frozen_precision: str, weights: bool,
              latent_constants: Callable[[], dict[str, float | None]]) -> nn.Module:

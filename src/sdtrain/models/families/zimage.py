@@ -239,7 +239,6 @@ def load_transformer_file(path: str | Path, trust_pickle: bool | None = None, fr
     return module.eval()
 
 
-
 class TransformerFile(SingleFileLayout):
     """Tongyi-MAI's release file (and ComfyUI's ``diffusion_models/`` one): the transformer alone, in its authors'
     layout (the section above). Its VAE (Flux.1's), Qwen3 text encoder and tokenizer are loaded
@@ -259,12 +258,6 @@ class TransformerFile(SingleFileLayout):
               text_layout: str, text_source: str | Path | None) -> None:
         save_original(out, components["transformer"], half=half)
 
-    def diffusers_code(self, pipeline: str, file: str, base: str) -> list[str]:
-        return [f"from diffusers import ZImageTransformer2DModel, {pipeline}", "",
-                f"transformer = ZImageTransformer2DModel.from_single_file({file}, config={base}, "
-                "subfolder=\"transformer\")",
-                f"pipe = {pipeline}.from_pretrained({base}, transformer=transformer)"]
-
 
 class ZImage(ModelFamily):
     name = "z-image"
@@ -280,7 +273,7 @@ class ZImage(ModelFamily):
     pipeline_class = ZImagePipeline
     pipeline_names = ("ZImagePipeline",)
     # The authors' files hold the transformer alone; ComfyUI's put it under model.diffusion_model.
-    single_file_keys = ("layers.0.adaLN_modulation.", "model.diffusion_model.layers.0.adaLN_modulation.")
+    single_file_keys = tuple(prefix + MARK for prefix in PREFIXES)
     single_file = TransformerFile()
     block_lists = {ZImageTransformer2DModel: transformer_blocks, Qwen3Model: causal_lm.decoder_layers,
                    AutoencoderKL: vae_blocks}
