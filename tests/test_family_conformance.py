@@ -187,7 +187,7 @@ def test_its_lora_file_loads_whole_through_the_pipelines_own_loader(tiny, tmp_pa
 
     from sdtrain.config import LoraConfig
     from sdtrain.loaders.adapters import add_lora, merge_lora
-    from sdtrain.train.modes.lora import save_lora
+    from sdtrain.loaders.writers import save_lora
 
     noise = build.build_noise_scheduler(DiffusionConfig(), tiny.config)
     tiny.family.assemble(tiny.components, tiny.tokenizers, sampler_from(noise, "euler")).save_pretrained(

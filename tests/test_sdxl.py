@@ -258,7 +258,7 @@ def test_textual_inversion_pools_clip_g_at_end_of_text_not_at_the_placeholder(tm
     from sdtrain.models.families.sdxl import SDXL
     from sdtrain.models.families.text_towers import TINY_CLIP, TINY_CLIP_WIDER
     from sdtrain.models.tokenizer import load_clip_tokenizer, train_clip_tokenizer
-    from sdtrain.train.modes.textual_inversion import TextualInversionTask
+    from sdtrain.train.modes.textual_inversion import NewTokens
 
     train_clip_tokenizer(["a red circle", "a blue square", "a green circle"] * 8, tmp_path / "tokenizer", 600)
     tokenizers = [load_clip_tokenizer(tmp_path / "tokenizer") for _ in range(2)]
@@ -274,10 +274,9 @@ def test_textual_inversion_pools_clip_g_at_end_of_text_not_at_the_placeholder(tm
 
     with torch.no_grad():
         plain_before = SDXL.encode_text(list(encoders.values()), ids("a red circle"), None)["text_pooled"]
-    task = SimpleNamespace(config=SimpleNamespace(textual_inversion=TextualInversionConfig(
-        placeholder_token="<shp>", initializer_token="circle")), family=SDXL, text_encoders=encoders,
-        tokenizers=tokenizers, tokenizer=tokenizers[0], denoiser=torch.nn.Linear(1, 1))
-    TextualInversionTask.make_trainable(task)
+    config = SimpleNamespace(textual_inversion=TextualInversionConfig(placeholder_token="<shp>",
+                                                                      initializer_token="circle"))
+    NewTokens(config, SDXL).make_trainable(torch.nn.Linear(1, 1), encoders, tokenizers)
     second = encoders["text_encoder_2"]
     with torch.no_grad():
         torch.nn.init.normal_(second.get_input_embeddings().added)  # a trained vector, unlike the initializer's

@@ -21,10 +21,10 @@ from sdtrain.errors import UserError
 from sdtrain.loaders.adapters import merge_partial
 from sdtrain.loaders.components import load_run_modules
 from sdtrain.loaders.pipelines import pipeline_from_run, run_config
+from sdtrain.loaders.writers import LEARNED_EMBEDS, LORA_WEIGHTS, save_trained_parts
 from sdtrain.model_card import FOLDER_FILES, write_file_card, write_folder_card
 from sdtrain.models import build, families, single_file
 from sdtrain.models.pipeline import write_sampling
-from sdtrain.train.modes import save_trained_parts
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def _check_replaceable(out: Path, run_dir: Path) -> None:
 
 
 _VAE_FILES = {"config.json", "diffusion_pytorch_model.safetensors", *FOLDER_FILES}
-_PART_FILES = ("pytorch_lora_weights.safetensors", "learned_embeds.safetensors")
+_PART_FILES = (LORA_WEIGHTS, LEARNED_EMBEDS)
 
 
 def is_partial_run(checkpoint: Path) -> bool:

@@ -31,11 +31,10 @@ from huggingface_hub import ModelCard, ModelCardData, try_to_load_from_cache
 
 from sdtrain.checkpoint import read_meta
 from sdtrain.config import RunConfig, load_config
+from sdtrain.loaders.writers import KOHYA_WEIGHTS, LEARNED_EMBEDS, LORA_WEIGHTS
 from sdtrain.models import build, families, hub
 from sdtrain.models.families.spec import ModelFamily
 from sdtrain.models.single_file import tokenizer_folder
-from sdtrain.train.modes.lora import KOHYA_WEIGHTS, LORA_WEIGHTS
-from sdtrain.train.modes.textual_inversion import LEARNED_EMBEDS
 from sdtrain.utils import atomic_write_bytes, atomic_write_text
 
 log = logging.getLogger(__name__)

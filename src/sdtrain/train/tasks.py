@@ -2,8 +2,9 @@
 
 The Trainer owns the loop, optimizer, EMA, checkpoints and logging; a task only builds its
 models, names the trainable ones, computes the loss of a batch and renders validation images.
-What trains in a fine-tuning mode (LoRA adapters, textual inversion's tokens) is a task that overrides those
-steps; what it trains on (DreamBooth's class images and prior loss) is a DataRecipe any of them takes.
+For the diffusion stage, what trains (the whole model, LoRA adapters, textual inversion's tokens: a TrainedPart,
+train/parts.py) and what it trains on (DreamBooth's class images and prior loss: a DataRecipe) are components its
+mode supplies, so any trained part takes any recipe.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from sdtrain.models import build, families
 from sdtrain.models.pipeline import exact_sampling, run_sampling, sample_images, sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer
 from sdtrain.train.objectives import FlowMatching, NoisePrediction
+from sdtrain.train.parts import TrainedPart
 from sdtrain.train.storage import FrozenStorage, on_meta
 from sdtrain.utils import save_grid, save_images
 
@@ -266,16 +268,17 @@ class DataRecipe:
 
 class DiffusionTask(Task):
     """Denoising loss of a text-conditioned denoiser in the latent space of a frozen autoencoder; what the model
-    is (its components, conditioning and denoiser call) comes from its family's spec, what it trains on from its
-    data recipe."""
+    is (its components, conditioning and denoiser call) comes from its family's spec, what trains in it from its
+    trained part, what it trains on from its data recipe."""
 
     needs_captions = True
     reads_encoded = True
 
     def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, resumed: dict[str, Any] | None = None,
-                 recipe: DataRecipe | None = None):
-        self.recipe = recipe or DataRecipe(config, run_dir)
+                 part: TrainedPart | None = None, recipe: DataRecipe | None = None):
         super().__init__(config, device, run_dir, resumed)
+        self.part = part or TrainedPart(config, self.family)
+        self.recipe = recipe or DataRecipe(config, run_dir)
         model, family = config.model, self.family
         self.tokenizers = self._tokenizers()
         self.tokenizer = self.tokenizers[0]
@@ -292,7 +295,7 @@ class DiffusionTask(Task):
         self.vae = _placed(vae, device).eval().requires_grad_(False)
         scale = self._check_resolution(self.vae)
         latent = (self.vae.config.latent_channels, config.data.resolution // scale)
-        self.storage = FrozenStorage(config, device, family, self.keeps_frozen, self.resumed)
+        self.storage = FrozenStorage(config, device, family, self.part.keeps_frozen, self.resumed)
         if self.storage.needs_plan:
             # Planned from the shapes alone, before any weight loads, since weights are stored low as they load.
             self.storage.plan(self._components(unread, latent, weights=False), unread)
@@ -311,7 +314,7 @@ class DiffusionTask(Task):
         self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model)
         self.objective = make_objective(family, config.diffusion, self.noise_scheduler, device, denoiser.config)
         self.caption_tokenizer = CaptionTokenizer(self.tokenizers, family)
-        self.trainable = self.make_trainable()
+        self.trainable = self.part.make_trainable(self.denoiser, self.text_encoders, self.tokenizers)
         self.storage.store([self.denoiser, *self.text_encoders.values()])
 
     def _check_positions(self, denoiser_config: Any, scale: int) -> None:
@@ -363,11 +366,6 @@ class DiffusionTask(Task):
         """How component `name`'s linear weights are stored as it loads (see FrozenStorage.stored_as)."""
         return self.storage.stored_as(name)
 
-    def keeps_frozen(self, name: str) -> bool:
-        """Whether this mode trains none of component `name`'s linear weights: here the text encoders, unless they
-        train. Modes that freeze more say so."""
-        return name in self.family.text_encoders and not self.config.diffusion.train_text_encoder
-
     takes_guidance = False
     """Whether the denoiser has a guidance embedding (Flux.1-dev's), read in setup before any wrapper hides its
     config."""
@@ -388,18 +386,6 @@ class DiffusionTask(Task):
     def text_encoders(self) -> dict[str, nn.Module]:
         """The family's text encoders, by component name, as the loss calls them (wrapped when they train)."""
         return {name: getattr(self, name) for name in self.family.text_encoders}
-
-    def make_trainable(self) -> dict[str, nn.Module]:
-        """Set what trains (and freeze the rest); modes that train adapters or embeddings override this."""
-        self.denoiser.train()
-        text_encoders = self.text_encoders
-        if not self.config.diffusion.train_text_encoder:
-            for text_encoder in text_encoders.values():
-                text_encoder.eval().requires_grad_(False)
-            return {self.family.denoiser: self.denoiser}
-        for text_encoder in text_encoders.values():
-            text_encoder.train()
-        return {self.family.denoiser: self.denoiser, **text_encoders}
 
     def _tokenizers(self) -> list[Any]:
         return build.load_text_tokenizers(self.config.model, self.run_dir, self.pinned.get("text_encoder"))
@@ -472,7 +458,7 @@ class DiffusionTask(Task):
         return self.recipe.fixed_prompts()
 
     def data_config(self) -> DataConfig:
-        return self.recipe.data_config(super().data_config())
+        return self.recipe.data_config(self.part.data_config(super().data_config()))
 
     def make_data(self, batches: Callable[[DataConfig], Any]) -> Any:
         return self.recipe.make_data(self.data_config(), batches)
@@ -592,7 +578,15 @@ class DiffusionTask(Task):
         return torch.full((count,), cfg.guidance, device=self.device)
 
     def text_encoder_trains(self) -> bool:
-        return self.config.diffusion.train_text_encoder
+        return self.part.text_encoder_trains()
+
+    def backward_modules(self) -> dict[str, nn.Module]:
+        if not self.part.through_frozen_denoiser:
+            return super().backward_modules()
+        return {self.family.denoiser: self.denoiser, **self.trainable}
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {**super().checkpoint_meta(), **self.part.checkpoint_meta()}
 
     _told_stored_low = False
 
@@ -601,7 +595,7 @@ class DiffusionTask(Task):
 
     def validate(self, modules, out, batch):
         prompts = self.config.validation.prompts
-        return self.render(modules, out, prompts, prompts) if prompts else None
+        return self.render(modules, out, self.part.validation_prompts(prompts), prompts) if prompts else None
 
     def pipeline(self, modules: dict[str, nn.Module]) -> Any:
         """A pipeline of the given trained modules and this task's frozen ones."""

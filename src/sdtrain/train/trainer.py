@@ -49,13 +49,14 @@ from sdtrain.evaluate.run import EvalSettings, Evaluator, flat_metrics, read_pro
 from sdtrain.evaluate.val_loss import ValLoss
 from sdtrain.faults import FaultInjector
 from sdtrain.loaders.components import instantiate_with
+from sdtrain.loaders.writers import has_trained_parts, save_trained_parts
 from sdtrain.memory import tree_bytes
 from sdtrain.paths import FIRST_BATCH
 from sdtrain.run import prepare_run_dir, resolve_device
 from sdtrain.train import autotune
 from sdtrain.train.ema import EMA
 from sdtrain.train.logger import RunLogger
-from sdtrain.train.modes import has_trained_parts, make_task, prepare_task, save_trained_parts
+from sdtrain.train.modes import make_task, prepare_task
 from sdtrain.train.optim import (
     allocate_state,
     build_lr_schedule,

@@ -5,21 +5,16 @@ loads with ``load_textual_inversion``."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from sdtrain.config import DataConfig, TextualInversionConfig
 from sdtrain.errors import UserError
 from sdtrain.loaders.adapters import add_token_rows
 from sdtrain.models.families.clip import pool_at_eos
-from sdtrain.models.families.spec import ModelFamily
-from sdtrain.train.tasks import DiffusionTask
-
-LEARNED_EMBEDS = "learned_embeds.safetensors"
+from sdtrain.train.parts import TrainedPart
 
 # Caption templates: the concept in the varied contexts a few photos of it could be described in.
 OBJECT_TEMPLATES = [
@@ -60,23 +55,34 @@ def _initial_vector(tokenizer: Any, text_encoder: nn.Module, tokens: list[str], 
     return table.weight[initializer[0]].detach().float().clone()
 
 
-class TextualInversionTask(DiffusionTask):
-    """New token vectors in every text encoder of the family (SDXL: one in CLIP-L's table, one in bigG's)."""
+class NewTokens(TrainedPart):
+    """New token vectors in every text encoder of the family (SDXL: one in CLIP-L's table, one in bigG's); the
+    denoiser and every other weight stay frozen."""
+
+    # The new vectors' gradient comes back through the whole frozen denoiser: most of the step's cost.
+    through_frozen_denoiser = True
+    tokens: list[str]
+    vocab: int
+    """The first tokenizer's size before the new tokens: a checkpoint's reader appends them after it."""
 
     def keeps_frozen(self, name: str) -> bool:
         # Only new rows of the token embedding train, which is no linear layer.
         return True
 
-    def make_trainable(self) -> dict[str, nn.Module]:
+    def text_encoder_trains(self) -> bool:
+        return True
+
+    def make_trainable(self, denoiser: nn.Module, text_encoders: dict[str, nn.Module],
+                       tokenizers: list[Any]) -> dict[str, nn.Module]:
         cfg = self.config.textual_inversion
         if self.family.long_text_tokenizers:
             raise UserError(f"mode: textual_inversion learns CLIP token vectors (SD 1/2, SDXL); {self.family.title} "
                             "conditions mostly on a T5 or language-model encoder: train a LoRA instead (mode: lora)")
         self.tokens = placeholder_tokens(cfg)
-        self.denoiser.eval().requires_grad_(False)
-        self.vocab = len(self.tokenizer)
+        denoiser.eval().requires_grad_(False)
+        self.vocab = len(tokenizers[0])
         trainable = {}
-        for (name, text_encoder), tokenizer in zip(self.text_encoders.items(), self.tokenizers):
+        for (name, text_encoder), tokenizer in zip(text_encoders.items(), tokenizers):
             start = _initial_vector(tokenizer, text_encoder, self.tokens, cfg.initializer_token)
             # A released config pools at the highest id, which would now be the placeholder: pool at end-of-text,
             # where the file's vectors are read by ComfyUI and SGM (SDXL's text_embeds).
@@ -87,55 +93,22 @@ class TextualInversionTask(DiffusionTask):
             trainable[name] = text_encoder.train()
         return trainable
 
-    def parallel_modules(self) -> dict[str, nn.Module]:
-        return dict(self.text_encoders)
-
-    def text_encoder_trains(self) -> bool:
-        return True
-
-    def backward_modules(self) -> dict[str, nn.Module]:
-        # The new vectors' gradient comes back through the whole frozen UNet: most of the step's cost.
-        return {self.family.denoiser: self.denoiser, **self.text_encoders}
-
     @property
     def phrase(self) -> str:
         # From the config, not `tokens`: the data settings are read in setup, before make_trainable adds the tokens.
         return " ".join(placeholder_tokens(self.config.textual_inversion))
 
-    def data_config(self) -> DataConfig:
+    def data_config(self, data: DataConfig) -> DataConfig:
         cfg = self.config.textual_inversion
         templates = cfg.templates or (STYLE_TEMPLATES if cfg.learnable_property == "style" else OBJECT_TEMPLATES)
         # Every caption names the concept: an empty one would teach the new vectors nothing.
-        return dataclasses.replace(super().data_config(),
-                                   prompt_templates=[t.replace("{}", self.phrase) for t in templates],
+        return dataclasses.replace(data, prompt_templates=[t.replace("{}", self.phrase) for t in templates],
                                    caption_dropout=0.0)
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        cfg = self.config.textual_inversion
-        return {**super().checkpoint_meta(), "placeholder_token": cfg.placeholder_token, "tokens": self.tokens,
+        return {"placeholder_token": self.config.textual_inversion.placeholder_token, "tokens": self.tokens,
                 "vocab": self.vocab}
 
-    def validate(self, modules, out, batch):
+    def validation_prompts(self, prompts: list[str]) -> list[str]:
         token = self.config.textual_inversion.placeholder_token
-        prompts = [p.replace(token, self.phrase) for p in self.config.validation.prompts]
-        return self.render(modules, out, prompts, labels=self.config.validation.prompts)
-
-
-def learned_embeds(modules: dict[str, nn.Module], family: ModelFamily, placeholder: str) -> dict[str, torch.Tensor]:
-    """The textual-inversion file's tensors: for one text encoder diffusers' layout, one key (the placeholder)
-    holding all its vectors; for several, one key per text encoder as the family names them (SDXL: clip_l,
-    clip_g, as A1111 and ComfyUI write SDXL embeddings)."""
-    def vectors(name: str) -> torch.Tensor:
-        return modules[name].get_input_embeddings().added.detach().float().cpu().contiguous()
-
-    if not family.embedding_keys:
-        return {placeholder: vectors(family.text_encoders[0])}
-    return {key: vectors(name) for key, name in zip(family.embedding_keys, family.text_encoders)}
-
-
-def save_learned_embeds(modules: dict[str, nn.Module], family: ModelFamily, placeholder: str, path: Path) -> Path:
-    """The file, with the placeholder in its metadata: a file keyed by text encoder does not name its token."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(learned_embeds(modules, family, placeholder), str(tmp), metadata={"placeholder_token": placeholder})
-    tmp.replace(path)
-    return path
+        return [prompt.replace(token, self.phrase) for prompt in prompts]

@@ -1,0 +1,60 @@
+"""What a diffusion run trains: a component the diffusion task is given, beside its data recipe, so that any trained
+part (the whole model here; LoRA adapters and textual inversion's new tokens in train/modes/) takes any recipe
+(plain data, DreamBooth's) without a class per pair. A part says which weights stay frozen (so the storage planner
+can keep them low), makes its modules trainable, and adds what a checkpoint's reader needs to rebuild them; the
+files each part exports are written in the loaders layer (loaders/writers.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from sdtrain.config import DataConfig, RunConfig
+from sdtrain.models.families.spec import ModelFamily
+
+
+class TrainedPart:
+    """The whole denoiser, and with ``diffusion.train_text_encoder`` the text encoders too (full fine-tuning,
+    DreamBooth without adapters, training from scratch)."""
+
+    through_frozen_denoiser = False
+    """Whether gradients flow back through the frozen denoiser to trained modules upstream of it (new token
+    vectors in the text encoders), which makes the denoiser part of the backward pass."""
+
+    def __init__(self, config: RunConfig, family: ModelFamily):
+        self.config = config
+        self.family = family
+
+    def keeps_frozen(self, name: str) -> bool:
+        """Whether this part trains none of component `name`'s linear weights (their storage may then be low)."""
+        return name in self.family.text_encoders and not self.config.diffusion.train_text_encoder
+
+    def text_encoder_trains(self) -> bool:
+        """Whether any text encoder weight trains, so the text conditioning cannot be computed once ahead."""
+        return self.config.diffusion.train_text_encoder
+
+    def make_trainable(self, denoiser: nn.Module, text_encoders: dict[str, nn.Module],
+                       tokenizers: list[Any]) -> dict[str, nn.Module]:
+        """Set what trains in the given modules, freeze the rest; the trained ones by component name."""
+        denoiser.train()
+        if not self.config.diffusion.train_text_encoder:
+            for text_encoder in text_encoders.values():
+                text_encoder.eval().requires_grad_(False)
+            return {self.family.denoiser: denoiser}
+        for text_encoder in text_encoders.values():
+            text_encoder.train()
+        return {self.family.denoiser: denoiser, **text_encoders}
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """What a checkpoint's reader needs to rebuild partly trained modules on their base (meta.json's task)."""
+        return {}
+
+    def data_config(self, data: DataConfig) -> DataConfig:
+        """The loader's settings, from the run's (`data`): a part whose captions must name what it learns
+        supplies its own templates."""
+        return data
+
+    def validation_prompts(self, prompts: list[str]) -> list[str]:
+        """The prompts validation samples for the configured `prompts` (labelled by those)."""
+        return prompts
