@@ -28,6 +28,7 @@ from sdtrain.models import frozen, single_file
 from sdtrain.models.families import causal_lm
 from sdtrain.models.families.autoencoder import FLUX_VAE, TINY_FLUX_VAE, vae_blocks
 from sdtrain.models.families.spec import ModelFamily, SingleFileLayout, construct
+from sdtrain.models.single_file import kohya
 from sdtrain.models.single_file.read import FORMAT_KEY, FORMAT_VERSION
 from sdtrain.models.single_file.write import write_tensors
 
@@ -141,6 +142,61 @@ def iter_from_original(keys: Collection[str], read: Callable[[str], torch.Tensor
             yield from ((f"{attention}.{part}.weight", piece) for part, piece in zip(_QKV, read(key).chunk(3)))
         else:
             yield _diffusers_name(key), read(key)
+
+
+# --------------------------------------------------------------------------------------------------- LoRA files
+# The transformer's adapters in kohya's layout, the one musubi-tuner's Z-Image converter writes for ComfyUI:
+# ``lora_unet_<module path in the authors' layout, _ for .>.lora_down.weight / .lora_up.weight / .alpha`` (a 0-d
+# alpha; the scale is alpha / rank). The paths are those of the single files above, so to_q, to_k and to_v are the
+# fused ``attention.qkv``: their adapters become one on it, downs stacked (rank the sum of theirs), ups
+# block-diagonal (zero rows for an unadapted part), the alpha keeping each part's alpha / rank; ``to_out.0`` is
+# ``out``, the patch embedder and final layer ``x_embedder`` and ``final_layer``.
+#
+# ComfyUI reads every key: its Z-Image model (Lumina2's NextDiT) holds the authors' keys, and its LoRA key map has
+# ``lora_unet_`` + each of its weights with dots as underscores (comfy/lora.py, model_lora_keys_unet). diffusers'
+# ZImagePipeline.load_lora_weights reads the same file (lora_conversion_utils.
+# _convert_non_diffusers_z_image_lora_to_diffusers: ``lora_unet_`` names back to dotted paths, a fused qkv split
+# into to_q, to_k and to_v with its down shared, which gives each part the same delta), every module but the patch
+# embedder and the final layer: it knows those by diffusers' names alone (``all_x_embedder.2-1``,
+# ``all_final_layer.2-1``), and leaves them unloaded. Neither is adapted unless named in ``lora.target_modules``;
+# diffusers' own LoRA file (pytorch_lora_weights) holds them for diffusers.
+
+
+def lora_module(path: str) -> tuple[str, int | None]:
+    """A module's path in ZImageTransformer2DModel (as peft names an adapted one) -> its path in the authors'
+    layout, and which part of the fused ``attention.qkv`` it is (0, 1, 2 for to_q, to_k, to_v; None: a module of
+    its own). ValueError for a module the layout has no place for (other patch sizes' embedders, SigLIP's)."""
+    parent, _, leaf = path.rpartition(".")
+    if parent.endswith(".attention") and leaf in _QKV:
+        return f"{parent}.qkv", _QKV.index(leaf)
+    original = _original_name(path + ".")[:-1]
+    if original.startswith(("all_", "siglip")):
+        raise ValueError(f"LoRA {path}: no module of Z-Image's original layout holds it (it holds 2x2 patches of one "
+                         "frame alone, and no SigLIP embedder)")
+    return original, None
+
+
+def _qkv_rows(config: Mapping[str, Any]) -> tuple[int, int, int]:
+    """The rows to_q, to_k and to_v hold in the fused qkv."""
+    heads = int(config["n_heads"])
+    head = int(config["dim"]) // heads
+    kv = int(config.get("n_kv_heads") or heads)
+    return heads * head, kv * head, kv * head
+
+
+def kohya_lora_state(layers: Mapping[str, kohya.LoraFactors], config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The transformer's adapters (diffusers' module path -> factors) with its config -> kohya's keys in the
+    authors' layout (see above). ValueError for factors that are no [rank, in] and [out, rank] pair, or a module
+    the layout has no place for."""
+    groups: dict[str, dict[int | None, kohya.LoraFactors]] = {}
+    for path, factors in layers.items():
+        original, part = lora_module(path)
+        groups.setdefault(original, {})[part] = kohya.checked(path, factors)
+    out: dict[str, torch.Tensor] = {}
+    for original, parts in sorted(groups.items()):
+        factors = parts[None] if None in parts else kohya.fuse(original, _QKV, parts, _qkv_rows(config))
+        out.update(kohya.keys(original, factors))
+    return out
 
 
 def transformer_config(shapes: Mapping[str, tuple[int, ...]], metadata: Mapping[str, str],
@@ -278,6 +334,8 @@ class ZImage(ModelFamily):
     block_lists = {ZImageTransformer2DModel: transformer_blocks, Qwen3Model: causal_lm.decoder_layers,
                    AutoencoderKL: vae_blocks}
     presets = PRESETS
+    # The transformer's adapters alone (no text encoder is adapted), named as the authors' modules: see LoRA files.
+    kohya_prefixes = {"transformer": kohya.PREFIX}
 
     def long_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
         return TEXT_LENGTH
@@ -328,6 +386,13 @@ class ZImage(ModelFamily):
         images = list(noisy.unsqueeze(2).unbind(0))  # one (C, frames=1, H, W) latent per image
         output = denoiser(images, 1 - timesteps / 1000, condition["cap_feats"], return_dict=False)[0]
         return -torch.stack(output).squeeze(2)
+
+    def kohya_lora(self, component: str, layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]], config: Any
+                   ) -> dict[str, torch.Tensor]:
+        # The transformer's adapters in the authors' layout, q, k and v fused into qkv, as ComfyUI reads them.
+        if component == "transformer":
+            return kohya_lora_state(layers, dict(config))
+        return super().kohya_lora(component, layers, config)
 
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
         return ZImagePipeline(scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from sdtrain.errors import UserError
+from sdtrain.models.single_file import kohya
 from sdtrain.models.single_file.read import FLUX_PREFIXES as _PREFIXES
 from sdtrain.models.single_file.read import FORMAT_KEY, FORMAT_VERSION
 from sdtrain.models.single_file.write import write_tensors
@@ -40,12 +41,8 @@ SHAPE_KEYS = frozenset({"in_channels", "out_channels", "num_layers", "num_single
                         "num_attention_heads", "joint_attention_dim", "pooled_projection_dim", "guidance_embeds"})
 # diffusers' FluxTransformer2DModel builds every MLP (double blocks' and single blocks' proj_mlp) 4 times as wide.
 _MLP_RATIO = 4
-# Full checkpoints (ComfyUI's, A1111's) hold the transformer under one of these.
 # Its rows are (scale, shift) in diffusers, (shift, scale) originally.
 _SWAPPED = "final_layer.adaLN_modulation.1"
-_KOHYA_PREFIX = "lora_unet_"
-
-LoraLayer = tuple[torch.Tensor, torch.Tensor, float]
 
 
 # --------------------------------------------------------------------------------------------------- the layout
@@ -266,78 +263,32 @@ def transformer_config_from_original(state_or_shapes: Mapping[str, Any],
 
 # --------------------------------------------------------------------------------------------------- LoRA
 
-def _kohya_name(original: str) -> str:
-    return _KOHYA_PREFIX + original.replace(".", "_")
-
-
-def _check_layer(path: str, layer: LoraLayer) -> tuple[torch.Tensor, torch.Tensor, float]:
-    down, up, alpha = layer
-    if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]:
-        raise ValueError(f"LoRA {path}: lora_A {tuple(down.shape)} and lora_B {tuple(up.shape)} are not a "
-                         "[rank, in] and [out, rank] pair")
-    return down, up, float(alpha)
-
-
-def kohya_lora(layers: Mapping[str, LoraLayer], config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def kohya_lora(layers: Mapping[str, kohya.LoraFactors], config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """LoRA layers on diffusers' module paths (inside the transformer, as peft names them) -> kohya's Flux keys
-    ``lora_unet_<original path, _ for .>.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha`` (a 0-d tensor).
-
-    `layers` maps a path to (lora_A weight [r, in], lora_B weight [out, r], alpha). Parts BFL fuses are fused
-    (see the module docstring): the alpha keeps the parts' common alpha / rank, and where their scales differ
-    each part's scale goes into its up (alpha = rank). A path without an original counterpart: ValueError."""
+    (single_file.kohya's layout). `layers` maps a path to (lora_A weight [r, in], lora_B weight [out, r], alpha).
+    Parts BFL fuses are fused (see the module docstring). A path without an original counterpart: ValueError."""
     modules = _modules(config)
     owner = {part: (original, i) for original, parts in modules.items() for i, part in enumerate(parts)}
-    groups: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor, float]]] = {}
+    groups: dict[str, dict[int, kohya.LoraFactors]] = {}
     for path, layer in layers.items():
         if path not in owner:
             raise ValueError(f"LoRA {path}: no module of Flux.1's original layout holds it (or it is past the "
                              "config's blocks)")
         original, i = owner[path]
-        groups.setdefault(original, {})[i] = _check_layer(path, layer)
+        groups.setdefault(original, {})[i] = kohya.checked(path, layer)
     out: dict[str, torch.Tensor] = {}
     for original, present in groups.items():
         parts = modules[original]
-        down, up, alpha = present[0] if len(parts) == 1 else _fuse(original, parts, present, config)
+        down, up, alpha = present[0] if len(parts) == 1 else kohya.fuse(original, parts, present,
+                                                                        _part_rows(parts, config))
         if original == _SWAPPED:
             up = _swap_halves(up)
         if original.startswith("final_layer."):
             # diffusers' kohya reader drops final_layer's alphas (it reads those at scale 1): the scale goes into
             # up, which every reader then applies alike.
             up, alpha = up * (alpha / down.shape[0]), float(down.shape[0])
-        name = _kohya_name(original)
-        out[f"{name}.lora_down.weight"] = down.contiguous()
-        out[f"{name}.lora_up.weight"] = up.contiguous()
-        out[f"{name}.alpha"] = torch.tensor(alpha, dtype=torch.float32)
+        out.update(kohya.keys(original, (down, up, alpha)))
     return out
-
-
-def _fuse(original: str, parts: Sequence[str], present: Mapping[int, tuple[torch.Tensor, torch.Tensor, float]],
-          config: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """One LoRA on a fused module with the same delta as the parts': downs stacked, ups block-diagonal."""
-    rows = _part_rows(parts, config)
-    order = sorted(present)
-    ins = {present[i][0].shape[1] for i in order}
-    if len(ins) != 1:
-        raise ValueError(f"LoRA {original}: its parts {', '.join(parts[i] for i in order)} read inputs of "
-                         f"different widths {sorted(ins)}")
-    for i in order:
-        if present[i][1].shape[0] != rows[i]:
-            raise ValueError(f"LoRA {parts[i]}: lora_B has {present[i][1].shape[0]} rows, the config's model "
-                             f"{rows[i]}")
-    scales = {present[i][2] / present[i][0].shape[0] for i in order}
-    # With one scale the weights stay as trained (alpha = scale x rank); else each part's goes into its up.
-    common = next(iter(scales)) if len(scales) == 1 else None
-    rank = sum(present[i][0].shape[0] for i in order)
-    first_down = present[order[0]][0]
-    up = first_down.new_zeros((sum(rows), rank))
-    downs, col = [], 0
-    for i in order:
-        down, part_up, alpha = present[i]
-        r, row = down.shape[0], sum(rows[:i])
-        up[row:row + rows[i], col:col + r] = part_up if common is not None else part_up * (alpha / r)
-        downs.append(down.to(first_down.dtype))
-        col += r
-    return torch.cat(downs, dim=0), up, (common * rank if common is not None else float(rank))
 
 
 # --------------------------------------------------------------------------------------------------- writing
