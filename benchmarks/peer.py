@@ -69,7 +69,7 @@ def size_settings(size: str, sd2_text_layers: int | None) -> dict[str, Any]:
         "vocab_size": cfg.model.tokenizer_vocab_size,
         "max_text_length": cfg.model.max_text_length or 77,
         "resolution": cfg.data.resolution,
-        "prediction_type": cfg.diffusion.prediction_type or "epsilon",
+        "prediction_type": cfg.diffusion.ddpm.prediction_type or "epsilon",
     }
 
 
@@ -79,7 +79,7 @@ def build_assets(size: str, work: Path, num_images: int, settings: dict[str, Any
     import numpy as np
     import torch
 
-    from sdtrain.config import DiffusionConfig, ModelConfig
+    from sdtrain.config import DdpmConfig, DiffusionConfig, ModelConfig
     from sdtrain.data.shapes import render_shapes_sample
     from sdtrain.models import families
     from sdtrain.models.build import build_noise_scheduler, build_text_encoder, build_unet, build_vae
@@ -110,7 +110,7 @@ def build_assets(size: str, work: Path, num_images: int, settings: dict[str, Any
     text_encoder = build_text_encoder(model, tokenizer)
     latent = res // families.SD.latent_downsampling(vae.config)
     unet = build_unet(model, vae.config.latent_channels, latent, text_encoder.config.hidden_size)
-    scheduler = build_noise_scheduler(DiffusionConfig(prediction_type=settings["prediction_type"]))
+    scheduler = build_noise_scheduler(DiffusionConfig(ddpm=DdpmConfig(prediction_type=settings["prediction_type"])))
     pipe = assemble_pipeline(vae, text_encoder, tokenizer, unet, scheduler)
     out = work / "pipeline"
     shutil.rmtree(out, ignore_errors=True)
@@ -350,7 +350,7 @@ def sdtrain_config(args: argparse.Namespace, size: str, work: Path, run_dir: Pat
                  "use_encoded": mode == "encoded"},
         "model": {"preset": settings["preset"], "pretrained": str(work / "pipeline"),
                   "max_text_length": settings["max_text_length"]},
-        "diffusion": {"train_text_encoder": False, "snr_gamma": 0.0, "sample_latents": True},
+        "diffusion": {"train_text_encoder": False, "ddpm": {"snr_gamma": 0.0}, "sample_latents": True},
         "optim": {"lr": 1.0e-4, "betas": [0.9, 0.999], "weight_decay": 0.01, "eps": 1.0e-8, "warmup_steps": 0,
                   "schedule": "constant", "grad_clip": 1.0},
         "ema": {"enabled": ema, "decay": 0.9999},

@@ -246,11 +246,12 @@ def sdtrain_config(args: argparse.Namespace, family: str, work: Path, run_dir: P
     import yaml
 
     recipe = yaml.safe_load(RECIPES[family].read_text())
-    diffusion: dict[str, Any] = {"sample_latents": True, "noise_offset": 0.0}
+    diffusion: dict[str, Any] = {"sample_latents": True}
     if family == "flux":
-        diffusion |= {"timestep_sampling": "uniform", "flow_shift": 1.0, "loss_weighting": "none", "guidance": 3.5}
+        diffusion |= {"timestep_sampling": "uniform", "flow": {"shift": 1.0, "loss_weighting": "none",
+                                                               "guidance": 3.5}}
     else:
-        diffusion |= {"snr_gamma": 0.0}
+        diffusion |= {"ddpm": {"snr_gamma": 0.0, "noise_offset": 0.0}}
     model: dict[str, Any] = {"family": family, "pretrained": str(work / "pipeline"), "frozen_precision": "fp32",
                              "offload_frozen": False}
     if family == "flux":

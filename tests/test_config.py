@@ -58,6 +58,9 @@ BAD = {
     "invalid yaml": ("stage: [diffusion\n  run_dir: : x\n", [], ["{path}", "YAML"]),
     "not utf-8": ("\udcff\udcfe", [], ["{path}", "YAML"]),
     "override without =": (None, ["train.max_steps"], ["train.max_steps", "key=value"]),
+    "a moved key under both names": ("diffusion: {snr_gamma: 5, ddpm: {snr_gamma: 1}}\n", [],
+                                     ["{path}", "diffusion.snr_gamma", "diffusion.ddpm.snr_gamma"]),
+    "an objective's option outside its section": (None, ["diffusion.shift=3"], ["diffusion.shift"]),
     "section is a scalar": pytest.param(
         "data: 5\n", [], ["{path}", "data"]
     ),
@@ -182,3 +185,26 @@ def test_every_shipped_recipe_loads_once_its_paths_are_given(name, tmp_path):
     if name == "textual-inversion":  # the one value a user must choose is asked for by name
         with pytest.raises(UserError, match="textual_inversion.initializer_token"):
             load_config(path, given[:3])
+
+
+def test_a_config_with_the_flat_objective_keys_of_earlier_releases_loads_into_their_sections(tmp_path, caplog):
+    """Configs and run folders written before the objectives' options moved to diffusion.ddpm and diffusion.flow
+    keep loading (the previous release's runs resume from their config.yaml): each key is read where it lives
+    now, in one warning line naming both names."""
+    old = write(tmp_path, GOOD.format(run_dir=tmp_path / "run") + "diffusion:\n  snr_gamma: 5.0\n  flow_shift: 3.0\n"
+                "  prediction_type: v_prediction\n  train_text_encoder: true\n")
+    caplog.set_level("WARNING")
+    config = load_config(old, ["diffusion.guidance_range=[1.0,4.0]"])
+    assert (config.diffusion.ddpm.snr_gamma, config.diffusion.ddpm.prediction_type) == (5.0, "v_prediction")
+    assert (config.diffusion.flow.shift, config.diffusion.flow.guidance_range) == (3.0, [1.0, 4.0])
+    assert config.diffusion.train_text_encoder
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2 and all("\n" not in w for w in warnings)
+    assert str(old) in warnings[0]
+    assert "diffusion.snr_gamma" in warnings[0] and "diffusion.ddpm.snr_gamma" in warnings[0]
+    assert "diffusion.flow_shift" in warnings[0] and "diffusion.flow.shift" in warnings[0]
+    assert warnings[1].startswith("command line: diffusion.guidance_range: moved to diffusion.flow.guidance_range")
+    new = write(tmp_path, GOOD.format(run_dir=tmp_path / "run") + "diffusion:\n  train_text_encoder: true\n"
+                "  ddpm: {snr_gamma: 5.0, prediction_type: v_prediction}\n"
+                "  flow: {shift: 3.0, guidance_range: [1, 4]}\n", "new.yaml")
+    assert load_config(new) == config

@@ -215,11 +215,12 @@ def test_objectives_change_the_loss_and_min_snr_stays_finite_at_zero_snr(tmp_pat
         return task, task.denoising_loss(batch, torch.Generator().manual_seed(1)).detach()
 
     _, plain = loss()
-    for option in ("diffusion.noise_offset=0.1", "diffusion.input_perturbation=0.1",
-                   "diffusion.multires_noise_iterations=6"):
+    for option in ("diffusion.ddpm.noise_offset=0.1", "diffusion.ddpm.input_perturbation=0.1",
+                   "diffusion.ddpm.multires_noise_iterations=6"):
         _, changed = loss(option)
         assert torch.isfinite(changed).all() and not torch.allclose(changed, plain), option
-    task, _ = loss("diffusion.zero_terminal_snr=true", "diffusion.snr_gamma=5", "diffusion.prediction_type=epsilon")
+    task, _ = loss("diffusion.ddpm.zero_terminal_snr=true", "diffusion.ddpm.snr_gamma=5",
+                   "diffusion.ddpm.prediction_type=epsilon")
     last = task.noise_scheduler.config.num_train_timesteps - 1
     assert task.objective.alphas_cumprod[last] < 1e-4  # the last step is (nearly) pure noise
     steps = torch.tensor([0, 500, last])
@@ -228,7 +229,7 @@ def test_objectives_change_the_loss_and_min_snr_stays_finite_at_zero_snr(tmp_pat
     assert torch.isfinite(weight).all()
     # min(snr, gamma) / snr, which is 1 wherever snr <= gamma, the zero-SNR step included.
     assert torch.allclose(weight, torch.where(snr <= 5, 1.0, 5 / snr))
-    task, _ = loss("diffusion.prediction_type=v_prediction", "diffusion.snr_gamma=5")
+    task, _ = loss("diffusion.ddpm.prediction_type=v_prediction", "diffusion.ddpm.snr_gamma=5")
     snr = task.objective.alphas_cumprod[steps] / (1 - task.objective.alphas_cumprod[steps])
     assert torch.allclose(task.objective.snr_weight(steps), torch.minimum(snr, torch.tensor(5.0)) / (snr + 1))
 
@@ -252,11 +253,12 @@ def test_logit_normal_timesteps_favour_the_middle_and_a_positive_mean_the_noisy_
 def test_a_zero_terminal_snr_schedule_is_sampled_from_pure_noise_after_export():
     """Export and generate build the sampler from the run's config: it must keep the rescaled schedule and
     start at its last (zero-SNR) step, or sampling begins where the model never trained."""
-    from sdtrain.config import DiffusionConfig
+    from sdtrain.config import DdpmConfig, DiffusionConfig
     from sdtrain.models import build
     from sdtrain.models.pipeline import sampler_from
 
-    schedule = build.build_noise_scheduler(DiffusionConfig(zero_terminal_snr=True, prediction_type="v_prediction"))
+    ddpm = DdpmConfig(zero_terminal_snr=True, prediction_type="v_prediction")
+    schedule = build.build_noise_scheduler(DiffusionConfig(ddpm=ddpm))
     assert schedule.alphas_cumprod[-1] < 1e-6
     for name in ("euler", "ddim", "dpmpp"):
         sampler = sampler_from(schedule, name)

@@ -15,7 +15,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.configuration_utils import FrozenDict
 from torch import nn
 
-from sdtrain.config import DiffusionConfig, load_config
+from sdtrain.config import DdpmConfig, DiffusionConfig, FlowConfig, load_config
 from sdtrain.models import build, families
 from sdtrain.train.objectives import FlowMatching, NoisePrediction, multires_noise
 from sdtrain.train.tasks import DiffusionTask
@@ -88,7 +88,7 @@ def latent_mean() -> torch.Tensor:
 
 
 def test_epsilon_noisy_input_target_and_loss(latent_mean):
-    task = objective("diffusion.prediction_type=epsilon", "diffusion.snr_gamma=0")
+    task = objective("diffusion.ddpm.prediction_type=epsilon", "diffusion.ddpm.snr_gamma=0")
     loss = run(task, latent_mean, seed=3)
     drawn, abar = draws(3), hand_alphas_cumprod()
     x0 = latent_mean.double() * SCALING
@@ -101,7 +101,7 @@ def test_epsilon_noisy_input_target_and_loss(latent_mean):
 
 
 def test_v_prediction_target(latent_mean):
-    task = objective("diffusion.prediction_type=v_prediction", "diffusion.snr_gamma=0")
+    task = objective("diffusion.ddpm.prediction_type=v_prediction", "diffusion.ddpm.snr_gamma=0")
     loss = run(task, latent_mean, seed=5)
     drawn, abar = draws(5), hand_alphas_cumprod()
     x0 = latent_mean.double() * SCALING
@@ -113,8 +113,9 @@ def test_v_prediction_target(latent_mean):
 @pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
 def test_min_snr_weight(latent_mean, prediction):
     gamma = 5.0
-    plain = run(objective(f"diffusion.prediction_type={prediction}", "diffusion.snr_gamma=0"), latent_mean, seed=7)
-    task = objective(f"diffusion.prediction_type={prediction}", f"diffusion.snr_gamma={gamma}")
+    plain = run(objective(f"diffusion.ddpm.prediction_type={prediction}", "diffusion.ddpm.snr_gamma=0"), latent_mean,
+                seed=7)
+    task = objective(f"diffusion.ddpm.prediction_type={prediction}", f"diffusion.ddpm.snr_gamma={gamma}")
     weighted = run(task, latent_mean, seed=7)
     abar = hand_alphas_cumprod()
     for i, t in enumerate(draws(7)["timesteps"].tolist()):
@@ -125,8 +126,8 @@ def test_min_snr_weight(latent_mean, prediction):
 
 
 def test_min_snr_weight_is_finite_at_zero_terminal_snr():
-    task = objective("diffusion.prediction_type=v_prediction", "diffusion.snr_gamma=5",
-                     "diffusion.zero_terminal_snr=true")
+    task = objective("diffusion.ddpm.prediction_type=v_prediction", "diffusion.ddpm.snr_gamma=5",
+                     "diffusion.ddpm.zero_terminal_snr=true")
     assert task.objective.alphas_cumprod[-1].item() == pytest.approx(0.0, abs=1e-6)
     weights = task.objective.snr_weight(torch.tensor([0, 500, 999]))
     assert torch.isfinite(weights).all() and weights[-1].item() == pytest.approx(0.0, abs=1e-6)
@@ -134,8 +135,8 @@ def test_min_snr_weight_is_finite_at_zero_terminal_snr():
 
 def test_offset_noise_and_input_perturbation(latent_mean):
     offset, perturbation = 0.1, 0.2
-    task = objective("diffusion.prediction_type=epsilon", "diffusion.snr_gamma=0", f"diffusion.noise_offset={offset}",
-                     f"diffusion.input_perturbation={perturbation}")
+    task = objective("diffusion.ddpm.prediction_type=epsilon", "diffusion.ddpm.snr_gamma=0",
+                     f"diffusion.ddpm.noise_offset={offset}", f"diffusion.ddpm.input_perturbation={perturbation}")
     loss = run(task, latent_mean, seed=11)
     drawn, abar = draws(11, "offset", "perturbation"), hand_alphas_cumprod()
     noise = drawn["noise"].double() + offset * drawn["offset"].double()  # one constant per sample and channel
@@ -185,8 +186,8 @@ def test_multires_noise_is_kohyas_pyramid_noise_computed_by_hand():
 
 
 def test_multires_noise_is_the_target_and_puts_power_at_the_image_scale(latent_mean):
-    task = objective("diffusion.prediction_type=epsilon", "diffusion.snr_gamma=0",
-                     "diffusion.multires_noise_iterations=6", "diffusion.multires_noise_discount=0.8")
+    task = objective("diffusion.ddpm.prediction_type=epsilon", "diffusion.ddpm.snr_gamma=0",
+                     "diffusion.ddpm.multires_noise_iterations=6", "diffusion.ddpm.multires_noise_discount=0.8")
     loss = run(task, latent_mean, seed=13)
     # Drawn right after the plain noise from the same generator, so a resumed run repeats it.
     generator = torch.Generator().manual_seed(13)
@@ -214,8 +215,16 @@ def test_multires_noise_is_the_target_and_puts_power_at_the_image_scale(latent_m
 FLOW_BATCH = 6
 
 
+def diffusion_config(**fields) -> DiffusionConfig:
+    """The diffusion section with `fields` set, each in the section that holds it (ddpm, flow or the shared one)."""
+    sections = {name: {key: value for key, value in fields.items() if key in cls.__dataclass_fields__}
+                for name, cls in (("ddpm", DdpmConfig), ("flow", FlowConfig))}
+    shared = {key: value for key, value in fields.items() if not any(key in section for section in sections.values())}
+    return DiffusionConfig(**shared, ddpm=DdpmConfig(**sections["ddpm"]), flow=FlowConfig(**sections["flow"]))
+
+
 def flow(scheduler: FlowMatchEulerDiscreteScheduler | None = None, **fields) -> FlowMatching:
-    config = DiffusionConfig(**fields)
+    config = diffusion_config(**fields)
     config.validate()
     return FlowMatching(config, scheduler or FlowMatchEulerDiscreteScheduler(), torch.device("cpu"))
 
@@ -363,26 +372,26 @@ def test_flow_draws_repeat_bitwise_from_the_same_generator_state(latent_mean, sa
 def test_objectives_name_themselves_and_flow_ignores_ddpm_options_out_loud(latent_mean, caplog):
     assert NoisePrediction.name == "noise_prediction" and flow().name == "flow_matching"
     output = torch.ones(SHAPE)
-    assert objective("diffusion.snr_gamma=0").objective.prediction(output, output, torch.zeros(2)) is output
+    assert objective("diffusion.ddpm.snr_gamma=0").objective.prediction(output, output, torch.zeros(2)) is output
     # The shared fine-tuning recipes set min-SNR: a flow model trains with them, told what is left out.
     caplog.set_level("WARNING")
     weighted = flow(snr_gamma=5.0, noise_offset=0.1)
-    assert "diffusion.noise_offset, diffusion.snr_gamma" in caplog.text and "ignored" in caplog.text
+    assert "diffusion.ddpm.noise_offset, diffusion.ddpm.snr_gamma" in caplog.text and "ignored" in caplog.text
     plain = flow()
     assert all(torch.equal(a, b) for a, b in zip(weighted.draw(latent_mean, torch.Generator().manual_seed(3)),
                                                  plain.draw(latent_mean, torch.Generator().manual_seed(3))))
     assert torch.equal(weighted.weight(torch.ones(2), torch.tensor([10.0, 900.0])), torch.ones(2))
 
 
-@pytest.mark.parametrize("option", [{"flow_shift": 3.0}, {"flow_dynamic_shift": True},
+@pytest.mark.parametrize("option", [{"shift": 3.0}, {"dynamic_shift": True},
                                     {"guidance_range": [1.0, 4.0]}, {"loss_weighting": "cosmap"}])
 def test_a_flow_matching_option_on_a_noise_prediction_model_is_one_line(option):
     """A model that trains by noise prediction (SD's) would silently ignore the shift, Flux.1-dev's guidance range
     or flow loss weighting: the key is named instead, before anything trains."""
     from sdtrain.errors import UserError
 
-    config = DiffusionConfig(**option)
-    with pytest.raises(UserError, match=rf"^diffusion\.{next(iter(option))}: .*flow-matching options.*noise "
+    config = diffusion_config(**option)
+    with pytest.raises(UserError, match=rf"^diffusion\.flow\.{next(iter(option))}: .*flow-matching options.*noise "
                                         r"prediction.*remove them$") as caught:
         NoisePrediction(config, build.build_noise_scheduler(config), torch.device("cpu"))
     assert "\n" not in str(caught.value)

@@ -34,7 +34,7 @@ def unet_parameters(config, context_dim: int) -> int:
 
 def test_mlperf_recipe_has_the_reference_figures():
     config = recipe("mlperf-sd2-512", *MODEL_PATHS, *EVAL_PATHS)
-    assert (config.data.resolution, config.diffusion.prediction_type) == (512, "v_prediction")
+    assert (config.data.resolution, config.diffusion.ddpm.prediction_type) == (512, "v_prediction")
     # The UNet is built from scratch (the checkpoint's UNet is discarded); VAE and text encoder are frozen.
     assert config.model.pretrained is None and build.component_source(config.model, "unet") is None
     assert not config.diffusion.train_text_encoder
@@ -53,7 +53,7 @@ def test_mlperf_recipe_has_the_reference_figures():
 
 def test_nemo_recipe_has_the_published_figures():
     config = recipe("nemo-sd-res256", *MODEL_PATHS)
-    assert (config.data.resolution, config.diffusion.prediction_type) == (256, "epsilon")
+    assert (config.data.resolution, config.diffusion.ddpm.prediction_type) == (256, "epsilon")
     assert config.model.pretrained is None and build.component_source(config.model, "unet") is None
     # SD 1.x's UNet (8 heads, 1x1-conv projections, CLIP ViT-L/14's 768-wide context): NeMo's "860M".
     assert unet_parameters(config, 768) == 859_520_964
@@ -125,7 +125,7 @@ def test_mlperf_recipe_trains_at_tiny_size_on_encoded_shards_and_evaluates_in_th
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines if "adherence_overall" in line] == [2]
     saved = load_config(run / "config.yaml")
-    assert (saved.diffusion.prediction_type, saved.optim.lr, saved.ema.enabled) == ("v_prediction", 6.4e-5, False)
+    assert (saved.diffusion.ddpm.prediction_type, saved.optim.lr, saved.ema.enabled) == ("v_prediction", 6.4e-5, False)
     assert saved.evaluation.target == {"fid": 90, "clip": 0.15}  # not met by adherence alone: ran to the end
     assert not (run / "target.json").exists()
 
@@ -135,5 +135,5 @@ def test_nemo_recipe_trains_at_tiny_size(tmp_path, tiny_pipeline, shapes_dir):
     _tiny("nemo-sd-res256", run, f"data.shards={shapes_dir}", f"model.vae={pretrained / 'vae'}",
           f"model.text_encoder={pretrained / 'text_encoder'}", f"model.tokenizer={pretrained / 'tokenizer'}")
     saved = load_config(run / "config.yaml")
-    assert (saved.diffusion.prediction_type, saved.ema.decay, saved.model.unet_overrides["attention_head_dim"]) == (
-        "epsilon", 0.9999, 8)
+    assert (saved.diffusion.ddpm.prediction_type, saved.ema.decay,
+            saved.model.unet_overrides["attention_head_dim"]) == ("epsilon", 0.9999, 8)

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from sdtrain.config import DiffusionConfig, ModelConfig
+from sdtrain.config import DdpmConfig, DiffusionConfig, ModelConfig
 from sdtrain.errors import UserError
 from sdtrain.loaders.components import load_component
 from sdtrain.loaders.pipelines import pipeline_from_file
@@ -128,7 +128,8 @@ def test_sd2_layout_reads_as_v_prediction_with_the_same_text_encoder(tmp_path):
     assert noise.config.prediction_type == "v_prediction"
     assert (noise.config.beta_schedule, noise.config.beta_start, noise.config.beta_end,
             noise.config.num_train_timesteps) == ("scaled_linear", 0.00085, 0.012, 1000)
-    epsilon = build.build_noise_scheduler(DiffusionConfig(prediction_type="epsilon"), ModelConfig(pretrained=str(path)))
+    epsilon = build.build_noise_scheduler(DiffusionConfig(ddpm=DdpmConfig(prediction_type="epsilon")),
+                                          ModelConfig(pretrained=str(path)))
     assert epsilon.config.prediction_type == "epsilon"
 
     loaded = load_component("text_encoder", path)

@@ -83,7 +83,7 @@ def test_bf16_checkpointing_accumulation_and_v_prediction_train(tmp_path, shapes
     run = tmp_path / "sd"
     train("diffusion.yaml", run, f"data.shards={shapes_dir}", f"model.vae={autoencoder_run}",
           "train.max_steps=2", "train.mixed_precision=bf16", "train.gradient_checkpointing=true",
-          "train.grad_accum=2", "diffusion.prediction_type=v_prediction", "validation.prompts=[a red circle]",
+          "train.grad_accum=2", "diffusion.ddpm.prediction_type=v_prediction", "validation.prompts=[a red circle]",
           "validation.steps=2")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["samples"] == 2 * 2 * 4  # steps x accumulation x batch
@@ -170,7 +170,7 @@ def test_fine_tune_from_a_pipeline_folder(tmp_path, shapes_dir, diffusion_run):
     scheduler_config.write_text(json.dumps({**scheduler, "prediction_type": "v_prediction"}))
     run = tmp_path / "finetune"
     train("diffusion.yaml", run, f"data.shards={shapes_dir}", f"model.pretrained={pipeline}", "model.vae=null",
-          "diffusion.train_text_encoder=false", "diffusion.prediction_type=null", "train.max_steps=2",
+          "diffusion.train_text_encoder=false", "diffusion.ddpm.prediction_type=null", "train.max_steps=2",
           "validation.prompts=[]")
     assert not (run / "tokenizer").exists()  # the pipeline's own tokenizer was used
     tuned = export_run(run, tmp_path / "tuned")

@@ -17,7 +17,7 @@ from PIL import Image
 
 from sdtrain.checkpoint import latest_checkpoint
 from sdtrain.cli.main import main
-from sdtrain.config import DiffusionConfig, ModelConfig, load_config
+from sdtrain.config import DiffusionConfig, FlowConfig, ModelConfig, load_config
 from sdtrain.data.encoded import dataset_encoding
 from sdtrain.errors import UserError
 from sdtrain.evaluate.run import EvalSettings, Evaluator, target_met
@@ -53,8 +53,8 @@ def _tiny_pipeline(folder: Path, shapes_dir: Path, family: str) -> Path:
     text_encoders = {name: build.build_text_encoder(model, tok, name) for name, tok in zip(spec.text_encoders,
                                                                                             tokenizers)}
     denoiser = build.build_denoiser(model, vae.config.latent_channels, 8, text_encoders=text_encoders)
-    scheduler = build.build_noise_scheduler(DiffusionConfig(flow_shift=1.0) if family == "flux" else DiffusionConfig(),
-                                            model)
+    diffusion = DiffusionConfig(flow=FlowConfig(shift=1.0)) if family == "flux" else DiffusionConfig()
+    scheduler = build.build_noise_scheduler(diffusion, model)
     pipe = spec.assemble({"vae": vae, **text_encoders, spec.denoiser: denoiser}, tokenizers, scheduler)
     pipe.save_pretrained(folder / "pipeline")
     return folder / "pipeline"
@@ -263,7 +263,8 @@ def test_flux_recipe_has_the_reference_figures():
     # The transformer is built from scratch; VAE, CLIP and T5 come from the given folder and stay frozen.
     assert model.pretrained is None and build.component_source(model, "transformer") is None
     assert not diffusion.train_text_encoder and config.data.use_encoded
-    assert (diffusion.timestep_sampling, diffusion.flow_shift, diffusion.loss_weighting) == ("uniform", 1.0, "none")
+    assert (diffusion.timestep_sampling, diffusion.flow.shift, diffusion.flow.loss_weighting) == ("uniform", 1.0,
+                                                                                                   "none")
     assert config.data.caption_dropout == 0.1 and config.train.mixed_precision == "bf16"
     assert (optim.lr, optim.warmup_steps, optim.schedule, optim.grad_clip) == (1e-4, 0, "constant", 1.0)
     assert (optim.betas, optim.eps, optim.weight_decay) == ([0.9, 0.95], 1e-8, 0.1)

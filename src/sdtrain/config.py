@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import io
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,8 @@ from omegaconf.errors import OmegaConfBaseException
 from sdtrain.data.filters import parse_filters
 from sdtrain.data.images import parse_background
 from sdtrain.errors import UserError
+
+log = logging.getLogger(__name__)
 
 STAGES = ("autoencoder", "diffusion")
 MODES = ("full", "lora", "textual_inversion", "dreambooth")
@@ -256,7 +259,11 @@ class ModelConfig:
 
 
 @dataclass
-class DiffusionConfig:
+class DdpmConfig:
+    """Noise prediction on a DDPM schedule, the objective of SD 1/2 and SDXL: the schedule, what the UNet predicts,
+    and the noise and loss options the field trains it with. A flow-matching model refuses them (the noise options
+    are warned about and ignored, since shared recipes set them)."""
+
     prediction_type: str | None = None
     """What the UNet predicts: ``epsilon`` or ``v_prediction``. Unset: what the pretrained pipeline's
     scheduler says (SD 2.x 768 px models predict v), else epsilon."""
@@ -268,44 +275,12 @@ class DiffusionConfig:
     """First beta of the schedule."""
     beta_end: float = 0.012
     """Last beta of the schedule."""
-    timestep_sampling: str = "uniform"
-    """How training draws timesteps (for flow matching, as SD3 and Flux.1 train: sigmas): ``uniform`` over the
-    schedule, ``logit_normal`` (Esser et al., 2024, as SD3 trains): t / T = sigmoid(x) with
-    x ~ N(timestep_mean, timestep_std), which spends the steps on the middle of the schedule, and with a positive
-    mean on the noisier part, where layout and count are decided; flow matching also ``mode`` (the SD3 paper's
-    mode sampling, scale ``mode_scale``) and ``cosmap``."""
-    timestep_mean: float = 0.0
-    """Mean of the logit-normal draw; positive favours noisier timesteps, negative cleaner ones."""
-    timestep_std: float = 1.0
-    """Spread of the logit-normal draw; larger approaches uniform with heavier ends."""
-    mode_scale: float = 1.29
-    """Scale of ``mode`` timestep sampling (SD3's paper: 1.29); 0 is uniform."""
-    flow_shift: float | None = None
-    """Flow matching: the static shift s of the sigmas, sigma' = s sigma / (1 + (s - 1) sigma), in training and
-    sampling alike (SD3: 3.0; Flux.1-schnell: 1.0, none). Unset: the pretrained scheduler's, else the preset's."""
-    flow_dynamic_shift: bool | None = None
-    """Flow matching: Flux.1-dev's resolution-dependent shift instead of ``flow_shift`` (exp(mu), mu rising
-    linearly from 0.5 at 256 image tokens to 1.15 at 4096). Unset: the pretrained scheduler's, else the preset's."""
-    loss_weighting: str = "none"
-    """Flow matching: each sample's loss weight by its sigma: ``none``, ``sigma_sqrt`` (1 / sigma^2) or
-    ``cosmap`` (2 / (pi (1 - 2 sigma + 2 sigma^2))), as diffusers' SD3 scripts offer."""
-    precondition_outputs: bool = False
-    """Flow matching: SD3's output preconditioning: the prediction becomes x_t - sigma * output and is compared
-    with the clean latents (the same optimum, weighted by sigma^2)."""
-    guidance: float = 3.5
-    """Flux.1-dev's guidance embedding during training: the constant it is fed (kohya's and diffusers' scripts
-    default to 3.5; 1.0 is also common). Ignored by models without one (schnell, SD3)."""
-    guidance_range: list[float] = field(default_factory=list)
-    """[low, high]: draw Flux.1-dev's guidance per sample uniformly from this range instead of ``guidance``; a model
-    without a guidance embedding refuses it."""
+    zero_terminal_snr: bool = False
+    """Rescale the noise schedule so its last timestep is pure noise (Lin et al., 2024); train with
+    v_prediction then, since epsilon carries no information at zero SNR."""
     snr_gamma: float = 0.0
     """Min-SNR loss weighting (Hang et al., 2023): clamp each timestep's weight at this signal-to-noise
     ratio, so the many easy low-noise steps stop dominating; 5 is the paper's value, 0 turns it off."""
-    sample_latents: bool = True
-    """Train on samples of the autoencoder's posterior (as Stable Diffusion does); false uses its mean,
-    which suits an autoencoder trained with ``autoencoder.sample_posterior: false``."""
-    train_text_encoder: bool = False
-    """Train the text encoder with the UNet (needed from scratch) instead of freezing it."""
     noise_offset: float = 0.0
     """Offset noise (Guttenberg, 2023): add this times a per-channel constant to the noise, so the model can
     learn to change an image's mean brightness (very dark or bright images); 0.05-0.1 is usual, 0 is off."""
@@ -322,31 +297,103 @@ class DiffusionConfig:
     input_perturbation: float = 0.0
     """Input perturbation (Ning et al., 2023): noise the latents with noise + this times fresh noise while
     the target stays the plain noise, which reduces exposure bias; 0.1 is the paper's value, 0 is off."""
-    zero_terminal_snr: bool = False
-    """Rescale the noise schedule so its last timestep is pure noise (Lin et al., 2024); train with
-    v_prediction then, since epsilon carries no information at zero SNR."""
 
     def validate(self) -> None:
-        _check(self.noise_offset >= 0, "diffusion.noise_offset", "must be 0 (off) or positive")
-        _check(self.input_perturbation >= 0, "diffusion.input_perturbation", "must be 0 (off) or positive")
-        _check(self.multires_noise_iterations >= 0, "diffusion.multires_noise_iterations",
-               "must be 0 (off) or positive")
-        _check(0 < self.multires_noise_discount <= 1, "diffusion.multires_noise_discount", "must be in (0, 1]")
-        _check(self.prediction_type in (None, "epsilon", "v_prediction"), "diffusion.prediction_type",
+        _check(self.prediction_type in (None, "epsilon", "v_prediction"), "diffusion.ddpm.prediction_type",
                "must be epsilon or v_prediction")
-        _check(self.num_train_timesteps >= 2, "diffusion.num_train_timesteps", "must be at least 2")
-        _check(self.beta_schedule in ("linear", "scaled_linear", "squaredcos_cap_v2"), "diffusion.beta_schedule",
+        _check(self.num_train_timesteps >= 2, "diffusion.ddpm.num_train_timesteps", "must be at least 2")
+        _check(self.beta_schedule in ("linear", "scaled_linear", "squaredcos_cap_v2"), "diffusion.ddpm.beta_schedule",
                "must be linear, scaled_linear or squaredcos_cap_v2")
-        _check(self.timestep_sampling in ("uniform", "logit_normal", "mode", "cosmap"), "diffusion.timestep_sampling",
-               "must be uniform, logit_normal, mode or cosmap")
-        _check(self.flow_shift is None or self.flow_shift > 0, "diffusion.flow_shift", "must be positive")
-        _check(self.loss_weighting in ("none", "sigma_sqrt", "cosmap"), "diffusion.loss_weighting",
+        _check(self.snr_gamma >= 0, "diffusion.ddpm.snr_gamma", "must be 0 (off) or positive")
+        _check(self.noise_offset >= 0, "diffusion.ddpm.noise_offset", "must be 0 (off) or positive")
+        _check(self.input_perturbation >= 0, "diffusion.ddpm.input_perturbation", "must be 0 (off) or positive")
+        _check(self.multires_noise_iterations >= 0, "diffusion.ddpm.multires_noise_iterations",
+               "must be 0 (off) or positive")
+        _check(0 < self.multires_noise_discount <= 1, "diffusion.ddpm.multires_noise_discount", "must be in (0, 1]")
+
+
+@dataclass
+class FlowConfig:
+    """Flow matching (rectified flow), the objective of SD3, Flux.1 and Z-Image: the sigma shift training and
+    sampling share, the loss weighting, and the guidance a guidance-distilled denoiser is fed. A noise-prediction
+    model refuses them."""
+
+    shift: float | None = None
+    """The static shift s of the sigmas, sigma' = s sigma / (1 + (s - 1) sigma), in training and sampling alike
+    (SD3: 3.0; Flux.1-schnell: 1.0, none). Unset: the pretrained scheduler's, else the preset's."""
+    dynamic_shift: bool | None = None
+    """Flux.1-dev's resolution-dependent shift instead of ``shift`` (exp(mu), mu rising linearly from 0.5 at 256
+    image tokens to 1.15 at 4096). Unset: the pretrained scheduler's, else the preset's."""
+    loss_weighting: str = "none"
+    """Each sample's loss weight by its sigma: ``none``, ``sigma_sqrt`` (1 / sigma^2) or ``cosmap``
+    (2 / (pi (1 - 2 sigma + 2 sigma^2))), as diffusers' SD3 scripts offer."""
+    precondition_outputs: bool = False
+    """SD3's output preconditioning: the prediction becomes x_t - sigma * output and is compared with the clean
+    latents (the same optimum, weighted by sigma^2)."""
+    guidance: float = 3.5
+    """A guidance-distilled denoiser's guidance embedding (Flux.1-dev's) during training: the constant it is fed
+    (kohya's and diffusers' scripts default to 3.5; 1.0 is also common). Ignored by models without one (schnell,
+    SD3, Z-Image)."""
+    guidance_range: list[float] = field(default_factory=list)
+    """[low, high]: draw the guidance per sample uniformly from this range instead of ``guidance``; a model
+    without a guidance embedding refuses it."""
+
+    def validate(self) -> None:
+        _check(self.shift is None or self.shift > 0, "diffusion.flow.shift", "must be positive")
+        _check(self.loss_weighting in ("none", "sigma_sqrt", "cosmap"), "diffusion.flow.loss_weighting",
                "must be none, sigma_sqrt or cosmap")
         _check(not self.guidance_range or (len(self.guidance_range) == 2
                                            and 0 <= self.guidance_range[0] <= self.guidance_range[1]),
-               "diffusion.guidance_range", "must be [low, high] with 0 <= low <= high (or empty)")
+               "diffusion.flow.guidance_range", "must be [low, high] with 0 <= low <= high (or empty)")
+
+
+@dataclass
+class DiffusionConfig:
+    """The diffusion stage's objective: what both objectives share here, each objective's own options in its
+    section (``ddpm`` for noise prediction, ``flow`` for flow matching); the model's family says which one
+    trains."""
+
+    timestep_sampling: str = "uniform"
+    """How training draws timesteps (for flow matching, as SD3 and Flux.1 train: sigmas): ``uniform`` over the
+    schedule, ``logit_normal`` (Esser et al., 2024, as SD3 trains): t / T = sigmoid(x) with
+    x ~ N(timestep_mean, timestep_std), which spends the steps on the middle of the schedule, and with a positive
+    mean on the noisier part, where layout and count are decided; flow matching also ``mode`` (the SD3 paper's
+    mode sampling, scale ``mode_scale``) and ``cosmap``."""
+    timestep_mean: float = 0.0
+    """Mean of the logit-normal draw; positive favours noisier timesteps, negative cleaner ones."""
+    timestep_std: float = 1.0
+    """Spread of the logit-normal draw; larger approaches uniform with heavier ends."""
+    mode_scale: float = 1.29
+    """Scale of ``mode`` timestep sampling (SD3's paper: 1.29); 0 is uniform."""
+    sample_latents: bool = True
+    """Train on samples of the autoencoder's posterior (as Stable Diffusion does); false uses its mean,
+    which suits an autoencoder trained with ``autoencoder.sample_posterior: false``."""
+    train_text_encoder: bool = False
+    """Train the text encoder with the UNet (needed from scratch) instead of freezing it."""
+    ddpm: DdpmConfig = field(default_factory=DdpmConfig)
+    """Noise prediction on a DDPM schedule (SD 1/2, SDXL)."""
+    flow: FlowConfig = field(default_factory=FlowConfig)
+    """Flow matching (SD3, Flux.1, Z-Image)."""
+
+    def validate(self) -> None:
+        _check(self.timestep_sampling in ("uniform", "logit_normal", "mode", "cosmap"), "diffusion.timestep_sampling",
+               "must be uniform, logit_normal, mode or cosmap")
         _check(self.timestep_std > 0, "diffusion.timestep_std", "must be positive")
-        _check(self.snr_gamma >= 0, "diffusion.snr_gamma", "must be 0 (off) or positive")
+        self.ddpm.validate()
+        self.flow.validate()
+
+
+# Keys the flat diffusion section had before its objectives' options moved to their own sections: still read, each
+# moved where it lives now, so older configs and the runs they made load as they did.
+MOVED_KEYS = {
+    **{f"diffusion.{name}": f"diffusion.ddpm.{name}" for name in (
+        "prediction_type", "num_train_timesteps", "beta_schedule", "beta_start", "beta_end", "zero_terminal_snr",
+        "snr_gamma", "noise_offset", "multires_noise_iterations", "multires_noise_discount", "input_perturbation")},
+    "diffusion.flow_shift": "diffusion.flow.shift",
+    "diffusion.flow_dynamic_shift": "diffusion.flow.dynamic_shift",
+    **{f"diffusion.{name}": f"diffusion.flow.{name}" for name in (
+        "loss_weighting", "precondition_outputs", "guidance", "guidance_range")},
+}
 
 
 @dataclass
@@ -909,10 +956,34 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> DictConfig:
     return layer  # type: ignore[return-value]
 
 
+def _move_keys(layer: DictConfig, where: str) -> DictConfig:
+    """`layer` with the keys of MOVED_KEYS it sets under their names now, said in one warning line; a key set
+    under both names is a UserError."""
+    section = layer.get("diffusion") if "diffusion" in layer else None
+    moved = [key for key in MOVED_KEYS if isinstance(section, DictConfig) and key.split(".", 1)[1] in section]
+    if not moved:
+        return layer
+    tree = OmegaConf.to_container(layer, resolve=False)
+    for key in moved:
+        new = MOVED_KEYS[key]
+        old_name, (_, sub, name) = key.split(".", 1)[1], new.split(".")
+        value = tree["diffusion"].pop(old_name)
+        target = tree["diffusion"].setdefault(sub, {})
+        if not isinstance(target, dict):
+            break  # the merge names the section given a scalar
+        if name in target:
+            raise UserError(f"{where}{key}: set again as {new}, its name now; keep only {new}")
+        target[name] = value
+    log.warning("%s%s: moved to %s; read as such (rename %s)", where, ", ".join(moved),
+                ", ".join(MOVED_KEYS[key] for key in moved), "them" if len(moved) > 1 else "it")
+    return OmegaConf.create(tree)
+
+
 def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]) -> RunConfig:
     merged = OmegaConf.structured(RunConfig)
     if path is not None:
         layer, name = read_layer(path)
+        layer = _move_keys(layer, f"{name}: ")
         _check_sections(layer, f"{name}: ")
         required = OmegaConf.missing_keys(layer)
         merged = _merge(merged, layer, f"{name}: ")
@@ -920,7 +991,7 @@ def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]
         # for most paths) and fail late, or not at all: mark it missing again until the command line sets it.
         for key in required:
             OmegaConf.update(merged, key, MISSING, merge=False)
-    dotlist = parse_overrides(overrides)
+    dotlist = _move_keys(parse_overrides(overrides), "command line: ")
     _check_sections(dotlist, "command line: ")
     merged = _merge(merged, dotlist, "command line: ")
     if OmegaConf.select(merged, "train.mixed_precision") in _FP32_ALIASES:

@@ -383,8 +383,8 @@ def training_settings(export: _Export) -> list[tuple[str, str]]:
     rows.append(("Precision", f"{precision}"))
     if meta.get("ema"):
         rows.append(("EMA", f"decay {config.ema.decay:g}; exported: {'EMA' if export.ema else 'raw'} weights"))
-    if export.family is not None and config.diffusion.prediction_type:
-        rows.append(("Prediction type", config.diffusion.prediction_type))
+    if export.family is not None and config.diffusion.ddpm.prediction_type:
+        rows.append(("Prediction type", config.diffusion.ddpm.prediction_type))
     for module, settings in (task.get("lora") or {}).items():
         targets = ", ".join(settings.get("target_modules") or [])
         rows.append((f"LoRA ({module})", f"rank {settings.get('r')}, alpha {_number(settings.get('lora_alpha'))}"

@@ -177,7 +177,7 @@ class ValLoss:
         fractions = torch.tensor(batch["timesteps"], dtype=torch.float32) / self.timesteps
         noisy, timesteps, target = task.objective.draw_at(latents, noise.to(self.device), fractions.to(self.device))
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            # No generator: a guidance-distilled model is fed its constant diffusion.guidance, not a draw.
+            # No generator: a guidance-distilled model is fed its constant diffusion.flow.guidance, not a draw.
             condition = task.conditioning(batch)
             return task.denoising_loss_at(noisy, timesteps, target, condition).float()
 

@@ -81,15 +81,16 @@ def build_unet(config: ModelConfig, latent_channels: int, latent_size: int, cros
 def build_noise_scheduler(config: DiffusionConfig, model: ModelConfig | None = None
                           ) -> DDPMScheduler | FlowMatchEulerDiscreteScheduler:
     """The training noise schedule: a pretrained pipeline's own when there is one (a single file's from its
-    metadata, else Stable Diffusion's), else the preset's or the config's. ``diffusion.prediction_type`` (and for
-    flow matching ``flow_shift``, ``flow_dynamic_shift``) override either."""
+    metadata, else Stable Diffusion's), else the preset's or the config's. ``diffusion.ddpm.prediction_type`` (and
+    for flow matching ``diffusion.flow.shift`` and ``dynamic_shift``) override either."""
     model = model or ModelConfig()
     family = families.for_model(model)
     if family.objective == "flow_matching":
         return _flow_scheduler(config, model, family)
     pretrained, trust_pickle = model.pretrained, trusts_pickle(model)
-    overrides = {"prediction_type": config.prediction_type} if config.prediction_type else {}
-    if config.zero_terminal_snr:
+    ddpm = config.ddpm
+    overrides = {"prediction_type": ddpm.prediction_type} if ddpm.prediction_type else {}
+    if ddpm.zero_terminal_snr:
         overrides["rescale_betas_zero_snr"] = True
     if pretrained and single_file.looks_like_single_file(pretrained):
         settings = single_file.scheduler_config(pretrained, trust_pickle=trust_pickle)
@@ -97,21 +98,21 @@ def build_noise_scheduler(config: DiffusionConfig, model: ModelConfig | None = N
     if pretrained and (Path(pretrained) / "scheduler").is_dir():
         return DDPMScheduler.from_pretrained(Path(pretrained) / "scheduler", local_files_only=True, **overrides)
     return DDPMScheduler(
-        num_train_timesteps=config.num_train_timesteps,
-        beta_schedule=config.beta_schedule,
-        beta_start=config.beta_start,
-        beta_end=config.beta_end,
-        prediction_type=config.prediction_type or "epsilon",
+        num_train_timesteps=ddpm.num_train_timesteps,
+        beta_schedule=ddpm.beta_schedule,
+        beta_start=ddpm.beta_start,
+        beta_end=ddpm.beta_end,
+        prediction_type=ddpm.prediction_type or "epsilon",
         clip_sample=False,
         steps_offset=1,
-        rescale_betas_zero_snr=config.zero_terminal_snr,
+        rescale_betas_zero_snr=ddpm.zero_terminal_snr,
     )
 
 
 def _flow_scheduler(config: DiffusionConfig, model: ModelConfig, family: families.ModelFamily
                     ) -> FlowMatchEulerDiscreteScheduler:
     """A flow-matching schedule: the pretrained pipeline's scheduler settings, else the preset's, with the
-    config's shift on top (a static ``flow_shift`` alone turns the dynamic shift off)."""
+    config's shift on top (a static ``diffusion.flow.shift`` alone turns the dynamic shift off)."""
     folder = Path(model.pretrained) / "scheduler" if model.pretrained else None
     if folder is not None and (folder / "scheduler_config.json").is_file():
         settings = dict(FlowMatchEulerDiscreteScheduler.load_config(folder))
@@ -121,10 +122,11 @@ def _flow_scheduler(config: DiffusionConfig, model: ModelConfig, family: familie
             family.preset(model.preset, "scheduler")
     else:
         settings = family.preset(model.preset, "scheduler")
-    if config.flow_shift is not None:
-        settings.update(shift=config.flow_shift, use_dynamic_shifting=bool(config.flow_dynamic_shift))
-    elif config.flow_dynamic_shift is not None:
-        settings["use_dynamic_shifting"] = config.flow_dynamic_shift
+    flow = config.flow
+    if flow.shift is not None:
+        settings.update(shift=flow.shift, use_dynamic_shifting=bool(flow.dynamic_shift))
+    elif flow.dynamic_shift is not None:
+        settings["use_dynamic_shifting"] = flow.dynamic_shift
     return FlowMatchEulerDiscreteScheduler.from_config(settings)
 
 

@@ -16,6 +16,7 @@ share these calls, told apart by their `name`:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -23,7 +24,7 @@ import torch
 from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
-from sdtrain.config import DiffusionConfig
+from sdtrain.config import DiffusionConfig, FlowConfig
 from sdtrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -58,13 +59,15 @@ class NoisePrediction:
     name = "noise_prediction"
 
     def __init__(self, config: DiffusionConfig, scheduler: DDPMScheduler, device: torch.device):
-        unsupported = [f"{name}: {getattr(config, name)}" for name, default in (
-            ("timestep_sampling", ("uniform", "logit_normal")), ("loss_weighting", ("none",)),
-            ("precondition_outputs", (False,)), ("flow_shift", (None,)), ("flow_dynamic_shift", (None,)),
-            ("guidance_range", ([],))) if getattr(config, name) not in default]
+        """`config`: the diffusion section; its ``ddpm`` options apply, ``flow`` ones are refused."""
+        flow = FlowConfig()
+        unsupported = [f"diffusion.flow.{f.name}: {getattr(config.flow, f.name)}" for f in dataclasses.fields(flow)
+                       if getattr(config.flow, f.name) != getattr(flow, f.name)]
+        if config.timestep_sampling not in ("uniform", "logit_normal"):
+            unsupported.insert(0, f"diffusion.timestep_sampling: {config.timestep_sampling}")
         if unsupported:
-            raise UserError(f"diffusion.{', diffusion.'.join(unsupported)}: flow-matching options, which this "
-                            "model's objective (noise prediction on a DDPM schedule) does not use; remove them")
+            raise UserError(f"{', '.join(unsupported)}: flow-matching options, which this model's objective (noise "
+                            "prediction on a DDPM schedule) does not use; remove them")
         self.config = config
         self.scheduler = scheduler
         self.device = device
@@ -79,7 +82,7 @@ class NoisePrediction:
                                                                              torch.Tensor]:
         """(the denoiser's noisy input, its timesteps, the target) for clean `latents`. The draws come from
         `generator` in a fixed order, so a resumed run draws the same noise."""
-        cfg = self.config
+        cfg = self.config.ddpm
         noise = torch.randn(latents.shape, generator=generator, device=self.device, dtype=latents.dtype)
         if cfg.multires_noise_iterations > 0:
             noise = multires_noise(noise, cfg.multires_noise_iterations, cfg.multires_noise_discount, generator)
@@ -128,14 +131,14 @@ class NoisePrediction:
         return torch.randint(0, steps, (count,), generator=generator, device=self.device)
 
     def weight(self, loss: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
-        """The per-sample loss as it is optimised: min-SNR weighted when `diffusion.snr_gamma` is set."""
-        return loss * self.snr_weight(timesteps) if self.config.snr_gamma > 0 else loss
+        """The per-sample loss as it is optimised: min-SNR weighted when `diffusion.ddpm.snr_gamma` is set."""
+        return loss * self.snr_weight(timesteps) if self.config.ddpm.snr_gamma > 0 else loss
 
     def snr_weight(self, timesteps: torch.Tensor) -> torch.Tensor:
         """Min-SNR-gamma: min(snr, gamma) relative to the loss's own weighting of a timestep, which is snr for
         epsilon and snr + 1 for v. Written so that snr = 0 (the last step of a zero-terminal-SNR schedule)
         gives a finite weight: for epsilon min(snr, gamma) / snr is 1 whenever snr <= gamma."""
-        gamma = self.config.snr_gamma
+        gamma = self.config.ddpm.snr_gamma
         alpha = self.alphas_cumprod[timesteps].float()
         snr = alpha / (1 - alpha)
         if self.prediction_type == "v_prediction":
@@ -162,9 +165,9 @@ class FlowMatching:
         patches 2x2), for the image-token count the dynamic shift depends on."""
         # These shape the DDPM noise or its loss. The shared fine-tuning recipes set min-SNR for SD, and a Flux or
         # SD3 model fine-tuned with them should train, not stop: said once, then left out.
-        ignored = [f"diffusion.{name}" for name in ("noise_offset", "input_perturbation", "snr_gamma",
-                                                     "multires_noise_iterations")
-                   if getattr(config, name) > 0]
+        ignored = [f"diffusion.ddpm.{name}" for name in ("noise_offset", "input_perturbation", "snr_gamma",
+                                                          "multires_noise_iterations")
+                   if getattr(config.ddpm, name) > 0]
         if ignored:
             log.warning("%s: noise-prediction options, which flow matching does not use; ignored (set to 0 to "
                         "silence this)", ", ".join(ignored))
@@ -198,13 +201,13 @@ class FlowMatching:
         sigma = _per_sample(sigmas, latents)
         noisy = (1 - sigma) * latents + sigma * noise
         # Preconditioned, the output becomes an estimate of x0 (`prediction`), so x0 is what it is compared with.
-        target = latents if self.config.precondition_outputs else noise - latents
+        target = latents if self.config.flow.precondition_outputs else noise - latents
         return noisy, sigmas * self.num_train_timesteps, target
 
     def prediction(self, output: torch.Tensor, noisy: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
-        """What is compared with the target: the denoiser's output, or with ``diffusion.precondition_outputs``
+        """What is compared with the target: the denoiser's output, or with ``diffusion.flow.precondition_outputs``
         SD3's preconditioning x_t - sigma * output, the clean latents it implies."""
-        if not self.config.precondition_outputs:
+        if not self.config.flow.precondition_outputs:
             return output
         return noisy - _per_sample(timesteps.float() / self.num_train_timesteps, noisy) * output
 
@@ -244,15 +247,15 @@ class FlowMatching:
         return image_tokens * slope + (config.base_shift - slope * config.base_image_seq_len)
 
     def weight(self, loss: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
-        """The per-sample loss times the ``diffusion.loss_weighting`` weight of each sample's sigma, as
+        """The per-sample loss times the ``diffusion.flow.loss_weighting`` weight of each sample's sigma, as
         diffusers' `compute_loss_weighting_for_sd3`: none 1, sigma_sqrt sigma^-2, cosmap
         2 / (pi (1 - 2 sigma + 2 sigma^2))."""
         sigmas = timesteps.float() / self.num_train_timesteps
-        if self.config.loss_weighting == "sigma_sqrt":
+        if self.config.flow.loss_weighting == "sigma_sqrt":
             # A continuous draw reaches sigma = 0 exactly (p = 2^-24 per sample), where sigma^-2 is infinite;
             # the scheduler's grid, which diffusers' scripts draw from, stops at 1 / num_train_timesteps.
             sigmas = sigmas.clamp(min=1 / self.num_train_timesteps)
-        return loss * compute_loss_weighting_for_sd3(self.config.loss_weighting, sigmas)
+        return loss * compute_loss_weighting_for_sd3(self.config.flow.loss_weighting, sigmas)
 
 
 def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -308,8 +308,8 @@ class DiffusionTask(Task):
         self._check_positions(denoiser.config, scale)
         # Read before the trainer wraps the denoiser (DDP, FSDP), whose wrapper has no config.
         self.takes_guidance = family.takes_guidance(denoiser.config)
-        if config.diffusion.guidance_range and not self.takes_guidance:
-            raise UserError("diffusion.guidance_range: this model's denoiser has no guidance embedding (a "
+        if config.diffusion.flow.guidance_range and not self.takes_guidance:
+            raise UserError("diffusion.flow.guidance_range: this model's denoiser has no guidance embedding (a "
                             "guidance-distilled model's, as Flux.1-dev has), so nothing would read it; remove it")
         self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model)
         self.objective = make_objective(family, config.diffusion, self.noise_scheduler, device, denoiser.config)
@@ -553,7 +553,7 @@ class DiffusionTask(Task):
     def conditioning(self, batch, generator: torch.Generator | None = None) -> dict[str, Any]:
         """The denoiser's conditioning: the shards' text embeddings when they can stand in for the frozen text
         encoders, else the encoders' output, with what else the family conditions on (and Flux.1-dev's
-        guidance, drawn from `generator` when ``diffusion.guidance_range`` is set)."""
+        guidance, drawn from `generator` when ``diffusion.flow.guidance_range`` is set)."""
         captions = batch.get("captions") or []
         if self.text_embeddings and "text_emb" in batch:
             text = {key: batch[key].to(self.device, non_blocking=True) for key in TEXT_FIELDS if key in batch}
@@ -569,9 +569,9 @@ class DiffusionTask(Task):
         return condition
 
     def guidance(self, count: int, generator: torch.Generator | None) -> torch.Tensor:
-        """The guidance values a guidance-distilled denoiser is trained with: ``diffusion.guidance``, or draws
-        from ``diffusion.guidance_range``."""
-        cfg = self.config.diffusion
+        """The guidance values a guidance-distilled denoiser is trained with: ``diffusion.flow.guidance``, or draws
+        from ``diffusion.flow.guidance_range``."""
+        cfg = self.config.diffusion.flow
         if cfg.guidance_range and generator is not None:
             low, high = cfg.guidance_range
             return low + (high - low) * torch.rand(count, generator=generator, device=self.device)

@@ -5,7 +5,7 @@ blocks over image and text, then single-stream blocks over both).
 The conditioner follows Flux's own: T5's last hidden states as the context and CLIP's pooled output as the
 global vector; text positions are all zero and image positions are (0, row, column) for 3-axis RoPE. The
 latents are packed 2x2 into tokens of 4 x 16 channels before the transformer and unpacked after. Flux.1-dev
-was distilled with a guidance embedding, fed a constant while training (``diffusion.guidance``); schnell has
+was distilled with a guidance embedding, fed a constant while training (``diffusion.flow.guidance``); schnell has
 none. An empty caption (caption dropout) is encoded like any other, as the pipeline encodes it.
 """
 
