@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import faulthandler
+import hashlib
+import json
 import os
 import sys
 import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,8 @@ TINY = [
     "train.mixed_precision=fp32",
     "train.gradient_checkpointing=false",
 ]
+# A family's tests through the CLI: TINY in batches of 2, no validation previews and no evaluation unless asked.
+TINY_CLI = [*TINY, "data.batch_size=2", "validation.prompts=[]", "evaluation.every_samples=0"]
 
 
 @pytest.fixture(scope="session")
@@ -110,6 +115,71 @@ def diffusion_run(tmp_path_factory, shapes_dir, autoencoder_run) -> Path:
           "train.max_steps=4", "checkpoint.every=2", "validation.prompts=[a red circle,a blue square]",
           "validation.steps=2")
     return run
+
+
+def _contents(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="session")
+def tiny_autoencoder(tmp_path_factory, shapes_dir) -> Iterator[Callable[[str], Path]]:
+    """`tiny_autoencoder(family)`: a 2-step run of the autoencoder `family`'s tiny preset builds, the ``model.vae``
+    of a tiny diffusion run of `family` from scratch. One run a session serves every family whose tiny preset builds
+    the same autoencoder (Flux.1, SD3 and Z-Image: TINY_FLUX_VAE, 16 channels), trained as the first such family in
+    families.FAMILIES: the stage trains the same weights whichever family it is told, and a diffusion run reads an
+    autoencoder run's module and weights, not the family it recorded. Shared, so read-only: a test that would write
+    into it copies it first, and the session ends in an error if one changed it."""
+    from sdtrain.models import families
+
+    def build(name: str) -> tuple[str, str]:
+        spec = families.get(name)
+        return spec.components["vae"].__name__, json.dumps(spec.preset("tiny", "vae"), sort_keys=True)
+
+    runs: dict[tuple[str, str], tuple[Path, dict[str, str]]] = {}
+
+    def autoencoder(family: str) -> Path:
+        key = build(family)
+        if key not in runs:
+            trained_as = next(name for name, spec in families.FAMILIES.items()
+                              if "tiny" in spec.presets and build(name) == key)
+            run = tmp_path_factory.mktemp(f"autoencoder-{trained_as}") / "autoencoder"
+            train("autoencoder.yaml", run, f"model.family={trained_as}", f"data.shards={shapes_dir}",
+                  "train.max_steps=2")
+            runs[key] = run, _contents(run)
+        return runs[key][0]
+
+    yield autoencoder
+    for run, contents in runs.values():
+        assert _contents(run) == contents, f"{run}: a test changed the shared autoencoder run"
+
+
+@pytest.fixture(scope="session")
+def tiny_scratch_command(tiny_autoencoder, shapes_dir) -> Callable[..., list[str]]:
+    """`tiny_scratch_command(family, run, steps, *overrides)`: the `sdtrain train` arguments of a tiny diffusion
+    run of `family` from scratch into `run` (configs/demo/diffusion.yaml, TINY_CLI, the session's shapes and its
+    `tiny_autoencoder`): the text encoders and the denoiser built from the tiny preset and trained, the tokenizers
+    trained on the captions; `overrides` come last, so they win."""
+
+    def command(family: str, run: Path, steps: int, *overrides: str) -> list[str]:
+        return ["train", str(config_path("diffusion.yaml")), f"run_dir={run}", *TINY_CLI, f"model.family={family}",
+                f"model.vae={tiny_autoencoder(family)}", f"data.shards={shapes_dir}", f"train.max_steps={steps}",
+                *overrides]
+
+    return command
+
+
+@pytest.fixture(scope="session")
+def tiny_scratch_run(tiny_scratch_command) -> Callable[..., Path]:
+    """`tiny_scratch_run(family, run, steps, *overrides)`: `tiny_scratch_command`'s run trained (it must exit 0);
+    returns `run`."""
+    from sdtrain.cli.main import main
+
+    def scratch(family: str, run: Path, steps: int, *overrides: str) -> Path:
+        assert main(tiny_scratch_command(family, run, steps, *overrides)) == 0
+        return run
+
+    return scratch
 
 
 @pytest.fixture(scope="session")

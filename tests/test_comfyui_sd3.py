@@ -35,10 +35,9 @@ from sdtrain.loaders.components import load_component, load_run_modules
 from sdtrain.models.families.sd3 import SD3
 
 from . import comfyui
-from .conftest import TINY, config_path
+from .conftest import TINY_CLI, config_path
 
 CONFIGS = config_path("diffusion.yaml").parents[1]
-COMMON = [*TINY, "data.batch_size=2", "validation.prompts=[]", "evaluation.every_samples=0"]
 # ComfyUI's SD3 sizes at 2 blocks (64 x depth wide, depth heads), CLIPs deep enough for their penultimate layer.
 COMFY_SIZES = ["model.transformer_overrides.num_attention_heads=2", "model.transformer_overrides.attention_head_dim=64",
                "model.transformer_overrides.caption_projection_dim=128",
@@ -50,16 +49,10 @@ pytestmark = [pytest.mark.slow,
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, shapes_dir) -> Path:
+def pipeline(tmp_path_factory, tiny_scratch_run) -> Path:
     """A tiny SD3 run from scratch at ComfyUI's sizes, exported as a pipeline to fine-tune."""
     root = tmp_path_factory.mktemp("comfy-sd3")
-    vae = root / "vae"
-    assert main(["train", str(config_path("autoencoder.yaml")), f"run_dir={vae}", *TINY, "model.family=sd3",
-                 f"data.shards={shapes_dir}", "train.max_steps=1"]) == 0
-    scratch = root / "scratch"
-    assert main(["train", str(config_path("diffusion.yaml")), f"run_dir={scratch}", *COMMON, "model.family=sd3",
-                 f"model.vae={vae}", f"data.shards={shapes_dir}", "train.max_steps=1", "model.t5_text_length=12",
-                 *COMFY_SIZES]) == 0
+    scratch = tiny_scratch_run("sd3", root / "scratch", 1, "model.t5_text_length=12", *COMFY_SIZES)
     assert main(["export", str(scratch), str(root / "pipeline")]) == 0
     return root / "pipeline"
 
@@ -69,7 +62,7 @@ def lora_run(tmp_path_factory, pipeline, shapes_dir) -> tuple[Path, Path]:
     """The SD3 recipe (configs/sd3-lora.yaml) with the CLIPs adapted, at rank 4 and alpha 8; and its export."""
     root = tmp_path_factory.mktemp("comfy-sd3-lora")
     run, out = root / "lora", root / "out"
-    assert main(["train", str(CONFIGS / "sd3-lora.yaml"), f"run_dir={run}", *COMMON, f"model.pretrained={pipeline}",
+    assert main(["train", str(CONFIGS / "sd3-lora.yaml"), f"run_dir={run}", *TINY_CLI, f"model.pretrained={pipeline}",
                  f"data.shards={shapes_dir}", "train.max_steps=2", "lora.text_encoder=true", f"lora.rank={RANK}",
                  f"lora.alpha={ALPHA}", "optim.lr=0.01", "data.aspect_buckets=false"]) == 0
     assert main(["export", str(run), str(out)]) == 0

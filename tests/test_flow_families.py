@@ -17,11 +17,13 @@ from sdtrain.cli.main import main
 from sdtrain.export import export_run
 from sdtrain.models import families
 
-from .conftest import TINY, config_path, resumes_bitwise_after_kill_9
+from .conftest import TINY_CLI, config_path, resumes_bitwise_after_kill_9
 
 CONFIGS = config_path("diffusion.yaml").parents[1]
 FAMILIES = ["flux", "sd3"]
-COMMON = [*TINY, "data.batch_size=2", "validation.prompts=[]", "evaluation.every_samples=0"]
+# From scratch (tiny_scratch_command): the CLIP and T5 encoders and the transformer train, the tokenizers are
+# trained on the captions, latents from the 16-channel autoencoder with a latent shift both families build.
+SCRATCH = ["checkpoint.every=1", "data.caption_dropout=0.25", "model.t5_text_length=12"]
 
 
 def _pipeline(family: str, folder: Path):
@@ -44,29 +46,11 @@ def _t5_length(pipe) -> int:
 
 
 @pytest.fixture(scope="module")
-def flow_vae(tmp_path_factory, shapes_dir) -> Path:
-    """A 16-channel autoencoder with a latent shift, as SD3 and Flux.1 have (both families build the same)."""
-    run = tmp_path_factory.mktemp("flow-vae") / "autoencoder"
-    assert main(["train", str(config_path("autoencoder.yaml")), f"run_dir={run}", *TINY, "model.family=flux",
-                 f"data.shards={shapes_dir}", "train.max_steps=2"]) == 0
-    return run
-
-
-def _scratch_command(family: str, run: Path, vae: Path, shapes_dir: Path, steps: int) -> list[str]:
-    """From scratch: the CLIP and T5 encoders and the transformer train, the tokenizers are trained on the
-    captions."""
-    return ["train", str(config_path("diffusion.yaml")), f"run_dir={run}", *COMMON, f"model.family={family}",
-            f"model.vae={vae}", f"data.shards={shapes_dir}", f"train.max_steps={steps}", "checkpoint.every=1",
-            "data.caption_dropout=0.25", "model.t5_text_length=12"]
-
-
-@pytest.fixture(scope="module")
-def scratch(tmp_path_factory, shapes_dir, flow_vae) -> dict[str, Path]:
+def scratch(tmp_path_factory, tiny_scratch_run) -> dict[str, Path]:
     runs = {}
     for family in FAMILIES:
-        run = tmp_path_factory.mktemp(family) / "scratch"
-        assert main([*_scratch_command(family, run, flow_vae, shapes_dir, 3), "validation.prompts=[a red circle]",
-                     "validation.steps=2"]) == 0
+        run = tiny_scratch_run(family, tmp_path_factory.mktemp(family) / "scratch", 3, *SCRATCH,
+                               "validation.prompts=[a red circle]", "validation.steps=2")
         assert (run / "samples" / "step_00000003.png").is_file()  # validation renders through the family's pipeline
         runs[family] = run
     return runs
@@ -92,7 +76,7 @@ def _command(mode: str, run: Path, pretrained: Path, shapes_dir: Path, steps: in
     config, extra = MODES[mode]
     family = json.loads((pretrained / "model_index.json").read_text())["_class_name"]
     config = config.format(family="flux" if family == "FluxPipeline" else "sd3")
-    return ["train", str(CONFIGS / config), f"run_dir={run}", *COMMON, f"model.pretrained={pretrained}",
+    return ["train", str(CONFIGS / config), f"run_dir={run}", *TINY_CLI, f"model.pretrained={pretrained}",
             f"data.shards={shapes_dir}", f"train.max_steps={steps}", "checkpoint.every=1",
             "data.caption_dropout=0.25", *extra]
 
@@ -105,10 +89,11 @@ RESUME_CASES = [("flux", "lora"), ("sd3", "scratch"),
 
 
 @pytest.mark.parametrize(("family", "mode"), RESUME_CASES)
-def test_every_mode_resumes_bitwise_after_kill_9(family, mode, tmp_path, pretrained, shapes_dir, flow_vae):
+def test_every_mode_resumes_bitwise_after_kill_9(family, mode, tmp_path, pretrained, shapes_dir,
+                                                 tiny_scratch_command):
     def command(run: Path) -> list[str]:
         if mode == "scratch":
-            return _scratch_command(family, run, flow_vae, shapes_dir, 3)
+            return tiny_scratch_command(family, run, 3, *SCRATCH)
         return _command(mode, run, pretrained[family], shapes_dir, 3)
 
     resumes_bitwise_after_kill_9(command, tmp_path)
@@ -183,7 +168,7 @@ def test_full_and_dreambooth_exports_change_the_image(family, tmp_path, pretrain
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_textual_inversion_is_refused_in_one_line(family, tmp_path, pretrained, shapes_dir, capsys):
-    assert main(["train", str(CONFIGS / "textual-inversion.yaml"), f"run_dir={tmp_path / 'ti'}", *COMMON,
+    assert main(["train", str(CONFIGS / "textual-inversion.yaml"), f"run_dir={tmp_path / 'ti'}", *TINY_CLI,
                  f"model.pretrained={pretrained[family]}", f"data.shards={shapes_dir}", "train.max_steps=1",
                  "textual_inversion.placeholder_token=<shp>", "textual_inversion.initializer_token=circle"]) == 2
     error = capsys.readouterr().err.strip().splitlines()
@@ -209,7 +194,7 @@ def test_flux_encoded_shards_hold_t5_states_and_clip_pooled_and_train_as_online(
     # Caption dropout's stand-in: the empty caption encoded once, as FluxPipeline encodes it (not zeros).
     assert load_npy((out / "empty_caption.text_pooled.npy").read_bytes()).any()
 
-    common = [*COMMON, f"model.pretrained={folder}", "train.max_steps=1", "logging.every=1",
+    common = [*TINY_CLI, f"model.pretrained={folder}", "train.max_steps=1", "logging.every=1",
               "data.caption_dropout=0"]
     finetune = str(CONFIGS / "finetune-full.yaml")
     assert main(["train", finetune, f"run_dir={tmp_path / 'online'}", f"data.shards={shapes_dir}", *common]) == 0
@@ -394,7 +379,7 @@ def test_an_sd3_single_file_is_recognised_and_fine_tunes_as_its_pipeline_does(tm
     checkpoints = []
     for name, source in (("file", sd3_file), ("folder", pretrained["sd3"])):
         run = tmp_path / name
-        assert main(["train", str(CONFIGS / "finetune-full.yaml"), f"run_dir={run}", *COMMON,
+        assert main(["train", str(CONFIGS / "finetune-full.yaml"), f"run_dir={run}", *TINY_CLI,
                      f"model.pretrained={source}", f"data.shards={shapes_dir}", "train.max_steps=1",
                      "optim.lr=0.01", "optim.warmup_steps=0"]) == 0
         checkpoints.append(latest_checkpoint(run))
@@ -426,7 +411,7 @@ def test_an_sd3_file_without_some_component_or_settings(tmp_path, sd3_file, pret
 
     # Through the CLI: each missing piece one line naming the setting, until the file trains with the rest named.
     def train(*extra: str) -> int:
-        return main(["train", str(CONFIGS / "finetune-full.yaml"), f"run_dir={tmp_path / 'run'}", *COMMON,
+        return main(["train", str(CONFIGS / "finetune-full.yaml"), f"run_dir={tmp_path / 'run'}", *TINY_CLI,
                      f"model.pretrained={bare}", f"data.shards={shapes_dir}", "train.max_steps=1", *extra])
 
     shutil.copytree(sd3_file.with_suffix(".tokenizer"), bare.with_suffix(".tokenizer"))
@@ -471,8 +456,8 @@ def test_a_guidance_range_for_a_model_without_guidance_embedding_is_one_line(tmp
                                                                              capsys):
     """SD3 has no guidance embedding: a guidance range would be drawn and never read, so the key is named."""
     assert main([*_command("full", tmp_path / "run", pretrained["sd3"], shapes_dir, 1),
-                 "diffusion.guidance_range=[1.0,4.0]"]) == 2
+                 "diffusion.flow.guidance_range=[1.0,4.0]"]) == 2
     err = capsys.readouterr().err
     error = [line for line in err.splitlines() if "error:" in line]  # beside transformers' loading bars
     assert "Traceback" not in err and len(error) == 1
-    assert "diffusion.guidance_range" in error[0] and "no guidance embedding" in error[0]
+    assert "diffusion.flow.guidance_range" in error[0] and "no guidance embedding" in error[0]

@@ -20,12 +20,11 @@ from sdtrain.export import export_run
 from sdtrain.models import families
 from sdtrain.models.families import causal_lm
 
-from .conftest import TINY, config_path, resumes_bitwise_after_kill_9
+from .conftest import TINY_CLI, config_path, resumes_bitwise_after_kill_9
 
 CONFIGS = config_path("diffusion.yaml").parents[1]
 TEXT_LENGTH = 24
-COMMON = [*TINY, "data.batch_size=2", "validation.prompts=[]", "evaluation.every_samples=0",
-          f"model.t5_text_length={TEXT_LENGTH}"]
+COMMON = [*TINY_CLI, f"model.t5_text_length={TEXT_LENGTH}"]
 MODES = {
     "lora": ("lora.yaml", ["lora.rank=4", "optim.lr=0.01"]),
     "full": ("finetune-full.yaml", ["optim.lr=0.01", "optim.warmup_steps=0"]),
@@ -117,16 +116,11 @@ def test_a_lora_resumes_bitwise_after_kill_9(tmp_path, released, shapes_dir):
     resumes_bitwise_after_kill_9(lambda run: _command("lora", run, released, shapes_dir, 3), tmp_path)
 
 
-def test_from_scratch_it_trains_exports_and_generates(tmp_path, shapes_dir):
-    vae = tmp_path / "autoencoder"
-    assert main(["train", str(config_path("autoencoder.yaml")), f"run_dir={vae}", *TINY, "model.family=z-image",
-                 f"data.shards={shapes_dir}", "train.max_steps=2"]) == 0
-    run = tmp_path / "scratch"
+def test_from_scratch_it_trains_exports_and_generates(tmp_path, tiny_scratch_run):
     # The tokenizer is learnt from the captions in Qwen2's layout with the chat template, the Qwen3 encoder and the
     # transformer train; validation renders through ZImagePipeline.
-    assert main(["train", str(config_path("diffusion.yaml")), f"run_dir={run}", *COMMON, "model.family=z-image",
-                 f"model.vae={vae}", f"data.shards={shapes_dir}", "train.max_steps=2", "data.caption_dropout=0.25",
-                 "validation.prompts=[a red circle]", "validation.steps=2"]) == 0
+    run = tiny_scratch_run("z-image", tmp_path / "scratch", 2, f"model.t5_text_length={TEXT_LENGTH}",
+                           "data.caption_dropout=0.25", "validation.prompts=[a red circle]", "validation.steps=2")
     assert (run / "samples" / "step_00000002.png").is_file()
     assert "<|im_start|>" in (run / "tokenizer" / "chat_template.jinja").read_text()
     out = tmp_path / "pipeline"
