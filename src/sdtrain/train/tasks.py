@@ -9,7 +9,6 @@ mode supplies, so any trained part takes any recipe.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -23,10 +22,10 @@ from sdtrain.config import DataConfig, DiffusionConfig, RunConfig
 from sdtrain.data.decode import make_buckets
 from sdtrain.data.encoded import TEXT_FIELDS, dataset_encoding
 from sdtrain.errors import UserError
-from sdtrain.loaders.components import load_component
 from sdtrain.models import build, families
 from sdtrain.models.pipeline import exact_sampling, run_sampling, sample_images, sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer
+from sdtrain.train.components import ComponentPlanner
 from sdtrain.train.objectives import FlowMatching, NoisePrediction
 from sdtrain.train.parts import TrainedPart
 from sdtrain.train.storage import FrozenStorage, on_meta
@@ -66,27 +65,13 @@ class Task:
         self.run_dir = run_dir
         self.pinned: dict[str, str] = dict((resumed or {}).get("sources", {}))
         self.resumed: dict[str, Any] = dict((resumed or {}).get("task", {}))
-        self.sources: dict[str, str] = {}
-        self.trust_pickle = build.trusts_pickle(config.model)
         self.family = families.for_model(config.model)
+        self.components = ComponentPlanner(config, self.family, self.pinned)
 
-    def source(self, name: str) -> str | None:
-        """Component `name`'s source, pinned at the run's first start; None when the config names none."""
-        if name not in self.sources:
-            source = self.pinned.get(name) or build.component_source(self.config.model, name)
-            if source is None:
-                return None
-            self.sources[name] = build.pin_source(source)
-        return self.sources[name]
-
-    def load_source(self, name: str, frozen_precision: str = "fp32", weights: bool = True) -> Any | None:
-        """Load component `name` from its source (`source`); None when the config names no source.
-        `frozen_precision`, `weights`: see load_component."""
-        source = self.source(name)
-        if source is None:
-            return None
-        return load_component(name, source, trust_pickle=self.trust_pickle, family=self.family,
-                              frozen_precision=frozen_precision, weights=weights, served=self.config.model)
+    @property
+    def sources(self) -> dict[str, str]:
+        """Each loaded component's pinned source (ComponentPlanner.sources)."""
+        return self.components.sources
 
     def parallel_modules(self) -> dict[str, nn.Module]:
         """The attributes the loss calls the trained modules through, for a data-parallel wrapper."""
@@ -124,7 +109,7 @@ class Task:
     def checkpoint_meta(self) -> dict[str, Any]:
         """What a checkpoint's reader needs to rebuild partly trained modules on their base (meta.json)."""
         return {"mode": self.config.mode, "family": self.family.name,
-                **({"trust_pickle": True} if self.trust_pickle else {}),
+                **({"trust_pickle": True} if self.components.trust_pickle else {}),
                 **({"frozen_precision": self.frozen_precision} if self.config.model.frozen_precision == "auto" else {})}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
@@ -177,7 +162,7 @@ class AutoencoderTask(Task):
 
     def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, resumed: dict[str, Any] | None = None):
         super().__init__(config, device, run_dir, resumed)
-        vae = self.load_source("vae") or build.build_vae(config.model)
+        vae = self.components.load("vae") or build.build_vae(config.model)
         self._check_resolution(vae)
         vae.to(device).train()
         self.vae = vae
@@ -285,8 +270,8 @@ class DiffusionTask(Task):
         # What the pre-encoded shards stand in for is built without weights: T5-XXL alone is 19 GB in fp32.
         data = self.data_config()
         found = dataset_encoding(data.shards) if data.use_encoded else None
-        unread = self.unread(found[0]) if found else []
-        vae = self.load_source("vae", weights="vae" not in unread)
+        unread = self.components.stood_in_for(found[0], data, self.text_encoder_trains()) if found else []
+        vae = self.components.load("vae", weights="vae" not in unread)
         if vae is None:
             raise UserError(
                 "model.vae: the diffusion stage needs a trained autoencoder; set model.vae to an autoencoder run "
@@ -298,9 +283,10 @@ class DiffusionTask(Task):
         self.storage = FrozenStorage(config, device, family, self.part.keeps_frozen, self.resumed)
         if self.storage.needs_plan:
             # Planned from the shapes alone, before any weight loads, since weights are stored low as they load.
-            self.storage.plan(self._components(unread, latent, weights=False), unread)
+            self.storage.plan(self.components.build(self.tokenizers, latent, self.stored_as, unread, weights=False),
+                              unread)
         # The denoiser under the family's name (unet, transformer): the trainer wraps and checkpoints modules by name.
-        for name, module in self._components(unread, latent).items():
+        for name, module in self.components.build(self.tokenizers, latent, self.stored_as, unread).items():
             self.storage.offload(module)  # before placing: streamed weights never all reach the device
             setattr(self, name, _placed(module, device))
         denoiser = self.denoiser
@@ -326,37 +312,11 @@ class DiffusionTask(Task):
         data = self.config.data
         side = max(max(bucket) for bucket in make_buckets(data)) if data.aspect_buckets else data.resolution
         if side > longest * scale:
-            where = self.source(self.family.denoiser) or "the denoiser"
+            where = self.components.source(self.family.denoiser) or "the denoiser"
             raise UserError(f"data.resolution: {where} takes images of at most {longest * scale} px a side (its "
                             f"position table covers {longest} latent rows), but this run trains at {side} px; set "
                             f"data.resolution (and with aspect buckets data.max_aspect) so no side exceeds "
                             f"{longest * scale}")
-
-    def _components(self, unread: list[str], latent: tuple[int, int], weights: bool = True) -> dict[str, nn.Module]:
-        """The text encoders and the denoiser, from their sources or built from the preset (the denoiser shaped by
-        the `latent` channels and size), frozen ones stored as `stored_as` says; the `unread` ones, or all without
-        `weights`, with their tensors on the meta device."""
-        model = self.config.model
-        built: dict[str, nn.Module] = {}
-        meta = contextlib.nullcontext() if weights else torch.device("meta")
-        for name, tokenizer in zip(self.family.text_encoders, self.tokenizers):
-            module = self.load_source(name, self.stored_as(name), weights=weights and name not in unread)
-            if module is None:
-                if not self.config.diffusion.train_text_encoder:
-                    raise UserError(
-                        "diffusion.train_text_encoder: a text encoder built from scratch must be trained; set it to "
-                        f"true, or load one with model.{name} or model.pretrained"
-                    )
-                with meta:
-                    module = build.build_text_encoder(model, tokenizer, name)
-            built[name] = module
-        name = self.family.denoiser
-        module = self.load_source(name, self.stored_as(name), weights=weights)
-        if module is None:
-            with meta:
-                module = build.build_denoiser(model, *latent, text_encoders=built,
-                                              frozen_precision=self.stored_as(name) if weights else "fp32")
-        return {**built, name: module}
 
     @property
     def frozen_precision(self) -> str:
@@ -429,7 +389,7 @@ class DiffusionTask(Task):
                     f"data.shards: the latents were encoded with the VAE {encoding['vae']} but model.vae is "
                     f"{self.sources.get('vae')}; point model.vae there, encode again, or set data.use_encoded=false"
                 )
-            unread = self.unread(encoding)
+            unread = self.components.stood_in_for(encoding, self.data_config(), self.text_encoder_trains())
         self.text_embeddings = any(name in unread for name in self.family.text_encoders)
         encoded_t5 = (encoding or {}).get("t5_text_length")
         if self.text_embeddings and encoded_t5 and encoded_t5 != self.long_text_length:
@@ -474,19 +434,6 @@ class DiffusionTask(Task):
             encoded[prompt] = {key: value.detach() for key, value in text.items()}
         return encoded
 
-    def unread(self, encoding: dict[str, Any]) -> list[str]:
-        """The frozen components that training on shards of this `encoding` never runs: the VAE that encoded
-        their latents, and the text encoders when the shards' embeddings stand in for them (these encoders made
-        them, they stay frozen, and the captions are the shards' own, which prompt templates would replace and
-        tag shuffling would reorder)."""
-        if encoding.get("vae") != self.source("vae"):
-            return []  # shards `use_encoded` refuses
-        data = self.data_config()
-        frozen_text = not self.text_encoder_trains() and not data.prompt_templates and not data.shuffle_tags
-        text = list(self.family.text_encoders)
-        embeddings = frozen_text and all(encoding.get(name) == self.source(name) for name in text)
-        return ["vae", *(text if embeddings else [])]
-
     def _hold_read(self, unread: list[str]) -> None:
         """Only what training reads keeps its weights. The `unread` components (built without weights when the
         shards' manifest said so before loading) serve validation only, which loads them again from their pinned
@@ -506,8 +453,7 @@ class DiffusionTask(Task):
         if not on_meta(module):
             return module
         # Stored as training stores it: validation then costs no more memory than the step.
-        module = load_component(name, self.sources[name], trust_pickle=self.trust_pickle, family=self.family,
-                                frozen_precision=self.stored_as(name), served=self.config.model)
+        module = self.components.load(name, self.stored_as(name))
         return module.to(self.device).eval().requires_grad_(False)
 
     def _latents(self, batch, generator) -> torch.Tensor:
