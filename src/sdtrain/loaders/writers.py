@@ -44,8 +44,8 @@ def kohya_state(modules: dict[str, nn.Module], family: ModelFamily) -> dict[str,
     """The same adapters in kohya's layout, the one A1111, ComfyUI and diffusers all read:
     ``<prefix><module path, dots as underscores>.lora_down.weight / .lora_up.weight / .alpha``, the prefix and
     the module paths the family's (``lora_unet_``, ``lora_te_`` for SD's one text encoder, ``lora_te1_`` and
-    ``lora_te2_`` for SDXL's two; SDXL's UNet paths and Flux.1's transformer paths in their original layouts,
-    Flux.1's fused projections fused), and a true scalar alpha per module (the scale is alpha / rank)."""
+    ``lora_te2_`` for SDXL's two; SDXL's UNet paths and Flux.1's and Z-Image's transformer paths in their original
+    layouts, their fused projections fused), and a true scalar alpha per module (the scale is alpha / rank)."""
     state = {}
     for name, module in modules.items():
         layers = {path: (layer.lora_A["default"].weight.detach().float().cpu().contiguous(),

@@ -189,8 +189,8 @@ class TransformerFile(SingleFileLayout):
 
     def load(self, name: str, path: Path, *, trust_pickle: bool | None, frozen_precision: str, weights: bool,
              latent_constants: Callable[[], dict[str, float | None]]) -> nn.Module:
-        return single_file.load_flux_transformer(path, trust_pickle, frozen_precision=frozen_precision,
-                                                 weights=weights)
+        return original_layout.load_transformer(single_file.open_file(path, trust_pickle),
+                                                frozen_precision=frozen_precision, weights=weights)
 
     def write(self, out: Path, components: dict[str, nn.Module], *, half: bool, scheduler: Any,
               text_layout: str, text_source: str | Path | None) -> None:

@@ -81,7 +81,8 @@ class StabilityCheckpoint(SingleFileLayout):
 
     def load(self, name: str, path: Path, *, trust_pickle: bool | None, frozen_precision: str, weights: bool,
              latent_constants: Callable[[], dict[str, float | None]]) -> nn.Module:
-        return single_file.load_sd3_component(name, path, trust_pickle, weights=weights)
+        module = stability_layout.load_component(single_file.open_file(path, trust_pickle), name)
+        return module if weights else module.to("meta")
 
     def write(self, out: Path, components: dict[str, nn.Module], *, half: bool, scheduler: Any,
               text_layout: str, text_source: str | Path | None) -> None:

@@ -74,7 +74,7 @@ is ``SDTRAIN_CACHE_DIR``, else ``~/.cache/sdtrain``).
 
 Flux.1 (`flux` module): a file of the transformer alone in Black Forest Labs' layout (``double_blocks.*``,
 ``single_blocks.*``, bare as in flux1-dev.safetensors or under ComfyUI's ``model.diffusion_model.``) is read as
-the component ``transformer`` (`load_flux_transformer`: settings from shapes and metadata, our own conversion, no
+the component ``transformer`` (`flux.load_transformer`: settings from shapes and metadata, our own conversion, no
 diffusers converter, which assumes Flux.1's full width); asked for any other component, it says which setting
 to name instead. ``sdtrain export --single-file`` of a Flux run writes such a file (`flux.save_original`) and
 nothing beside it.
@@ -91,11 +91,7 @@ unless trusted (``trust_pickle=True``, or ``SDTRAIN_TRUST_PICKLE=1``), and even 
 
 from __future__ import annotations
 
-from sdtrain.models.single_file.load import (
-    load_flux_transformer,
-    load_sd3_component,
-    load_single_file_component,
-)
+from sdtrain.models.single_file.load import load_single_file_component
 from sdtrain.models.single_file.read import (
     CLIP_PREFIX,
     FAMILIES,
@@ -153,8 +149,7 @@ __all__ = [
     "PREDICTION_TYPES", "SAFE_SUFFIXES", "SDXL_CLIP_PREFIX", "SDXL_OPENCLIP_PREFIX", "SDXL_SCHEDULER", "SD_SCHEDULER",
     "SUFFIXES", "TEXT_ENCODERS", "TEXT_EXTRA_KEYS", "TEXT_LAYOUTS", "TEXT_SHAPE_KEYS", "TRUST_PICKLE_ENV",
     "UNET_PREFIX", "UNET_SHAPE_KEYS", "VAE_PREFIX", "VAE_SHAPE_KEYS", "SingleFileInfo", "choose_text_layout",
-    "config_folder", "family_of", "inspect_single_file", "is_single_file", "load_flux_transformer",
-    "load_sd3_component", "load_single_file_component",
+    "config_folder", "family_of", "inspect_single_file", "is_single_file", "load_single_file_component",
     "original_unet_path",
     "looks_like_single_file", "model_family", "open_file", "prediction_type", "save_single_file",
     "scheduler_config", "single_file_metadata", "tensor_names", "text_encoder_layout", "to_original_state_dict",

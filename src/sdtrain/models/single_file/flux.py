@@ -27,9 +27,10 @@ from typing import Any
 import torch
 
 from sdtrain.errors import UserError
+from sdtrain.models import frozen
 from sdtrain.models.single_file import kohya
 from sdtrain.models.single_file.read import FLUX_PREFIXES as _PREFIXES
-from sdtrain.models.single_file.read import FORMAT_KEY, FORMAT_VERSION
+from sdtrain.models.single_file.read import FORMAT_KEY, FORMAT_VERSION, _File, _first_line, original_prefix
 from sdtrain.models.single_file.write import write_tensors
 
 CONFIG_KEY = "transformer_config"
@@ -289,6 +290,72 @@ def kohya_lora(layers: Mapping[str, kohya.LoraFactors], config: Mapping[str, Any
             up, alpha = up * (alpha / down.shape[0]), float(down.shape[0])
         out.update(kohya.keys(original, (down, up, alpha)))
     return out
+
+
+# --------------------------------------------------------------------------------------------------- loading
+
+def load_transformer(file: _File, frozen_precision: str = "fp32", weights: bool = True) -> Any:
+    """A FluxTransformer2DModel, in fp32, from a file of Flux.1's transformer in BFL's original layout (bare keys as
+    in flux1-dev.safetensors, or under ComfyUI's ``model.diffusion_model.``; other keys of such a checkpoint are
+    left alone): its settings from the tensor shapes and the file's metadata (`flux.transformer_config_from_original`),
+    its weights converted by `flux.from_original`. No config folder, no download; the model is built on the meta
+    device and given the tensors, so a 12B transformer is never allocated twice.
+
+    A `frozen_precision` other than fp32 reads the file a tensor at a time, its linear weights stored in that
+    precision as they come (`frozen.fill_streamed`): a 24 GB bf16 file then loads as 12 GB of fp8, never 48 GB of
+    fp32. Without `weights`, only the header is read and every tensor stays on the meta device."""
+    from diffusers import FluxTransformer2DModel
+
+    prefix = original_prefix(file.shapes)
+    if prefix is None:
+        raise UserError(f"{file.path}: holds no Flux.1 transformer in BFL's layout (double_blocks.*, single_blocks.*); "
+                        "point model.transformer at one")
+    keys = [k for k in file.shapes if k.startswith(prefix)]
+    fix = ("pass a Flux.1 transformer file (flux1-dev/schnell.safetensors, or `sdtrain export --single-file` of a "
+           "Flux run) or a diffusers transformer folder")
+    try:
+        config = transformer_config_from_original({k: file.shapes[k] for k in keys}, file.metadata)
+    except ValueError as exc:
+        raise UserError(f"{file.path}: cannot read it as a Flux.1 transformer ({_first_line(exc)}); {fix}") from exc
+    # The rope axes as a list, as a config.json gives them: a checkpoint's spec is then the same either way.
+    settings = {**config, "axes_dims_rope": list(config["axes_dims_rope"])}
+    if not weights:
+        with torch.device("meta"):
+            return FluxTransformer2DModel(**settings).eval()
+    try:
+        if frozen_precision != "fp32":
+            with frozen.parameters_on_meta():
+                module = FluxTransformer2DModel(**settings)
+            tensors = iter_from_original([k[len(prefix):] for k in keys],
+                                              lambda key: file.floats([prefix + key])[prefix + key], config)
+            frozen.fill_streamed(module, tensors, frozen_precision)
+        else:
+            module = _in_fp32(file, keys, config, settings)
+    except ValueError as exc:  # the conversion: a key missing, or one that is not Flux.1's
+        raise UserError(f"{file.path}: cannot read it as a Flux.1 transformer ({_first_line(exc)}); {fix}") from exc
+    except (RuntimeError, TypeError) as exc:
+        raise UserError(f"{file.path}: cannot load the Flux.1 transformer ({_first_line(exc)}); {fix}") from exc
+    missing = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if missing:
+        raise UserError(f"{file.path}: the Flux.1 transformer lacks {len(missing)} weights (e.g. {missing[0]}); the "
+                        "file is incomplete")
+    return module.eval()
+
+
+def _in_fp32(file: _File, keys: list[str], config: dict[str, Any], settings: dict[str, Any]) -> Any:
+    from diffusers import FluxTransformer2DModel
+
+    state = from_original(file.floats(keys), config)
+    # The parts of a fused weight are views of one tensor: each gets its own storage, as checkpoints (safetensors)
+    # write no shared tensors; each fused tensor is freed once its last part is copied.
+    separate = {}
+    for key in list(state):
+        tensor = state.pop(key)
+        separate[key] = tensor.clone() if tensor._base is not None else tensor
+    with torch.device("meta"):
+        module = FluxTransformer2DModel(**settings)
+    module.load_state_dict(separate, strict=True, assign=True)
+    return module
 
 
 # --------------------------------------------------------------------------------------------------- writing

@@ -12,8 +12,6 @@ from typing import Any
 import torch
 
 from sdtrain.errors import UserError
-from sdtrain.models import frozen
-from sdtrain.models.single_file import flux, sd3
 from sdtrain.models.single_file.read import (
     SingleFileInfo,
     _File,
@@ -23,7 +21,6 @@ from sdtrain.models.single_file.read import (
     _open,
     _past_layers,
     config_folder,
-    original_prefix,
 )
 from sdtrain.models.single_file.write import _module_config, _to_original
 
@@ -114,79 +111,6 @@ def _states_latent_constants(file: _File, info: SingleFileInfo) -> bool:
     if set(info.prefixes) - {"vae"}:
         return True
     return "scaling_factor" in _metadata_json(file, file.metadata, "vae_config")
-
-
-def load_sd3_component(name: str, path: str | Path, trust_pickle: bool | None = None, weights: bool = True) -> Any:
-    """Component `name` of an SD3 file in Stability's layout, in fp32 (see `sd3.load_component`); without
-    `weights`, moved to the meta device."""
-    module = sd3.load_component(_open(path, trust_pickle), name)
-    return module if weights else module.to("meta")
-
-
-def load_flux_transformer(path_or_file: str | Path | _File, trust_pickle: bool | None = None,
-                          frozen_precision: str = "fp32", weights: bool = True) -> Any:
-    """A FluxTransformer2DModel, in fp32, from a file of Flux.1's transformer in BFL's original layout (bare keys as
-    in flux1-dev.safetensors, or under ComfyUI's ``model.diffusion_model.``; other keys of such a checkpoint are
-    left alone): its settings from the tensor shapes and the file's metadata (`flux.transformer_config_from_original`),
-    its weights converted by `flux.from_original`. No config folder, no download; the model is built on the meta
-    device and given the tensors, so a 12B transformer is never allocated twice.
-
-    A `frozen_precision` other than fp32 reads the file a tensor at a time, its linear weights stored in that
-    precision as they come (`frozen.fill_streamed`): a 24 GB bf16 file then loads as 12 GB of fp8, never 48 GB of
-    fp32. Without `weights`, only the header is read and every tensor stays on the meta device."""
-    from diffusers import FluxTransformer2DModel
-
-    file = path_or_file if isinstance(path_or_file, _File) else _open(path_or_file, trust_pickle)
-    prefix = original_prefix(file.shapes)
-    if prefix is None:
-        raise UserError(f"{file.path}: holds no Flux.1 transformer in BFL's layout (double_blocks.*, single_blocks.*); "
-                        "point model.transformer at one")
-    keys = [k for k in file.shapes if k.startswith(prefix)]
-    fix = ("pass a Flux.1 transformer file (flux1-dev/schnell.safetensors, or `sdtrain export --single-file` of a "
-           "Flux run) or a diffusers transformer folder")
-    try:
-        config = flux.transformer_config_from_original({k: file.shapes[k] for k in keys}, file.metadata)
-    except ValueError as exc:
-        raise UserError(f"{file.path}: cannot read it as a Flux.1 transformer ({_first_line(exc)}); {fix}") from exc
-    # The rope axes as a list, as a config.json gives them: a checkpoint's spec is then the same either way.
-    settings = {**config, "axes_dims_rope": list(config["axes_dims_rope"])}
-    if not weights:
-        with torch.device("meta"):
-            return FluxTransformer2DModel(**settings).eval()
-    try:
-        if frozen_precision != "fp32":
-            with frozen.parameters_on_meta():
-                module = FluxTransformer2DModel(**settings)
-            tensors = flux.iter_from_original([k[len(prefix):] for k in keys],
-                                              lambda key: file.floats([prefix + key])[prefix + key], config)
-            frozen.fill_streamed(module, tensors, frozen_precision)
-        else:
-            module = _flux_in_fp32(file, keys, config, settings)
-    except ValueError as exc:  # the conversion: a key missing, or one that is not Flux.1's
-        raise UserError(f"{file.path}: cannot read it as a Flux.1 transformer ({_first_line(exc)}); {fix}") from exc
-    except (RuntimeError, TypeError) as exc:
-        raise UserError(f"{file.path}: cannot load the Flux.1 transformer ({_first_line(exc)}); {fix}") from exc
-    missing = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
-    if missing:
-        raise UserError(f"{file.path}: the Flux.1 transformer lacks {len(missing)} weights (e.g. {missing[0]}); the "
-                        "file is incomplete")
-    return module.eval()
-
-
-def _flux_in_fp32(file: _File, keys: list[str], config: dict[str, Any], settings: dict[str, Any]) -> Any:
-    from diffusers import FluxTransformer2DModel
-
-    state = flux.from_original(file.floats(keys), config)
-    # The parts of a fused weight are views of one tensor: each gets its own storage, as checkpoints (safetensors)
-    # write no shared tensors; each fused tensor is freed once its last part is copied.
-    separate = {}
-    for key in list(state):
-        tensor = state.pop(key)
-        separate[key] = tensor.clone() if tensor._base is not None else tensor
-    with torch.device("meta"):
-        module = FluxTransformer2DModel(**settings)
-    module.load_state_dict(separate, strict=True, assign=True)
-    return module
 
 
 def _warn_unused(name: str, module: Any, keys: list[str], info: SingleFileInfo, path: str | Path) -> None:
