@@ -15,6 +15,8 @@ from sdtrain.models import build, families
 from sdtrain.models.pipeline import sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer
 
+from .conftest import resumes_bitwise_after_kill_9
+
 FAMILIES = list(families.FAMILIES)
 TEXT_LENGTH = 12
 LATENT_SIDE = 8
@@ -208,3 +210,12 @@ def test_its_lora_file_loads_whole_through_the_pipelines_own_loader(tiny, tmp_pa
     assert changed  # the adapters do change the weights they sit on
     for key in changed:
         torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_run_from_scratch_resumes_bitwise_after_kill_9(name, tmp_path, tiny_scratch_command):
+    """Every text encoder and the denoiser trained from the tiny preset, SIGKILLed after its second checkpoint,
+    resumed: it ends on the checkpoint of a run that was never stopped, bit for bit (weights, EMA, optimizer)."""
+    resumes_bitwise_after_kill_9(
+        lambda run: tiny_scratch_command(name, run, 3, "checkpoint.every=1", "data.caption_dropout=0.25",
+                                         f"model.t5_text_length={TEXT_LENGTH}"), tmp_path)

@@ -81,10 +81,11 @@ def _command(mode: str, run: Path, pretrained: Path, shapes_dir: Path, steps: in
             "data.caption_dropout=0.25", *extra]
 
 
-# Each case trains three runs; the default suite takes one per family, the rest are slow.
-RESUME_CASES = [("flux", "lora"), ("sd3", "scratch"),
+# Each case trains three runs; the default suite takes one per family (with from scratch, the conformance suite's
+# for every family), the rest are slow.
+RESUME_CASES = [("flux", "lora"), ("sd3", "full"),
                 *[pytest.param(f, m, marks=pytest.mark.slow) for f, m in
-                  (("flux", "scratch"), ("flux", "full"), ("flux", "dreambooth"), ("sd3", "lora"), ("sd3", "full"),
+                  (("flux", "scratch"), ("flux", "full"), ("flux", "dreambooth"), ("sd3", "lora"), ("sd3", "scratch"),
                    ("sd3", "dreambooth"))]]
 
 
