@@ -15,6 +15,14 @@ COMFY_DIR, COMFY_PYTHON = Path("/tmp/comfyui"), Path("/tmp/comfyenv/bin/python")
 needs_comfyui = pytest.mark.skipif(not COMFY_PYTHON.exists() or not COMFY_DIR.is_dir(),
                                    reason=f"no ComfyUI at {COMFY_DIR} with a venv at {COMFY_PYTHON.parent.parent}")
 
+
+def needs_model(name: str) -> pytest.MarkDecorator:
+    """Skip unless the local ComfyUI knows the model class `name` (comfy.supported_models), which older checkouts
+    predate."""
+    models = COMFY_DIR / "comfy" / "supported_models.py"
+    known = models.is_file() and f"class {name}(" in models.read_text()
+    return pytest.mark.skipif(not known, reason=f"the ComfyUI at {COMFY_DIR} has no {name} model (it predates it)")
+
 PREAMBLE = textwrap.dedent('''
     import json, logging, sys
     import torch
@@ -61,6 +69,26 @@ FLUX_TINY_DETECT = textwrap.dedent('''
 ''')
 """``flux_tiny_detection(model_path)``: makes ComfyUI read a tiny Flux transformer file at its own sizes; returns
 the file's metadata."""
+
+
+LOAD_LORA = textwrap.dedent('''
+    def load_lora(patcher, lora_path, report, clip=None):
+        """What Load LoRA does (comfy.sd.load_lora_for_models) with the file at lora_path for the model (and
+        `clip`'s text encoder): the file's tensors, ComfyUI's key map and its patches, what loaded in `report`."""
+        import comfy.lora, comfy.utils
+        lora = comfy.utils.load_torch_file(lora_path)
+        key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
+        if clip is not None:
+            key_map = comfy.lora.model_lora_keys_clip(clip, key_map)
+        messages.clear()
+        patches = comfy.lora.load_lora(lora, key_map)
+        modules = {k.rsplit(".lora_", 1)[0].removesuffix(".alpha") for k in lora}
+        report.update(lora_keys=len(lora), lora_modules=len(modules), patched=len(patches),
+                      not_loaded=sorted(m for m in messages if "not loaded" in m))
+        return lora, key_map, patches, modules
+''')
+"""``load_lora(patcher, lora_path, report, clip=None)``: ComfyUI's Load LoRA on a loaded model; returns (the file's
+tensors, the key map, the patches, the file's module names)."""
 
 
 def run_comfyui(script: str, *args: str) -> dict[str, Any]:

@@ -383,7 +383,7 @@ def test_diffusers_applies_the_kohya_file_as_peft_merged_it(guidance, tmp_path):
 
 # --------------------------------------------------------------------------------------------------- ComfyUI
 
-_COMFY_SCRIPT = comfyui.PREAMBLE + comfyui.FLUX_TINY_DETECT + textwrap.dedent('''
+_COMFY_SCRIPT = comfyui.PREAMBLE + comfyui.FLUX_TINY_DETECT + comfyui.LOAD_LORA + textwrap.dedent('''
     model_path, lora_path, expected_path = sys.argv[1:4]
     import comfy.sd, comfy.lora, comfy.utils
     collect_messages()
@@ -398,13 +398,7 @@ _COMFY_SCRIPT = comfyui.PREAMBLE + comfyui.FLUX_TINY_DETECT + textwrap.dedent(''
               "weights_equal": all(torch.equal(state[k], written[k]) for k in written if k in state),
               "load_warnings": [m for m in messages if "missing" in m or "unexpected" in m]}
 
-    lora = comfy.utils.load_torch_file(lora_path)
-    key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
-    messages.clear()
-    patches = comfy.lora.load_lora(lora, key_map)
-    modules = {k.rsplit(".lora_", 1)[0].removesuffix(".alpha") for k in lora}
-    report.update(lora_keys=len(lora), lora_modules=len(modules), patched=len(patches),
-                  not_loaded=[m for m in messages if "not loaded" in m])
+    lora, key_map, patches, modules = load_lora(patcher, lora_path, report)
 
     patcher.add_patches(patches, 1.0)
     patcher.patch_model()

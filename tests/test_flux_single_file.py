@@ -268,7 +268,7 @@ def test_bad_flux_files_are_one_line_user_errors(tmp_path, single, pipeline, sha
 
 # --------------------------------------------------------------------------------------------------- ComfyUI
 
-_COMFY_SCRIPT = comfyui.PREAMBLE + comfyui.FLUX_TINY_DETECT + textwrap.dedent('''
+_COMFY_SCRIPT = comfyui.PREAMBLE + comfyui.FLUX_TINY_DETECT + comfyui.LOAD_LORA + textwrap.dedent('''
     model_path, lora_path, expected_path, resaved_path = sys.argv[1:5]
     import comfy.lora, comfy.model_patcher, comfy.sd, comfy.sd1_clip, comfy.utils
     collect_messages()
@@ -298,14 +298,7 @@ _COMFY_SCRIPT = comfyui.PREAMBLE + comfyui.FLUX_TINY_DETECT + textwrap.dedent(''
     report["clip_unexpected"] = unexpected
     report["clip_layers_missing"] = [k for k in missing if k.startswith("text_model.encoder.")]
 
-    lora = comfy.utils.load_torch_file(lora_path)
-    key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
-    key_map = comfy.lora.model_lora_keys_clip(clip, key_map)
-    messages.clear()
-    patches = comfy.lora.load_lora(lora, key_map)
-    modules = {k.rsplit(".lora_", 1)[0].removesuffix(".alpha") for k in lora}
-    report.update(lora_keys=len(lora), lora_modules=len(modules), patched=len(patches),
-                  not_loaded=[m for m in messages if "not loaded" in m])
+    lora, key_map, patches, modules = load_lora(patcher, lora_path, report, clip)
 
     unet_patches = {k: v for k, v in patches.items() if k.startswith("diffusion_model.")}
     clip_patches = {k: v for k, v in patches.items() if k.startswith("clip_l.")}

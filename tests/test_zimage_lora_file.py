@@ -123,7 +123,7 @@ def test_diffusers_loads_the_kohya_file_whole_as_it_loads_its_own(lora_export, r
 
 # --------------------------------------------------------------------------------------------------- ComfyUI
 
-_COMFY_SCRIPT = comfyui.PREAMBLE + textwrap.dedent('''
+_COMFY_SCRIPT = comfyui.PREAMBLE + comfyui.LOAD_LORA + textwrap.dedent('''
     model_path, lora_path, expected_path = sys.argv[1:4]
     import comfy.lora, comfy.model_detection, comfy.sd, comfy.supported_models, comfy.utils
     collect_messages()
@@ -159,15 +159,8 @@ _COMFY_SCRIPT = comfyui.PREAMBLE + textwrap.dedent('''
               "missing": sorted(set(state) - set(written)),
               "weights_equal": all(torch.equal(state[k], written[k]) for k in state if k in written)}
 
-    # What Load LoRA does (comfy.sd.load_lora_for_models) for the model.
-    lora = comfy.utils.load_torch_file(lora_path)
-    key_map = comfy.lora.model_lora_keys_unet(patcher.model, {})
-    messages.clear()
-    patches = comfy.lora.load_lora(lora, key_map)
-    modules = {k.rsplit(".lora_", 1)[0].removesuffix(".alpha") for k in lora}
-    report.update(lora_keys=len(lora), lora_modules=len(modules), patched=len(patches),
-                  not_loaded=sorted(m for m in messages if "not loaded" in m),
-                  targets={m: str(key_map.get(m)) for m in modules})
+    lora, key_map, patches, modules = load_lora(patcher, lora_path, report)
+    report["targets"] = {m: str(key_map.get(m)) for m in modules}
     added = set(patcher.add_patches(patches, 1.0))
     report["not_applied"] = sorted(str(k) for k in patches if k not in added)
     patcher.patch_model()
@@ -187,6 +180,7 @@ _COMFY_SCRIPT = comfyui.PREAMBLE + textwrap.dedent('''
 
 @pytest.mark.slow
 @comfyui.needs_comfyui
+@comfyui.needs_model("ZImage")
 def test_comfyui_loads_every_key_of_the_kohya_file_onto_its_z_image_model(tmp_path):
     """ComfyUI (its own venv, in a subprocess) loads the transformer written in the authors' layout as its Z-Image
     model and the kohya file with no key left: each ``lora_unet_`` name onto the weight it names, q, k and v as one
