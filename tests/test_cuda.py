@@ -82,7 +82,7 @@ def test_fused_adamw_on_cuda_steps_as_the_cpu_loop_does(cuda):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "nf4"])
 def test_block_swap_streams_on_a_side_stream_with_two_blocks_on_the_gpu(cuda, precision):
     plain, streamed = _pair(precision)
     plain.to(cuda)

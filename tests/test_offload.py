@@ -53,7 +53,7 @@ def _pair(precision: str) -> tuple[_Model, _Model]:
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "nf4"])
 def test_streamed_blocks_compute_the_same_with_two_blocks_on_the_device_at_most(precision, checkpointed):
     plain, streamed = _pair(precision)
     stream = WeightStream(list(streamed.blocks), torch.device("cpu"))

@@ -142,18 +142,19 @@ class ModelConfig:
     ``flux-dev`` (11,901.4M) or ``flux-schnell`` (11,891.2M) for flux; ``tiny`` or ``z-image`` (6,154.9M,
     the released transformer) for z-image."""
     frozen_precision: str = "fp32"
-    """How the frozen weights of trained modules' linear layers are stored (the base under LoRA, textual
-    inversion or DreamBooth-LoRA, and frozen text encoders): ``fp32``; ``bf16`` (half the memory); ``fp8``
-    (float8 e4m3 with a scale per output row: a quarter). Each layer's weight is cast back just in time for its
-    matmul, in forward and backward alike, so only one layer's full-precision weight exists at a time; a diffusers
-    folder's (or a Flux.1 single file's) weights are stored low as they are read, a tensor at a time. Trained
-    weights, their optimizer state, LoRA files and exports are unchanged by it; what the model computes is
-    rounded as the stored weights are (bf16 about 3 significant digits, fp8 about 2). ``auto``: the most exact of
-    the three whose frozen weights, beside the trained weights' state, take at most 60% of the memory (the GPU's,
-    or the machine's RAM on a CPU), planned from the models' shapes before any weight loads and logged with its
-    figures; a resumed run keeps its first choice."""
+    """How the frozen weights of trained modules' linear layers are stored (the base under LoRA, textual inversion or
+    DreamBooth-LoRA, and frozen text encoders): ``fp32``; ``bf16`` (half the memory); ``fp8`` (float8 e4m3 with a
+    scale per output row: a quarter); ``nf4`` (QLoRA's 4-bit NormalFloat with an absmax per 64 weights, through
+    bitsandbytes: about an eighth). Each layer's weight is cast back just in time for its matmul, in forward and
+    backward alike, so only one layer's full-precision weight exists at a time; a diffusers folder's (or a Flux.1
+    single file's) weights are stored low as they are read, a tensor at a time. Trained weights, their optimizer
+    state, LoRA files and exports are unchanged by it; what the model computes is rounded as the stored weights are
+    (bf16 about 3 significant digits, fp8 about 2, nf4 16 levels a block). ``auto``: the most exact of the four
+    whose frozen weights, beside the trained weights' state, take at most 60% of the memory (the GPU's, or the
+    machine's RAM on a CPU), planned from the models' shapes before any weight loads and logged with its figures; a
+    resumed run keeps its first choice."""
     offload_frozen: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
-    """Keep the frozen weights stored in low precision (``frozen_precision`` bf16 or fp8) in host memory, and copy
+    """Keep the frozen weights stored in low precision (``frozen_precision`` bf16, fp8 or nf4) in host memory, and copy
     each block's to the GPU while the block before it computes, dropping it after use (kohya's block swap): the GPU
     then holds about two blocks of the frozen base instead of all of it, for a copy per block in forward and again
     in backward, overlapped with the computation on a side CUDA stream. What is computed is unchanged. ``auto``: on
@@ -247,9 +248,13 @@ class ModelConfig:
         _check(isinstance(self.preset, str) and bool(self.preset), "model.preset", "must name a preset, e.g. tiny")
         _check(self.frozen_precision in FROZEN_PRECISIONS, "model.frozen_precision",
                f"must be one of {', '.join(FROZEN_PRECISIONS)}")
+        if self.frozen_precision == "nf4":
+            _check(importlib.util.find_spec("bitsandbytes") is not None, "model.frozen_precision",
+                   "nf4 is stored through bitsandbytes, which is not installed: pip install 'sdtrain[memory]', or "
+                   "set model.frozen_precision=fp8")
         _check(self.offload_frozen in (True, False, "auto"), "model.offload_frozen", "must be true, false or auto")
         _check(self.offload_frozen is not True or self.frozen_precision != "fp32", "model.offload_frozen",
-               "streams the weights frozen_precision stores low: set model.frozen_precision=bf16, fp8 or auto")
+               "streams the weights frozen_precision stores low: set model.frozen_precision=bf16, fp8, nf4 or auto")
         _check(self.denoiser_init in ("auto", "library", "reference"), "model.denoiser_init",
                "must be auto, library or reference")
         _check(self.t5_text_length is None or self.t5_text_length >= 4, "model.t5_text_length",
@@ -503,7 +508,7 @@ class AutoencoderLossConfig:
 
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
-FROZEN_PRECISIONS = ("fp32", "bf16", "fp8", "auto")
+FROZEN_PRECISIONS = ("fp32", "bf16", "fp8", "nf4", "auto")
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Frozen weights stored in low precision and cast per layer just in time for its matmul (``model.frozen_precision``):
-the base under LoRA, textual inversion or DreamBooth-LoRA, and frozen text encoders, at half (bf16) or a quarter
-(float8 e4m3, with one fp32 scale per output row) of their fp32 size. Trained weights (adapters, new embeddings)
+the base under LoRA, textual inversion or DreamBooth-LoRA, and frozen text encoders, at half (bf16), a quarter
+(float8 e4m3, with one fp32 scale per output row) or about an eighth (NF4: 4-bit NormalFloat codes with one fp32
+absmax per 64 weights, QLoRA's storage, by bitsandbytes) of their fp32 size. Trained weights (adapters, new embeddings)
 and their optimizer state stay in fp32, and so do the outputs: a LoRA file holds the adapters only, and exports
 rebuild the base from its source.
 
@@ -9,18 +10,21 @@ weight they dequantise for each layer's forward, so a training step holds every 
 again until its backward reaches it (measured: four 1024x1024 fp32 weights saved for four fp8 layers). Here the
 backward dequantises the stored weight a second time instead, so only one layer's full-precision weight exists at
 once, in forward as in backward: the point of a low-precision base when training, what kohya's ``--fp8_base``
-does.
+does. For NF4 the quantisation and dequantisation are bitsandbytes' own (``quantize_4bit`` / ``dequantize_4bit``,
+maintained for CPUs and CUDA alike, and the format QLoRA and the trainers users know store 4-bit bases in); only
+its linear layer is not used, for the reason above.
 
 Only ``nn.Linear`` layers are stored low (they hold nearly all of a transformer's weights, and most of a UNet's);
 convolutions, norms and embeddings stay as they are. A stored weight is a buffer of integers of the same width
-(uint8 for fp8, int16 for bf16), viewed as its float type when used: ``module.to(dtype)`` and ``.float()`` leave
-integer buffers alone, so no cast elsewhere can silently widen or corrupt it. The layer's ``weight`` becomes an
-empty fp32 parameter, so a model's ``dtype`` (which diffusers casts inputs to) and what peft and transformers read
-off a layer stay those of the full-precision model.
+(uint8 for fp8, int16 for bf16; NF4's two codes a byte), viewed as its float type when used: ``module.to(dtype)``
+and ``.float()`` leave integer buffers alone, so no cast elsewhere can silently widen or corrupt it. The layer's
+``weight`` becomes an empty fp32 parameter, so a model's ``dtype`` (which diffusers casts inputs to) and what peft
+and transformers read off a layer stay those of the full-precision model.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Iterable
 from typing import Any
@@ -30,13 +34,28 @@ import torch.nn.functional as F
 from torch import nn
 
 _FP8 = torch.float8_e4m3fn
-_STORED = {"bf16": (torch.bfloat16, torch.int16), "fp8": (_FP8, torch.uint8)}
+_STORED = {"bf16": (torch.bfloat16, torch.int16), "fp8": (_FP8, torch.uint8), "nf4": (None, torch.uint8)}
+NF4_BLOCK = 64
+"""Weights per NF4 absmax (QLoRA's block size, bitsandbytes' default)."""
+
+
+@functools.cache
+def _nf4_code(device: torch.device) -> torch.Tensor:
+    from bitsandbytes.functional import get_4bit_type
+
+    return get_4bit_type("nf4", device=device)
 
 
 def _quantize(weight: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The stored bits of `weight` (as integers) and, for fp8, the per-row scale that maps its range onto e4m3's."""
+    """The stored bits of `weight` (as integers) and, for fp8, the per-row scale that maps its range onto e4m3's;
+    for NF4, the packed codes and each block's absmax."""
     dtype, bits = _STORED[precision]
     weight = weight.detach().float()
+    if precision == "nf4":
+        from bitsandbytes.functional import quantize_4bit
+
+        codes, state = quantize_4bit(weight, blocksize=NF4_BLOCK, quant_type="nf4")
+        return codes, state.absmax
     if precision == "bf16":
         return weight.to(dtype).view(bits), None
     # One scale per output row: a row's largest value becomes e4m3's largest (448); an all-zero row keeps scale 1.
@@ -45,7 +64,15 @@ def _quantize(weight: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch
     return (weight / scale).to(dtype).view(bits), scale
 
 
-def _dequantize(stored: torch.Tensor, scale: torch.Tensor | None, precision: str, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize(stored: torch.Tensor, scale: torch.Tensor | None, precision: str, dtype: torch.dtype,
+                shape: torch.Size) -> torch.Tensor:
+    """The weight of `shape` from its stored bits and scale, in `dtype`."""
+    if precision == "nf4":
+        from bitsandbytes.functional import QuantState, dequantize_4bit
+
+        state = QuantState(absmax=scale, shape=shape, code=_nf4_code(stored.device), blocksize=NF4_BLOCK,
+                           quant_type="nf4", dtype=dtype)
+        return dequantize_4bit(stored, state)
     weight = stored.view(_STORED[precision][0]).to(dtype)
     return weight if scale is None else weight * scale.to(dtype)
 
@@ -70,14 +97,14 @@ class _FrozenLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, layer: nn.Module, dtype: torch.dtype
                 ) -> torch.Tensor:
         ctx.layer, ctx.dtype, ctx.input_dtype = layer, dtype, x.dtype
-        weight = _dequantize(*_bits(layer), layer.weight_precision, dtype)
+        weight = _dequantize(*_bits(layer), layer.weight_precision, dtype, layer.weight_shape)
         return F.linear(x.to(dtype), weight, None if bias is None else bias.to(dtype))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            weight = _dequantize(*_bits(ctx.layer), ctx.layer.weight_precision, ctx.dtype)
+            weight = _dequantize(*_bits(ctx.layer), ctx.layer.weight_precision, ctx.dtype, ctx.layer.weight_shape)
             grad_x = (grad.to(ctx.dtype) @ weight).to(ctx.input_dtype)
         if ctx.needs_input_grad[1]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
@@ -104,12 +131,13 @@ def _store(layer: nn.Linear, weight: torch.Tensor, precision: str) -> int:
     layer.register_buffer("weight_stored", stored, persistent=False)
     layer.register_buffer("weight_scale", scale, persistent=False)
     layer.weight_precision = precision
+    layer.weight_shape = weight.shape
     layer.forward = types.MethodType(_forward, layer)
     return weight.numel() * 4 - stored.numel() * stored.element_size()
 
 
 def store_frozen(module: nn.Module, precision: str) -> int:
-    """Store the frozen weight of every ``nn.Linear`` in `module` in `precision` ('bf16' or 'fp8'; 'fp32' leaves
+    """Store the frozen weight of every ``nn.Linear`` in `module` in `precision` ('bf16', 'fp8' or 'nf4'; 'fp32' leaves
     them), cast per layer just in time (see the module's docstring). Returns the bytes saved."""
     if precision == "fp32":
         return 0
@@ -203,16 +231,18 @@ def stored_bytes(module: nn.Module) -> tuple[int, int]:
     layers = [m for m in module.modules() if hasattr(m, "weight_stored")]
     stored = sum(m.weight_stored.numel() * m.weight_stored.element_size() + (
         m.weight_scale.numel() * 4 if m.weight_scale is not None else 0) for m in layers)
-    return stored, sum(m.weight_stored.numel() * 4 for m in layers)
+    return stored, sum(m.weight_shape.numel() * 4 for m in layers)
 
 
 def storage_bytes(module: nn.Module) -> dict[str, int]:
-    """What `module`'s weights would take with its linear weights stored in each precision (fp8 with its row
-    scales) and the rest as they are: read off the shapes alone, so a module built on the meta device plans a
-    load before any weight is read."""
+    """What `module`'s weights would take with its linear weights stored in each precision (fp8 with its row scales, NF4
+    with its block absmaxes) and the rest as they are: read off the shapes alone, so a module built on the meta
+    device plans a load before any weight is read."""
     linear = [m.weight for m in module.modules() if type(m) is nn.Linear and not hasattr(m, "weight_stored")]
     ids = {id(w) for w in linear}
     rest = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()) if id(t) not in ids)
     weights = sum(w.numel() for w in linear)
     rows = sum(w.shape[0] for w in linear)
-    return {"fp32": rest + 4 * weights, "bf16": rest + 2 * weights, "fp8": rest + weights + 4 * rows}
+    blocks = sum(-(-w.numel() // NF4_BLOCK) for w in linear)
+    return {"fp32": rest + 4 * weights, "bf16": rest + 2 * weights, "fp8": rest + weights + 4 * rows,
+            "nf4": rest + sum((w.numel() + 1) // 2 for w in linear) + 4 * blocks}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -277,7 +278,7 @@ def training_bytes(trainable: list[nn.Parameter], frozen: list[nn.Parameter], ac
 # measured: the rest is for activations (checkpointing, decided after loading from their measured size, can shrink
 # them to about a block's), the step's transient full-precision weights and the allocator's slack.
 STORED_SHARE = 0.6
-FROZEN_ORDER = ("fp32", "bf16", "fp8")
+FROZEN_ORDER = ("fp32", "bf16", "fp8", "nf4")
 """Frozen storage precisions from the most exact to the smallest: the planner takes the first that fits."""
 
 
@@ -293,17 +294,19 @@ def plan_frozen_precision(stored: dict[str, int], state: int, held: int, availab
                           fixed: str | None = None) -> FrozenPlan:
     """`model.frozen_precision: auto`: the most exact storage whose frozen weights (`stored`: bytes per precision),
     beside the trained weights' `state` (weights, gradients, optimizer state, EMA) and what the process `held`
-    before loading, fit within STORED_SHARE of the `available` memory; fp8 when none does. A `fixed` precision (one
+    before loading, fit within STORED_SHARE of the `available` memory; NF4 when none does. A `fixed` precision (one
     the config sets) is only checked."""
     budget = STORED_SHARE * available - held - state
-    precision = fixed or next((p for p in FROZEN_ORDER if stored[p] <= budget), FROZEN_ORDER[-1])
+    # NF4 is bitsandbytes' storage: not offered where it is not installed.
+    order = [p for p in FROZEN_ORDER if p != "nf4" or importlib.util.find_spec("bitsandbytes") is not None]
+    precision = fixed or next((p for p in order if stored[p] <= budget), order[-1])
     sizes = ", ".join(f"{stored[p] / 2**30:.1f} GiB in {p}" for p in FROZEN_ORDER)
     why = (f"frozen weights take {sizes}; {STORED_SHARE:.0%} of the {available / 2**30:.1f} GiB available, less "
            f"{held / 2**30:.1f} GiB held before loading and {state / 2**30:.1f} GiB of trained state, leaves "
            f"{budget / 2**30:.1f} GiB")
     fits = stored[precision] <= budget
     if not fits:
-        why += f"; {'even ' if precision == FROZEN_ORDER[-1] else ''}{precision} does not fit"
+        why += f"; {'even ' if precision == order[-1] else ''}{precision} does not fit"
     return FrozenPlan(precision, why, fits)
 
 
