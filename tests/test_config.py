@@ -61,6 +61,8 @@ BAD = {
     "a moved key under both names": ("diffusion: {snr_gamma: 5, ddpm: {snr_gamma: 1}}\n", [],
                                      ["{path}", "diffusion.snr_gamma", "diffusion.ddpm.snr_gamma"]),
     "an objective's option outside its section": (None, ["diffusion.shift=3"], ["diffusion.shift"]),
+    "a moved key beside its section given a scalar": ("diffusion: {flow: 5, flow_shift: 3}\n", [],
+                                                      ["{path}", "diffusion.flow", "mapping"]),
     "section is a scalar": pytest.param(
         "data: 5\n", [], ["{path}", "data"]
     ),

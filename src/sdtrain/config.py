@@ -975,7 +975,7 @@ def _move_keys(layer: DictConfig, where: str) -> DictConfig:
         value = tree["diffusion"].pop(old_name)
         target = tree["diffusion"].setdefault(sub, {})
         if not isinstance(target, dict):
-            break  # the merge names the section given a scalar
+            raise UserError(f"{where}diffusion.{sub}: must be a mapping of {sub} settings, got {target!r}")
         if name in target:
             raise UserError(f"{where}{key}: set again as {new}, its name now; keep only {new}")
         target[name] = value
