@@ -42,10 +42,8 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     warnings.filterwarnings("ignore", message=".*torchvision.*")
-    # peft imports bitsandbytes wherever it is installed, and its CPU backend then warns, on every command, that an
-    # optional kernel package for its 4-bit matmul is missing: a matmul sdtrain never calls (a 4-bit base is
-    # dequantised a layer at a time, models/frozen.py).
-    for name in ("diffusers", "transformers", "huggingface_hub", "bitsandbytes"):
+    # bitsandbytes' logger is quieted where sdtrain is first imported (sdtrain/__init__.py), loader workers included.
+    for name in ("diffusers", "transformers", "huggingface_hub"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
