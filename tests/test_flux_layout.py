@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from sdtrain.errors import UserError
-from sdtrain.models.single_file import flux
+from sdtrain.models.single_file import FORMAT_VERSION, flux
 
 from . import comfyui
 
@@ -165,7 +165,7 @@ def test_from_single_file_loads_what_save_original_wrote(guidance, tmp_path, _di
     assert sorted(p.name for p in tmp_path.iterdir()) == ["flux.safetensors"]  # no temporary left
     with safe_open(str(path), framework="pt") as f:
         metadata, shapes = f.metadata(), {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118
-    assert metadata["sdtrain_format"] == flux.FORMAT_VERSION and metadata["model_family"] == "flux"
+    assert metadata["sdtrain_format"] == FORMAT_VERSION and metadata["model_family"] == "flux"
     assert json.loads(metadata[flux.CONFIG_KEY]) == {"axes_dims_rope": [4, 6, 6], "patch_size": 1}
     _config_matches(flux.transformer_config_from_original(shapes, metadata), model)
     # A tiny model's rope axes cannot be Flux.1's: without the metadata the file says so instead of loading wrong.

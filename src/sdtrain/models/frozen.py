@@ -162,13 +162,18 @@ def parameters_on_meta() -> Any:
     return init_empty_weights(include_buffers=False)
 
 
+def owned(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with storage of its own: a part of a fused tensor read from a file (a view) is copied, so the whole
+    is freed with its last part and checkpoints (safetensors, which write no shared tensors) can save it."""
+    return tensor.clone() if tensor._base is not None else tensor
+
+
 def _set(layer: nn.Module, name: str, tensor: torch.Tensor, precision: str) -> None:
     if name == "weight" and type(layer) is nn.Linear and precision != "fp32":
         _store(layer, tensor, precision)
     else:
         tensor = tensor.float() if tensor.is_floating_point() else tensor
-        # A part of a fused tensor (a view) gets storage of its own, so the whole is freed with its last part.
-        setattr(layer, name, nn.Parameter(tensor.clone() if tensor._base is not None else tensor, requires_grad=False))
+        setattr(layer, name, nn.Parameter(owned(tensor), requires_grad=False))
 
 
 def materialize(module: nn.Module, precision: str) -> nn.Module:

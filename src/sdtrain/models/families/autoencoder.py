@@ -28,12 +28,8 @@ SD_VAE = dict(
 )
 # Flux.1's autoencoder: SD's shape with 16 latent channels, no quant convs, its latents centred and scaled.
 FLUX_VAE = dict(
-    down_block_types=["DownEncoderBlock2D"] * 4,
-    up_block_types=["UpDecoderBlock2D"] * 4,
-    block_out_channels=[128, 256, 512, 512],
-    layers_per_block=2,
+    SD_VAE,
     latent_channels=16,
-    norm_num_groups=32,
     use_quant_conv=False,
     use_post_quant_conv=False,
     shift_factor=0.1159,

@@ -29,8 +29,7 @@ from sdtrain.models.families import causal_lm
 from sdtrain.models.families.autoencoder import FLUX_VAE, TINY_FLUX_VAE, vae_blocks
 from sdtrain.models.families.spec import ModelFamily, SingleFileLayout, construct
 from sdtrain.models.single_file import kohya
-from sdtrain.models.single_file.read import FORMAT_KEY, FORMAT_VERSION
-from sdtrain.models.single_file.write import write_tensors
+from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY, layout_metadata, write_tensors
 
 # Qwen3-4B, the released text encoder (read as Qwen3Model: no language-model head).
 _QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
@@ -74,7 +73,7 @@ def transformer_blocks(transformer: ZImageTransformer2DModel) -> list[nn.Module]
 # the settings its shapes cannot tell (RoPE axes and lengths, theta, the time scale); a released one takes the
 # released model's.
 
-CONFIG_KEY = "transformer_config"
+CONFIG_KEY = LAYOUT_CONFIG_KEY
 PREFIXES = ("model.diffusion_model.", "")
 # The key diffusers tells a Z-Image file by (`infer_diffusers_model_type`), under either prefix.
 MARK = "layers.0.adaLN_modulation.0.weight"
@@ -226,23 +225,15 @@ def transformer_config(shapes: Mapping[str, tuple[int, ...]], metadata: Mapping[
             "cap_feat_dim": need("cap_embedder.0.weight")[0]}
 
 
-def original_metadata(config: Mapping[str, Any]) -> dict[str, str]:
-    """The metadata a written file carries: our format, the family and the settings its shapes cannot tell."""
-    extras = {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.items()
-              if not k.startswith("_") and k not in SHAPE_KEYS}
-    return {"format": "pt", FORMAT_KEY: FORMAT_VERSION, "model_family": "z-image",
-            CONFIG_KEY: json.dumps(extras, sort_keys=True)}
-
-
 def save_original(path: str | Path, transformer: Any, half: bool = False) -> Path:
     """Write a ZImageTransformer2DModel as ONE safetensors file in the authors' layout, atomically (a temporary
-    name, then os.replace), with `original_metadata`; fp32, or bf16 with `half` (the released dtype). The settings
+    name, then os.replace), with `layout_metadata`; fp32, or bf16 with `half` (the released dtype). The settings
     it would read back as are checked against the model's first."""
     out = Path(path)
     config = dict(transformer.config)
     try:
         state = to_original(transformer.state_dict(), config)
-        metadata = original_metadata(config)
+        metadata = layout_metadata(config, "z-image", SHAPE_KEYS)
         read = transformer_config({k: tuple(v.shape) for k, v in state.items()}, metadata, config)
     except ValueError as exc:
         raise UserError(f"{out}: this transformer cannot be written in Z-Image's original layout ({exc})") from exc
@@ -283,8 +274,8 @@ def load_transformer_file(path: str | Path, trust_pickle: bool | None = None, fr
         if frozen_precision != "fp32":
             missing = frozen.fill_streamed(module, tensors, frozen_precision)
         else:
-            # Trainable: the parts of a fused qkv get storage of their own, as checkpoints share no tensors.
-            state = {key: tensor.clone() if tensor._base is not None else tensor for key, tensor in tensors}
+            # Trainable: the parts of a fused qkv get storage of their own (frozen.owned).
+            state = {key: frozen.owned(tensor) for key, tensor in tensors}
             module.load_state_dict(state, strict=True, assign=True)
             missing = []
     except (RuntimeError, TypeError, ValueError) as exc:

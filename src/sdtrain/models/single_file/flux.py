@@ -30,10 +30,10 @@ from sdtrain.errors import UserError
 from sdtrain.models import frozen
 from sdtrain.models.single_file import kohya
 from sdtrain.models.single_file.read import FLUX_PREFIXES as _PREFIXES
-from sdtrain.models.single_file.read import FORMAT_KEY, FORMAT_VERSION, _File, _first_line, original_prefix
-from sdtrain.models.single_file.write import write_tensors
+from sdtrain.models.single_file.read import _File, _first_line, original_prefix
+from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY, layout_metadata, write_tensors
 
-CONFIG_KEY = "transformer_config"
+CONFIG_KEY = LAYOUT_CONFIG_KEY
 FAMILY = "flux"
 # Flux.1's rope axes (time/id, height, width), for files that do not say theirs: every released Flux.1 model's.
 DEFAULT_AXES_DIMS_ROPE = (16, 56, 56)
@@ -346,12 +346,8 @@ def _in_fp32(file: _File, keys: list[str], config: dict[str, Any], settings: dic
     from diffusers import FluxTransformer2DModel
 
     state = from_original(file.floats(keys), config)
-    # The parts of a fused weight are views of one tensor: each gets its own storage, as checkpoints (safetensors)
-    # write no shared tensors; each fused tensor is freed once its last part is copied.
-    separate = {}
-    for key in list(state):
-        tensor = state.pop(key)
-        separate[key] = tensor.clone() if tensor._base is not None else tensor
+    # Each fused tensor is freed once its last part is copied (frozen.owned).
+    separate = {key: frozen.owned(state.pop(key)) for key in list(state)}
     with torch.device("meta"):
         module = FluxTransformer2DModel(**settings)
     module.load_state_dict(separate, strict=True, assign=True)
@@ -362,10 +358,7 @@ def _in_fp32(file: _File, keys: list[str], config: dict[str, Any], settings: dic
 
 def original_metadata(config: Mapping[str, Any]) -> dict[str, str]:
     """The metadata a written file carries: our format, the family and the settings its shapes cannot tell."""
-    extras = {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.items()
-              if not k.startswith("_") and k not in SHAPE_KEYS}
-    return {"format": "pt", FORMAT_KEY: FORMAT_VERSION, "model_family": FAMILY,
-            CONFIG_KEY: json.dumps(extras, sort_keys=True)}
+    return layout_metadata(config, FAMILY, SHAPE_KEYS)
 
 
 def _config_differences(config: Mapping[str, Any], read: Mapping[str, Any]) -> list[str]:

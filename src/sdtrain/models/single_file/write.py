@@ -476,6 +476,20 @@ def save_single_file(out: str | Path, *, unet: Any = None, vae: Any = None, text
     return write_tensors(out, state, torch.float16 if half else torch.float32, info)
 
 
+LAYOUT_CONFIG_KEY = "transformer_config"
+"""The metadata key of a transformer file in its authors' layout (Flux.1's, Z-Image's) that carries, as JSON, the
+settings its tensor shapes cannot tell."""
+
+
+def layout_metadata(config: Any, family: str, shape_keys: frozenset[str]) -> dict[str, str]:
+    """The metadata such a file carries: our format, the `family` and the settings of `config` its shapes cannot tell
+    (all but `shape_keys`)."""
+    extras = {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.items()
+              if not k.startswith("_") and k not in shape_keys}
+    return {"format": "pt", FORMAT_KEY: FORMAT_VERSION, "model_family": family,
+            LAYOUT_CONFIG_KEY: json.dumps(extras, sort_keys=True)}
+
+
 def write_tensors(out: Path, state: dict[str, torch.Tensor], dtype: torch.dtype, metadata: dict[str, str]) -> Path:
     """`state` as one safetensors file at `out`, floating-point tensors in `dtype`: written under a temporary name,
     synced, then renamed into place, so an interrupted export never leaves half a file under the real name."""
