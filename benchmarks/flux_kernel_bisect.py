@@ -43,7 +43,8 @@ def run_case(kind: str, backend: str, cpu: bool) -> None:
         else:
             from diffusers import FluxTransformer2DModel
             sys.path.insert(0, str(SRC))
-            from sdtrain.models.families.flux import image_ids, pack, reference_init
+            from sdtrain.models.families.flux import image_ids, reference_init
+            from sdtrain.models.families.patches import pack
             width = dict(attention_head_dim=D, num_attention_heads=H, joint_attention_dim=64 if cpu else 4096,
                          pooled_projection_dim=32 if cpu else 768, axes_dims_rope=[4, 6, 6] if cpu else [16, 56, 56])
             model = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,

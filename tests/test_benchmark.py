@@ -145,3 +145,17 @@ def test_benchmark_encoded_needs_encoded_shards(tmp_path, shapes_dir, capsys):
     assert main(["benchmark", "train", str(config_path("diffusion.yaml")), *SMALL, f"data.shards={shapes_dir}",
                  "--encoded", *FEW]) == 2
     assert "--encoded: the shards of data.shards" in capsys.readouterr().err
+
+
+def test_an_encoded_benchmark_never_builds_the_weights_of_the_text_encoders_its_shards_stand_in_for(tmp_path):
+    """With --encoded, the synthetic shards' embeddings stand in for the frozen text encoders from the start: a
+    released-size language model (7-24B) is never built, its stand-in folder holds its config alone."""
+    out, run = tmp_path / "result.json", tmp_path / "run"
+    lora = Path(__file__).resolve().parents[1] / "configs" / "lora.yaml"
+    assert main(["benchmark", "train", str(lora), *SMALL, "model.family=qwen-image", "model.pretrained=null",
+                 "model.t5_text_length=8", f"run_dir={run}", "--encoded", *FEW, "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["encoded"]
+    stand_in = run / "random-text-encoder"
+    assert (stand_in / "config.json").is_file() and not list(stand_in.glob("*.safetensors"))
+    encoding = json.loads((run / "synthetic-shards" / "manifest.json").read_text())["encoding"]
+    assert encoding["text_encoder"] == str(stand_in.resolve()) and encoding["latent_channels"] == 16

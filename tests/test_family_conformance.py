@@ -41,7 +41,7 @@ class Tiny:
         self.vae = build.build_vae(self.config)
         self.text_encoders = {encoder: build.build_text_encoder(self.config, tokenizer, encoder)
                               for encoder, tokenizer in zip(self.family.text_encoders, self.tokenizers)}
-        self.denoiser = build.build_denoiser(self.config, self.vae.config.latent_channels, LATENT_SIDE,
+        self.denoiser = build.build_denoiser(self.config, self.family.latent_channels(self.vae.config), LATENT_SIDE,
                                              self.text_encoders)
 
     @property
@@ -96,8 +96,29 @@ def test_the_loader_tokens_are_picklable_and_the_conditioner_gives_the_shapes_it
         assert tuple(tensor.shape) == (len(captions), *declared[key]), key
 
 
+def test_the_latent_codec_encodes_images_to_the_latents_the_denoiser_reads_and_back(tiny):
+    """Images in, a posterior over (B, C, h, w) latents out, decoded back to images; the normalisation an
+    autoencoder run fits to its latents gives the denoiser latents of unit scale."""
+    family, vae = tiny.family, tiny.vae
+    channels, factor = family.latent_channels(vae.config), family.latent_downsampling(vae.config)
+    pixels = torch.rand(2, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        posterior = family.encode_latents(vae, pixels)
+        assert posterior.mean.shape == (2, channels, 32 // factor, 32 // factor)
+        assert posterior.sample(torch.Generator().manual_seed(0)).shape == posterior.mean.shape
+        assert family.decode_latents(vae, posterior.mode()).shape == pixels.shape
+    centre, spread = torch.linspace(-2, 2, channels), torch.linspace(0.5, 3, channels)
+    latents = centre.view(1, -1, 1, 1) + spread.view(1, -1, 1, 1) * torch.randn(64, channels, 8, 8)
+    axes = (0, 2, 3)
+    fitted = family.fitted_latent_constants(latents.mean(dim=axes), latents.square().mean(dim=axes))
+    config = type(vae.config)({**vae.config, **fitted})
+    normalized = family.normalize_latents(latents, config)
+    assert normalized.dtype == torch.float32
+    assert abs(normalized.square().mean().sqrt().item() - 1) < 0.05
+
+
 def test_a_denoiser_step_predicts_the_latents_shape_and_trains_every_weight(tiny):
-    latents = torch.randn(2, tiny.vae.config.latent_channels, LATENT_SIDE, LATENT_SIDE)
+    latents = torch.randn(2, tiny.family.latent_channels(tiny.vae.config), LATENT_SIDE, LATENT_SIDE)
     with torch.no_grad():
         text = tiny.text(["a red circle", "a blue square"])
     batch = {"size_ids": torch.tensor([[64, 64, 0, 0, 64, 64]] * 2)}
@@ -109,7 +130,24 @@ def test_a_denoiser_step_predicts_the_latents_shape_and_trains_every_weight(tiny
     assert output.shape == latents.shape and torch.isfinite(output).all()
     tiny.denoiser.zero_grad()
     output.square().mean().backward()
-    untouched = [n for n, p in tiny.denoiser.named_parameters() if p.requires_grad and p.grad is None]
+    # What a data-parallel step waits for: a gradient for every parameter the family does not declare unused.
+    untouched = [n for n, p in tiny.denoiser.named_parameters()
+                 if p.grad is None and not _declared_unused(tiny.family, tiny.family.denoiser, tiny.denoiser, n)]
+    assert not untouched, f"{tiny.family.name}: no gradient reaches {untouched[:3]}"
+
+
+def _declared_unused(family, name: str, module: torch.nn.Module, parameter: str) -> bool:
+    return any(parameter.startswith(path + ".") for path in family.unused_modules(name, module))
+
+
+def test_each_text_encoder_that_trains_gives_every_weight_a_gradient(tiny):
+    """``diffusion.train_text_encoder``: the conditioning depends on every weight left trainable."""
+    text = tiny.text(["a red circle", "a blue square"])
+    sum(value.float().square().mean() for value in text.values()).backward()
+    untouched = [f"{name}.{n}" for name, encoder in tiny.text_encoders.items() for n, p in encoder.named_parameters()
+                 if p.grad is None and not _declared_unused(tiny.family, name, encoder, n)]
+    for encoder in tiny.text_encoders.values():
+        encoder.zero_grad()
     assert not untouched, f"{tiny.family.name}: no gradient reaches {untouched[:3]}"
 
 

@@ -188,3 +188,23 @@ def test_a_single_file_export_loads_in_diffusers_and_is_a_training_source(tmp_pa
     assert main(["generate", "--model", str(single), "--prompt", "a red circle", "--out", str(tmp_path / "x")]) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "transformer alone" in error[0] and str(single) in error[0]
+
+
+def test_the_released_text_encoder_folder_loads_a_tensor_at_a_time_into_a_low_precision_base(tmp_path):
+    """Z-Image's text encoder is released as Qwen3ForCausalLM (its weights under ``model.``): a frozen base in fp8
+    reads its Qwen3Model from that folder as from_pretrained does."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from sdtrain.loaders.components import load_component
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path / "text_encoder")
+    family = families.get("z-image")
+    whole = load_component("text_encoder", tmp_path / "text_encoder", family=family)
+    low = load_component("text_encoder", tmp_path / "text_encoder", family=family, frozen_precision="fp8")
+    ids = torch.randint(0, 64, (1, 6))
+    expected = whole(input_ids=ids).last_hidden_state
+    got = low(input_ids=ids).last_hidden_state
+    assert (got - expected).abs().max() <= 0.2 * expected.abs().max()

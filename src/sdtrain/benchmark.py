@@ -29,12 +29,15 @@ import torch.distributed as dist
 from sdtrain import flops
 from sdtrain.config import RunConfig
 from sdtrain.data.pipeline import TrainBatches
+from sdtrain.data.shards import write_manifest
 from sdtrain.data.synthetic import write_synthetic_shards
 from sdtrain.distributed import barrier, gather_objects
 from sdtrain.errors import UserError
 from sdtrain.memory import TreePeak, own_peak_bytes
 from sdtrain.models import build, families
 from sdtrain.train import autotune
+from sdtrain.train.components import ComponentPlanner
+from sdtrain.train.modes import part_class
 from sdtrain.train.parallel import uncounted_recomputation
 from sdtrain.train.trainer import Trainer
 from sdtrain.utils import atomic_write_text
@@ -67,6 +70,7 @@ class Benchmark(Trainer):
         model = self.config.model
         if model.vae == str(self.run_dir / RANDOM_VAE):
             build.build_vae(model).save_pretrained(model.vae)
+        stand_ins: dict[str, Any] = {}
         if self.config.stage == "diffusion" and self.config.model.tokenizer is None \
                 and self.config.model.pretrained is None:
             # No captions to learn from: a tokenizer of the configured size on generic text will do,
@@ -76,7 +80,30 @@ class Benchmark(Trainer):
                                                                   model.tokenizer_vocab_size, build.text_length(model))
             for name in families.for_model(model).text_encoders:
                 if getattr(model, name) == str(self.run_dir / random_text_encoder(name)):
-                    build.build_text_encoder(model, tokenizer, name).save_pretrained(getattr(model, name))
+                    # Its config first: weights only if the step reads them (a 24B language model would not fit
+                    # in memory in fp32).
+                    with torch.device("meta"):
+                        build.build_text_encoder(model, tokenizer, name).config.save_pretrained(getattr(model, name))
+                    stand_ins[name] = tokenizer
+        stood_in_for = self._announce_encoded_shards() if self.config.stage == "diffusion" else []
+        for name, tokenizer in stand_ins.items():
+            if name not in stood_in_for:
+                build.build_text_encoder(model, tokenizer, name).save_pretrained(getattr(model, name))
+
+    def _announce_encoded_shards(self) -> list[str]:
+        """With ``--encoded`` and synthetic shards, say before the task is built which frozen components made them
+        (the manifest's encoding, completed when the shards are written), so the task builds those the shards
+        stand in for without weights, as it does on a user's encoded shards; returns them."""
+        synthetic = self.run_dir / SYNTHETIC
+        if not self.encoded or Path(self.config.data.shards) != synthetic:
+            return []
+        family = families.for_model(self.config.model)
+        planner = ComponentPlanner(self.config, family, {})
+        encoding = {name: planner.source(name) for name in ("vae", *family.text_encoders)}
+        synthetic.mkdir(parents=True, exist_ok=True)
+        write_manifest(synthetic, [], extra={"encoding": encoding})
+        trains_text = part_class(self.config)(self.config, family).text_encoder_trains()
+        return planner.stood_in_for(encoding, self.config.data, trains_text)
 
     def _tune(self) -> autotune.Tuning:
         # Loading ends here: what autotune measures next is a training step's memory, not loading's. The

@@ -131,16 +131,15 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     family: str | None = None
-    """The model family: ``sd`` (Stable Diffusion 1.x/2.x), ``sdxl``, ``sd3`` (SD3/3.5), ``flux`` (Flux.1) or
-    ``z-image``.
+    """The model family, one of those docs/families/ describes (``sd`` for Stable Diffusion 1.x/2.x, ``sdxl``,
+    ``sd3``, ``flux``, ...; an unknown name is one line listing them).
     Unset: the pretrained model's own (from its model_index.json or single-file keys), else the family whose
     presets alone name ``preset`` (``sdxl``, ``sd3-medium``, ``flux-dev``...), else ``sd``."""
     preset: str = "tiny"
-    """Architecture for components built from scratch, one of the family's: ``tiny`` (tests, demo), ``small`` or
-    ``sd2`` (the real Stable Diffusion 2 base UNet, 865.9M parameters) for sd; ``tiny`` or ``sdxl`` (the SDXL
-    1.0 base UNet, 2,567.5M parameters) for sdxl; ``tiny`` or ``sd3-medium`` (2,028.3M) for sd3; ``tiny``,
-    ``flux-dev`` (11,901.4M) or ``flux-schnell`` (11,891.2M) for flux; ``tiny`` or ``z-image`` (6,154.9M,
-    the released transformer) for z-image."""
+    """Architecture for components built from scratch, one of the family's presets: ``tiny`` (tests, demo) in
+    every family, and the released architectures its page in docs/families/ lists (``sd2``: the Stable Diffusion 2
+    base UNet; ``sdxl``, ``sd3-medium``, ``flux-dev``, ...; an unknown one is one line listing the family's).
+    `sdtrain params` counts any of them without building it."""
     frozen_precision: str = "fp32"
     """How the frozen weights of trained modules' linear layers are stored (the base under LoRA, textual inversion or
     DreamBooth-LoRA, and frozen text encoders): ``fp32``; ``bf16`` (half the memory); ``fp8`` (float8 e4m3 with a
@@ -319,9 +318,9 @@ class DdpmConfig:
 
 @dataclass
 class FlowConfig:
-    """Flow matching (rectified flow), the objective of SD3, Flux.1 and Z-Image: the sigma shift training and
-    sampling share, the loss weighting, and the guidance a guidance-distilled denoiser is fed. A noise-prediction
-    model refuses them."""
+    """Flow matching (rectified flow), the objective of SD3, Flux.1 and the transformers after them: the sigma shift
+    training and sampling share, the loss weighting, and the guidance a guidance-distilled denoiser is fed. A
+    noise-prediction model refuses them."""
 
     shift: float | None = None
     """The static shift s of the sigmas, sigma' = s sigma / (1 + (s - 1) sigma), in training and sampling alike
@@ -338,7 +337,7 @@ class FlowConfig:
     guidance: float = 3.5
     """A guidance-distilled denoiser's guidance embedding (Flux.1-dev's) during training: the constant it is fed
     (kohya's and diffusers' scripts default to 3.5; 1.0 is also common). Ignored by models without one (schnell,
-    SD3, Z-Image)."""
+    SD3, most others)."""
     guidance_range: list[float] = field(default_factory=list)
     """[low, high]: draw the guidance per sample uniformly from this range instead of ``guidance``; a model
     without a guidance embedding refuses it."""
@@ -378,7 +377,7 @@ class DiffusionConfig:
     ddpm: DdpmConfig = field(default_factory=DdpmConfig)
     """Noise prediction on a DDPM schedule (SD 1/2, SDXL)."""
     flow: FlowConfig = field(default_factory=FlowConfig)
-    """Flow matching (SD3, Flux.1, Z-Image)."""
+    """Flow matching (SD3, Flux.1 and the families after them)."""
 
     def validate(self) -> None:
         _check(self.timestep_sampling in ("uniform", "logit_normal", "mode", "cosmap"), "diffusion.timestep_sampling",

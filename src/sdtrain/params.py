@@ -61,7 +61,7 @@ def _component(config: RunConfig, family: ModelFamily, name: str, built: dict[st
         else:
             vae = built["vae"]
             side = config.data.resolution // family.latent_downsampling(vae.config)
-            module = build.build_denoiser(model, vae.config.latent_channels, side,
+            module = build.build_denoiser(model, family.latent_channels(vae.config), side,
                                           text_encoders={te: built[te] for te in family.text_encoders})
     return module, f"preset {model.preset}"
 

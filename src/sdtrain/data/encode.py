@@ -74,11 +74,15 @@ class Encoder:
         self.device = device
         self.dtype = DTYPES[dtype]
         self.vae_source = build.pin_source(vae_source)
-        self.vae = load_component("vae", self.vae_source, served=served).to(device).eval()
-        scale = (families.for_model(served) if served is not None else families.SD).latent_downsampling(
-            self.vae.config)
+        family = families.for_model(served) if served is not None else families.detect(self.vae_source)
+        self.vae = load_component("vae", self.vae_source, family=family, served=served).to(device).eval()
+        self.codec = families.of_vae(self.vae, served)
+        scale = self.codec.latent_downsampling(self.vae.config)
         if resolution is None:
             # What the VAE was made for, as diffusers records it.
+            if self.vae.config.get("sample_size") is None:
+                raise UserError(f"{self.vae_source}: the VAE does not say which image size it was made for; pass "
+                                "--resolution")
             resolution = int(self.vae.config.sample_size)
             log.info("encoding at %d px, the VAE's sample_size (--resolution sets another)", resolution)
         if resolution % scale:
@@ -109,7 +113,7 @@ class Encoder:
 
     @torch.no_grad()
     def latents(self, pixels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        posterior = self.vae.encode(pixels.to(self.device)).latent_dist
+        posterior = self.codec.encode_latents(self.vae, pixels.to(self.device))
         return posterior.mean.float().cpu().numpy(), posterior.std.float().cpu().numpy()
 
     @torch.no_grad()
@@ -121,7 +125,7 @@ class Encoder:
 
     def description(self) -> dict[str, Any]:
         sources = {name: self.text_source for name in self.family.text_encoders} if self.family else {}
-        return describe_encoding(self.vae_source, sources, self.resolution, self.vae.config, self.tokenizer,
+        return describe_encoding(self.vae_source, sources, self.resolution, self.codec, self.vae.config, self.tokenizer,
                                  np.dtype(self.dtype).name, self.long_text_length)
 
 

@@ -45,10 +45,12 @@ def load_npy(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
-def describe_encoding(vae_source: str | None, text_sources: dict[str, str | None], resolution: int, vae_config: Any,
-                      tokenizer: Any | None, dtype: str, long_text_length: int | None = None) -> dict[str, Any]:
+def describe_encoding(vae_source: str | None, text_sources: dict[str, str | None], resolution: int, codec: Any,
+                      vae_config: Any, tokenizer: Any | None, dtype: str, long_text_length: int | None = None
+                      ) -> dict[str, Any]:
     """The manifest's `encoding` entry: which weights and settings produced the latents and embeddings
-    (`text_sources`: each text encoder's, by component name; empty when the shards hold no embeddings;
+    (`codec`: the family whose latent codec reads the VAE, `families.of_vae`; `text_sources`: each text encoder's,
+    by component name; empty when the shards hold no embeddings;
     `long_text_length`: the tokens per caption of a long-context encoder's states, T5's or a language model's;
     the manifest keeps T5's name for it)."""
     return {
@@ -56,9 +58,11 @@ def describe_encoding(vae_source: str | None, text_sources: dict[str, str | None
         "text_encoder": None,
         **text_sources,
         "resolution": resolution,
-        "latent_channels": vae_config.latent_channels,
-        "scaling_factor": float(vae_config.scaling_factor),
-        "shift_factor": float(vae_config.get("shift_factor") or 0.0),
+        "latent_channels": codec.latent_channels(vae_config),
+        # How the latents are normalised for the denoiser (an AutoencoderKL's scaling and shift, or a mean and
+        # deviation per channel), as the VAE's config says it.
+        **{key: vae_config[key] for key in ("scaling_factor", "shift_factor", "latents_mean", "latents_std")
+           if vae_config.get(key) is not None},
         "max_text_length": tokenizer.model_max_length if tokenizer is not None else None,
         "t5_text_length": long_text_length,
         "dtype": dtype,

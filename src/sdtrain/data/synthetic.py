@@ -60,7 +60,8 @@ class SyntheticBatches:
             return
         vae = task.vae.config
         side = size // task.family.latent_downsampling(vae)
-        self.batch["latent_mean"] = torch.randn(count, vae.latent_channels, side, side, generator=generator)
+        self.batch["latent_mean"] = torch.randn(count, task.family.latent_channels(vae), side, side,
+                                                generator=generator)
         self.batch["latent_std"] = torch.full_like(self.batch["latent_mean"], 0.1)
 
     def next(self) -> dict[str, Any]:
@@ -104,7 +105,7 @@ def write_synthetic_shards(out: Path, config: DataConfig, task: Any, samples: in
 def _encoding(config: DataConfig, task: Any) -> dict[str, Any]:
     text_encoders = {} if task.text_encoder_trains() else {name: task.sources.get(name)
                                                            for name in task.family.text_encoders}
-    return describe_encoding(task.sources.get("vae"), text_encoders, config.resolution, task.vae.config,
+    return describe_encoding(task.sources.get("vae"), text_encoders, config.resolution, task.family, task.vae.config,
                              task.tokenizer, "float16", task.long_text_length)
 
 

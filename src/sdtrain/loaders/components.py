@@ -66,7 +66,7 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
     folder = Path(source) / name if kind == "pipeline" else Path(source)
     _require_config(folder, name)
     if frozen_precision != "fp32":
-        return load_frozen(cls, name, folder, frozen_precision)
+        return load_frozen(cls, name, folder, frozen_precision, family.weight_prefixes.get(name, ()) if family else ())
     trusted = trust_pickle or single_file.trust_pickle_from_env()
     try:
         # Safetensors only, unless the user trusts this folder's pickles (.bin): those load with
@@ -131,16 +131,18 @@ def _from_config(cls: type[nn.Module], folder: Path) -> nn.Module:
 _WEIGHT_FILE = re.compile(r"[^.]+(-\d+-of-\d+)?\.safetensors")
 
 
-def load_frozen(cls: type[nn.Module], name: str, folder: Path, precision: str) -> nn.Module:
+def load_frozen(cls: type[nn.Module], name: str, folder: Path, precision: str, prefixes: tuple[str, ...] = ()
+                ) -> nn.Module:
     """A component folder's module built with its parameters on the meta device, then filled from its safetensors
-    files a tensor at a time, linear weights stored in `precision` (see sdtrain.models.frozen)."""
+    files a tensor at a time, linear weights stored in `precision` (see sdtrain.models.frozen), each key under one
+    of `prefixes` read without it (`ModelFamily.weight_prefixes`)."""
     files = sorted(str(p) for p in folder.glob("*.safetensors") if _WEIGHT_FILE.fullmatch(p.name))
     if not files:
         raise UserError(f"{folder}: no safetensors weights for the {name}, which model.frozen_precision loads a tensor "
                         "at a time; convert the folder's weights to safetensors, or set model.frozen_precision=fp32")
     with frozen.parameters_on_meta():
         module = _from_config(cls, folder)
-    missing = frozen.load_streamed(module, files, precision)
+    missing = frozen.load_streamed(module, files, precision, prefixes)
     if missing:
         raise UserError(f"{folder}: the {name}'s weights lack {len(missing)} tensors (e.g. {missing[0]}); the folder "
                         "is incomplete")
@@ -170,11 +172,17 @@ def instantiate_with(spec: dict[str, Any], weights: dict[str, torch.Tensor]) -> 
     with torch.device("meta"):
         module = instantiate(spec)
     module.load_state_dict(weights, strict=True, assign=True)
-    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-        # Buffers the state dict does not carry (non-persistent ones) need a real construction.
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers(), *_plain_tensors(module))):
+        # Buffers the state dict does not carry (non-persistent ones), and tensors a module keeps as plain
+        # attributes (Qwen-Image's complex RoPE tables), need a real construction.
         module = instantiate(spec)
         module.load_state_dict(weights)
     return module
+
+
+def _plain_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors `module`'s submodules hold as plain attributes, neither parameters nor buffers."""
+    return [value for m in module.modules() for value in vars(m).values() if isinstance(value, torch.Tensor)]
 
 
 def rebuild_lora(name: str, source: str, task_meta: dict[str, Any]) -> nn.Module:

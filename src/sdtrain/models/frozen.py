@@ -199,15 +199,20 @@ def materialize(module: nn.Module, precision: str) -> nn.Module:
     return module
 
 
-def load_streamed(module: nn.Module, files: list[str], precision: str) -> list[str]:
+def load_streamed(module: nn.Module, files: list[str], precision: str, prefixes: tuple[str, ...] = ()) -> list[str]:
     """Fill a module built with `parameters_on_meta` from safetensors `files`, one tensor at a time (see
-    `fill_streamed`). Returns the state-dict names no file held (still on meta)."""
+    `fill_streamed`); a key under one of `prefixes` (the first it starts with) is read without it, as a language
+    model's tower is read from a folder of the whole model. Returns the state-dict names no file held (still on
+    meta)."""
     from safetensors import safe_open
+
+    def name(key: str) -> str:
+        return next((key[len(prefix):] for prefix in prefixes if key.startswith(prefix)), key)
 
     def tensors():
         for path in files:
             with safe_open(path, framework="pt", device="cpu") as file:
-                yield from ((key, file.get_tensor(key)) for key in file.keys())  # noqa: SIM118 (not a dict)
+                yield from ((name(key), file.get_tensor(key)) for key in file.keys())  # noqa: SIM118 (not a dict)
 
     return fill_streamed(module, tensors(), precision)
 

@@ -51,7 +51,12 @@ class DataParallel:
             # The models' buffers are constants (positions, frozen weights stored in low precision), the same on
             # every rank from the same source: DDP's default re-sends them before every forward, which for a
             # low-precision frozen base would move the whole base each step.
-            wrapped = DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
+            # Parameters that train but that no output reads (the family says which) get no gradient: DDP must look
+            # for them each step, or it waits for them forever.
+            unused = any(parameter.requires_grad for path in task.family.unused_modules(name, module)
+                         for parameter in module.get_submodule(path).parameters())
+            wrapped = DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False,
+                                              find_unused_parameters=unused)
             setattr(task, name, wrapped)
             self.wrapped.append(wrapped)
 

@@ -147,14 +147,15 @@ class Task:
 class Reconstruct(nn.Module):
     """Encode and decode in one forward, so a data-parallel wrapper sees the whole autoencoder step."""
 
-    def __init__(self, vae: nn.Module):
+    def __init__(self, vae: nn.Module, family: families.ModelFamily):
         super().__init__()
         self.vae = vae
+        self.family = family
 
     def forward(self, pixels: torch.Tensor, sample_posterior: bool, generator: torch.Generator | None):
-        posterior = self.vae.encode(pixels).latent_dist
+        posterior = self.family.encode_latents(self.vae, pixels)
         latents = posterior.sample(generator) if sample_posterior else posterior.mode()
-        return self.vae.decode(latents).sample, posterior.mean, posterior.logvar
+        return self.family.decode_latents(self.vae, latents), posterior.mean, posterior.logvar
 
 
 class AutoencoderTask(Task):
@@ -167,9 +168,10 @@ class AutoencoderTask(Task):
         vae.to(device).train()
         self.vae = vae
         self.trainable = {"vae": vae}
-        self.reconstruct = Reconstruct(vae)
-        # Running second moment of the latents, for the scaling factor that gives them unit variance.
-        self.latent_moment = torch.zeros((), device=device)
+        self.reconstruct = Reconstruct(vae, self.family)
+        # Running mean and second moment of each latent channel, for how the family normalises them.
+        channels = self.family.latent_channels(vae.config)
+        self.channel_moments = torch.zeros(2, channels, device=device)
         self.latent_batches = 0
 
     def parallel_modules(self) -> dict[str, nn.Module]:
@@ -188,22 +190,31 @@ class AutoencoderTask(Task):
         kl = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).sum(dim=(1, 2, 3)).mean() / pixels[0].numel()
         loss = rec + cfg.kl_weight * kl
         with torch.no_grad():
-            moment = mean.pow(2).mean()
+            axes = [0, *range(2, mean.dim())]
+            moments = torch.stack([mean.mean(dim=axes), mean.pow(2).mean(dim=axes)])
             self.latent_batches += 1
-            self.latent_moment += (moment - self.latent_moment) / min(self.latent_batches, 100)
+            self.channel_moments += (moments - self.channel_moments) / min(self.latent_batches, 100)
         return loss, {"reconstruction": rec, "kl": kl}
 
-    def scaling_factor(self) -> float:
-        return float(1.0 / max(self.latent_moment.sqrt().item(), 1e-6)) if self.latent_batches else 1.0
+    def latent_constants(self) -> dict[str, Any]:
+        """How the latents seen so far are normalised, as the family records it in the VAE's config."""
+        if not self.latent_batches:
+            return {}
+        return self.family.fitted_latent_constants(*self.channel_moments.cpu())
 
     def before_save(self) -> None:
-        self.vae.register_to_config(scaling_factor=self.scaling_factor())
+        self.vae.register_to_config(**self.latent_constants())
 
     def extra_state(self):
-        return {"latent_moment": float(self.latent_moment), "latent_batches": self.latent_batches}
+        return {"channel_moments": self.channel_moments.tolist(), "latent_batches": self.latent_batches}
 
     def load_extra_state(self, state):
-        self.latent_moment = torch.tensor(state["latent_moment"], device=self.device)
+        if "channel_moments" in state:
+            moments = torch.tensor(state["channel_moments"])
+        else:  # an earlier release kept the overall second moment alone
+            moments = torch.zeros_like(self.channel_moments).index_fill_(0, torch.tensor([1]),
+                                                                           float(state["latent_moment"]))
+        self.channel_moments = moments.to(self.device, torch.float32)
         self.latent_batches = int(state["latent_batches"])
 
     def validates(self, batch):
@@ -215,7 +226,7 @@ class AutoencoderTask(Task):
             return None
         vae = modules["vae"]
         pixels = batch["pixel_values"][:8].to(self.device)
-        reconstruction = vae.decode(vae.encode(pixels).latent_dist.mode()).sample
+        reconstruction = self.family.decode_latents(vae, self.family.encode_latents(vae, pixels).mode())
         return save_grid(torch.cat([pixels, reconstruction]).clamp(-1, 1), out, rows=2)
 
 
@@ -279,7 +290,7 @@ class DiffusionTask(Task):
             )
         self.vae = _placed(vae, device).eval().requires_grad_(False)
         scale = self._check_resolution(self.vae)
-        latent = (self.vae.config.latent_channels, config.data.resolution // scale)
+        latent = (family.latent_channels(self.vae.config), config.data.resolution // scale)
         self.storage = FrozenStorage(config, device, family, self.part.keeps_frozen, self.resumed)
         if self.storage.needs_plan:
             # Planned from the shapes alone, before any weight loads, since weights are stored low as they load.
@@ -464,7 +475,7 @@ class DiffusionTask(Task):
                 std = batch["latent_std"].to(self.device, non_blocking=True)
                 latents = latents + std * torch.randn(latents.shape, generator=generator, device=self.device)
         else:
-            posterior = self.vae.encode(batch["pixel_values"].to(self.device, non_blocking=True)).latent_dist
+            posterior = self.family.encode_latents(self.vae, batch["pixel_values"].to(self.device, non_blocking=True))
             latents = posterior.sample(generator) if sample else posterior.mode()
         return self.family.normalize_latents(latents, self.vae.config)
 

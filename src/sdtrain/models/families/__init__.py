@@ -18,13 +18,14 @@ from torch import nn
 from sdtrain.checkpoint import latest_checkpoint, read_meta
 from sdtrain.errors import UserError
 from sdtrain.models.families.flux import FLUX
+from sdtrain.models.families.qwenimage import QWEN_IMAGE
 from sdtrain.models.families.sd import SD
 from sdtrain.models.families.sd3 import SD3
 from sdtrain.models.families.sdxl import SDXL
 from sdtrain.models.families.spec import ModelFamily
 from sdtrain.models.families.zimage import ZIMAGE
 
-FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (SD, SDXL, SD3, FLUX, ZIMAGE)}
+FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (SD, SDXL, SD3, FLUX, ZIMAGE, QWEN_IMAGE)}
 
 
 def get(name: str) -> ModelFamily:
@@ -86,6 +87,15 @@ def _init_default(cls: type, key: str) -> Any:
 def of_pipeline(pipe: Any) -> ModelFamily:
     """The family whose pipeline class `pipe` is."""
     return next((family for family in FAMILIES.values() if isinstance(pipe, family.pipeline_class)), SD)
+
+
+def of_vae(vae: nn.Module, served: Any = None) -> ModelFamily:
+    """The family whose latent codec (`ModelFamily.encode_latents` and the rest) reads `vae`: that of the model it
+    serves (a ModelConfig) when its VAE is of that class, else the first family whose VAE class it is."""
+    family = for_model(served) if served is not None else None
+    if family is not None and isinstance(vae, family.components["vae"]):
+        return family
+    return next((f for f in FAMILIES.values() if isinstance(vae, f.components["vae"])), SD)
 
 
 def component_class(name: str, family: ModelFamily | None = None) -> type[nn.Module]:

@@ -26,6 +26,7 @@ from transformers import CLIPTextModel, T5EncoderModel
 
 from sdtrain.models import single_file
 from sdtrain.models.families.autoencoder import FLUX_VAE, TINY_FLUX_VAE, vae_blocks
+from sdtrain.models.families.patches import pack, unpack
 from sdtrain.models.families.spec import ModelFamily, SingleFileLayout
 from sdtrain.models.families.text_towers import (
     CLIP_L,
@@ -89,21 +90,6 @@ def _guidance_embedding(source: str | Path) -> bool | None:
 
 def transformer_blocks(transformer: nn.Module) -> list:
     return [*transformer.transformer_blocks, *getattr(transformer, "single_transformer_blocks", [])]
-
-
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) latents -> (B, H/2 * W/2, 4C) tokens, 2x2 patches in FluxPipeline's order."""
-    b, c, h, w = latents.shape
-    patches = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """The inverse of `pack`, for latents of `height` x `width`."""
-    b, _, packed = tokens.shape
-    channels = packed // 4
-    patches = tokens.view(b, height // 2, width // 2, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return patches.reshape(b, channels, height, width)
 
 
 def image_ids(rows: int, columns: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

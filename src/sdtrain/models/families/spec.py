@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from safetensors import safe_open
 from torch import nn
 
@@ -129,6 +130,10 @@ class ModelFamily:
     comfyui_reads_diffusers_lora: bool = False
     """Whether ComfyUI's Load LoRA reads the diffusers LoRA file of this family's (it reads kohya's of every
     family that has `kohya_prefixes`)."""
+    weight_prefixes: dict[str, tuple[str, ...]] = {}
+    """Component name -> the prefixes its weights sit under in a released folder of a larger model (a language
+    model's tower, its head or vision tower beside it: ``model.``), cut when the weights are read a tensor at a time
+    (``model.frozen_precision``); transformers' own loader knows them."""
     embedding_keys: tuple[str, ...] = ()
     """The key of each text encoder's vectors in a textual-inversion file, in text encoder order; empty: the file
     holds one key, the placeholder (diffusers' and A1111's layout for one text encoder)."""
@@ -207,6 +212,25 @@ class ModelFamily:
 
     # ----------------------------------------------------------------------------- the latent codec
 
+    def latent_channels(self, vae_config: Any) -> int:
+        """The channels of the latents the VAE gives (AutoencoderKL's ``latent_channels``)."""
+        return vae_config.latent_channels
+
+    def encode_latents(self, vae: nn.Module, pixels: torch.Tensor) -> DiagonalGaussianDistribution:
+        """The VAE's posterior over the latents of images `pixels` (B, 3, H, W), with (B, C, h, w) parameters: what
+        the denoiser's latents are drawn from and encoded shards store."""
+        return vae.encode(pixels).latent_dist
+
+    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, H, W) of raw (not normalised) latents (B, C, h, w), as `encode_latents` gives them."""
+        return vae.decode(latents).sample
+
+    def fitted_latent_constants(self, channel_mean: torch.Tensor, channel_square: torch.Tensor) -> dict[str, Any]:
+        """What a VAE trained from scratch records in its config of how its latents are normalised, from the mean
+        and mean square of each channel of its posterior means over training: an AutoencoderKL the
+        ``scaling_factor`` that gives them unit variance about zero (the latent diffusion paper's)."""
+        return {"scaling_factor": float(1.0 / max(channel_square.mean().sqrt().item(), 1e-6))}
+
     def latent_downsampling(self, vae_config: Any) -> int:
         """How many pixels one latent pixel spans on a side: an AutoencoderKL halves the resolution at every level
         but the last."""
@@ -248,6 +272,13 @@ class ModelFamily:
         """The denoiser's keyword arguments for a batch, from its text conditioning and what the batch carries
         (``size_ids``: each image's original size, crop corner and training size)."""
         return {"encoder_hidden_states": text["text_emb"]}
+
+    def unused_modules(self, name: str, module: nn.Module) -> list[str]:
+        """The paths of component `name`'s modules (in `module`) whose output nothing the family reads depends on
+        (a text stream the last block computes and the model discards; a language model's layers above the one
+        read): they still train and are saved (a model from scratch keeps what it drew for them), but get no
+        gradient, which data-parallel training is told."""
+        return []
 
     # ----------------------------------------------------------------------------- the backbone adapter
 
@@ -319,6 +350,11 @@ class ModelFamily:
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
         """The family's diffusers pipeline of these components."""
         raise NotImplementedError
+
+    def prepare_pipeline(self, pipe: Any) -> Any:
+        """`pipe` (the family's pipeline, assembled or loaded from a folder) with what its folder cannot carry and
+        sampling needs (none by default); returns it."""
+        return pipe
 
     def sampling_defaults(self, denoiser_config: Any) -> dict[str, Any]:
         """What the model samples with where the user sets nothing: ``guidance`` (its scale), and ``steps`` where

@@ -325,6 +325,8 @@ class ZImage(ModelFamily):
     block_lists = {ZImageTransformer2DModel: transformer_blocks, Qwen3Model: causal_lm.decoder_layers,
                    AutoencoderKL: vae_blocks}
     presets = PRESETS
+    # The released text encoder is Qwen3ForCausalLM, read as its Qwen3Model.
+    weight_prefixes = {"text_encoder": ("model.",)}
     # The transformer's adapters alone (no text encoder is adapted), named as the authors' modules: see LoRA files.
     kohya_prefixes = {"transformer": kohya.PREFIX}
 
@@ -341,6 +343,13 @@ class ZImage(ModelFamily):
     def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
         return Qwen3Model(construct(Qwen3Config, key, {"vocab_size": len(tokenizer),
                                                        "pad_token_id": tokenizer.pad_token_id, **settings}))
+
+    def unused_modules(self, name: str, module: nn.Module) -> list[str]:
+        # The transformer reads the input of the language model's last layer: that layer and the final norm are
+        # computed for nothing.
+        if not isinstance(module, Qwen3Model):
+            return []
+        return [f"layers.{len(module.layers) - 1}", "norm"]
 
     def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
         return {"cap_feat_dim": text_encoders["text_encoder"].config.hidden_size}

@@ -1,0 +1,21 @@
+"""Latents as the token sequence a rectified-flow transformer reads when it does not patchify them itself (Flux.1's,
+Qwen-Image's): 2x2 patches of every channel, row by row, in the order diffusers' pipelines pack them."""
+
+from __future__ import annotations
+
+import torch
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) latents -> (B, H/2 * W/2, 4C) tokens, 2x2 patches in FluxPipeline's order."""
+    b, c, h, w = latents.shape
+    patches = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The inverse of `pack`, for latents of `height` x `width`."""
+    b, _, packed = tokens.shape
+    channels = packed // 4
+    patches = tokens.view(b, height // 2, width // 2, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return patches.reshape(b, channels, height, width)
