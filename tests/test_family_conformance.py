@@ -5,6 +5,7 @@ exports rely on the spec for."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -110,9 +111,9 @@ def test_the_latent_codec_encodes_images_to_the_latents_the_denoiser_reads_and_b
     centre, spread = torch.linspace(-2, 2, channels), torch.linspace(0.5, 3, channels)
     latents = centre.view(1, -1, 1, 1) + spread.view(1, -1, 1, 1) * torch.randn(64, channels, 8, 8)
     axes = (0, 2, 3)
-    fitted = family.fitted_latent_constants(latents.mean(dim=axes), latents.square().mean(dim=axes))
-    config = type(vae.config)({**vae.config, **fitted})
-    normalized = family.normalize_latents(latents, config)
+    fitted = copy.deepcopy(vae)
+    family.fit_latent_normalization(fitted, latents.mean(dim=axes), latents.square().mean(dim=axes))
+    normalized = family.normalize_latents(latents, fitted)
     assert normalized.dtype == torch.float32
     assert abs(normalized.square().mean().sqrt().item() - 1) < 0.05
 
@@ -223,8 +224,6 @@ def test_its_single_file_layout_reads_back_what_it_writes(tiny, tmp_path):
 def test_its_lora_file_loads_whole_through_the_pipelines_own_loader(tiny, tmp_path):
     """What a LoRA run exports of the denoiser's adapters, the family pipeline's own load_lora_weights attaches in
     full: fused, the pipeline's denoiser carries exactly the update sdtrain's adapters make."""
-    import copy
-
     from sdtrain.config import LoraConfig
     from sdtrain.loaders.adapters import add_lora, merge_lora
     from sdtrain.loaders.writers import save_lora

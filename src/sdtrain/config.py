@@ -636,7 +636,7 @@ class TrainConfig:
 class ParallelConfig:
     strategy: str = "ddp"
     """How several processes share the work: ``ddp`` (every rank holds the whole model) or ``fsdp``
-    (FSDP2, parameters sharded per UNet block). A single process ignores it."""
+    (FSDP2, parameters sharded per block). A single process ignores it."""
     backend: str = "auto"
     """Collectives: ``auto`` (nccl on GPUs; ccl when Intel's bindings are installed, else gloo, on CPUs),
     ``nccl``, ``gloo`` or ``ccl``."""

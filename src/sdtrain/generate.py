@@ -36,8 +36,7 @@ def load_pipeline(model: str | Path, ema: bool = True, device: str = "auto",
         trusted = trust_pickle_from_env()
         try:
             family = families.detect(model)
-            pipe = family.prepare_pipeline(family.pipeline_class.from_pretrained(
-                model, local_files_only=True, use_safetensors=not trusted or None, **family.pipeline_loading))
+            pipe = family.pipeline_from_folder(model, local_files_only=True, use_safetensors=not trusted or None)
         except (OSError, ValueError) as exc:
             hint = "" if trusted else (f"; a pipeline with pickled .bin weights loads with {TRUST_PICKLE_ENV}=1 "
                                        "if you trust it")

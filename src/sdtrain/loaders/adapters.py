@@ -4,6 +4,7 @@ plain module."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -19,11 +20,27 @@ from sdtrain.errors import UserError, first_line
 def add_lora(module: nn.Module, settings: dict[str, Any], key: str) -> None:
     """Adapters on `module` through peft itself. transformers' own add_adapter (its text encoders') refuses every
     peft release before 0.22, which PyPI does not carry; peft's injection is what both libraries call anyway."""
+    names = settings.get("target_modules")
+    if isinstance(names, (list, tuple)) and "exclude_modules" not in settings:
+        # A name peft matches may also end a container's path (Flux.2's attn.to_out: a single block's Linear, a
+        # double block's ModuleList); the containers are left out rather than refused.
+        containers = [path for path, child in module.named_modules()
+                      if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential))
+                      and any(path == name or path.endswith("." + name) for name in names)]
+        settings = {**settings, **({"exclude_modules": containers} if containers else {})}
     config = PeftLoraConfig(**settings)
     try:
-        inject_adapter_in_model(config, module, adapter_name="default")
+        with warnings.catch_warnings():
+            # peft counts as excluded only modules it would otherwise have adapted, which containers never are.
+            warnings.filterwarnings("ignore", message="You have passed exclude_modules")
+            inject_adapter_in_model(config, module, adapter_name="default")
     except ValueError as exc:
         raise UserError(f"{key}: {first_line(exc)}; name modules the model has, e.g. to_q") from exc
+    if config.exclude_modules:
+        # What the saved settings name: the adapted modules themselves, which a loader (diffusers') matches as
+        # they are, with no containers to leave out.
+        adapted = {path for path, child in module.named_modules() if isinstance(child, BaseTunerLayer)}
+        config = PeftLoraConfig(**{**settings, "target_modules": sorted(adapted), "exclude_modules": None})
     # What peft's state-dict helpers and the savers read the adapter's settings from.
     module.peft_config = {"default": config}
 

@@ -71,7 +71,10 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
     try:
         # Safetensors only, unless the user trusts this folder's pickles (.bin): those load with
         # weights_only in today's diffusers and transformers, but a pickle is still code to be trusted.
-        return cls.from_pretrained(folder, local_files_only=True, use_safetensors=not trusted or None)
+        prefixes = family.weight_prefixes.get(name, ()) if family else ()
+        # transformers reads a language model's tower from the whole model's folder under a key mapping.
+        mapping = {"key_mapping": {f"^{re.escape(prefix)}": "" for prefix in prefixes}} if prefixes else {}
+        return cls.from_pretrained(folder, local_files_only=True, use_safetensors=not trusted or None, **mapping)
     except (OSError, ValueError) as exc:
         hint = "" if trusted else ("; a folder with only pickled .bin weights loads with model.trust_pickle=true "
                                    f"(or {single_file.TRUST_PICKLE_ENV}=1) if you trust it")

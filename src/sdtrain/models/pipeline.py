@@ -85,7 +85,8 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
         arguments = family.sampling_arguments(pipe, guidance, negative_prompt)
         if arguments.get("negative_prompt") is not None:
             arguments["negative_prompt"] = [arguments["negative_prompt"]] * len(chunk)
-        result = pipe(chunk, num_inference_steps=steps, generator=generators, output_type="pil", **shape,
+        # By name: Flux.2's pipelines take reference images first.
+        result = pipe(prompt=chunk, num_inference_steps=steps, generator=generators, output_type="pil", **shape,
                       **arguments)
         images += result.images
     return images

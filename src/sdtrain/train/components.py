@@ -60,7 +60,8 @@ class ComponentPlanner:
         text = list(self.family.text_encoders)
         embeddings = (not text_trains and not data.prompt_templates and not data.shuffle_tags
                       and all(encoding.get(name) == self.source(name) for name in text))
-        return ["vae", *(text if embeddings else [])]
+        vae = [] if self.family.normalizes_with_vae_weights else ["vae"]
+        return [*vae, *(text if embeddings else [])]
 
     def build(self, tokenizers: list[Any], latent: tuple[int, int], stored_as: Callable[[str], str],
               unread: list[str], weights: bool = True) -> dict[str, nn.Module]:

@@ -196,14 +196,10 @@ class AutoencoderTask(Task):
             self.channel_moments += (moments - self.channel_moments) / min(self.latent_batches, 100)
         return loss, {"reconstruction": rec, "kl": kl}
 
-    def latent_constants(self) -> dict[str, Any]:
-        """How the latents seen so far are normalised, as the family records it in the VAE's config."""
-        if not self.latent_batches:
-            return {}
-        return self.family.fitted_latent_constants(*self.channel_moments.cpu())
-
     def before_save(self) -> None:
-        self.vae.register_to_config(**self.latent_constants())
+        # How the latents seen so far are normalised, recorded in the VAE as the family keeps it.
+        if self.latent_batches:
+            self.family.fit_latent_normalization(self.vae, *self.channel_moments.cpu())
 
     def extra_state(self):
         return {"channel_moments": self.channel_moments.tolist(), "latent_batches": self.latent_batches}
@@ -477,7 +473,7 @@ class DiffusionTask(Task):
         else:
             posterior = self.family.encode_latents(self.vae, batch["pixel_values"].to(self.device, non_blocking=True))
             latents = posterior.sample(generator) if sample else posterior.mode()
-        return self.family.normalize_latents(latents, self.vae.config)
+        return self.family.normalize_latents(latents, self.vae)
 
     def loss(self, batch, generator):
         return self.recipe.loss(self.denoising_loss(batch, generator), batch)

@@ -22,7 +22,10 @@ PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 THINK = ("<think>", "</think>")
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}{{- part['text'] }}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"
@@ -31,20 +34,28 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
     "{%- endif %}"
 )
-"""Qwen3's chat layout for one user turn and the assistant's opening, which is all a text-to-image pipeline
-renders: ``<|im_start|>user\\n{caption}<|im_end|>\\n<|im_start|>assistant\\n``."""
+"""Qwen3's chat layout for the turns a text-to-image pipeline renders (a system turn, the user's, the assistant's
+opening): ``<|im_start|>user\\n{caption}<|im_end|>\\n<|im_start|>assistant\\n``; a turn's content is text or a
+list of text parts (Flux.2's messages)."""
+QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,
+                rms_norm_eps=1e-6, tie_word_embeddings=True, vocab_size=151936)
+"""Qwen3-4B (read as Qwen3Model: no language-model head), Z-Image's and Flux.2 klein-4B's text encoder."""
 
 
-def chat_texts(tokenizer: Any, captions: list[str]) -> list[str]:
+def chat_texts(tokenizer: Any, captions: list[str], thinking: bool = True) -> list[str]:
     """Each caption as the user turn of the tokenizer's chat template, the assistant's turn opened after it, as
-    diffusers' Z-Image pipeline renders prompts (thinking left on: no empty think block)."""
+    diffusers' Z-Image pipeline renders prompts (thinking left on: no empty think block) and Flux.2 klein's (off:
+    an empty one)."""
     return [tokenizer.apply_chat_template([{"role": "user", "content": caption}], tokenize=False,
-                                          add_generation_prompt=True, enable_thinking=True) for caption in captions]
+                                          add_generation_prompt=True, enable_thinking=thinking)
+            for caption in captions]
 
 
-def chat_tokens(tokenizer: Any, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and attention mask of the templated captions, padded (right) to the tokenizer's length."""
-    tokens = tokenizer(chat_texts(tokenizer, captions), padding="max_length", truncation=True,
+def chat_tokens(tokenizer: Any, captions: list[str], thinking: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of the templated captions (`chat_texts`), padded (right) to the tokenizer's
+    length."""
+    tokens = tokenizer(chat_texts(tokenizer, captions, thinking), padding="max_length", truncation=True,
                        max_length=tokenizer.model_max_length, return_tensors="pt")
     return tokens.input_ids, tokens.attention_mask
 
@@ -53,6 +64,14 @@ def hidden_states(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, layer
     """The output of hidden layer `layer` (Python indexing over the embeddings and every layer's output: -2 is the
     last layer's input, before the final norm) for token ids under their attention mask."""
     return model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[layer]
+
+
+def stacked_hidden_states(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, layers: tuple[int, ...]
+                          ) -> torch.Tensor:
+    """The outputs of hidden layers `layers` side by side for each token: (B, L, len(layers) x hidden), each
+    token's states in `layers` order, as Flux.2's pipelines read them."""
+    states = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    return torch.cat([states[layer] for layer in layers], dim=-1)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

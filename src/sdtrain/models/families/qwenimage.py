@@ -257,16 +257,17 @@ class QwenImage(ModelFamily):
     def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
         return vae.decode(latents.unsqueeze(2)).sample.squeeze(2)
 
-    def normalize_latents(self, latents: torch.Tensor, vae_config: Any) -> torch.Tensor:
+    def normalize_latents(self, latents: torch.Tensor, vae: nn.Module) -> torch.Tensor:
         # As the pipelines normalise them: minus each channel's mean, times the inverse of its deviation.
         shape = (1, -1, *([1] * (latents.dim() - 2)))
-        mean = torch.tensor(vae_config.latents_mean, device=latents.device).view(shape)
-        inverse = 1.0 / torch.tensor(vae_config.latents_std, device=latents.device).view(shape)
+        mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(shape)
+        inverse = 1.0 / torch.tensor(vae.config.latents_std, device=latents.device).view(shape)
         return (latents.float() - mean) * inverse
 
-    def fitted_latent_constants(self, channel_mean: torch.Tensor, channel_square: torch.Tensor) -> dict[str, Any]:
+    def fit_latent_normalization(self, vae: nn.Module, channel_mean: torch.Tensor, channel_square: torch.Tensor
+                                 ) -> None:
         deviation = (channel_square - channel_mean.square()).clamp_min(1e-12).sqrt()
-        return {"latents_mean": channel_mean.tolist(), "latents_std": deviation.tolist()}
+        vae.register_to_config(latents_mean=channel_mean.tolist(), latents_std=deviation.tolist())
 
     def denoiser_shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
         # Tokens are 2x2 patches of the latents, and the output is unpatched; RoPE positions, no fixed table.

@@ -225,22 +225,27 @@ class ModelFamily:
         """Images (B, 3, H, W) of raw (not normalised) latents (B, C, h, w), as `encode_latents` gives them."""
         return vae.decode(latents).sample
 
-    def fitted_latent_constants(self, channel_mean: torch.Tensor, channel_square: torch.Tensor) -> dict[str, Any]:
-        """What a VAE trained from scratch records in its config of how its latents are normalised, from the mean
-        and mean square of each channel of its posterior means over training: an AutoencoderKL the
-        ``scaling_factor`` that gives them unit variance about zero (the latent diffusion paper's)."""
-        return {"scaling_factor": float(1.0 / max(channel_square.mean().sqrt().item(), 1e-6))}
+    def fit_latent_normalization(self, vae: nn.Module, channel_mean: torch.Tensor, channel_square: torch.Tensor
+                                 ) -> None:
+        """Record in a VAE trained from scratch how its latents are normalised, from the mean and mean square of
+        each channel of its posterior means over training: an AutoencoderKL's config the ``scaling_factor`` that
+        gives them unit variance about zero (the latent diffusion paper's)."""
+        vae.register_to_config(scaling_factor=float(1.0 / max(channel_square.mean().sqrt().item(), 1e-6)))
 
     def latent_downsampling(self, vae_config: Any) -> int:
         """How many pixels one latent pixel spans on a side: an AutoencoderKL halves the resolution at every level
         but the last."""
         return 2 ** (len(vae_config.block_out_channels) - 1)
 
-    def normalize_latents(self, latents: torch.Tensor, vae_config: Any) -> torch.Tensor:
+    normalizes_with_vae_weights: bool = False
+    """Whether `normalize_latents` reads statistics the VAE holds in its weights (Flux.2's BatchNorm buffers), not
+    its config: training on encoded shards then keeps the VAE's weights."""
+
+    def normalize_latents(self, latents: torch.Tensor, vae: nn.Module) -> torch.Tensor:
         """The VAE's latents as the denoiser reads them, in fp32: an AutoencoderKL's are centred by its
-        ``shift_factor`` (SD3's, Flux.1's) and scaled by its ``scaling_factor``."""
-        shift = vae_config.get("shift_factor") or 0.0
-        return (latents.float() - shift) * vae_config.scaling_factor
+        ``shift_factor`` (SD3's, Flux.1's) and scaled by its ``scaling_factor`` (its config's)."""
+        shift = vae.config.get("shift_factor") or 0.0
+        return (latents.float() - shift) * vae.config.scaling_factor
 
     def denoiser_shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
         """What the denoiser's shape takes from the latents it denoises."""
@@ -350,6 +355,11 @@ class ModelFamily:
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
         """The family's diffusers pipeline of these components."""
         raise NotImplementedError
+
+    def pipeline_from_folder(self, folder: str | Path, **kwargs: Any) -> Any:
+        """The family's pipeline diffusers loads from a pipeline folder (`kwargs`: from_pretrained's), given what
+        loading it needs (`pipeline_loading`) and sampling needs that the folder cannot carry (`prepare_pipeline`)."""
+        return self.prepare_pipeline(self.pipeline_class.from_pretrained(folder, **self.pipeline_loading, **kwargs))
 
     def prepare_pipeline(self, pipe: Any) -> Any:
         """`pipe` (the family's pipeline, assembled or loaded from a folder) with what its folder cannot carry and

@@ -31,10 +31,6 @@ from sdtrain.models.families.spec import ModelFamily, SingleFileLayout, construc
 from sdtrain.models.single_file import kohya
 from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY, layout_metadata, write_tensors
 
-# Qwen3-4B, the released text encoder (read as Qwen3Model: no language-model head).
-_QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                 num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,
-                 rms_norm_eps=1e-6, tie_word_embeddings=True, vocab_size=151936)
 # Z-Image's 6B transformer (Z-Image-Turbo's transformer/config.json; the caption width comes from the text
 # encoder, see denoiser_settings).
 _ZIMAGE = dict(all_patch_size=[2], all_f_patch_size=[1], dim=3840, n_layers=30, n_refiner_layers=2, n_heads=30,
@@ -54,7 +50,7 @@ _TINY_ZIMAGE = dict(all_patch_size=[2], all_f_patch_size=[1], dim=32, n_layers=2
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "tiny": {"vae": TINY_FLUX_VAE, "text_encoder": _TINY_TEXT, "transformer": _TINY_ZIMAGE, "scheduler": _SCHEDULER},
-    "z-image": {"vae": FLUX_VAE, "text_encoder": _QWEN3_4B, "transformer": _ZIMAGE, "scheduler": _SCHEDULER},
+    "z-image": {"vae": FLUX_VAE, "text_encoder": causal_lm.QWEN3_4B, "transformer": _ZIMAGE, "scheduler": _SCHEDULER},
 }
 
 
