@@ -33,6 +33,14 @@ TINY = [
 ]
 # A family's tests through the CLI: TINY in batches of 2, no validation previews and no evaluation unless asked.
 TINY_CLI = [*TINY, "data.batch_size=2", "validation.prompts=[]", "evaluation.every_samples=0"]
+# Each fine-tuning mode of a family's tests: its shared config and what makes two tiny steps change the model.
+FINE_TUNE_MODES = {
+    "lora": ("lora.yaml", ["lora.rank=4", "optim.lr=0.01"]),
+    "full": ("finetune-full.yaml", ["optim.lr=0.01", "optim.warmup_steps=0"]),
+    "dreambooth": ("dreambooth.yaml", ["dreambooth.instance_prompt=a sks shape", "dreambooth.class_prompt=a shape",
+                                       "dreambooth.num_class_images=2", "dreambooth.generation_steps=2",
+                                       "optim.lr=0.01", "optim.warmup_steps=0"]),
+}
 
 
 @pytest.fixture(scope="session")

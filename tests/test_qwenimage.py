@@ -20,19 +20,13 @@ from sdtrain.export import export_run
 from sdtrain.models import families
 from sdtrain.models.families import causal_lm
 
-from .conftest import TINY_CLI, config_path
+from .conftest import FINE_TUNE_MODES, TINY_CLI, config_path
 
 CONFIGS = config_path("diffusion.yaml").parents[1]
 QWEN = families.get("qwen-image")
 TEXT_LENGTH = 16
 COMMON = [*TINY_CLI, f"model.t5_text_length={TEXT_LENGTH}"]
-MODES = {
-    "lora": ("lora.yaml", ["lora.rank=4", "optim.lr=0.01"]),
-    "full": ("finetune-full.yaml", ["optim.lr=0.01", "optim.warmup_steps=0"]),
-    "dreambooth": ("dreambooth.yaml", ["dreambooth.instance_prompt=a sks shape", "dreambooth.class_prompt=a shape",
-                                       "dreambooth.num_class_images=2", "dreambooth.generation_steps=2",
-                                       "optim.lr=0.01", "optim.warmup_steps=0"]),
-}
+MODES = FINE_TUNE_MODES
 
 
 @pytest.fixture(scope="module")

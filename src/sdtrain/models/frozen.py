@@ -236,6 +236,17 @@ def fill_streamed(module: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]
     return [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
 
 
+def fill(module: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], precision: str) -> list[str]:
+    """Fill a module built with `parameters_on_meta` from (state-dict name, tensor) pairs, as a file in a family's
+    own layout is read: a frozen base in a `precision` other than fp32 stored low as they come
+    (`fill_streamed`), a trainable one in fp32 strictly, each tensor with storage of its own (`owned`: the parts of
+    a fused tensor are views of it). Returns the names no pair held."""
+    if precision != "fp32":
+        return fill_streamed(module, tensors, precision)
+    module.load_state_dict({key: owned(tensor) for key, tensor in tensors}, strict=True, assign=True)
+    return []
+
+
 def stored_bytes(module: nn.Module) -> tuple[int, int]:
     """The bytes of `module`'s linear weights stored low, and what they would take in fp32."""
     layers = [m for m in module.modules() if hasattr(m, "weight_stored")]

@@ -43,6 +43,25 @@ QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, 
 """Qwen3-4B (read as Qwen3Model: no language-model head), Z-Image's and Flux.2 klein-4B's text encoder."""
 
 
+class LanguageModelText:
+    """What a family conditioned on a causal language model takes from here, mixed in before ModelFamily: its one
+    tokenizer is a long-context one, whose captions default to the 512 tokens the pipelines read (Z-Image's,
+    Qwen-Image's, Flux.2's max_sequence_length), and a model trained from scratch learns a chat tokenizer."""
+
+    long_text_tokenizers = ("tokenizer",)
+
+    def long_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
+        return TEXT_LENGTH
+
+    def train_tokenizer(self, captions: list[str], out_dir: Path, vocab_size: int, max_length: int) -> Any:
+        return train_chat_tokenizer(captions, out_dir, vocab_size, max_length)
+
+
+TEXT_LENGTH = 512
+"""Tokens per templated caption when ``model.t5_text_length`` is unset (Qwen-Image's: after its dropped system
+turn)."""
+
+
 def chat_texts(tokenizer: Any, captions: list[str], thinking: bool = True) -> list[str]:
     """Each caption as the user turn of the tokenizer's chat template, the assistant's turn opened after it, as
     diffusers' Z-Image pipeline renders prompts (thinking left on: no empty think block) and Flux.2 klein's (off:

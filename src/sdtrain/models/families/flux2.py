@@ -33,8 +33,6 @@ from sdtrain.models.single_file import kohya
 SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give structured responses focusing on "
                   "object relationships, object\nattribution and actions without speculation.")
 """Flux2Pipeline's system turn (diffusers' flux2/system_messages.py, from Black Forest Labs' reference code)."""
-TEXT_LENGTH = 512
-"""Tokens per templated caption when ``model.t5_text_length`` is unset: the pipelines' max_sequence_length."""
 
 # Mistral-Small-3.1-24B's language tower (its text_config), read as MistralModel.
 _MISTRAL_SMALL_31 = dict(hidden_size=5120, intermediate_size=32768, num_hidden_layers=40, num_attention_heads=32,
@@ -147,14 +145,13 @@ def kohya_lora_state(layers: dict[str, kohya.LoraFactors], config: Any) -> dict[
     return out
 
 
-class Flux2(ModelFamily):
+class Flux2(causal_lm.LanguageModelText, ModelFamily):
     """Flux.2-dev."""
 
     name = "flux2"
     title = "Flux.2"
     components = {"vae": AutoencoderKLFlux2, "text_encoder": MistralModel, "transformer": Flux2Transformer2DModel}
     text_encoder_config = MistralConfig
-    long_text_tokenizers = ("tokenizer",)
     # diffusers' Flux.2 LoRA loader adapts the transformer alone.
     lora_text_encoders = ()
     denoiser = "transformer"
@@ -174,12 +171,6 @@ class Flux2(ModelFamily):
     # tower under language_model.model. (model.language_model. as transformers 5 names it).
     weight_prefixes = {"text_encoder": ("model.language_model.", "language_model.model.")}
     kohya_prefixes = {"transformer": kohya.PREFIX}
-
-    def long_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
-        return TEXT_LENGTH
-
-    def train_tokenizer(self, captions: list[str], out_dir: Path, vocab_size: int, max_length: int) -> Any:
-        return causal_lm.train_chat_tokenizer(captions, out_dir, vocab_size, max_length)
 
     def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
         conversations = [[{"role": "system", "content": [{"type": "text", "text": SYSTEM_MESSAGE}]},
@@ -301,7 +292,7 @@ class Flux2(ModelFamily):
 
     def _text_arguments(self, pipe: Any) -> dict[str, Any]:
         # The pipelines' layer defaults are the released depth's; a model of another depth names its own.
-        return {"max_sequence_length": min(pipe.tokenizer.model_max_length, TEXT_LENGTH),
+        return {"max_sequence_length": min(pipe.tokenizer.model_max_length, causal_lm.TEXT_LENGTH),
                 "text_encoder_out_layers": text_layers(pipe.text_encoder.config.get_text_config().num_hidden_layers)}
 
 

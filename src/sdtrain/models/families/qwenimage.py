@@ -39,9 +39,6 @@ TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shap
 PREFIX = TEMPLATE.split("{}")[0]
 """What the conditioning drops: the system turn and the user turn's header (34 tokens of the released tokenizer,
 the pipeline's ``prompt_template_encode_start_idx``)."""
-TEXT_LENGTH = 512
-"""Caption tokens (after the dropped prefix) when ``model.t5_text_length`` is unset: the pipeline's default
-max_sequence_length."""
 
 # Qwen2.5-VL-7B-Instruct's language tower (its text_config), read as Qwen2_5_VLTextModel.
 _QWEN25_VL_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -144,11 +141,7 @@ def load_transformer_file(path: str | Path, trust_pickle: bool | None = None, fr
         return module.eval()
     tensors = ((key[len(prefix):], file.floats([key])[key]) for key in keys)
     try:
-        if frozen_precision != "fp32":
-            missing = frozen.fill_streamed(module, tensors, frozen_precision)
-        else:
-            module.load_state_dict(dict(tensors), strict=True, assign=True)
-            missing = []
+        missing = frozen.fill(module, tensors, frozen_precision)
     except (RuntimeError, TypeError, ValueError) as exc:
         raise UserError(f"{file.path}: cannot load the Qwen-Image transformer ({first_line(exc)}); {fix}") from exc
     if missing:
@@ -179,12 +172,11 @@ class TransformerFile(SingleFileLayout):
                       layout_metadata(dict(transformer.config), "qwen-image", SHAPE_KEYS))
 
 
-class QwenImage(ModelFamily):
+class QwenImage(causal_lm.LanguageModelText, ModelFamily):
     name = "qwen-image"
     title = "Qwen-Image"
     components = {"vae": AutoencoderKLQwenImage, "text_encoder": Qwen2_5_VLTextModel,
                   "transformer": QwenImageTransformer2DModel}
-    long_text_tokenizers = ("tokenizer",)
     # diffusers' Qwen-Image LoRA loader adapts the transformer alone.
     lora_text_encoders = ()
     # Each channel has its own mean and deviation, in the VAE's config (latents_mean, latents_std); no VAE file
@@ -209,12 +201,6 @@ class QwenImage(ModelFamily):
     # Qwen's own module names are diffusers' (nothing fused): kohya's names are the paths, as diffusers' and
     # ComfyUI's Qwen-Image LoRA loaders read them.
     kohya_prefixes = {"transformer": "lora_unet_"}
-
-    def long_text_length(self, preset: str, denoiser_source: Any = None) -> int:
-        return TEXT_LENGTH
-
-    def train_tokenizer(self, captions: list[str], out_dir: Any, vocab_size: int, max_length: int) -> Any:
-        return causal_lm.train_chat_tokenizer(captions, out_dir, vocab_size, max_length)
 
     def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
         # The prefix is read by the language model but not kept: the mask marks what the conditioning keeps (the

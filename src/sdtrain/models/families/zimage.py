@@ -39,8 +39,6 @@ _ZIMAGE = dict(all_patch_size=[2], all_f_patch_size=[1], dim=3840, n_layers=30, 
 _SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
 TEXT_LAYER = -2
 """The hidden layer the transformer reads: the last decoder layer's input (ZImagePipeline's hidden_states[-2])."""
-TEXT_LENGTH = 512
-"""Tokens per templated caption when ``model.t5_text_length`` is unset: ZImagePipeline's max_sequence_length."""
 
 _TINY_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=16, max_position_embeddings=512)
@@ -267,13 +265,7 @@ def load_transformer_file(path: str | Path, trust_pickle: bool | None = None, fr
         return module.eval()
     tensors = iter_from_original([k[len(prefix):] for k in keys], lambda key: file.floats([prefix + key])[prefix + key])
     try:
-        if frozen_precision != "fp32":
-            missing = frozen.fill_streamed(module, tensors, frozen_precision)
-        else:
-            # Trainable: the parts of a fused qkv get storage of their own (frozen.owned).
-            state = {key: frozen.owned(tensor) for key, tensor in tensors}
-            module.load_state_dict(state, strict=True, assign=True)
-            missing = []
+        missing = frozen.fill(module, tensors, frozen_precision)
     except (RuntimeError, TypeError, ValueError) as exc:
         raise UserError(f"{file.path}: cannot load the Z-Image transformer ({first_line(exc)}); {fix}") from exc
     if missing:
@@ -302,12 +294,11 @@ class TransformerFile(SingleFileLayout):
         save_original(out, components["transformer"], half=half)
 
 
-class ZImage(ModelFamily):
+class ZImage(causal_lm.LanguageModelText, ModelFamily):
     name = "z-image"
     title = "Z-Image"
     latent_constants = {key: FLUX_VAE[key] for key in ("scaling_factor", "shift_factor")}
     components = {"vae": AutoencoderKL, "text_encoder": Qwen3Model, "transformer": ZImageTransformer2DModel}
-    long_text_tokenizers = ("tokenizer",)
     # diffusers' Z-Image LoRA loader adapts the transformer alone.
     lora_text_encoders = ()
     denoiser = "transformer"
@@ -325,12 +316,6 @@ class ZImage(ModelFamily):
     weight_prefixes = {"text_encoder": ("model.",)}
     # The transformer's adapters alone (no text encoder is adapted), named as the authors' modules: see LoRA files.
     kohya_prefixes = {"transformer": kohya.PREFIX}
-
-    def long_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
-        return TEXT_LENGTH
-
-    def train_tokenizer(self, captions: list[str], out_dir: Path, vocab_size: int, max_length: int) -> Any:
-        return causal_lm.train_chat_tokenizer(captions, out_dir, vocab_size, max_length)
 
     def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
         ids, mask = causal_lm.chat_tokens(tokenizer, captions)
