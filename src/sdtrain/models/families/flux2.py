@@ -134,15 +134,7 @@ def lora_module(path: str) -> tuple[str, int | None]:
 def kohya_lora_state(layers: dict[str, kohya.LoraFactors], config: Any) -> dict[str, torch.Tensor]:
     """The transformer's adapters (diffusers' module path -> factors) in kohya's keys (see above)."""
     width = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
-    groups: dict[str, dict[int | None, kohya.LoraFactors]] = {}
-    for path, factors in layers.items():
-        name, third = lora_module(path)
-        groups.setdefault(name, {})[third] = kohya.checked(path, factors)
-    out: dict[str, torch.Tensor] = {}
-    for name, parts in sorted(groups.items()):
-        factors = parts[None] if None in parts else kohya.fuse(name, ("q", "k", "v"), parts, (width,) * 3)
-        out.update(kohya.keys(name, factors))
-    return out
+    return kohya.grouped_keys(layers, lora_module, ("q", "k", "v"), (width,) * 3)
 
 
 class Flux2(causal_lm.LanguageModelText, ModelFamily):

@@ -181,15 +181,7 @@ def kohya_lora_state(layers: Mapping[str, kohya.LoraFactors], config: Mapping[st
     """The transformer's adapters (diffusers' module path -> factors) with its config -> kohya's keys in the
     authors' layout (see above). ValueError for factors that are no [rank, in] and [out, rank] pair, or a module
     the layout has no place for."""
-    groups: dict[str, dict[int | None, kohya.LoraFactors]] = {}
-    for path, factors in layers.items():
-        original, part = lora_module(path)
-        groups.setdefault(original, {})[part] = kohya.checked(path, factors)
-    out: dict[str, torch.Tensor] = {}
-    for original, parts in sorted(groups.items()):
-        factors = parts[None] if None in parts else kohya.fuse(original, _QKV, parts, _qkv_rows(config))
-        out.update(kohya.keys(original, factors))
-    return out
+    return kohya.grouped_keys(layers, lora_module, _QKV, _qkv_rows(config))
 
 
 def transformer_config(shapes: Mapping[str, tuple[int, ...]], metadata: Mapping[str, str],

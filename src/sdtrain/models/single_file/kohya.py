@@ -5,7 +5,7 @@ the delta its parts' adapters make."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -51,6 +51,22 @@ def fuse(original: str, parts: Sequence[str], present: Mapping[int, LoraFactors]
         downs.append(down.to(first_down.dtype))
         col += r
     return torch.cat(downs, dim=0), up, (common * rank if common is not None else float(rank))
+
+
+def grouped_keys(layers: Mapping[str, LoraFactors], locate: Callable[[str], tuple[str, int | None]],
+                 parts: Sequence[str], rows: Sequence[int]) -> dict[str, torch.Tensor]:
+    """kohya's keys of adapters named by their module path, `locate(path)` giving the module's name in the original
+    layout and which of a fused module's `parts` (of `rows` rows each) it is, None for a module of its own: the parts
+    of one fused module become one adapter (`fuse`)."""
+    groups: dict[str, dict[int | None, LoraFactors]] = {}
+    for path, factors in layers.items():
+        original, part = locate(path)
+        groups.setdefault(original, {})[part] = checked(path, factors)
+    out: dict[str, torch.Tensor] = {}
+    for original, present in sorted(groups.items()):
+        factors = present[None] if None in present else fuse(original, parts, present, rows)  # type: ignore[arg-type]
+        out.update(keys(original, factors))
+    return out
 
 
 def keys(original: str, factors: LoraFactors) -> dict[str, torch.Tensor]:
