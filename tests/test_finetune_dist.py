@@ -12,11 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
+from sdtrain.checkpoint import read_weights
 from sdtrain.cli.main import main
+from sdtrain.export import export_run
 from sdtrain.launch import RDZV_PORT
 
 from .conftest import TINY, config_path
@@ -150,19 +154,7 @@ LORA = ["lora.rank=2", "optim.lr=0.01", "data.resolution=64"]
 @pytest.mark.parametrize("mode,extra", [("lora", LORA), pytest.param("textual_inversion", TI, marks=pytest.mark.slow)])
 def test_two_gloo_ranks_fine_tune_like_one_process_at_the_same_global_batch(tmp_path, pretrained, shapes_dir,  # noqa: F811
                                                                            mode, extra):
-    steps = ["train.max_steps=3", "data.batch_size=2", *extra]
-    single = tmp_path / "single"
-    # One process, as tests/test_distributed.py compares full training: two loader workers feed two
-    # micro-batches of 2 per step, the data slots and noise streams of two ranks of 2 (data.batch_size=4 in
-    # one process would read other samples and draw other noise: both follow the micro-batch, not the sample).
-    assert main(["train", str(CONFIG), *_overrides(single, pretrained, shapes_dir, mode, *steps,
-                                                    "data.num_workers=2", "train.grad_accum=2")]) == 0
-    ranks = tmp_path / "ranks"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "sdtrain", "train", str(CONFIG), *_overrides(ranks, pretrained, shapes_dir, mode, *steps)]
-    result = _run(command, {**os.environ, "OMP_NUM_THREADS": "1"}, tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert _losses(ranks) == pytest.approx(_losses(single), rel=1e-5)
+    single, ranks = _single_and_two_ranks(tmp_path, pretrained, shapes_dir, mode, extra)
     expected = load_file(str(single / "checkpoints" / "step_00000003" / "model.safetensors"))
     got = load_file(str(ranks / "checkpoints" / "step_00000003" / "model.safetensors"))
     assert got.keys() == expected.keys()
@@ -180,3 +172,57 @@ def test_two_gloo_ranks_fine_tune_like_one_process_at_the_same_global_batch(tmp_
     # few Adam steps. A data or noise mix-up, or a gradient missing its average, is off by far more.
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=f"{mode} {key}")
+
+
+def _single_and_two_ranks(tmp_path: Path, base: Path, shapes_dir: Path, mode: str, extra: list[str],
+                          *ranks_only: str) -> tuple[Path, Path]:
+    """The same fine-tuning run, 3 steps, in one process and over two torchrun ranks (with `ranks_only` too), at
+    the same global batch."""
+    steps = ["train.max_steps=3", "data.batch_size=2", *extra]
+    single = tmp_path / "single"
+    # One process, as tests/test_distributed.py compares full training: two loader workers feed two
+    # micro-batches of 2 per step, the data slots and noise streams of two ranks of 2 (data.batch_size=4 in
+    # one process would read other samples and draw other noise: both follow the micro-batch, not the sample).
+    assert main(["train", str(CONFIG), *_overrides(single, base, shapes_dir, mode, *steps,
+                                                    "data.num_workers=2", "train.grad_accum=2")]) == 0
+    ranks = tmp_path / "ranks"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "sdtrain", "train", str(CONFIG), *_overrides(ranks, base, shapes_dir, mode, *steps, *ranks_only)]
+    result = _run(command, {**os.environ, "OMP_NUM_THREADS": "1"}, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    (ranks / "stderr.txt").write_text(result.stderr)
+    assert _losses(ranks) == pytest.approx(_losses(single), rel=1e-5)
+    return single, ranks
+
+
+@pytest.mark.dist
+# fp8 stores bits and per-row scales, both sharded as integer parameters; fp32 and bf16 run with the slow tests.
+@pytest.mark.parametrize("frozen", ["fp8", *(pytest.param(p, marks=pytest.mark.slow) for p in ("fp32", "bf16"))])
+def test_lora_under_fsdp_shards_the_frozen_base_and_trains_like_one_process(tmp_path, pretrained, shapes_dir,  # noqa: F811
+                                                                            frozen):
+    """A base too large for one device trains adapters over several: FSDP2 shards the frozen base with the adapters
+    (stored low too), the checkpoint is sharded, and the adapter files, the validation images (every rank running
+    the sharded base, the main one writing) and the export are those of one process."""
+    prompts = "validation.prompts=[a red circle]"
+    single, ranks = _single_and_two_ranks(tmp_path, pretrained, shapes_dir, "lora",
+                                          [*LORA, f"model.frozen_precision={frozen}", prompts],
+                                          "parallel.strategy=fsdp")
+    log = (ranks / "stderr.txt").read_text()
+    assert "FSDP2 shards the unet over 2 ranks" in log, log[-3000:]
+    expected_checkpoint = single / "checkpoints" / "step_00000003"
+    checkpoint = ranks / "checkpoints" / "step_00000003"
+    assert (checkpoint / "sharded").is_dir() and not (checkpoint / "model.safetensors").exists()
+    expected, got = read_weights(expected_checkpoint, "model"), read_weights(checkpoint, "model")
+    assert got.keys() == expected.keys() and all("lora_" in k for k in expected)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+    # The files a user loads, written by the main rank from the gathered adapters.
+    for name in ("pytorch_lora_weights.safetensors", "lora_kohya.safetensors"):
+        want, have = load_file(str(expected_checkpoint / name)), load_file(str(checkpoint / name))
+        assert have.keys() == want.keys(), name
+        for key in want:
+            torch.testing.assert_close(have[key], want[key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+    grid = np.asarray(Image.open(ranks / "samples" / "step_00000003.png"), dtype=np.float32)
+    want_grid = np.asarray(Image.open(single / "samples" / "step_00000003.png"), dtype=np.float32)
+    assert grid.shape == want_grid.shape and np.abs(grid - want_grid).mean() < 2.0
+    assert (export_run(ranks, tmp_path / "export") / "pytorch_lora_weights.safetensors").is_file()

@@ -192,6 +192,25 @@ def test_a_low_precision_layer_keeps_only_its_stored_bits_for_the_backward(preci
         assert layer(x).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "nf4"])
+def test_stored_bits_become_frozen_parameters_fsdp_shards_and_compute_the_same(precision):
+    """FSDP2 shards parameters and leaves buffers whole on every rank: under it the stored bits and scales become
+    frozen parameters, integers all (its mixed precision casts floating ones), and the layer computes the same."""
+    from sdtrain.models.frozen import as_parameters, store_frozen
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 4)).requires_grad_(False)
+    store_frozen(model, precision)
+    x = torch.randn(3, 128)
+    before = model(x)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert as_parameters(model) == buffers > 0 and not list(model.buffers())
+    stored = [p for name, p in model.named_parameters() if "weight_s" in name]
+    assert stored and all(not p.requires_grad and not p.dtype.is_floating_point for p in stored)
+    torch.testing.assert_close(model.float()(x), before, rtol=0, atol=0)
+    assert as_parameters(model) == 0  # once
+
+
 @pytest.mark.parametrize("precision", ["fp8", "nf4"])
 def test_a_frozen_base_loads_and_builds_a_tensor_at_a_time_into_what_storing_after_gives(pretrained, precision):
     """From a folder, the linear weights are stored low as they are read (a 12B transformer never exists in fp32);

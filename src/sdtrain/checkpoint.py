@@ -66,6 +66,15 @@ class Snapshot:
     ema: dict[str, torch.Tensor] | None
     optimizer: dict[str, Any]
 
+    def averaged(self, name: str) -> dict[str, torch.Tensor]:
+        """Module `name`'s trained tensors by their names in it: the EMA's where the run keeps one, else the raw
+        ones."""
+        prefix = name + "."
+        weights = {k[len(prefix):]: v for k, v in self.model.items() if k.startswith(prefix)}
+        if self.ema is not None:
+            weights |= {k[len(prefix):]: v for k, v in self.ema.items() if k.startswith(prefix)}
+        return weights
+
 
 # Frozen parameters inside a trained module (a LoRA'd UNet's base weights) are not the run's to save:
 # they come back from the module's pinned source, so a checkpoint is the size of what trains.

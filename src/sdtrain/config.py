@@ -636,7 +636,8 @@ class TrainConfig:
 class ParallelConfig:
     strategy: str = "ddp"
     """How several processes share the work: ``ddp`` (every rank holds the whole model) or ``fsdp``
-    (FSDP2, parameters sharded per block). A single process ignores it."""
+    (FSDP2, parameters sharded per block; under LoRA the frozen base too, so a base larger than one device trains
+    across several). A single process ignores it."""
     backend: str = "auto"
     """Collectives: ``auto`` (nccl on GPUs; ccl when Intel's bindings are installed, else gloo, on CPUs),
     ``nccl``, ``gloo`` or ``ccl``."""
@@ -822,9 +823,12 @@ class RunConfig:
                                            ("center_crop", self.data.center_crop, True)):
                     _check(value == wanted, f"data.{key}", f"dreambooth.cache_latents encodes each image once, from "
                            f"its centre crop: set data.{key}={str(wanted).lower()}, or dreambooth.cache_latents=false")
-        if self.mode in ("lora", "textual_inversion") or (self.mode == "dreambooth" and self.dreambooth.lora):
+        _check(self.model.offload_frozen is not True or self.parallel.strategy == "ddp", "model.offload_frozen",
+               "streams the whole frozen base from host memory, which parallel.strategy=fsdp shards across the ranks "
+               "instead: use one or the other")
+        if self.mode == "textual_inversion":
             _check(self.parallel.strategy == "ddp", "parallel.strategy",
-                   f"{self.mode} trains a small part of the model: use ddp (fsdp is for sharding whole models)")
+                   "textual_inversion trains a few vectors of a text encoder every rank holds whole: use ddp")
         for section in (self.diffusion, self.data, self.model, self.autoencoder, self.optim, self.ema, self.train,
                         self.parallel, self.checkpoint, self.logging, self.evaluation):
             section.validate()

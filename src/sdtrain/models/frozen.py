@@ -85,7 +85,9 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 def _bits(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`layer`'s stored bits and scale where its input is: streamed from the host when offloaded (models/offload.py)."""
     stream = getattr(layer, "weight_stream", None)
-    return (layer.weight_stored, layer.weight_scale) if stream is None else stream.fetch(layer)
+    stored, scale = (layer.weight_stored, layer.weight_scale) if stream is None else stream.fetch(layer)
+    # A scale held as its int32 bits (`as_parameters`) is read back as the fp32 it is.
+    return stored, scale if scale is None or scale.is_floating_point() else scale.view(torch.float32)
 
 
 class _FrozenLinear(torch.autograd.Function):
@@ -150,6 +152,26 @@ def store_frozen(module: nn.Module, precision: str) -> int:
                 and not layer.weight.is_meta:
             saved += _store(layer, layer.weight, precision)
     return saved
+
+
+def as_parameters(module: nn.Module) -> int:
+    """The stored bits and scales of `module`'s low-precision linear layers as frozen parameters instead of buffers,
+    for FSDP2, which shards a module's parameters across the ranks and leaves its buffers whole on every one. A scale
+    keeps its fp32 bits as int32: FSDP's mixed precision casts floating parameters for the all-gather (to bf16 when
+    training in bf16) and leaves integer ones as they are. Returns the bytes that became parameters."""
+    moved = 0
+    for layer in module.modules():
+        if not hasattr(layer, "weight_stored") or "weight_stored" not in layer._buffers:
+            continue
+        stored, scale = layer._buffers.pop("weight_stored"), layer._buffers.pop("weight_scale")
+        layer.weight_stored = nn.Parameter(stored, requires_grad=False)
+        moved += stored.numel() * stored.element_size()
+        if scale is None:
+            layer.register_buffer("weight_scale", None, persistent=False)
+        else:
+            layer.weight_scale = nn.Parameter(scale.float().view(torch.int32), requires_grad=False)
+            moved += scale.numel() * 4
+    return moved
 
 
 # --------------------------------------------------------------------------------------------------- building

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Callable, Iterator
 
 import torch
@@ -23,6 +24,9 @@ from torch.utils.checkpoint import checkpoint
 from sdtrain.config import ParallelConfig
 from sdtrain.distributed import Topology
 from sdtrain.models import families
+from sdtrain.models.frozen import as_parameters
+
+log = logging.getLogger(__name__)
 
 
 class DataParallel:
@@ -66,11 +70,19 @@ class DataParallel:
         mesh = init_device_mesh(self.device.type, (self.topology.world_size,))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
             else MixedPrecisionPolicy()
-        for module in task.parallel_modules().values():
+        for name, module in task.parallel_modules().items():
+            # A frozen base stored low (model.frozen_precision) is sharded with the rest: parameters, not buffers.
+            as_parameters(module)
             for block in shard_units(module):
                 fully_shard(block, mesh=mesh, mp_policy=policy)
             fully_shard(module, mesh=mesh, mp_policy=policy)
             self.sharded.append(module)
+            weights = [(p.numel() * p.element_size(), p.requires_grad) for p in module.parameters()]
+            total, frozen = sum(size for size, _ in weights), sum(size for size, trains in weights if not trains)
+            whole = sum(b.numel() * b.element_size() for b in module.buffers())
+            log.info("FSDP2 shards the %s over %d ranks: %.3g GiB of weights (%.3g GiB of them frozen), %.3g GiB per "
+                     "rank; %.3g GiB of buffers stay whole on every rank", name, self.topology.world_size,
+                     total / 2**30, frozen / 2**30, total / self.topology.world_size / 2**30, whole / 2**30)
 
     @contextlib.contextmanager
     def no_sync(self, skip: bool) -> Iterator[None]:

@@ -46,7 +46,10 @@ class FrozenStorage:
         """``model.frozen_precision`` as this run applies it: the planner's choice for ``auto``, and on resume
         the run's first choice."""
         self.offloads = model.offload_frozen is True
-        self._offload_planned = model.offload_frozen == "auto" and device.type == "cuda" and self.fixed != "fp32"
+        # FSDP shards the frozen base across the ranks instead of streaming it from the host.
+        sharded = config.parallel.strategy == "fsdp" and detect_topology().distributed
+        self._offload_planned = model.offload_frozen == "auto" and device.type == "cuda" and self.fixed != "fp32" \
+            and not sharded
 
     @property
     def needs_plan(self) -> bool:

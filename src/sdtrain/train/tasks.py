@@ -123,7 +123,9 @@ class Task:
         return False
 
     @torch.no_grad()
-    def validate(self, modules: dict[str, nn.Module], out: Path, batch: dict[str, Any] | None) -> Path | None:
+    def validate(self, modules: dict[str, nn.Module], out: Path | None, batch: dict[str, Any] | None) -> Path | None:
+        """Draw the validation images from `modules` and write them at `out`; with `out` None draw them only (a rank
+        helping the main one run a sharded model)."""
         return None
 
     def _check_resolution(self, vae: nn.Module) -> int:
@@ -558,7 +560,8 @@ class DiffusionTask(Task):
         return self.family.assemble(components, self.tokenizers, sampler_from(self.noise_scheduler, "euler"))
 
     @torch.no_grad()
-    def render(self, modules: dict[str, nn.Module], out: Path, prompts: list[str], labels: list[str]) -> Path:
+    def render(self, modules: dict[str, nn.Module], out: Path | None, prompts: list[str],
+               labels: list[str]) -> Path | None:
         """A grid of the prompts' images from the given trained modules and this task's frozen ones at `out`
         (RUN/samples/step_N.png), and each image beside it (step_N/000-<label>.png). They are what `sdtrain
         generate` draws from the run or its export with the validation settings (its defaults there) and the
@@ -576,6 +579,8 @@ class DiffusionTask(Task):
             images = sample_images(pipe, prompts, seed=val.seed, steps=settings["steps"],
                                    guidance=settings["guidance"], size=settings["size"],
                                    default_steps=settings["default_steps"])
+        if out is None:
+            return None
         save_images(images, labels, out.with_suffix(""))
         return save_grid(images, out, rows=max(1, len(prompts) // 4), labels=labels)
 

@@ -452,8 +452,7 @@ class Trainer:
         start = time.perf_counter()
         result: dict[str, Any] = {}
         if self.evaluator is not None:
-            # A pipeline needs whole modules on every rank.
-            with self.averaged_modules(capture(self.task.trainable, self.ema, None)) as modules:
+            with self.whole_modules() as modules:
                 result |= self.evaluator(self.task.pipeline(modules))
         if self.val_loss is not None:
             # A loss needs only forward passes, which sharded modules run as they train: no whole copy anywhere.
@@ -480,7 +479,26 @@ class Trainer:
                                 seed=cfg.seed, batch=cfg.batch, inception=cfg.inception, clip=cfg.clip,
                                 reference=cfg.reference, scheduler=cfg.scheduler, size=self.config.data.resolution,
                                 extra={"resolution": self.config.data.resolution})
+        if self.adapters_over_shards:  # every rank runs every forward of the sharded base, so draws every image
+            return Evaluator(prompts, settings, self.device)
         return Evaluator(prompts, settings, self.device, self.topology.rank, self.topology.world_size)
+
+    @property
+    def adapters_over_shards(self) -> bool:
+        """Whether adapters (or new vectors) train over a frozen base FSDP shards: no rank ever holds the whole
+        model, so sampling from it is a collective each rank runs in step, the same forwards on every rank."""
+        return bool(self.parallel.sharded) and any(is_partial(m) for m in self.task.trainable.values())
+
+    @contextlib.contextmanager
+    def whole_modules(self) -> Iterator[dict[str, nn.Module]]:
+        """Every rank enters: the averaged modules a pipeline samples from, whole on every rank, or over a sharded
+        frozen base the live sharded modules with their averaged weights in place."""
+        if self.adapters_over_shards:
+            with self.averaged_in_place() as modules:
+                yield modules
+        else:
+            with self.averaged_modules(capture(self.task.trainable, self.ema, None)) as modules:
+                yield modules
 
     def save(self) -> Path:
         if self.saved is not None and self.saved[0] == self.state.step:
@@ -505,8 +523,7 @@ class Trainer:
             if self.is_main:
                 self.checkpointer.save(self.state, ranks, snapshot,
                                        extra=self._trained_parts(snapshot, meta) if parts else None)
-        if self.is_main and snapshot is not None:
-            self.validate(snapshot)
+        self.validate(snapshot)
         barrier()
         self.saved = (self.state.step, path)
         return path
@@ -516,8 +533,9 @@ class Trainer:
         writes from that checkpoint (not its merged pipeline/), by the same function and from the same weights,
         the EMA ones where the run keeps an EMA (export's default)."""
         def write(folder: Path) -> list[Path]:
-            with self.averaged_modules(snapshot) as modules:
-                return save_trained_parts(modules, meta, folder)
+            # From the snapshot's whole tensors, never through the live modules: under FSDP theirs are shards.
+            return save_trained_parts(self.task.trainable, meta, folder,
+                                      {name: snapshot.averaged(name) for name in self.task.trainable})
 
         return write
 
@@ -532,10 +550,7 @@ class Trainer:
         swapped: list[tuple[nn.Module, dict[str, torch.Tensor], bool]] = []
         try:
             for name, module in self.task.trainable.items():
-                prefix = name + "."
-                weights = {k[len(prefix):]: v for k, v in snapshot.model.items() if k.startswith(prefix)}
-                if snapshot.ema is not None:
-                    weights |= {k[len(prefix):]: v for k, v in snapshot.ema.items() if k.startswith(prefix)}
+                weights = snapshot.averaged(name)
                 if not is_partial(module):
                     # Weights trained in bf16 (optim.weights) sample in fp32, as exports do.
                     modules[name] = instantiate_with(module_spec(module), weights).float().to(self.device).eval()
@@ -580,12 +595,20 @@ class Trainer:
             for name, module in modules.items():
                 module.train(training[name])
 
-    def validate(self, snapshot: Snapshot) -> None:
+    def validate(self, snapshot: Snapshot | None) -> None:
+        """Every rank calls it; the main rank draws the validation images from `snapshot` and writes them, or over a
+        sharded frozen base every rank draws them (see `adapters_over_shards`) and the main rank writes them."""
         if not self.task.validates(self.last_batch):
             return
         out = self.run_dir / "samples" / f"step_{self.state.step:08d}.png"
-        with self.averaged_modules(snapshot) as modules:
-            path = self.task.validate(modules, out, self.last_batch)
+        if self.adapters_over_shards:
+            with self.averaged_in_place() as modules:
+                path = self.task.validate(modules, out if self.is_main else None, self.last_batch)
+        elif self.is_main and snapshot is not None:
+            with self.averaged_modules(snapshot) as modules:
+                path = self.task.validate(modules, out, self.last_batch)
+        else:
+            return
         if path is not None:
             log.info("validation images: %s", path)
             self.logger.image("validation", path, self.state.step)
