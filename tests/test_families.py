@@ -13,6 +13,7 @@ from sdtrain.distributed import Topology
 from sdtrain.errors import UserError
 from sdtrain.models import build, families
 from sdtrain.models.families.flux import FLUX
+from sdtrain.models.families.flux2 import FLUX2, FLUX2_KLEIN
 from sdtrain.models.families.sd import SD
 from sdtrain.models.families.sd3 import SD3
 from sdtrain.models.families.sdxl import SDXL
@@ -152,8 +153,17 @@ def test_a_pretrained_model_is_recognised_from_its_files(pretrained, tmp_path):
     # Black Forest Labs' files hold the transformer alone; ComfyUI's all-in-one files put it under a prefix.
     for name, prefix in (("flux", ""), ("flux-comfy", "model.diffusion_model.")):
         flux = tmp_path / f"{name}.safetensors"
-        save_file({f"{prefix}double_blocks.0.img_attn.norm.key_norm.scale": torch.ones(2)}, str(flux))
+        save_file({f"{prefix}double_blocks.0.img_attn.norm.key_norm.scale": torch.ones(2),
+                   f"{prefix}vector_in.in_layer.weight": torch.ones(2)}, str(flux))
         assert families.detect(flux) is FLUX
+        # Flux.2's blocks have the same names; its shared modulations and no pooled vector tell it (and klein, which
+        # has no guidance embedding, from dev).
+        for guidance, family in ((True, FLUX2), (False, FLUX2_KLEIN)):
+            flux2 = tmp_path / f"{name}-2-{guidance}.safetensors"
+            save_file({f"{prefix}double_blocks.0.img_attn.norm.key_norm.scale": torch.ones(2),
+                       f"{prefix}double_stream_modulation_img.lin.weight": torch.ones(2),
+                       **({f"{prefix}guidance_in.in_layer.weight": torch.ones(2)} if guidance else {})}, str(flux2))
+            assert families.detect(flux2) is family
     for cls, family in (("FluxPipeline", FLUX), ("StableDiffusion3Pipeline", SD3)):
         folder = tmp_path / cls
         folder.mkdir()

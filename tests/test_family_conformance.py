@@ -236,7 +236,8 @@ def test_its_lora_file_loads_whole_through_the_pipelines_own_loader(tiny, tmp_pa
     # Random ups as well as downs (peft starts the ups at zero), so every adapter changes its layer.
     add_lora(adapted, {"r": 2, "lora_alpha": 4, "target_modules": LoraConfig().target_modules,
                        "init_lora_weights": False}, "lora.target_modules")
-    save_lora({tiny.family.denoiser: adapted}, tmp_path / "lora", tiny.family)
+    save_lora({tiny.family.denoiser: adapted}, {tiny.family.denoiser: adapted.state_dict()}, tmp_path / "lora",
+              tiny.family)
     pipe = tiny.family.pipeline_class.from_pretrained(tmp_path / "pipeline", local_files_only=True)
     pipe.load_lora_weights(tmp_path / "lora")
     pipe.fuse_lora()

@@ -181,6 +181,47 @@ def test_klein_full_fine_tuning_exports_what_diffusers_loads_and_changes_the_ima
     assert families.detect(out) is KLEIN
     assert np.abs(_image(_pipeline(KLEIN, out)) - _image(_pipeline(KLEIN, released_klein))).max() > 1e-4
 
+    # The transformer alone in Black Forest Labs' layout, as flux-2-klein-*.safetensors and ComfyUI hold it: diffusers'
+    # own single-file loader reads it into the trained weights, sdtrain tells klein from dev by it and trains on it.
+    from diffusers import Flux2Transformer2DModel
+
+    single = tmp_path / "klein.safetensors"
+    assert main(["export", str(run), str(single), "--single-file"]) == 0
+    keys = list(load_file(str(single)))
+    assert {"double_blocks.0.img_attn.qkv.weight", "double_blocks.0.txt_attn.norm.query_norm.scale",
+            "single_blocks.1.linear1.weight", "final_layer.adaLN_modulation.1.weight"} <= set(keys)
+    assert not any(k.startswith(("guidance_in.", "transformer_blocks.")) for k in keys)
+    assert families.detect(single) is KLEIN
+    trained = Flux2Transformer2DModel.from_pretrained(out, subfolder="transformer").state_dict()
+    read = Flux2Transformer2DModel.from_single_file(str(single), config=str(out), subfolder="transformer",
+                                                    local_files_only=True).state_dict()
+    assert read.keys() == trained.keys() and all(torch.equal(read[k], trained[k]) for k in trained)
+    assert main(_lora(tmp_path / "lora", released_klein, shapes_dir, 1, f"model.transformer={single}",
+                      "model.frozen_precision=fp8")) == 0
+
+
+@pytest.mark.parametrize("family", [DEV, KLEIN])
+def test_bfl_files_read_through_diffusers_conversion_into_the_model_and_tell_dev_from_klein(family):
+    from diffusers import Flux2Transformer2DModel
+
+    from sdtrain.models.families.flux2 import bfl_config, from_bfl, to_bfl
+
+    torch.manual_seed(0)
+    model = Flux2Transformer2DModel(**family.presets["tiny"]["transformer"], in_channels=128, joint_attention_dim=96)
+    state = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    original = to_bfl(state)
+    back = {key: value for k, v in original.items() for key, value in from_bfl(k, v).items()}
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    shapes = {k: tuple(v.shape) for k, v in original.items()}
+    config = bfl_config(shapes, {"transformer_config": json.dumps({"axes_dims_rope": [4, 4, 4, 4]})})
+    rebuilt = Flux2Transformer2DModel(**config).config
+    assert {k: v for k, v in rebuilt.items() if not k.startswith("_")} == {
+        k: v for k, v in model.config.items() if not k.startswith("_") and k != "rope_theta"} | {"rope_theta": 2000}
+    for prefix in ("", "model.diffusion_model."):
+        assert families.family_of_keys([prefix + k for k in original]) is family
+    with pytest.raises(ValueError, match="RoPE axes"):  # the released axes do not fit a tiny model's heads
+        bfl_config({k: tuple(v.shape) for k, v in original.items()}, {})
+
 
 def test_encoded_shards_keep_the_autoencoder_for_its_statistics_and_train(tmp_path, released_dev, shapes_dir):
     """The latents are stored patchified (128 channels at 1/16 the side); training on them keeps the small

@@ -120,9 +120,9 @@ def family_of_keys(keys: list[str]) -> ModelFamily | None:
     """The family whose single-file layout a file's tensor `keys` are in; None: no family's."""
     # SDXL and SD3 files hold SD's VAE (and SDXL its UNet) prefixes too: the most specific keys decide.
     for candidate in FAMILIES.values():
-        if candidate is not SD and any(key.startswith(candidate.single_file_keys) for key in keys):
+        if candidate is not SD and candidate.holds_file(keys):
             return candidate
-    return SD if any(key.startswith(SD.single_file_keys) for key in keys) else None
+    return SD if SD.holds_file(keys) else None
 
 
 def detect(source: str | Path) -> ModelFamily:

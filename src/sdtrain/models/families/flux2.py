@@ -16,11 +16,14 @@ target.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
+from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from torch import nn
 from transformers import AutoTokenizer, MistralConfig, MistralModel, Qwen3Config, Qwen3Model
@@ -28,7 +31,9 @@ from transformers import AutoTokenizer, MistralConfig, MistralModel, Qwen3Config
 from sdtrain.models.families import causal_lm
 from sdtrain.models.families.autoencoder import TINY_VAE, vae_blocks
 from sdtrain.models.families.spec import ModelFamily, construct
+from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
 from sdtrain.models.single_file import kohya
+from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY
 
 SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give structured responses focusing on "
                   "object relationships, object\nattribution and actions without speculation.")
@@ -137,11 +142,135 @@ def kohya_lora_state(layers: dict[str, kohya.LoraFactors], config: Any) -> dict[
     return kohya.grouped_keys(layers, lora_module, ("q", "k", "v"), (width,) * 3)
 
 
+# --------------------------------------------------------------------------------------------------- single files
+# The transformer alone in Black Forest Labs' layout (flux2-dev.safetensors, flux-2-klein-*.safetensors: ComfyUI's
+# diffusion_models/ files), bare or under ComfyUI's ``model.diffusion_model.``. It fuses each double block's q, k and
+# v into one ``qkv`` (its text stream's too), names the norms' weights ``scale`` and keeps the final modulation's
+# rows as (shift, scale) where diffusers has (scale, shift). Reading is diffusers' own conversion
+# (convert_flux2_transformer_checkpoint_to_diffusers), applied a tensor at a time; writing is its inverse. The sizes
+# come from the tensors, the other settings (RoPE axes and theta, the norms' eps) from what a file sdtrain writes
+# carries under LAYOUT_CONFIG_KEY, else the released models'. dev holds a guidance embedding, klein none.
+
+BFL_PREFIXES = ("model.diffusion_model.", "")
+BFL_MARK = "double_stream_modulation_img.lin.weight"
+"""A key only Flux.2's original layout holds."""
+SHAPE_KEYS = frozenset({"in_channels", "out_channels", "num_layers", "num_single_layers", "attention_head_dim",
+                        "num_attention_heads", "joint_attention_dim", "timestep_guidance_channels", "mlp_ratio",
+                        "guidance_embeds"})
+_BFL_TOP = {"x_embedder": "img_in", "context_embedder": "txt_in",
+            "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
+            "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
+            "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+            "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+            "double_stream_modulation_img.linear": "double_stream_modulation_img.lin",
+            "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
+            "single_stream_modulation.linear": "single_stream_modulation.lin", "proj_out": "final_layer.linear",
+            "norm_out.linear": "final_layer.adaLN_modulation.1"}
+_BFL_DOUBLE = {"attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
+               "attn.norm_added_q": "txt_attn.norm.query_norm", "attn.norm_added_k": "txt_attn.norm.key_norm",
+               "attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj", "ff.linear_in": "img_mlp.0",
+               "ff.linear_out": "img_mlp.2", "ff_context.linear_in": "txt_mlp.0", "ff_context.linear_out": "txt_mlp.2"}
+_BFL_SINGLE = {"attn.to_qkv_mlp_proj": "linear1", "attn.to_out": "linear2", "attn.norm_q": "norm.query_norm",
+               "attn.norm_k": "norm.key_norm"}
+_BFL_QKV = {("to_q", "to_k", "to_v"): "img_attn.qkv", ("add_q_proj", "add_k_proj", "add_v_proj"): "txt_attn.qkv"}
+
+
+def bfl_prefix(keys: Iterable[str]) -> str | None:
+    """The prefix a file holds Flux.2's transformer under in BFL's layout, None when it holds none."""
+    keys = set(keys)
+    return next((prefix for prefix in BFL_PREFIXES if prefix + BFL_MARK in keys), None)
+
+
+def to_bfl(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Flux2Transformer2DModel state dict -> BFL's keys (no prefix); ValueError for a key with no place there."""
+    state, out = dict(state), {}
+    for key in [k for k in state if k.startswith("transformer_blocks.")]:
+        block, rest = key.split(".", 2)[1], key.split(".", 2)[2]
+        module, end = rest.rsplit(".", 1)
+        fused = next((parts for parts in _BFL_QKV if module in (f"attn.{p}" for p in parts)), None)
+        if fused is not None:
+            if module == f"attn.{fused[0]}":
+                out[f"double_blocks.{block}.{_BFL_QKV[fused]}.{end}"] = torch.cat(
+                    [state.pop(f"transformer_blocks.{block}.attn.{part}.{end}") for part in fused])
+        elif module in _BFL_DOUBLE:
+            out[f"double_blocks.{block}.{_BFL_DOUBLE[module]}.{_bfl_end(module, end)}"] = state.pop(key)
+    for key in list(state):
+        module, end = key.rsplit(".", 1)
+        if module.startswith("single_transformer_blocks."):
+            _, block, inner = module.split(".", 2)
+            if inner in _BFL_SINGLE:
+                out[f"single_blocks.{block}.{_BFL_SINGLE[inner]}.{_bfl_end(inner, end)}"] = state.pop(key)
+        elif module in _BFL_TOP:
+            tensor = state.pop(key)
+            if module == "norm_out.linear":  # (scale, shift) -> (shift, scale)
+                scale, shift = tensor.chunk(2)
+                tensor = torch.cat([shift, scale])
+            out[f"{_BFL_TOP[module]}.{end}"] = tensor
+    if state:
+        raise ValueError(f"{len(state)} weights have no place in Flux.2's original layout (e.g. {next(iter(state))})")
+    return out
+
+
+def _bfl_end(module: str, end: str) -> str:
+    return "scale" if module.rsplit(".", 1)[-1].startswith("norm") and end == "weight" else end
+
+
+def from_bfl(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One tensor under BFL's `key` (no prefix) -> its diffusers tensors, by diffusers' own conversion."""
+    return convert_flux2_transformer_checkpoint_to_diffusers({key: tensor})
+
+
+def bfl_config(shapes: Mapping[str, tuple[int, ...]], metadata: Mapping[str, str]) -> dict[str, Any]:
+    """The Flux2Transformer2DModel settings of a file's transformer (`shapes`: its BFL keys, no prefix)."""
+    def need(key: str) -> tuple[int, ...]:
+        if key not in shapes:
+            raise ValueError(f"no {key}")
+        return tuple(shapes[key])
+
+    def count(name: str) -> int:
+        return len({key.split(".")[1] for key in shapes if key.startswith(name + ".")})
+
+    settings = {**{k: v for k, v in _DEV.items() if k not in SHAPE_KEYS},
+                **json.loads(metadata.get(LAYOUT_CONFIG_KEY) or "{}")}
+    width, channels = need("img_in.weight")
+    layers, single = count("double_blocks"), count("single_blocks")
+    head = need("double_blocks.0.img_attn.norm.query_norm.scale" if layers else
+                "single_blocks.0.norm.query_norm.scale")[0]
+    mlp = need("double_blocks.0.img_mlp.2.weight")[1] if layers else need("single_blocks.0.linear2.weight")[1] - width
+    patch = int(settings.get("patch_size", 1))
+    if sum(settings["axes_dims_rope"]) != head:
+        # The RoPE axes split a head between them: any other sum fails at the first forward.
+        raise ValueError(f"RoPE axes {settings['axes_dims_rope']} do not add up to the {head}-wide heads; a file of "
+                         f"another head width must say its axes in the metadata {LAYOUT_CONFIG_KEY}")
+    out_channels = need("final_layer.linear.weight")[0] // (patch * patch)
+    # diffusers' default (None) is in_channels: said only when different, as a config folder says it.
+    return {**{k: v for k, v in settings.items() if k not in SHAPE_KEYS}, "in_channels": channels,
+            "out_channels": out_channels if out_channels != channels else None, "num_layers": layers,
+            "num_single_layers": single, "attention_head_dim": head, "num_attention_heads": width // head,
+            "joint_attention_dim": need("txt_in.weight")[1],
+            "timestep_guidance_channels": need("time_in.in_layer.weight")[1], "mlp_ratio": mlp / width,
+            "guidance_embeds": "guidance_in.in_layer.weight" in shapes}
+
+
+def load_transformer_file(path: str | Path, trust_pickle: bool | None = None, frozen_precision: str = "fp32",
+                          weights: bool = True) -> Flux2Transformer2DModel:
+    """A Flux2Transformer2DModel, in fp32 (or its linear weights stored in `frozen_precision`), from a file of the
+    transformer alone in BFL's layout, a tensor at a time: a 64 GB bf16 file stored in NF4 never exists in fp32.
+    Without `weights`, only the header is read."""
+    return read_transformer_file(
+        path, trust_pickle, title="Flux.2", cls=Flux2Transformer2DModel, mark=BFL_MARK, prefix_of=bfl_prefix,
+        settings_of=bfl_config, convert=lambda key, tensor: from_bfl(key, tensor).items(),
+        frozen_precision=frozen_precision, weights=weights,
+        fix="pass a Flux.2 transformer file (flux2-dev.safetensors, flux-2-klein-*.safetensors, or `sdtrain export "
+            "--single-file` of a Flux.2 run) or a diffusers transformer folder")
+
+
 class Flux2(causal_lm.LanguageModelText, ModelFamily):
     """Flux.2-dev."""
 
     name = "flux2"
     title = "Flux.2"
+    guidance_distilled = True
     components = {"vae": AutoencoderKLFlux2, "text_encoder": MistralModel, "transformer": Flux2Transformer2DModel}
     text_encoder_config = MistralConfig
     # diffusers' Flux.2 LoRA loader adapts the transformer alone.
@@ -163,6 +292,17 @@ class Flux2(causal_lm.LanguageModelText, ModelFamily):
     # tower under language_model.model. (model.language_model. as transformers 5 names it).
     weight_prefixes = {"text_encoder": ("model.language_model.", "language_model.model.")}
     kohya_prefixes = {"transformer": kohya.PREFIX}
+    # BFL's release file (see above): the transformer alone.
+    single_file = TransformerAlone(
+        load_transformer_file, to_bfl, lambda config: "flux2" if config["guidance_embeds"] else "flux2-klein",
+        SHAPE_KEYS, description="The {title} transformer alone, in one file in Black Forest Labs' layout",
+        comfyui="put `{name}` in `ComfyUI/models/diffusion_models/` and load it with Load Diffusion Model, beside the "
+                "model's own text encoder (Load CLIP, type flux2) and `flux2-vae` (Load VAE) files.")
+
+    def holds_file(self, keys: list[str]) -> bool:
+        # dev's transformer embeds the guidance, klein's does not: the same layout otherwise.
+        prefix = bfl_prefix(keys)
+        return prefix is not None and (prefix + "guidance_in.in_layer.weight" in keys) == self.guidance_distilled
 
     def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
         conversations = [[{"role": "system", "content": [{"type": "text", "text": SYSTEM_MESSAGE}]},
@@ -293,6 +433,7 @@ class Flux2Klein(Flux2):
 
     name = "flux2-klein"
     title = "Flux.2 klein"
+    guidance_distilled = False
     components = {"vae": AutoencoderKLFlux2, "text_encoder": Qwen3Model, "transformer": Flux2Transformer2DModel}
     text_encoder_config = Qwen3Config
     pipeline_class = Flux2KleinPipeline

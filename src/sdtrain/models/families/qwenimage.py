@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,11 @@ from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from torch import nn
 from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
-from sdtrain.errors import UserError, first_line
-from sdtrain.models import frozen, single_file
 from sdtrain.models.families import causal_lm
 from sdtrain.models.families.patches import pack, unpack
-from sdtrain.models.families.spec import ModelFamily, SingleFileLayout, construct
-from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY, layout_metadata, write_tensors
+from sdtrain.models.families.spec import ModelFamily, construct
+from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
+from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY
 
 TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
             "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
@@ -122,54 +121,12 @@ def transformer_config(shapes: Mapping[str, tuple[int, ...]], metadata: Mapping[
 def load_transformer_file(path: str | Path, trust_pickle: bool | None = None, frozen_precision: str = "fp32",
                           weights: bool = True) -> QwenImageTransformer2DModel:
     """A QwenImageTransformer2DModel, in fp32 (or its linear weights stored in `frozen_precision`), from a file of
-    the transformer alone; built on the meta device and filled a tensor at a time. Without `weights`, only the
-    header is read."""
-    file = single_file.open_file(path, trust_pickle)
-    prefix = prefix_of(file.shapes)
-    fix = ("pass a Qwen-Image transformer file (ComfyUI's qwen_image_*.safetensors, or `sdtrain export "
-           "--single-file` of a Qwen-Image run) or a diffusers transformer folder")
-    if prefix is None:
-        raise UserError(f"{file.path}: holds no Qwen-Image transformer ({MARK}); {fix}")
-    keys = [k for k in file.shapes if k.startswith(prefix)]
-    try:
-        config = transformer_config({k[len(prefix):]: file.shapes[k] for k in keys}, file.metadata)
-    except ValueError as exc:
-        raise UserError(f"{file.path}: cannot read it as a Qwen-Image transformer ({first_line(exc)}); {fix}") from exc
-    with frozen.parameters_on_meta():
-        module = construct(QwenImageTransformer2DModel, "transformer_overrides", config)
-    if not weights:
-        return module.eval()
-    tensors = ((key[len(prefix):], file.floats([key])[key]) for key in keys)
-    try:
-        missing = frozen.fill(module, tensors, frozen_precision)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise UserError(f"{file.path}: cannot load the Qwen-Image transformer ({first_line(exc)}); {fix}") from exc
-    if missing:
-        raise UserError(f"{file.path}: the Qwen-Image transformer lacks {len(missing)} weights (e.g. {missing[0]}); "
-                        "the file is incomplete")
-    return module.eval()
-
-
-class TransformerFile(SingleFileLayout):
-    """The transformer alone, as ComfyUI's diffusion_models/ file holds it (see above); the autoencoder, text encoder
-    and tokenizer are loaded separately, as ComfyUI and diffusers' from_single_file load them. bf16 with ``--half``,
-    the released dtype."""
-
-    holds = ("transformer",)
-    half_dtype = "bf16"
-    description = "The {title} transformer alone, in one file as ComfyUI loads it"
-    comfyui = ("put `{name}` in `ComfyUI/models/diffusion_models/` and load it with Load Diffusion Model, beside "
-               "Qwen-Image's Qwen2.5-VL text encoder (Load CLIP, type qwen_image) and its VAE (Load VAE).")
-
-    def load(self, name: str, path: Path, *, trust_pickle: bool | None, frozen_precision: str, weights: bool,
-             latent_constants: Callable[[], dict[str, float | None]]) -> nn.Module:
-        return load_transformer_file(path, trust_pickle, frozen_precision=frozen_precision, weights=weights)
-
-    def write(self, out: Path, components: dict[str, nn.Module], *, half: bool, scheduler: Any,
-              text_layout: str, text_source: str | Path | None) -> None:
-        transformer = components["transformer"]
-        write_tensors(out, transformer.state_dict(), torch.bfloat16 if half else torch.float32,
-                      layout_metadata(dict(transformer.config), "qwen-image", SHAPE_KEYS))
+    the transformer alone (its keys are the model's own); without `weights`, only the header is read."""
+    return read_transformer_file(
+        path, trust_pickle, title="Qwen-Image", cls=QwenImageTransformer2DModel, mark=MARK, prefix_of=prefix_of,
+        settings_of=transformer_config, frozen_precision=frozen_precision, weights=weights,
+        fix="pass a Qwen-Image transformer file (ComfyUI's qwen_image_*.safetensors, or `sdtrain export "
+            "--single-file` of a Qwen-Image run) or a diffusers transformer folder")
 
 
 class QwenImage(causal_lm.LanguageModelText, ModelFamily):
@@ -188,7 +145,12 @@ class QwenImage(causal_lm.LanguageModelText, ModelFamily):
     pipeline_class = QwenImagePipeline
     pipeline_names = ("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
     single_file_keys = tuple(prefix + MARK for prefix in PREFIXES)
-    single_file = TransformerFile()
+    # The transformer alone, as ComfyUI's diffusion_models/ file holds it (see above), its keys the model's own.
+    single_file = TransformerAlone(
+        load_transformer_file, dict, lambda config: "qwen-image", SHAPE_KEYS,
+        description="The {title} transformer alone, in one file as ComfyUI loads it",
+        comfyui="put `{name}` in `ComfyUI/models/diffusion_models/` and load it with Load Diffusion Model, beside "
+                "Qwen-Image's Qwen2.5-VL text encoder (Load CLIP, type qwen_image) and its VAE (Load VAE).")
     # ComfyUI's Qwen-Image key map reads the diffusers file's ``transformer.`` names as well as kohya's.
     comfyui_reads_diffusers_lora = True
     # The autoencoder lists no blocks: its causal convolutions carry a frame cache from call to call, which

@@ -155,6 +155,11 @@ class ModelFamily:
                             f"{', '.join(self.presets)} (or set model.family)")
         return copy.deepcopy(self.presets[preset][component])
 
+    def holds_file(self, keys: list[str]) -> bool:
+        """Whether a single file whose tensors are `keys` holds this family's model in its original layout: by
+        default, a key under one of `single_file_keys`."""
+        return any(key.startswith(self.single_file_keys) for key in keys) if self.single_file_keys else False
+
     def file_scheduler(self, keys: list[str]) -> dict[str, Any] | None:
         """The training schedule a single file of this family's was released with, told from its tensor `keys`;
         None: the preset's."""
