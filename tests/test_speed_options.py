@@ -324,3 +324,43 @@ def test_a_save_without_validation_builds_no_second_model(tmp_path, shapes_dir, 
     # One module per trained component (this config trains the text encoder too), sharing the saved tensors.
     assert sorted(spec["class"] for spec, _ in built) == ["CLIPTextModel", "UNet2DConditionModel"]
     assert (tmp_path / "grid" / "samples").is_dir()
+
+
+@pytest.mark.parametrize(("bf16", "expected"), [(True, "bf16"), (False, "fp32")])
+def test_a_model_sharded_as_it_reaches_the_device_is_not_measured_before_its_first_step(monkeypatch, bf16, expected):
+    """Under FSDP on GPUs the denoiser waits in host memory until sharding moves each block's shard to its GPU: no
+    step can run on the whole model first, so auto precision is the device's bf16 (fp32 without it) and auto
+    checkpointing is on, neither measured; what the config sets is kept."""
+    from sdtrain.config import RunConfig
+
+    class Staged:
+        def staged_on_host(self):
+            return True
+
+    monkeypatch.setattr(autotune, "bf16_supported", lambda device: bf16)
+    monkeypatch.setattr(autotune, "_record", lambda *_: pytest.fail("a step ran on the staged model"))
+    monkeypatch.setattr(autotune, "measured_precision", lambda *_: pytest.fail("a precision was timed"))
+    config = RunConfig()
+    tuning = autotune._decide(config, Staged(), False, None, torch.device("cpu"), 1, 0)
+    assert (tuning.precision, tuning.checkpointing) == (expected, True)
+    assert "not measured" in tuning.precision_source
+    config.train.gradient_checkpointing, config.train.mixed_precision = False, "fp32"
+    tuning = autotune._decide(config, Staged(), False, None, torch.device("cpu"), 1, 0)
+    assert (tuning.precision, tuning.checkpointing, tuning.precision_source) == ("fp32", False, "config")
+
+
+def test_only_the_denoiser_fsdp_shards_on_gpus_waits_in_host_memory(monkeypatch):
+    from sdtrain.config import RunConfig
+    from sdtrain.models.families.flux2 import FLUX2
+    from sdtrain.train.storage import FrozenStorage
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    config = RunConfig()
+    config.parallel.strategy = "fsdp"
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    staged = FrozenStorage(config, cuda, FLUX2, lambda name: True, {})
+    assert staged.stages("transformer") and not staged.stages("vae") and not staged.stages("text_encoder")
+    assert not FrozenStorage(config, cpu, FLUX2, lambda name: True, {}).stages("transformer")  # already there
+    config.parallel.strategy = "ddp"
+    assert not FrozenStorage(config, cuda, FLUX2, lambda name: True, {}).stages("transformer")

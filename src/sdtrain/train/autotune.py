@@ -365,14 +365,22 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
     previous = (resumed_meta or {}).get("tuning")
     if requested == "bf16" and not bf16_supported(device):
         raise UserError("train.mixed_precision: this GPU has no bf16; use fp32 or auto")
+    # A model that reaches the device only sharded (task.staged_on_host) runs no step before: bf16 where the device
+    # has it, and checkpointing, which keeps a base larger than one device within it, unless the config says.
+    staged = task.staged_on_host()
+    defaulted = staged and requested == "auto" and previous is None
+    if defaulted:
+        requested = "bf16" if bf16_supported(device) else "fp32"
     measure_precision = requested == "auto" and previous is None and bf16_supported(device)
-    measure_memory = config.train.gradient_checkpointing == "auto"
+    measure_memory = config.train.gradient_checkpointing == "auto" and not staged
     start = time.perf_counter()
     loaded_peak = own_peak_bytes()  # before the layer pass below adds its own
     calls = _record(config, task, encoded) if measure_precision or measure_memory else {}
 
     estimated = available = loading = None
     checkpointing = config.train.gradient_checkpointing
+    if staged and checkpointing == "auto":
+        checkpointing = True
     if checkpointing == "auto":
         trainable = task.parameters()
         ids = {id(p) for p in trainable}
@@ -416,7 +424,9 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
         loading = loading / 2**30 if loading is not None else None
 
     timings: dict[str, float] = {}
-    if requested != "auto":
+    if defaulted:
+        precision, source = requested, "sharded as it reaches the device, so not measured"
+    elif requested != "auto":
         precision, source = requested, "config"
         if previous is not None and previous["precision"] != requested:
             log.warning("train.mixed_precision=%s changes this run's precision from %s, the one it started with",

@@ -47,9 +47,10 @@ class FrozenStorage:
         the run's first choice."""
         self.offloads = model.offload_frozen is True
         # FSDP shards the frozen base across the ranks instead of streaming it from the host.
-        sharded = config.parallel.strategy == "fsdp" and detect_topology().distributed
+        self.sharded = config.parallel.strategy == "fsdp" and detect_topology().distributed
+        """Whether FSDP shards the denoiser across the ranks."""
         self._offload_planned = model.offload_frozen == "auto" and device.type == "cuda" and self.fixed != "fp32" \
-            and not sharded
+            and not self.sharded
 
     @property
     def needs_plan(self) -> bool:
@@ -86,6 +87,12 @@ class FrozenStorage:
         if name not in (self.family.denoiser, *self.family.text_encoders) or not self.keeps_frozen(name):
             return "fp32"
         return self.precision
+
+    def stages(self, name: str) -> bool:
+        """Whether component `name` waits in host memory for FSDP, which moves each block's shard to the GPU as it
+        shards it: the denoiser FSDP shards, so a base larger than one GPU never has to fit on one (each rank's
+        host memory holds it once, in its storage)."""
+        return self.sharded and self.device.type != "cpu" and name == self.family.denoiser
 
     def offload(self, module: nn.Module) -> None:
         """``model.offload_frozen``: the frozen linear weights stored low in `module`'s blocks kept in host memory

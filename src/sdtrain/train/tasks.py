@@ -122,6 +122,11 @@ class Task:
         """Whether `validate` would render anything, so the trainer builds its modules only then."""
         return False
 
+    def staged_on_host(self) -> bool:
+        """Whether a trained module waits in host memory for the parallel wrapper to place it (FSDP moving each
+        block's shard to the GPU): no step can run before the wrapping, nor the whole model on one device."""
+        return False
+
     @torch.no_grad()
     def validate(self, modules: dict[str, nn.Module], out: Path | None, batch: dict[str, Any] | None) -> Path | None:
         """Draw the validation images from `modules` and write them at `out`; with `out` None draw them only (a rank
@@ -297,7 +302,7 @@ class DiffusionTask(Task):
         # The denoiser under the family's name (unet, transformer): the trainer wraps and checkpoints modules by name.
         for name, module in self.components.build(self.tokenizers, latent, self.stored_as, unread).items():
             self.storage.offload(module)  # before placing: streamed weights never all reach the device
-            setattr(self, name, _placed(module, device))
+            setattr(self, name, module if self.storage.stages(name) else _placed(module, device))
         denoiser = self.denoiser
         self._check_buckets(scale * family.downsampling(denoiser.config))
         self._check_positions(denoiser.config, scale)
@@ -311,6 +316,9 @@ class DiffusionTask(Task):
         self.caption_tokenizer = CaptionTokenizer(self.tokenizers, family)
         self.trainable = self.part.make_trainable(self.denoiser, self.text_encoders, self.tokenizers)
         self.storage.store([self.denoiser, *self.text_encoders.values()])
+
+    def staged_on_host(self) -> bool:
+        return self.storage.stages(self.family.denoiser)
 
     def _check_positions(self, denoiser_config: Any, scale: int) -> None:
         """A pretrained denoiser whose position table stops short of the largest image trained on (SD3's

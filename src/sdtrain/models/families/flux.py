@@ -208,8 +208,9 @@ class Flux(ModelFamily):
     kohya_prefixes = {"transformer": "lora_unet_", "text_encoder": "lora_te1_"}
 
     def holds_file(self, keys: list[str]) -> bool:
-        # Flux.2's files share the block names; Flux.1's alone feed the pooled CLIP vector in (vector_in).
-        return super().holds_file(keys) and any(".vector_in." in f".{key}" for key in keys)
+        # Other layouts share the block names: Flux.1's modulates each block with its own layers, never with one
+        # shared by all the double blocks.
+        return super().holds_file(keys) and not any("double_stream_modulation_img." in key for key in keys)
 
     def file_scheduler(self, keys: list[str]) -> dict[str, Any] | None:
         # dev's guidance embedding (guidance_in) marks the guidance-distilled model, sampled with the dynamic shift.
