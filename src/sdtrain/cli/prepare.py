@@ -30,6 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     shapes.add_argument("--samples-per-shard", type=int, default=1000)
     shapes.add_argument("--two-shape-fraction", type=float, default=0.5,
                         help="share of samples with two shapes (the rest have one)")
+    shapes.add_argument("--conditioning", choices=("layout",),
+                        help="also write each sample's layout map (each shape's silhouette in its colour on black), "
+                             "its conditioning image for ControlNet training")
     shapes.set_defaults(run=run_shapes)
 
     def add_checks(p: argparse.ArgumentParser) -> None:
@@ -63,6 +66,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     folder.add_argument("--caption-column", action="append", default=[], metavar="NAME",
                         help="a metadata column holding captions (repeat for several: each sample then has several, "
                              "one drawn per epoch); default text, else caption")
+    folder.add_argument("--conditioning", choices=("canny",), metavar="KIND",
+                        help="give each sample without a KEY.cond.png a conditioning image computed from its image: "
+                             "canny (edge maps, for ControlNet training; pip install 'sdtrain[control]')")
     add_checks(folder)
     folder.set_defaults(run=run_folder)
 
@@ -149,7 +155,8 @@ def run_shapes(args: argparse.Namespace) -> int:
 
     manifest = write_shapes_dataset(args.out, num=args.num, seed=args.seed, size=args.size,
                                     samples_per_shard=args.samples_per_shard,
-                                    two_shape_fraction=args.two_shape_fraction)
+                                    two_shape_fraction=args.two_shape_fraction,
+                                    layout=args.conditioning == "layout")
     print(f"wrote {manifest['total']} samples in {len(manifest['shards'])} shards to {args.out}")
     return 0
 
@@ -189,7 +196,8 @@ def run_folder(args: argparse.Namespace) -> int:
     report = prepare_folder(args.src, args.out, samples_per_shard=args.samples_per_shard,
                             caption_ext=args.caption_ext, missing_caption=args.missing_caption,
                             max_pixels=args.max_pixels, filters=filters_from_args(args),
-                            caption_columns=args.caption_column or None, duplicates=duplicates_from_args(args))
+                            caption_columns=args.caption_column or None, duplicates=duplicates_from_args(args),
+                            conditioning=args.conditioning)
     _print_report(report)
     return 0
 

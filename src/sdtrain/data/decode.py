@@ -17,11 +17,13 @@ from PIL import Image, ImageOps
 from sdtrain.config import DataConfig
 from sdtrain.data.encoded import (
     ALPHA,
+    CONDITIONING_IMAGE,
     LATENT_MEAN,
     LATENT_STD,
     MASK,
     MASK_IMAGE,
     SIZE_IDS,
+    SOURCE_IMAGE,
     TEXT_FIELD_DIMS,
     TEXT_FIELDS,
     load_npy,
@@ -72,6 +74,19 @@ def caption_lines(value: bytes | str) -> list[str]:
     `prepare encode` embeds each."""
     text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
     return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+COMPANION_FIELDS = {"conditioning_pixels": CONDITIONING_IMAGE, "source_pixels": SOURCE_IMAGE}
+"""Batch key -> sample field of the images a sample may carry beside its own, resized, cropped and flipped with it."""
+SIGNED_COMPANIONS = ("source_pixels",)
+"""Those in [-1, 1], as the image (what the VAE encodes); the others in [0, 1], as ControlNets read their maps."""
+
+
+def _chw(img: Image.Image, signed: bool) -> torch.Tensor:
+    """An RGB image as a 3xHxW float tensor in [-1, 1] (`signed`) or [0, 1]."""
+    array = np.asarray(img, dtype=np.float32)
+    array = array / 127.5 - 1.0 if signed else array / 255.0
+    return torch.from_numpy(array.transpose(2, 0, 1).copy())
 
 
 @dataclass(frozen=True)
@@ -157,15 +172,29 @@ class SampleDecoder:
                 decoded = rgb_image(img, background)
             image = decoded.image
             mask = self._mask(raw, image.size, decoded.alpha)
+            companions = {name: self._companion(raw, field, image.size, background)
+                          for name, field in COMPANION_FIELDS.items() if field in raw}
             bucket = self._bucket(image.size)
             target = self.buckets[bucket] if self.buckets else (self.config.resolution,) * 2
-            pixels, size_ids, mask = self._transform(image, rng, target, mask)
+            pixels, size_ids, mask, companions = self._transform(image, rng, target, mask, companions)
         except (OSError, ValueError, Image.DecompressionBombError, SyntaxError):
             return None
         drop = rng.random() < self.config.caption_dropout
         sample = {"pixel_values": pixels, "size_ids": size_ids, "caption": "" if drop else caption,
-                  "key": raw["__key__"], "bucket": bucket}
+                  "key": raw["__key__"], "bucket": bucket, **companions}
         return sample if mask is None else {**sample, "mask": mask}
+
+    @staticmethod
+    def _companion(raw: dict[str, Any], field: str, size: tuple[int, int],
+                   background: tuple[int, int, int]) -> Image.Image:
+        """The conditioning or source image a sample carries in `field`, upright and RGB (transparency on the
+        image's `background`); ValueError when it is not the image's `size` (the sample is then skipped)."""
+        with Image.open(io.BytesIO(raw[field])) as img:
+            img.load()
+            companion = rgb_image(img, background).image
+        if companion.size != size:
+            raise ValueError(f"{field} {companion.size} for an image of {size}")
+        return companion
 
     def _mask(self, raw: dict[str, Any], size: tuple[int, int], alpha: Image.Image | None) -> Image.Image | None:
         """The sample's loss mask in its image's frame: its ``mask.png`` (any mode; white counts), else with
@@ -217,17 +246,21 @@ class SampleDecoder:
         return {**sample, "caption": "" if drop else caption, "dropped": drop, "key": raw["__key__"], "bucket": 0}
 
     def _transform(self, img: Image.Image, rng: np.random.Generator, target: tuple[int, int],
-                   mask: Image.Image | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                   mask: Image.Image | None = None, companions: dict[str, Image.Image] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """The image resized and cropped to `target`, its size ids (original height and width, the crop's top and
         left in the resized image, mirrored when flipped so they still say what was cut off, and the target height
-        and width), and its `mask` given the same resize, crop and flip (1xHxW in [0, 1])."""
+        and width), its `mask` given the same resize, crop and flip (1xHxW in [0, 1]), and its `companions` too
+        (3xHxW: a conditioning image in [0, 1], as ControlNets read it; a source image in [-1, 1], as the image)."""
         width, height = target
         original = (img.height, img.width)
+        companions = dict(companions or {})
         scale = max(width / img.width, height / img.height)
         if scale != 1.0 and (self.config.resize or scale > 1.0):
             new_size = (max(width, round(img.width * scale)), max(height, round(img.height * scale)))
             img = img.resize(new_size, Image.Resampling.BICUBIC)
             mask = mask.resize(new_size, Image.Resampling.BILINEAR) if mask is not None else None
+            companions = {name: c.resize(new_size, Image.Resampling.BICUBIC) for name, c in companions.items()}
         if self.config.center_crop:
             left, top = (img.width - width) // 2, (img.height - height) // 2
         else:
@@ -236,11 +269,13 @@ class SampleDecoder:
         resized_width = img.width
         box = (left, top, left + width, top + height)
         img, mask = img.crop(box), mask.crop(box) if mask is not None else None
+        companions = {name: c.crop(box) for name, c in companions.items()}
         if self.config.random_flip and rng.random() < 0.5:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
             mask = mask.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if mask is not None else None
+            companions = {name: c.transpose(Image.Transpose.FLIP_LEFT_RIGHT) for name, c in companions.items()}
             left = resized_width - left - width
-        array = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
         size_ids = torch.tensor([*original, top, left, height, width])
         weights = torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)[None] if mask is not None else None
-        return torch.from_numpy(array.transpose(2, 0, 1).copy()), size_ids, weights
+        companions = {name: _chw(c, signed=name in SIGNED_COMPANIONS) for name, c in companions.items()}
+        return _chw(img, signed=True), size_ids, weights, companions

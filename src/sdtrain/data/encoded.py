@@ -20,6 +20,12 @@ MASK, ALPHA = "mask.npy", "alpha.npy"
 its image's transparency (used with data.alpha_mask)."""
 MASK_IMAGE = "mask.png"
 """A sample's loss mask as an image (white counts, black does not): from ``{key}.mask.png`` beside the image."""
+CONDITIONING_IMAGE = "cond.png"
+"""A sample's conditioning image (a ControlNet's map: edges, depth, a layout), the image's size: from
+``{key}.cond.png`` beside the image, or computed by ``prepare --conditioning``."""
+SOURCE_IMAGE = "src.png"
+"""A sample's source image for editing (what the image was made from: InstructPix2Pix's input), the image's size:
+from ``{key}.src.png`` beside the image."""
 TEXT_FIELDS = {"text_emb": TEXT_EMB, "text_pooled": "text_pooled.npy", "text_mask": "text_mask.npy"}
 """Text conditioning a sample may carry, batch key -> sample field: the sequence the denoiser attends to, a
 family's pooled vector (SDXL's), and which positions of the sequence are the caption's (1) rather than padding

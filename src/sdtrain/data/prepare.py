@@ -39,8 +39,10 @@ from typing import Any
 
 from PIL import Image
 
+from sdtrain.data.conditioning import canny_map
+from sdtrain.data.conditioning import require as require_conditioning
 from sdtrain.data.dedup import Duplicates
-from sdtrain.data.encoded import MASK_IMAGE
+from sdtrain.data.encoded import CONDITIONING_IMAGE, MASK_IMAGE, SOURCE_IMAGE
 from sdtrain.data.filters import Filters
 from sdtrain.data.images import describe, rgb_image
 from sdtrain.data.remote import is_remote
@@ -61,6 +63,11 @@ METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 CAPTION_COLUMNS = ("text", "caption")
 MASK_SUFFIX = ".mask.png"
 """A loss mask beside its image (``photo.mask.png`` for ``photo.jpg``): white counts, black does not."""
+COMPANIONS = {MASK_SUFFIX: (MASK_IMAGE, "mask", "mask_size"),
+              ".cond.png": (CONDITIONING_IMAGE, "conditioning image", "cond_size"),
+              ".src.png": (SOURCE_IMAGE, "source image", "src_size")}
+"""The images that may stand beside a sample's image (``photo.cond.png`` for ``photo.jpg``), by suffix: the field
+the shard keeps each in, what it is, and the skip reason when it is not the image's size."""
 SHARD_PREFIX = "shard"
 PROGRESS_EVERY = 10_000
 
@@ -73,6 +80,8 @@ SKIP_REASONS = {
     "no_caption": "missing or empty caption",
     "caption_not_text": "caption file that is not text",
     "mask_size": "mask of another size than its image",
+    "cond_size": "conditioning image of another size than its image",
+    "src_size": "source image of another size than its image",
     "duplicate": "duplicate key",
     "duplicate_image": "image with the same bytes as an earlier one",
     "near_duplicate": "image nearly the same as an earlier one (--dedup perceptual)",
@@ -295,9 +304,9 @@ def _read_caption_file(path: Path) -> str | None:
     return text
 
 
-def _read_mask(path: Path, size: tuple[int, int]) -> bytes | bool | None:
-    """The bytes of the loss mask at `path`, if there is one; False (logged) when it is not an image of `size` (the
-    image's, upright)."""
+def _read_companion(path: Path, size: tuple[int, int], what: str) -> bytes | bool | None:
+    """The bytes of the image beside a sample's at `path` (a mask, a conditioning or source image: `what`), if there
+    is one; False (logged) when it is not an image of `size` (the image's, upright)."""
     try:
         data = path.read_bytes()
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
@@ -309,8 +318,8 @@ def _read_mask(path: Path, size: tuple[int, int]) -> bytes | bool | None:
     except Exception:  # PIL raises many kinds on malformed files
         found = None
     if found != size:
-        log.warning("%s: %s, not the %dx%d of its image; sample skipped: save the mask at the image's size",
-                    path, f"{found[0]}x{found[1]}" if found else "not an image", *size)
+        log.warning("%s: %s, not the %dx%d of its image; sample skipped: save the %s at the image's size",
+                    path, f"{found[0]}x{found[1]}" if found else "not an image", *size, what)
         return False
     return data
 
@@ -321,7 +330,7 @@ def _walk_images(src: Path) -> list[_Entry]:
         dirs[:] = [d for d in dirs if not d.startswith(".")]  # .git, .ipynb_checkpoints, ...
         for name in files:
             if not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS) \
-                    and not name.lower().endswith(MASK_SUFFIX):
+                    and not name.lower().endswith(tuple(COMPANIONS)):
                 rel = Path(root, name).relative_to(src).as_posix()
                 entries.append(_Entry(rel, None, {}))
     entries.sort(key=lambda e: e.rel)
@@ -406,8 +415,12 @@ def prepare_folder(
     filters: Filters | None = None,
     caption_columns: list[str] | None = None,
     duplicates: Duplicates | None = None,
+    conditioning: str | None = None,
 ) -> Report:
     """Write the images of ``src`` (and their captions) as shards in ``out_dir``; see the module docstring.
+    Beside an image, ``{stem}.mask.png`` (a loss mask), ``{stem}.cond.png`` (a conditioning image: a ControlNet's
+    map) and ``{stem}.src.png`` (a source image, for editing) go into its sample, each the image's size; with
+    `conditioning` (``canny``), a sample without a conditioning image gets one computed from its image.
     A caption file with several lines, a metadata column holding a list, or several `caption_columns` give a sample
     several captions, written one per line; training draws one of them each time it reads the sample.
 
@@ -418,6 +431,8 @@ def prepare_folder(
     src, out_dir = Path(src), Path(out_dir)
     if not src.is_dir():
         raise UserError(f"{src}: not a folder; point prepare folder at a folder of images")
+    if conditioning:
+        require_conditioning(conditioning)
     caption_ext = caption_ext.lstrip(".")
     if not caption_ext:
         raise UserError("--caption-ext: must not be empty (e.g. txt)")
@@ -467,14 +482,20 @@ def prepare_folder(
             ext = job.image(data, meta, caption, fill_size=True)
             if ext is None:
                 continue
-            mask = _read_mask(src / f"{stem}{MASK_SUFFIX}", (meta["width"], meta["height"]))
-            if mask is False:
-                job.skip("mask_size")
-                continue
-            meta.pop("file_name", None)
-            meta["file_name"] = entry.rel
-            body = json.dumps(meta, ensure_ascii=False, default=str).encode("utf-8")
-            job.write({"__key__": key, ext: data, "txt": caption, "json": body, **({MASK_IMAGE: mask} if mask else {})})
+            companions = {}
+            for suffix, (field, what, reason) in COMPANIONS.items():
+                companions[field] = _read_companion(src / f"{stem}{suffix}", (meta["width"], meta["height"]), what)
+                if companions[field] is False:
+                    job.skip(reason)
+                    break
+            else:
+                if conditioning and companions[CONDITIONING_IMAGE] is None:
+                    companions[CONDITIONING_IMAGE] = canny_map(data)
+                meta.pop("file_name", None)
+                meta["file_name"] = entry.rel
+                body = json.dumps(meta, ensure_ascii=False, default=str).encode("utf-8")
+                job.write({"__key__": key, ext: data, "txt": caption, "json": body,
+                           **{field: value for field, value in companions.items() if value}})
     return job.finish()
 
 

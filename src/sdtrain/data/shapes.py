@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from sdtrain.data.encoded import CONDITIONING_IMAGE
 from sdtrain.data.shards import ShardWriter, read_manifest
 from sdtrain.errors import UserError
 
@@ -142,6 +143,16 @@ def render_shapes_sample(
     return image, "\n".join(captions_for(shapes)), meta
 
 
+def layout_map(shapes: list[dict], size: int) -> Image.Image:
+    """Where each of `shapes` is (render_shapes_sample's metadata): its silhouette in its colour on black, drawn as
+    the image draws it: a ControlNet's conditioning image that says which shape goes where."""
+    big = Image.new("RGB", (size * _SUPERSAMPLE, size * _SUPERSAMPLE), (0, 0, 0))
+    draw = ImageDraw.Draw(big)
+    for s in shapes:
+        _draw(draw, s["kind"], s["box"], COLOURS[s["colour"]])
+    return big.resize((size, size), Image.Resampling.LANCZOS)
+
+
 def _png_bytes(image: Image.Image) -> bytes:
     buf = io.BytesIO()
     # Explicit encoder settings so the bytes (and shard sha256s) don't drift with PIL defaults.
@@ -156,12 +167,13 @@ def write_shapes_dataset(
     samples_per_shard: int = 1000,
     size: int = 64,
     two_shape_fraction: float = 0.5,
+    layout: bool = False,
 ) -> dict:
     """Write ``num`` shapes samples as WebDataset shards plus manifest; return the manifest dict.
 
     Each sample gets its own generator seeded from ``(seed, index)``: output is byte-identical for a given
     seed, and sample ``i`` is the same whatever ``num`` is, so datasets can be extended or generated in
-    parallel later.
+    parallel later. With `layout`, each sample also holds its layout map (`layout_map`) as its conditioning image.
     """
     if num < 0:
         raise UserError(f"shapes dataset: num must be >= 0, got {num}")
@@ -171,13 +183,16 @@ def write_shapes_dataset(
         raise UserError(f"shapes dataset: two_shape_fraction must be in [0, 1], got {two_shape_fraction}")
     if seed < 0:
         raise UserError(f"shapes dataset: seed must be >= 0, got {seed}")
-    extra = {"source": "shapes", "seed": seed, "size": size}
+    extra = {"source": "shapes", "seed": seed, "size": size, **({"conditioning": "layout"} if layout else {})}
     with ShardWriter(out_dir, samples_per_shard, extra=extra) as writer:
         for i in range(num):
             rng = np.random.Generator(np.random.PCG64([seed, i]))
             num_shapes = 2 if rng.random() < two_shape_fraction else 1
             image, caption, meta = render_shapes_sample(rng, size, num_shapes)
-            writer.write({"__key__": f"{i:08d}", "png": _png_bytes(image), "txt": caption, "json": meta})
+            sample = {"__key__": f"{i:08d}", "png": _png_bytes(image), "txt": caption, "json": meta}
+            if layout:
+                sample[CONDITIONING_IMAGE] = _png_bytes(layout_map(meta["shapes"], size))
+            writer.write(sample)
     manifest = read_manifest(out_dir)
     assert manifest is not None
     return manifest
