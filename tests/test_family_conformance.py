@@ -137,6 +137,44 @@ def test_a_denoiser_step_predicts_the_latents_shape_and_trains_every_weight(tiny
     assert not untouched, f"{tiny.family.name}: no gradient reaches {untouched[:3]}"
 
 
+def test_its_controlnet_starts_at_the_base_model_and_then_steers_it(tiny):
+    """A family hosting a ControlNet: made from its denoiser, it changes nothing until its zero convolutions train
+    (the paper's starting point), then every weight gets a gradient through the frozen denoiser, and its blocks are
+    listed (checkpointing, FSDP)."""
+    spec = tiny.family.controlnet
+    if spec is None:
+        pytest.skip(f"{tiny.family.title} hosts no ControlNet in this release")
+    factor = tiny.family.latent_downsampling(tiny.vae.config)
+    controlnet = spec.from_denoiser(tiny.denoiser, factor)
+    assert isinstance(controlnet, spec.model_class) and families.blocks(controlnet)
+    latents = torch.randn(2, tiny.family.latent_channels(tiny.vae.config), LATENT_SIDE, LATENT_SIDE)
+    images = torch.rand(2, 3, LATENT_SIDE * factor, LATENT_SIDE * factor)
+    with torch.no_grad():
+        text = tiny.text(["a red circle", "a blue square"])
+    condition = tiny.family.condition(text, {"size_ids": torch.tensor([[64, 64, 0, 0, 64, 64]] * 2)},
+                                      torch.device("cpu"))
+    timesteps = torch.tensor([100.0, 900.0])
+    with torch.no_grad():
+        plain = tiny.family.denoise(tiny.denoiser, latents, timesteps, condition)
+        controlled = tiny.family.denoise(tiny.denoiser, latents, timesteps,
+                                         {**condition, **spec.residuals(controlnet, latents, timesteps, condition,
+                                                                        images)})
+    torch.testing.assert_close(controlled, plain, rtol=0, atol=0)
+    with torch.no_grad():
+        for parameter in controlnet.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.01)
+    tiny.denoiser.requires_grad_(False)
+    try:
+        output = tiny.family.denoise(tiny.denoiser, latents, timesteps,
+                                     {**condition, **spec.residuals(controlnet, latents, timesteps, condition, images)})
+        assert not torch.equal(output, plain)
+        output.square().mean().backward()
+    finally:
+        tiny.denoiser.requires_grad_(True)
+    untouched = [n for n, p in controlnet.named_parameters() if p.grad is None]
+    assert not untouched, f"{tiny.family.name}: no gradient reaches the ControlNet's {untouched[:3]}"
+
+
 def _declared_unused(family, name: str, module: torch.nn.Module, parameter: str) -> bool:
     return any(parameter.startswith(path + ".") for path in family.unused_modules(name, module))
 

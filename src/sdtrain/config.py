@@ -27,7 +27,7 @@ from sdtrain.errors import UserError
 log = logging.getLogger(__name__)
 
 STAGES = ("autoencoder", "diffusion")
-MODES = ("full", "lora", "textual_inversion", "dreambooth")
+MODES = ("full", "lora", "textual_inversion", "dreambooth", "controlnet")
 PRECISIONS = ("auto", "fp32", "bf16")
 # YAML 1.1 reads a bare `no` as false, which OmegaConf then stores as the string "False".
 _FP32_ALIASES = ("no", "False", "false")
@@ -787,7 +787,8 @@ class RunConfig:
     """Folder for the resolved config, checkpoints, logs and samples."""
     mode: str = "full"
     """What the diffusion stage trains: ``full`` (all UNet weights, optionally the text encoder), ``lora``
-    (low-rank adapters only), ``textual_inversion`` (new token embeddings only) or ``dreambooth``."""
+    (low-rank adapters only), ``textual_inversion`` (new token embeddings only), ``dreambooth``, or
+    ``controlnet`` (a ControlNet made from the frozen denoiser, reading each sample's conditioning image)."""
     seed: int = 0
     """Seeds initialisation, data order, augmentation and noise."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -840,6 +841,9 @@ class RunConfig:
                    "steps each parameter during backward, so it cannot accumulate: set train.grad_accum=1")
         if self.evaluation.every_samples:
             _check(self.stage == "diffusion", "evaluation.every_samples", "evaluates generated images: diffusion only")
+            _check(self.mode != "controlnet", "evaluation.every_samples",
+                   "mode controlnet samples from conditioning maps, which evaluation has none of: set it to 0 and "
+                   "judge the validation images (validation.prompts), drawn from the maps of the last batch")
 
 
 def _describe(exc: OmegaConfBaseException) -> str:

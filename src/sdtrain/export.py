@@ -21,7 +21,7 @@ from sdtrain.errors import UserError
 from sdtrain.loaders.adapters import merge_partial
 from sdtrain.loaders.components import load_run_modules
 from sdtrain.loaders.pipelines import pipeline_from_run, run_config
-from sdtrain.loaders.writers import LEARNED_EMBEDS, LORA_WEIGHTS, save_trained_parts
+from sdtrain.loaders.writers import CONTROLNET, LEARNED_EMBEDS, LORA_WEIGHTS, save_trained_parts
 from sdtrain.model_card import FOLDER_FILES, write_file_card, write_folder_card
 from sdtrain.models import build, families, single_file
 from sdtrain.models.pipeline import write_sampling
@@ -80,7 +80,12 @@ def export_run(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | No
     config = run_config(run_dir)
 
     def write(tmp: Path) -> None:
-        if config.stage == "diffusion" and is_partial_run(checkpoint):
+        if config.stage == "diffusion" and read_meta(checkpoint).get("task", {}).get(CONTROLNET):
+            # A ControlNet is used beside its base, which the run never changed: its folder alone, as diffusers'
+            # ControlNetModel.from_pretrained and ComfyUI's ControlNet loader read it.
+            load_run_modules(run_dir, [CONTROLNET], ema=ema, checkpoint=checkpoint)[CONTROLNET].save_pretrained(
+                tmp / CONTROLNET, safe_serialization=True)
+        elif config.stage == "diffusion" and is_partial_run(checkpoint):
             _export_trained_parts(run_dir, config, tmp, ema, checkpoint, full_pipeline)
         elif config.stage == "diffusion":
             pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint).save_pretrained(tmp, safe_serialization=True)

@@ -160,7 +160,7 @@ def _split_state(flat: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.
 def instantiate(spec: dict[str, Any]) -> nn.Module:
     """A module of a checkpoint's meta.json spec (class name and config), of a class some family has."""
     cls_name, config = spec["class"], spec["config"]
-    classes = {cls.__name__: cls for family in families.FAMILIES.values() for cls in family.components.values()}
+    classes = {cls.__name__: cls for family in families.FAMILIES.values() for cls in family.module_classes()}
     if cls_name not in classes:
         raise UserError(f"checkpoint names an unknown module class {cls_name}")
     cls = classes[cls_name]

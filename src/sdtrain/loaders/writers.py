@@ -24,6 +24,9 @@ LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 """The file diffusers' ``load_lora_weights(DIR)`` looks for."""
 KOHYA_WEIGHTS = "lora_kohya.safetensors"
 LEARNED_EMBEDS = "learned_embeds.safetensors"
+CONTROLNET = "controlnet"
+"""A ControlNet run's trained module: its name in checkpoints (``controlnet.*``) and its export's folder
+(``OUT/controlnet``, diffusers' ControlNetModel layout)."""
 
 
 def lora_state(module: nn.Module, weights: dict[str, torch.Tensor], text_encoder: bool = False,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from sdtrain.config import DataConfig, RunConfig
@@ -35,8 +36,10 @@ class TrainedPart:
         return self.config.diffusion.train_text_encoder
 
     def make_trainable(self, denoiser: nn.Module, text_encoders: dict[str, nn.Module],
-                       tokenizers: list[Any]) -> dict[str, nn.Module]:
-        """Set what trains in the given modules, freeze the rest; the trained ones by component name."""
+                       tokenizers: list[Any], latent_factor: int = 8) -> dict[str, nn.Module]:
+        """Set what trains in the given modules, freeze the rest; the trained ones by component name.
+        `latent_factor`: how many image pixels a latent pixel stands for, a side (what a module of the part's own
+        that reads images, a ControlNet's, is sized by)."""
         denoiser.train()
         if not self.config.diffusion.train_text_encoder:
             for text_encoder in text_encoders.values():
@@ -58,3 +61,18 @@ class TrainedPart:
     def validation_prompts(self, prompts: list[str]) -> list[str]:
         """The prompts validation samples for the configured `prompts` (labelled by those)."""
         return prompts
+
+    def controls(self, trained: dict[str, nn.Module], batch: dict[str, Any], noisy: torch.Tensor,
+                 timesteps: torch.Tensor, condition: dict[str, Any]) -> dict[str, Any]:
+        """What the denoiser's call is given beside its `condition`, computed by the `trained` modules (as the loss
+        calls them: under their parallel wrappers) from the `batch` (a ControlNet's residuals); nothing here."""
+        return {}
+
+    def pipeline(self, pipe: Any, modules: dict[str, nn.Module]) -> Any:
+        """The pipeline that samples from the family's `pipe` with the trained `modules` (a ControlNet's own)."""
+        return pipe
+
+    def sampling_inputs(self, batch: dict[str, Any] | None, count: int) -> dict[str, list[Any]]:
+        """What each of `count` validation prompts is sampled with beside it, by pipeline argument (a ControlNet's
+        maps, from the last `batch`); nothing here."""
+        return {}

@@ -314,7 +314,11 @@ class DiffusionTask(Task):
         self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model)
         self.objective = make_objective(family, config.diffusion, self.noise_scheduler, device, denoiser.config)
         self.caption_tokenizer = CaptionTokenizer(self.tokenizers, family)
-        self.trainable = self.part.make_trainable(self.denoiser, self.text_encoders, self.tokenizers)
+        self.trainable = self.part.make_trainable(self.denoiser, self.text_encoders, self.tokenizers,
+                                                  latent_factor=scale)
+        for name, module in self.trainable.items():  # a module of the part's own (a ControlNet), called by name
+            if not hasattr(self, name):
+                setattr(self, name, module)
         self.storage.store([self.denoiser, *self.text_encoders.values()])
 
     def staged_on_host(self) -> bool:
@@ -496,6 +500,8 @@ class DiffusionTask(Task):
             latents = self._latents(batch, generator)
             noisy, timesteps, target = self.objective.draw(latents, generator)
         condition = self.conditioning(batch, generator)
+        trained = {name: getattr(self, name) for name in self.trainable}
+        condition = {**condition, **self.part.controls(trained, batch, noisy, timesteps, condition)}
         return self.denoising_loss_at(noisy, timesteps, target, condition, latent_mask(batch, latents))
 
     def denoising_loss_at(self, noisy: torch.Tensor, timesteps: torch.Tensor, target: torch.Tensor,
@@ -558,22 +564,27 @@ class DiffusionTask(Task):
 
     def validate(self, modules, out, batch):
         prompts = self.config.validation.prompts
-        return self.render(modules, out, self.part.validation_prompts(prompts), prompts) if prompts else None
+        if not prompts:
+            return None
+        return self.render(modules, out, self.part.validation_prompts(prompts), prompts,
+                           self.part.sampling_inputs(batch, len(prompts)))
 
     def pipeline(self, modules: dict[str, nn.Module]) -> Any:
         """A pipeline of the given trained modules and this task's frozen ones."""
         components = {name: modules[name] if name in modules else self.frozen(name)
                       for name in ("vae", *self.family.text_encoders)}
         components[self.family.denoiser] = modules.get(self.family.denoiser, self.denoiser)
-        return self.family.assemble(components, self.tokenizers, sampler_from(self.noise_scheduler, "euler"))
+        pipe = self.family.assemble(components, self.tokenizers, sampler_from(self.noise_scheduler, "euler"))
+        return self.part.pipeline(pipe, modules)
 
     @torch.no_grad()
     def render(self, modules: dict[str, nn.Module], out: Path | None, prompts: list[str],
-               labels: list[str]) -> Path | None:
+               labels: list[str], inputs: dict[str, list[Any]] | None = None) -> Path | None:
         """A grid of the prompts' images from the given trained modules and this task's frozen ones at `out`
         (RUN/samples/step_N.png), and each image beside it (step_N/000-<label>.png). They are what `sdtrain
         generate` draws from the run or its export with the validation settings (its defaults there) and the
-        labels as prompts: the same pipeline, sampler, seeds and size, in fp32 as a fresh process samples."""
+        labels as prompts: the same pipeline, sampler, seeds and size, in fp32 as a fresh process samples. `inputs`:
+        what each prompt is sampled with beside it (a ControlNet's maps), by pipeline argument."""
         pipe = self.pipeline(modules)
         val = self.config.validation
         stored_low = sorted(name for name in ("vae", *self.family.text_encoders, self.family.denoiser)
@@ -586,7 +597,7 @@ class DiffusionTask(Task):
         with exact_sampling():
             images = sample_images(pipe, prompts, seed=val.seed, steps=settings["steps"],
                                    guidance=settings["guidance"], size=settings["size"],
-                                   default_steps=settings["default_steps"])
+                                   default_steps=settings["default_steps"], inputs=inputs)
         if out is None:
             return None
         save_images(images, labels, out.with_suffix(""))

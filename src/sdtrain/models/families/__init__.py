@@ -90,7 +90,8 @@ def _init_default(cls: type, key: str) -> Any:
 
 def of_pipeline(pipe: Any) -> ModelFamily:
     """The family whose pipeline class `pipe` is."""
-    return next((family for family in FAMILIES.values() if isinstance(pipe, family.pipeline_class)), SD)
+    return next((family for family in FAMILIES.values() if isinstance(pipe, family.pipeline_class) or (
+        family.controlnet is not None and isinstance(pipe, family.controlnet.pipeline_class))), SD)
 
 
 def of_vae(vae: nn.Module, served: Any = None) -> ModelFamily:

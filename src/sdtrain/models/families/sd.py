@@ -6,14 +6,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import (
+    AutoencoderKL,
+    ControlNetModel,
+    StableDiffusionControlNetPipeline,
+    StableDiffusionPipeline,
+    UNet2DConditionModel,
+)
 from torch import nn
 from transformers import CLIPTextModel
 
 from sdtrain.models.families.autoencoder import SD_VAE, TINY_VAE, vae_blocks
 from sdtrain.models.families.spec import ModelFamily
 from sdtrain.models.families.text_towers import clip_text_config, text_blocks
-from sdtrain.models.families.unet import ORIGINAL_CHECKPOINT, unet_blocks
+from sdtrain.models.families.unet import ORIGINAL_CHECKPOINT, controlnet_blocks, unet_blocks, unet_control
 
 _TINY_UNET = dict(
     block_out_channels=[32, 64, 64],
@@ -59,8 +65,10 @@ class StableDiffusion(ModelFamily):
     pipeline_names = ("StableDiffusionPipeline",)
     single_file_keys = ("model.diffusion_model.input_blocks.", "cond_stage_model.", "first_stage_model.")
     single_file = ORIGINAL_CHECKPOINT
-    block_lists = {UNet2DConditionModel: unet_blocks, AutoencoderKL: vae_blocks, CLIPTextModel: text_blocks}
+    block_lists = {UNet2DConditionModel: unet_blocks, AutoencoderKL: vae_blocks, CLIPTextModel: text_blocks,
+                   ControlNetModel: controlnet_blocks}
     presets = PRESETS
+    controlnet = unet_control(StableDiffusionControlNetPipeline)
     kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
 
     def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:

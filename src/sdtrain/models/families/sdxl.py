@@ -14,7 +14,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKL, StableDiffusionXLPipeline, UNet2DConditionModel
+from diffusers import (
+    AutoencoderKL,
+    ControlNetModel,
+    StableDiffusionXLControlNetPipeline,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
 from torch import nn
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
@@ -30,7 +36,7 @@ from sdtrain.models.families.text_towers import (
     penultimate_states,
     text_blocks,
 )
-from sdtrain.models.families.unet import ORIGINAL_CHECKPOINT, unet_blocks
+from sdtrain.models.families.unet import ORIGINAL_CHECKPOINT, controlnet_blocks, unet_blocks, unet_control
 
 _SDXL_VAE = {**SD_VAE, "scaling_factor": 0.13025, "sample_size": 1024}
 # The SDXL 1.0 base UNet: 2,567,463,684 parameters (its cross-attention width and added-embedding input
@@ -75,7 +81,8 @@ class StableDiffusionXL(ModelFamily):
     single_file_keys = ("conditioner.embedders.",)
     single_file = ORIGINAL_CHECKPOINT
     block_lists = {UNet2DConditionModel: unet_blocks, AutoencoderKL: vae_blocks, CLIPTextModel: text_blocks,
-                   CLIPTextModelWithProjection: text_blocks}
+                   CLIPTextModelWithProjection: text_blocks, ControlNetModel: controlnet_blocks}
+    controlnet = unet_control(StableDiffusionXLControlNetPipeline)
     presets = PRESETS
     kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
     # A1111's and ComfyUI's SDXL embeddings: one entry per text encoder.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,24 @@ class SingleFileLayout:
         raise NotImplementedError
 
 
+@dataclass(frozen=True)
+class ControlSpec:
+    """How a family hosts a ControlNet (``mode: controlnet``): a trainable copy of the denoiser's encoding half that
+    reads a conditioning image and adds what it computes into the frozen denoiser."""
+
+    model_class: type[nn.Module]
+    """The ControlNet's class (diffusers' ControlNetModel for the UNets)."""
+    pipeline_class: type
+    """The diffusers pipeline that samples with it (``from_pipe`` of the family's pipeline, ``controlnet=``)."""
+    from_denoiser: Callable[[nn.Module, int], nn.Module]
+    """(denoiser, how many image pixels a latent pixel stands for, a side) -> a new ControlNet initialised from the
+    denoiser's own weights, its output layers zero, as the paper does, reading images of the latents' size times
+    that."""
+    residuals: Callable[[nn.Module, torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor], dict[str, Any]]
+    """(controlnet, noisy latents, timesteps, the denoiser's conditioning, conditioning images in [0, 1]) -> what
+    the denoiser's call is given beside its conditioning."""
+
+
 class ModelFamily:
     name: str
     """The config's ``model.family`` value."""
@@ -121,6 +140,8 @@ class ModelFamily:
     """Key prefixes that mark a single file as this family's (the original layout)."""
     single_file: SingleFileLayout | None = None
     """The family's single-file layout, None where it has none this release writes or reads."""
+    controlnet: ControlSpec | None = None
+    """How the family hosts a ControlNet; None where this release trains none for it."""
     block_lists: dict[type[nn.Module], Callable[[nn.Module], list[nn.Module | None]]] = {}
     """Component class -> its repeated blocks, in forward order (None entries, an absent mid block, are skipped)."""
     presets: dict[str, dict[str, dict[str, Any]]] = {}
@@ -154,6 +175,10 @@ class ModelFamily:
             raise UserError(f"model.preset: '{preset}' is not a {self.title} preset; choose one of "
                             f"{', '.join(self.presets)} (or set model.family)")
         return copy.deepcopy(self.presets[preset][component])
+
+    def module_classes(self) -> list[type[nn.Module]]:
+        """Every class a checkpoint of this family may hold a module of: its components', and its ControlNet's."""
+        return [*self.components.values(), *([self.controlnet.model_class] if self.controlnet else [])]
 
     def holds_file(self, keys: list[str]) -> bool:
         """Whether a single file whose tensors are `keys` holds this family's model in its original layout: by

@@ -3,20 +3,55 @@ the original checkpoint layout their single files are in."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from diffusers import UNet2DConditionModel
+import torch
+from diffusers import ControlNetModel, UNet2DConditionModel
 from torch import nn
 
 from sdtrain.models import single_file
-from sdtrain.models.families.spec import SingleFileLayout
+from sdtrain.models.families.spec import ControlSpec, SingleFileLayout
 
 
 def unet_blocks(unet: UNet2DConditionModel) -> list:
     """Its levels in forward order: each down block, the mid block (None when the config has none), each up block."""
     return [*unet.down_blocks, unet.mid_block, *unet.up_blocks]
+
+
+def controlnet_blocks(controlnet: ControlNetModel) -> list:
+    """A ControlNet's levels in forward order: the UNet's down blocks and mid block it copies."""
+    return [*controlnet.down_blocks, controlnet.mid_block]
+
+
+def unet_residuals(controlnet: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, condition: dict[str, Any],
+                   image: torch.Tensor) -> dict[str, Any]:
+    """The ControlNet's outputs for each down block and the mid block, as the UNet's call adds them (what diffusers'
+    ControlNet pipelines and training examples pass); the ControlNet reads what the UNet reads (text, SDXL's size
+    ids and pooled text) and the conditioning image."""
+    down, mid = controlnet(noisy, timesteps, controlnet_cond=image.to(noisy.dtype), return_dict=False, **condition)
+    return {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
+
+
+# The conditioning image's encoder in diffusers' ControlNetModel (and the paper's): a stride-2 convolution between
+# each pair of widths, three for the released VAEs' 8x smaller latents.
+_CONDITIONING_WIDTHS = (16, 32, 96, 256)
+
+
+def controlnet_from_unet(unet: UNet2DConditionModel, latent_factor: int) -> ControlNetModel:
+    """A ControlNetModel made from `unet` (its encoder's weights copied, zero convolutions out) whose conditioning
+    encoder halves the image's side as often as the VAE does: the released widths for 8x, fewer (or more) else."""
+    halvings = max(0, round(math.log2(latent_factor)))
+    widths = (*_CONDITIONING_WIDTHS, *(_CONDITIONING_WIDTHS[-1:] * halvings))[:halvings + 1]
+    return ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=widths)
+
+
+def unet_control(pipeline_class: type) -> ControlSpec:
+    """The ControlNet of a UNet family whose ControlNet pipeline is `pipeline_class`: diffusers' ControlNetModel,
+    made from the UNet."""
+    return ControlSpec(ControlNetModel, pipeline_class, controlnet_from_unet, unet_residuals)
 
 
 class OriginalCheckpoint(SingleFileLayout):

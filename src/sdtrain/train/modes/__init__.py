@@ -12,6 +12,7 @@ import torch
 
 from sdtrain.config import RunConfig
 from sdtrain.models import families
+from sdtrain.train.modes.controlnet import ControlNetPart
 from sdtrain.train.modes.dreambooth import DreamBoothRecipe
 from sdtrain.train.modes.lora import Adapters
 from sdtrain.train.modes.textual_inversion import NewTokens
@@ -19,7 +20,8 @@ from sdtrain.train.parts import TrainedPart
 from sdtrain.train.tasks import TASKS, DataRecipe, DiffusionTask, Task
 
 # What trains, by mode; DreamBooth trains the whole model, or adapters with dreambooth.lora.
-TRAINED: dict[str, type[TrainedPart]] = {"lora": Adapters, "textual_inversion": NewTokens}
+TRAINED: dict[str, type[TrainedPart]] = {"lora": Adapters, "textual_inversion": NewTokens,
+                                         "controlnet": ControlNetPart}
 # What the run trains on, by mode: the data as it is, or DreamBooth's instance and class images.
 RECIPES: dict[str, type[DataRecipe]] = {"dreambooth": DreamBoothRecipe}
 

@@ -39,7 +39,7 @@ class Adapters(TrainedPart):
         return self.config.lora.text_encoder
 
     def make_trainable(self, denoiser: nn.Module, text_encoders: dict[str, nn.Module],
-                       tokenizers: list[Any]) -> dict[str, nn.Module]:
+                       tokenizers: list[Any], latent_factor: int = 8) -> dict[str, nn.Module]:
         cfg = self.config.lora
         name = self.family.denoiser
         self.adapters = {name: lora_settings(cfg)}

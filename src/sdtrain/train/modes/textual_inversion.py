@@ -73,7 +73,7 @@ class NewTokens(TrainedPart):
         return True
 
     def make_trainable(self, denoiser: nn.Module, text_encoders: dict[str, nn.Module],
-                       tokenizers: list[Any]) -> dict[str, nn.Module]:
+                       tokenizers: list[Any], latent_factor: int = 8) -> dict[str, nn.Module]:
         cfg = self.config.textual_inversion
         if self.family.long_text_tokenizers:
             raise UserError(f"mode: textual_inversion learns CLIP token vectors (SD 1/2, SDXL); {self.family.title} "

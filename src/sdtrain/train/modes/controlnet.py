@@ -1,0 +1,70 @@
+"""ControlNet (Zhang et al., 2023): a trainable copy of the denoiser's encoding half, initialised from its weights
+with zero convolutions on its outputs (so training starts exactly at the base model), reads each sample's
+conditioning image (``KEY.cond.png``) and adds what it computes into the frozen denoiser. The family supplies how
+(`ModelFamily.controlnet`); the base, text encoders included, stays frozen (and may be stored low,
+``model.frozen_precision``) and out of the checkpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from PIL import Image
+from torch import nn
+
+from sdtrain.errors import UserError
+from sdtrain.loaders.writers import CONTROLNET
+from sdtrain.models.families.spec import ControlSpec
+from sdtrain.train.parts import TrainedPart
+
+
+class ControlNetPart(TrainedPart):
+    """A ControlNet beside the frozen denoiser."""
+
+    # The loss reaches the ControlNet through the frozen denoiser, which adds its outputs in.
+    through_frozen_denoiser = True
+
+    @property
+    def spec(self) -> ControlSpec:
+        if self.family.controlnet is None:
+            raise UserError(f"mode: {self.family.title} hosts no ControlNet in this release; Stable Diffusion 1.x/2.x "
+                            "and SDXL do")
+        return self.family.controlnet
+
+    def keeps_frozen(self, name: str) -> bool:
+        # The denoiser loads in full precision: the ControlNet copies its weights first; stored low afterwards.
+        return name != self.family.denoiser
+
+    def text_encoder_trains(self) -> bool:
+        return False
+
+    def make_trainable(self, denoiser: nn.Module, text_encoders: dict[str, nn.Module],
+                       tokenizers: list[Any], latent_factor: int = 8) -> dict[str, nn.Module]:
+        controlnet = self.spec.from_denoiser(denoiser, latent_factor).to(next(denoiser.parameters()).device)
+        for module in (denoiser, *text_encoders.values()):
+            module.eval().requires_grad_(False)
+        return {CONTROLNET: controlnet.train()}
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {CONTROLNET: True}
+
+    def controls(self, trained: dict[str, nn.Module], batch: dict[str, Any], noisy: torch.Tensor,
+                 timesteps: torch.Tensor, condition: dict[str, Any]) -> dict[str, Any]:
+        images = batch.get("conditioning_pixels")
+        if images is None:
+            raise UserError("mode controlnet: the data has no conditioning images: put KEY.cond.png beside each image "
+                            "(or `prepare folder --conditioning canny`, `prepare shapes --conditioning layout`) and "
+                            "train on image shards (encoded shards keep none: data.use_encoded=false)")
+        return self.spec.residuals(trained[CONTROLNET], noisy, timesteps, condition, images.to(noisy.device))
+
+    def pipeline(self, pipe: Any, modules: dict[str, nn.Module]) -> Any:
+        return self.spec.pipeline_class.from_pipe(pipe, controlnet=modules[CONTROLNET])
+
+    def sampling_inputs(self, batch: dict[str, Any] | None, count: int) -> dict[str, list[Any]]:
+        """The conditioning maps of the last batch's samples, one per validation prompt in turn: what the grid
+        shows the ControlNet following."""
+        if batch is None or "conditioning_pixels" not in batch:
+            return {}
+        maps = [Image.fromarray((m.permute(1, 2, 0).clamp(0, 1) * 255).round().byte().cpu().numpy())
+                for m in batch["conditioning_pixels"]]
+        return {"image": [maps[i % len(maps)] for i in range(count)]}

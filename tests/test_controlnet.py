@@ -1,0 +1,82 @@
+"""ControlNet training (``mode: controlnet``, configs/controlnet.yaml) on a tiny pretrained Stable Diffusion with the
+shapes dataset's layout maps: made from the frozen UNet as the paper does, trained alone (the base stays out of the
+checkpoint), validated with the last batch's maps, exported as a folder diffusers' own ControlNet pipeline samples
+with; a family that hosts none says so in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sdtrain.checkpoint import latest_checkpoint
+from sdtrain.cli.main import main
+from sdtrain.export import export_run
+
+from .conftest import TINY, config_path
+
+CONFIGS = config_path("diffusion.yaml").parents[1]
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("layouts")
+    assert main(["prepare", "shapes", "--out", str(out), "--num", "16", "--size", "32", "--seed", "1",
+                 "--conditioning", "layout"]) == 0
+    return out
+
+
+def _train(run: Path, pretrained: Path, shards: Path, *extra: str) -> int:
+    return main(["train", str(CONFIGS / "controlnet.yaml"), f"run_dir={run}", *TINY, f"model.pretrained={pretrained}",
+                 f"data.shards={shards}", "train.max_steps=2", "optim.lr=0.01", "logging.every=1", *extra])
+
+
+def test_a_controlnet_trains_beside_the_frozen_unet_and_exports_what_diffusers_samples_with(
+        tmp_path, pretrained, layouts):
+    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline, UNet2DConditionModel
+
+    run = tmp_path / "run"
+    assert _train(run, pretrained, layouts, "validation.prompts=[a red circle,a blue square]",
+                  "validation.steps=2") == 0
+    checkpoint = latest_checkpoint(run)
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    assert weights and all(k.startswith("controlnet.") for k in weights)  # the base is not the run's to save
+    assert json.loads((checkpoint / "meta.json").read_text())["modules"]["controlnet"]["class"] == "ControlNetModel"
+    # Made from the UNet: its encoder's weights copied, the zero convolutions trained away from zero.
+    unet = UNet2DConditionModel.from_pretrained(pretrained, subfolder="unet")
+    start = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(16, 32, 96)).state_dict()
+    assert not start["controlnet_mid_block.weight"].any()
+    assert weights["controlnet.controlnet_mid_block.weight"].abs().max() > 0
+    assert torch.equal(start["conv_in.weight"], unet.conv_in.weight)
+    assert (run / "samples" / "step_00000002.png").is_file()  # drawn with the last batch's maps
+
+    out = export_run(run, tmp_path / "out")
+    controlnet = ControlNetModel.from_pretrained(out / "controlnet")
+    for key, value in controlnet.state_dict().items():
+        torch.testing.assert_close(value, weights[f"controlnet.{key}"], rtol=0, atol=0, msg=key)
+    pipe = StableDiffusionControlNetPipeline.from_pretrained(pretrained, controlnet=controlnet, safety_checker=None,
+                                                             local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    from PIL import Image
+
+    layout = Image.new("RGB", (32, 32))
+    layout.paste((230, 30, 30), (4, 8, 14, 18))
+    images = [np.asarray(pipe("a red circle", image=layout, num_inference_steps=2, height=32, width=32,
+                              controlnet_conditioning_scale=scale, output_type="np",
+                              generator=torch.Generator().manual_seed(0)).images[0]) for scale in (0.0, 1.0)]
+    assert images[0].shape == (32, 32, 3) and np.abs(images[0] - images[1]).max() > 0  # the ControlNet steers
+
+
+def test_a_family_without_a_controlnet_and_data_without_maps_are_one_line(tmp_path, pretrained, shapes_dir, capsys):
+    assert _train(tmp_path / "plain", pretrained, shapes_dir) == 2
+    error = [line for line in capsys.readouterr().err.strip().splitlines() if "Loading weights" not in line]
+    assert len(error) == 1 and "conditioning images" in error[0] and "KEY.cond.png" in error[0]
+    from sdtrain.models.families.flux import FLUX
+    from sdtrain.train.modes.controlnet import ControlNetPart
+
+    with pytest.raises(Exception, match="Flux.1 hosts no ControlNet in this release"):
+        ControlNetPart(None, FLUX).make_trainable(torch.nn.Linear(1, 1), {}, [])
