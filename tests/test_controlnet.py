@@ -69,6 +69,13 @@ def test_a_controlnet_trains_beside_the_frozen_unet_and_exports_what_diffusers_s
                               controlnet_conditioning_scale=scale, output_type="np",
                               generator=torch.Generator().manual_seed(0)).images[0]) for scale in (0.0, 1.0)]
     assert images[0].shape == (32, 32, 3) and np.abs(images[0] - images[1]).max() > 0  # the ControlNet steers
+    layout.save(tmp_path / "layout.png")
+    assert main(["generate", "--model", str(pretrained), "--controlnet", str(out / "controlnet"), "--control-image",
+                 str(tmp_path / "layout.png"), "--prompt", "a red circle", "--prompt", "a blue square", "--steps", "2",
+                 "--size", "32", "--out", str(tmp_path / "images")]) == 0
+    assert len(list((tmp_path / "images").glob("*.png"))) == 3  # two images and their grid
+    assert main(["generate", "--model", str(pretrained), "--controlnet", str(out / "controlnet"), "--prompt", "x",
+                 "--out", str(tmp_path / "none")]) == 2  # no map to follow: one line
 
 
 def test_a_family_without_a_controlnet_and_data_without_maps_are_one_line(tmp_path, pretrained, shapes_dir, capsys):

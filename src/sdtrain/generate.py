@@ -78,6 +78,32 @@ def apply_additions(pipe: Any, loras: Sequence[str | Path] = (), lora_scale: flo
             raise UserError(f"--embedding: {path}: cannot load ({first_line(exc)})") from exc
 
 
+def with_controlnet(pipe: Any, controlnet: str | Path, images: Sequence[str | Path]) -> tuple[Any, list[Any]]:
+    """`pipe` as its family's ControlNet pipeline with the ControlNetModel folder `controlnet` (what `sdtrain export`
+    of a ControlNet run writes as OUT/controlnet), and the conditioning `images`, opened as RGB."""
+    from diffusers import ControlNetModel
+    from PIL import Image
+
+    family = families.of_pipeline(pipe)
+    if family.controlnet is None:
+        raise UserError(f"--controlnet: {family.title} hosts no ControlNet in this release")
+    if not images:
+        raise UserError("--controlnet: pass the conditioning image(s) it follows with --control-image PNG")
+    folder = Path(controlnet)
+    if not (folder / "config.json").is_file():
+        raise UserError(f"--controlnet: {folder} is not a ControlNet folder (no config.json); pass OUT/controlnet "
+                        "that `sdtrain export` wrote")
+    maps = []
+    for path in map(Path, images):
+        try:
+            with Image.open(path) as img:
+                maps.append(img.convert("RGB"))
+        except OSError as exc:
+            raise UserError(f"--control-image: {path}: not an image ({first_line(exc)})") from exc
+    model = ControlNetModel.from_pretrained(folder, local_files_only=True).to(pipe.device)
+    return family.controlnet.pipeline_class.from_pipe(pipe, controlnet=model), maps
+
+
 def run_sampling_of(model: str | Path) -> dict[str, Any]:
     """What the run behind `model` sampled its validation images with (models.pipeline.run_sampling): read from the
     run itself, or as its export recorded it in a pipeline folder; empty for other models, whose pipeline knows its
@@ -101,10 +127,12 @@ def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int | 
              seed: int = 0, scheduler: str = "euler", ema: bool = True, device: str = "auto",
              negative_prompt: str | None = None, loras: Sequence[str | Path] = (), lora_scale: float = 1.0,
              embeddings: Sequence[str | Path] = (), tokenizer: str | Path | None = None,
-             size: int | None = None) -> list[Path]:
+             size: int | None = None, controlnet: str | Path | None = None,
+             control_images: Sequence[str | Path] = (), control_scale: float = 1.0) -> list[Path]:
     """Images of `prompts` into `out`, one file each plus a grid. Unset `size`, `steps` and `guidance` are, for a run
     or a pipeline its export recorded them in, those its validation images sampled with (so they match image for
-    image: prompt i from seed + i), else the pipeline's default size and the model's own (see sample_images)."""
+    image: prompt i from seed + i), else the pipeline's default size and the model's own (see sample_images). With
+    `controlnet` (a ControlNetModel folder), each prompt is drawn following one of `control_images` in turn."""
     if not prompts:
         raise UserError("no prompts: pass --prompt TEXT or --prompts FILE with one prompt per line")
     recorded = run_sampling_of(model)
@@ -114,9 +142,14 @@ def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int | 
     pipe = load_pipeline(model, ema=ema, device=device, tokenizer=tokenizer)
     apply_additions(pipe, loras, lora_scale, embeddings)
     pipe.scheduler = sampler_from(pipe.scheduler, scheduler)
+    inputs = fixed = None
+    if controlnet is not None:
+        pipe, maps = with_controlnet(pipe, controlnet, control_images)
+        inputs = {"image": [maps[i % len(maps)] for i in range(len(prompts))]}
+        fixed = {"controlnet_conditioning_scale": control_scale}
     images = sample_images(pipe, prompts, seed=seed, steps=steps, guidance=guidance,
                            negative_prompt=negative_prompt, size=size,
-                           default_steps=recorded.get("default_steps", DEFAULT_STEPS))
+                           default_steps=recorded.get("default_steps", DEFAULT_STEPS), inputs=inputs, fixed=fixed)
     out = Path(out)
     paths = save_images(images, prompts, out)
     rows = max(1, round(len(images) ** 0.5))

@@ -44,6 +44,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--lora-scale", type=float, default=1.0, help="strength of the LoRA adapters")
     parser.add_argument("--embedding", action="append", default=[], metavar="FILE",
                         help="a textual-inversion learned_embeds.safetensors (or its folder) to load (repeatable)")
+    parser.add_argument("--controlnet", metavar="DIR",
+                        help="a ControlNet folder (OUT/controlnet of `sdtrain export` of a ControlNet run)")
+    parser.add_argument("--control-image", action="append", default=[], metavar="PNG",
+                        help="with --controlnet: the conditioning image each prompt follows, in turn (repeatable)")
+    parser.add_argument("--control-scale", type=float, default=1.0, help="with --controlnet: its strength")
     parser.set_defaults(run=run)
 
 
@@ -65,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     paths = generate(model, prompts, args.out, steps=args.steps, guidance=args.guidance, seed=args.seed,
                      scheduler=args.scheduler, ema=args.ema, device=args.device,
                      negative_prompt=args.negative_prompt, loras=args.lora, lora_scale=args.lora_scale,
-                     embeddings=args.embedding, tokenizer=tokenizer, size=args.size)
+                     embeddings=args.embedding, tokenizer=tokenizer, size=args.size, controlnet=args.controlnet,
+                     control_images=args.control_image, control_scale=args.control_scale)
     print(f"wrote {len(paths) - 1} images and {paths[-1]}")
     return 0

@@ -64,14 +64,15 @@ DEFAULT_STEPS = 30
 def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int | None = None,
                   guidance: float | None = None, negative_prompt: str | None = None, batch: int = 1,
                   seeds: Sequence[int] | None = None, size: int | None = None,
-                  default_steps: int = DEFAULT_STEPS, inputs: dict[str, Sequence[Any]] | None = None
-                  ) -> list[Image.Image]:
+                  default_steps: int = DEFAULT_STEPS, inputs: dict[str, Sequence[Any]] | None = None,
+                  fixed: dict[str, Any] | None = None) -> list[Image.Image]:
     """One image per prompt; prompt i uses seed + i (or ``seeds[i]``), so adding prompts never changes earlier
     images. ``batch`` prompts run through the model together, each from the noise of its own seed: the same
     images up to floating-point rounding, several times faster for small models on a CPU. `size`: the side in
     pixels (None: the pipeline's default, which for Flux.1 is 1024 px whatever the model trained on). `steps` and
     `guidance` None: the model's own (its family's `sampling_defaults`), else `default_steps` and SD's 5.
-    `inputs`: a list per pipeline argument, one entry per prompt (a ControlNet pipeline's ``image``)."""
+    `inputs`: a list per pipeline argument, one entry per prompt (a ControlNet pipeline's ``image``); `fixed`:
+    arguments every call takes as they are (``controlnet_conditioning_scale``)."""
     pipe.set_progress_bar_config(disable=True)
     family = families.of_pipeline(pipe)
     defaults = family.sampling_defaults(getattr(pipe, family.denoiser).config)
@@ -89,7 +90,7 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
         # By name: Flux.2's pipelines take reference images first.
         given = {name: list(values[start:start + batch]) for name, values in (inputs or {}).items()}
         result = pipe(prompt=chunk, num_inference_steps=steps, generator=generators, output_type="pil", **shape,
-                      **arguments, **given)
+                      **arguments, **given, **(fixed or {}))
         images += result.images
     return images
 
