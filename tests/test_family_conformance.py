@@ -175,6 +175,29 @@ def test_its_controlnet_starts_at_the_base_model_and_then_steers_it(tiny):
     assert not untouched, f"{tiny.family.name}: no gradient reaches the ControlNet's {untouched[:3]}"
 
 
+def test_its_instruct_pix2pix_denoiser_starts_at_the_base_model(tiny):
+    """A family whose denoiser learns InstructPix2Pix's editing: widened, it ignores the source latents until they
+    train, and its config says how many channels it reads (what its pipeline and a checkpoint rebuild it from)."""
+    spec = tiny.family.instruct
+    if spec is None:
+        pytest.skip(f"{tiny.family.title} learns no InstructPix2Pix editing in this release")
+    channels = tiny.family.latent_channels(tiny.vae.config)
+    latents = torch.randn(2, channels, LATENT_SIDE, LATENT_SIDE)
+    with torch.no_grad():
+        text = tiny.text(["make it red", "make it blue"])
+    condition = tiny.family.condition(text, {"size_ids": torch.tensor([[64, 64, 0, 0, 64, 64]] * 2)},
+                                      torch.device("cpu"))
+    timesteps = torch.tensor([100.0, 900.0])
+    widened = copy.deepcopy(tiny.denoiser)
+    spec.widen(widened, channels)
+    assert widened.config.in_channels == 2 * channels
+    with torch.no_grad():
+        plain = tiny.family.denoise(tiny.denoiser, latents, timesteps, condition)
+        given = tiny.family.denoise(widened, torch.cat([latents, torch.randn_like(latents)], dim=1), timesteps,
+                                    condition)
+    torch.testing.assert_close(given, plain, rtol=0, atol=0)
+
+
 def _declared_unused(family, name: str, module: torch.nn.Module, parameter: str) -> bool:
     return any(parameter.startswith(path + ".") for path in family.unused_modules(name, module))
 

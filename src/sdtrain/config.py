@@ -27,7 +27,7 @@ from sdtrain.errors import UserError
 log = logging.getLogger(__name__)
 
 STAGES = ("autoencoder", "diffusion")
-MODES = ("full", "lora", "textual_inversion", "dreambooth", "controlnet")
+MODES = ("full", "lora", "textual_inversion", "dreambooth", "controlnet", "instruct_pix2pix")
 PRECISIONS = ("auto", "fp32", "bf16")
 # YAML 1.1 reads a bare `no` as false, which OmegaConf then stores as the string "False".
 _FP32_ALIASES = ("no", "False", "false")
@@ -457,6 +457,17 @@ class TextualInversionConfig:
 
 
 @dataclass
+class InstructPix2PixConfig:
+    source_dropout: float = 0.1
+    """Share of samples trained without their source image (its latents zero), as InstructPix2Pix drops the image
+    conditioning so that sampling can weigh it (``image_guidance_scale``); captions drop by
+    ``data.caption_dropout``, independently."""
+
+    def validate(self) -> None:
+        _check(0.0 <= self.source_dropout < 1.0, "instruct_pix2pix.source_dropout", "must be in [0, 1)")
+
+
+@dataclass
 class DreamBoothConfig:
     instance_prompt: str = ""
     """Required: the caption of every instance image, with a rare identifier for the subject, e.g.
@@ -788,7 +799,8 @@ class RunConfig:
     mode: str = "full"
     """What the diffusion stage trains: ``full`` (all UNet weights, optionally the text encoder), ``lora``
     (low-rank adapters only), ``textual_inversion`` (new token embeddings only), ``dreambooth``, or
-    ``controlnet`` (a ControlNet made from the frozen denoiser, reading each sample's conditioning image)."""
+    ``controlnet`` (a ControlNet made from the frozen denoiser, reading each sample's conditioning image) or
+    ``instruct_pix2pix`` (the whole denoiser, given each sample's source image's latents beside the noisy ones)."""
     seed: int = 0
     """Seeds initialisation, data order, augmentation and noise."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -798,6 +810,7 @@ class RunConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     textual_inversion: TextualInversionConfig = field(default_factory=TextualInversionConfig)
     dreambooth: DreamBoothConfig = field(default_factory=DreamBoothConfig)
+    instruct_pix2pix: InstructPix2PixConfig = field(default_factory=InstructPix2PixConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -815,6 +828,7 @@ class RunConfig:
         _check(self.mode == "full" or self.stage == "diffusion", "mode",
                f"{self.mode} fine-tunes the diffusion stage; set stage: diffusion")
         self.lora.validate()
+        self.instruct_pix2pix.validate()
         self.textual_inversion.validate(trained=self.mode == "textual_inversion")
         if self.mode == "dreambooth":
             self.dreambooth.validate()
@@ -841,9 +855,9 @@ class RunConfig:
                    "steps each parameter during backward, so it cannot accumulate: set train.grad_accum=1")
         if self.evaluation.every_samples:
             _check(self.stage == "diffusion", "evaluation.every_samples", "evaluates generated images: diffusion only")
-            _check(self.mode != "controlnet", "evaluation.every_samples",
-                   "mode controlnet samples from conditioning maps, which evaluation has none of: set it to 0 and "
-                   "judge the validation images (validation.prompts), drawn from the maps of the last batch")
+            _check(self.mode not in ("controlnet", "instruct_pix2pix"), "evaluation.every_samples",
+                   f"mode {self.mode} samples from each prompt's image, which evaluation has none of: set it to 0 "
+                   "and judge the validation images (validation.prompts), drawn from the last batch's images")
 
 
 def _describe(exc: OmegaConfBaseException) -> str:

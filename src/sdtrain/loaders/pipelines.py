@@ -11,6 +11,7 @@ from sdtrain.config import DiffusionConfig, ModelConfig, RunConfig, load_config
 from sdtrain.errors import UserError
 from sdtrain.loaders.adapters import merge_partial
 from sdtrain.loaders.components import load_component, load_run_modules
+from sdtrain.loaders.writers import INSTRUCT_PIX2PIX
 from sdtrain.models import build, families
 from sdtrain.models.pipeline import sampler_from
 
@@ -51,8 +52,11 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
         for tokenizer in tokenizers:
             tokenizer.add_tokens(added_tokens)
     noise = build.build_noise_scheduler(config.diffusion, model)
-    return family.assemble({name: component(name) for name in family.components}, tokenizers,
+    pipe = family.assemble({name: component(name) for name in family.components}, tokenizers,
                            sampler_from(noise, "euler"))
+    if read_meta(checkpoint).get("task", {}).get(INSTRUCT_PIX2PIX):  # a denoiser that edits: its own pipeline
+        pipe = family.instruct.pipeline_class.from_pipe(pipe)
+    return pipe
 
 
 def pipeline_from_file(path: str | Path, tokenizer: str | Path | None = None) -> Any:

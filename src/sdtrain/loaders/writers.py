@@ -24,6 +24,9 @@ LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 """The file diffusers' ``load_lora_weights(DIR)`` looks for."""
 KOHYA_WEIGHTS = "lora_kohya.safetensors"
 LEARNED_EMBEDS = "learned_embeds.safetensors"
+INSTRUCT_PIX2PIX = "instruct_pix2pix"
+"""The task key of meta.json saying a run's denoiser learned InstructPix2Pix's editing (its pipeline is the
+family's InstructPix2Pix one)."""
 CONTROLNET = "controlnet"
 """A ControlNet run's trained module: its name in checkpoints (``controlnet.*``) and its export's folder
 (``OUT/controlnet``, diffusers' ControlNetModel layout)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -78,7 +79,9 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
     defaults = family.sampling_defaults(getattr(pipe, family.denoiser).config)
     steps = steps or defaults.get("steps", default_steps)
     guidance = defaults["guidance"] if guidance is None else guidance
-    shape = {"height": size, "width": size} if size else {}
+    # An editing pipeline (InstructPix2Pix's) draws at its source image's size and takes none.
+    takes_size = {"height", "width"} <= set(inspect.signature(pipe.__call__).parameters)
+    shape = {"height": size, "width": size} if size and takes_size else {}
     seeds = list(seeds) if seeds is not None else [seed + i for i in range(len(prompts))]
     images = []
     for start in range(0, len(prompts), batch):

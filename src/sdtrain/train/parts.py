@@ -68,6 +68,12 @@ class TrainedPart:
         calls them: under their parallel wrappers) from the `batch` (a ControlNet's residuals); nothing here."""
         return {}
 
+    def denoiser_extra(self, batch: dict[str, Any], vae: nn.Module, generator: torch.Generator | None
+                       ) -> torch.Tensor | None:
+        """Latents the denoiser reads beside the noisy ones, on extra input channels (InstructPix2Pix's source
+        image's), from the `batch` with the frozen `vae`; drawn from `generator` where random. None here."""
+        return None
+
     def pipeline(self, pipe: Any, modules: dict[str, nn.Module]) -> Any:
         """The pipeline that samples from the family's `pipe` with the trained `modules` (a ControlNet's own)."""
         return pipe

@@ -502,13 +502,17 @@ class DiffusionTask(Task):
         condition = self.conditioning(batch, generator)
         trained = {name: getattr(self, name) for name in self.trainable}
         condition = {**condition, **self.part.controls(trained, batch, noisy, timesteps, condition)}
-        return self.denoising_loss_at(noisy, timesteps, target, condition, latent_mask(batch, latents))
+        extra = self.part.denoiser_extra(batch, self.vae, generator)
+        return self.denoising_loss_at(noisy, timesteps, target, condition, latent_mask(batch, latents), extra)
 
     def denoising_loss_at(self, noisy: torch.Tensor, timesteps: torch.Tensor, target: torch.Tensor,
-                          condition: dict[str, Any], mask: torch.Tensor | None = None) -> torch.Tensor:
+                          condition: dict[str, Any], mask: torch.Tensor | None = None,
+                          extra: torch.Tensor | None = None) -> torch.Tensor:
         """The weighted per-sample loss of the denoiser's prediction at given noisy latents and timesteps; with a
-        `mask` (Bx1xhxw on the latents' grid), the mean of the squared error over what the mask counts."""
-        output = self.family.denoise(self.denoiser, noisy, timesteps, condition)
+        `mask` (Bx1xhxw on the latents' grid), the mean of the squared error over what the mask counts; `extra`:
+        latents the denoiser reads beside the noisy ones (the trained part's `denoiser_extra`)."""
+        given = noisy if extra is None else torch.cat([noisy, extra.to(noisy.dtype)], dim=1)
+        output = self.family.denoise(self.denoiser, given, timesteps, condition)
         prediction = self.objective.prediction(output.float(), noisy, timesteps)
         error = F.mse_loss(prediction, target.float(), reduction="none")
         if mask is None:

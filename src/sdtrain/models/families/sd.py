@@ -10,6 +10,7 @@ from diffusers import (
     AutoencoderKL,
     ControlNetModel,
     StableDiffusionControlNetPipeline,
+    StableDiffusionInstructPix2PixPipeline,
     StableDiffusionPipeline,
     UNet2DConditionModel,
 )
@@ -19,7 +20,13 @@ from transformers import CLIPTextModel
 from sdtrain.models.families.autoencoder import SD_VAE, TINY_VAE, vae_blocks
 from sdtrain.models.families.spec import ModelFamily
 from sdtrain.models.families.text_towers import clip_text_config, text_blocks
-from sdtrain.models.families.unet import ORIGINAL_CHECKPOINT, controlnet_blocks, unet_blocks, unet_control
+from sdtrain.models.families.unet import (
+    ORIGINAL_CHECKPOINT,
+    controlnet_blocks,
+    unet_blocks,
+    unet_control,
+    unet_instruct,
+)
 
 _TINY_UNET = dict(
     block_out_channels=[32, 64, 64],
@@ -69,6 +76,7 @@ class StableDiffusion(ModelFamily):
                    ControlNetModel: controlnet_blocks}
     presets = PRESETS
     controlnet = unet_control(StableDiffusionControlNetPipeline)
+    instruct = unet_instruct(StableDiffusionInstructPix2PixPipeline)
     kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
 
     def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:

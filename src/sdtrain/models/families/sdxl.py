@@ -18,6 +18,7 @@ from diffusers import (
     AutoencoderKL,
     ControlNetModel,
     StableDiffusionXLControlNetPipeline,
+    StableDiffusionXLInstructPix2PixPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
@@ -36,7 +37,13 @@ from sdtrain.models.families.text_towers import (
     penultimate_states,
     text_blocks,
 )
-from sdtrain.models.families.unet import ORIGINAL_CHECKPOINT, controlnet_blocks, unet_blocks, unet_control
+from sdtrain.models.families.unet import (
+    ORIGINAL_CHECKPOINT,
+    controlnet_blocks,
+    unet_blocks,
+    unet_control,
+    unet_instruct,
+)
 
 _SDXL_VAE = {**SD_VAE, "scaling_factor": 0.13025, "sample_size": 1024}
 # The SDXL 1.0 base UNet: 2,567,463,684 parameters (its cross-attention width and added-embedding input
@@ -83,6 +90,7 @@ class StableDiffusionXL(ModelFamily):
     block_lists = {UNet2DConditionModel: unet_blocks, AutoencoderKL: vae_blocks, CLIPTextModel: text_blocks,
                    CLIPTextModelWithProjection: text_blocks, ControlNetModel: controlnet_blocks}
     controlnet = unet_control(StableDiffusionXLControlNetPipeline)
+    instruct = unet_instruct(StableDiffusionXLInstructPix2PixPipeline)
     presets = PRESETS
     kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
     # A1111's and ComfyUI's SDXL embeddings: one entry per text encoder.

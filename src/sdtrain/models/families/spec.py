@@ -98,6 +98,20 @@ class ControlSpec:
     the denoiser's call is given beside its conditioning."""
 
 
+@dataclass(frozen=True)
+class InstructSpec:
+    """How a family's denoiser learns to edit as InstructPix2Pix does (``mode: instruct_pix2pix``): the source
+    image's latents beside the noisy ones, on extra input channels."""
+
+    pipeline_class: type
+    """The diffusers pipeline that edits with the widened denoiser (``from_pipe`` of the family's pipeline)."""
+    widen: Callable[[nn.Module, int], None]
+    """(denoiser, extra channels) -> the denoiser reads that many more input channels, their weights zero (so it
+    starts as the base model), its config saying so."""
+    source_latents: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    """(VAE, source images in [-1, 1]) -> the latents the pipeline gives the denoiser beside the noisy ones."""
+
+
 class ModelFamily:
     name: str
     """The config's ``model.family`` value."""
@@ -142,6 +156,8 @@ class ModelFamily:
     """The family's single-file layout, None where it has none this release writes or reads."""
     controlnet: ControlSpec | None = None
     """How the family hosts a ControlNet; None where this release trains none for it."""
+    instruct: InstructSpec | None = None
+    """How the family's denoiser learns InstructPix2Pix's editing; None where this release trains none for it."""
     block_lists: dict[type[nn.Module], Callable[[nn.Module], list[nn.Module | None]]] = {}
     """Component class -> its repeated blocks, in forward order (None entries, an absent mid block, are skipped)."""
     presets: dict[str, dict[str, dict[str, Any]]] = {}

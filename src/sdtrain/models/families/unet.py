@@ -13,7 +13,7 @@ from diffusers import ControlNetModel, UNet2DConditionModel
 from torch import nn
 
 from sdtrain.models import single_file
-from sdtrain.models.families.spec import ControlSpec, SingleFileLayout
+from sdtrain.models.families.spec import ControlSpec, InstructSpec, SingleFileLayout
 
 
 def unet_blocks(unet: UNet2DConditionModel) -> list:
@@ -46,6 +46,30 @@ def controlnet_from_unet(unet: UNet2DConditionModel, latent_factor: int) -> Cont
     halvings = max(0, round(math.log2(latent_factor)))
     widths = (*_CONDITIONING_WIDTHS, *(_CONDITIONING_WIDTHS[-1:] * halvings))[:halvings + 1]
     return ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=widths)
+
+
+def widen_unet(unet: UNet2DConditionModel, channels: int) -> None:
+    """`unet`'s first convolution reads `channels` more input channels, their weights zero (InstructPix2Pix's
+    initialisation: the UNet starts as it was), and its config says so."""
+    old = unet.conv_in
+    new = nn.Conv2d(old.in_channels + channels, old.out_channels, old.kernel_size, old.stride, old.padding,
+                    device=old.weight.device, dtype=old.weight.dtype)
+    with torch.no_grad():
+        new.weight.zero_()
+        new.weight[:, :old.in_channels].copy_(old.weight)
+        new.bias.copy_(old.bias)
+    unet.conv_in = new
+    unet.register_to_config(in_channels=new.in_channels)
+
+
+def unet_source_latents(vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """The source image's latents as diffusers' InstructPix2Pix pipelines give them: the posterior's mode, not
+    scaled."""
+    return vae.encode(pixels).latent_dist.mode()
+
+
+def unet_instruct(pipeline_class: type) -> InstructSpec:
+    return InstructSpec(pipeline_class, widen_unet, unet_source_latents)
 
 
 def unet_control(pipeline_class: type) -> ControlSpec:

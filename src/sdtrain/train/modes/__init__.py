@@ -14,6 +14,7 @@ from sdtrain.config import RunConfig
 from sdtrain.models import families
 from sdtrain.train.modes.controlnet import ControlNetPart
 from sdtrain.train.modes.dreambooth import DreamBoothRecipe
+from sdtrain.train.modes.instruct_pix2pix import InstructPix2PixPart
 from sdtrain.train.modes.lora import Adapters
 from sdtrain.train.modes.textual_inversion import NewTokens
 from sdtrain.train.parts import TrainedPart
@@ -21,7 +22,7 @@ from sdtrain.train.tasks import TASKS, DataRecipe, DiffusionTask, Task
 
 # What trains, by mode; DreamBooth trains the whole model, or adapters with dreambooth.lora.
 TRAINED: dict[str, type[TrainedPart]] = {"lora": Adapters, "textual_inversion": NewTokens,
-                                         "controlnet": ControlNetPart}
+                                         "controlnet": ControlNetPart, "instruct_pix2pix": InstructPix2PixPart}
 # What the run trains on, by mode: the data as it is, or DreamBooth's instance and class images.
 RECIPES: dict[str, type[DataRecipe]] = {"dreambooth": DreamBoothRecipe}
 

@@ -65,6 +65,10 @@ class ControlNetPart(TrainedPart):
         shows the ControlNet following."""
         if batch is None or "conditioning_pixels" not in batch:
             return {}
-        maps = [Image.fromarray((m.permute(1, 2, 0).clamp(0, 1) * 255).round().byte().cpu().numpy())
-                for m in batch["conditioning_pixels"]]
+        maps = as_images(batch["conditioning_pixels"])
         return {"image": [maps[i % len(maps)] for i in range(count)]}
+
+
+def as_images(pixels: torch.Tensor) -> list[Image.Image]:
+    """A batch of images (Bx3xHxW in [0, 1]) as RGB PIL images, as pipelines take them."""
+    return [Image.fromarray((p.permute(1, 2, 0).clamp(0, 1) * 255).round().byte().cpu().numpy()) for p in pixels]

@@ -1,0 +1,74 @@
+"""InstructPix2Pix training (``mode: instruct_pix2pix``, configs/instruct-pix2pix.yaml) on a tiny pretrained Stable
+Diffusion with a folder of edits (each edited image beside its source, ``KEY.src.png``, its caption the
+instruction): the UNet widened to read the source's latents (new inputs starting at zero), validated with the last
+batch's sources, exported as a folder diffusers' own InstructPix2Pix pipeline edits with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+from safetensors.torch import load_file
+
+from sdtrain.checkpoint import latest_checkpoint
+from sdtrain.cli.main import main
+from sdtrain.export import export_run
+
+from .conftest import TINY, config_path
+
+CONFIGS = config_path("diffusion.yaml").parents[1]
+
+
+@pytest.fixture(scope="module")
+def edits(tmp_path_factory) -> Path:
+    """Eight edits: a shape recoloured, the instruction naming the new colour."""
+    folder = tmp_path_factory.mktemp("edits") / "images"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    colours = {"red": (220, 30, 30), "blue": (30, 60, 220), "green": (30, 170, 60)}
+    for i in range(8):
+        box = [int(v) for v in rng.integers(2, 14, 2)]
+        box += [box[0] + 16, box[1] + 16]
+        before, after = rng.choice(list(colours), 2, replace=False)
+        for name, colour in ((f"{i}.src.png", before), (f"{i}.png", after)):
+            image = Image.new("RGB", (32, 32), (240, 240, 240))
+            ImageDraw.Draw(image).ellipse(box, fill=colours[colour])
+            image.save(folder / name)
+        (folder / f"{i}.txt").write_text(f"make it {after}")
+    out = folder.parent / "shards"
+    assert main(["prepare", "folder", str(folder), "--out", str(out)]) == 0
+    return out
+
+
+def test_the_unet_learns_to_edit_and_exports_what_diffusers_instruct_pix2pix_pipeline_edits_with(
+        tmp_path, pretrained, edits):
+    from diffusers import StableDiffusionInstructPix2PixPipeline
+
+    run = tmp_path / "run"
+    assert main(["train", str(CONFIGS / "instruct-pix2pix.yaml"), f"run_dir={run}", *TINY,
+                 f"model.pretrained={pretrained}", f"data.shards={edits}", "train.max_steps=2", "optim.lr=0.01",
+                 "validation.prompts=[make it blue]", "validation.steps=2", "ema.enabled=false"]) == 0
+    weights = load_file(str(latest_checkpoint(run) / "model.safetensors"))
+    conv_in = weights["unet.conv_in.weight"]
+    assert conv_in.shape[1] == 8 and conv_in[:, 4:].abs().max() > 0  # the source's inputs, trained from zero
+    assert (run / "samples" / "step_00000002.png").is_file()  # drawn from the last batch's sources
+
+    out = export_run(run, tmp_path / "out")
+    pipe = StableDiffusionInstructPix2PixPipeline.from_pretrained(out, safety_checker=None, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    assert pipe.unet.config.in_channels == 8
+    torch.testing.assert_close(pipe.unet.conv_in.weight, conv_in, rtol=0, atol=0)
+    source = Image.open(next(iter(sorted((edits.parent / "images").glob("*.src.png")))))
+    edited = pipe("make it blue", image=source, num_inference_steps=2, output_type="np",
+                  generator=torch.Generator().manual_seed(0)).images[0]
+    assert edited.shape == (32, 32, 3) and np.isfinite(edited).all()
+
+
+def test_data_without_sources_is_one_line(tmp_path, pretrained, shapes_dir, capsys):
+    assert main(["train", str(CONFIGS / "instruct-pix2pix.yaml"), f"run_dir={tmp_path / 'run'}", *TINY,
+                 f"model.pretrained={pretrained}", f"data.shards={shapes_dir}", "train.max_steps=1"]) == 2
+    error = [line for line in capsys.readouterr().err.strip().splitlines() if "Loading weights" not in line]
+    assert len(error) == 1 and "KEY.src.png" in error[0]
