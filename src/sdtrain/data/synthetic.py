@@ -57,6 +57,10 @@ class SyntheticBatches:
                 self.batch[key] = torch.randn(count, *shape, generator=generator)
         if not encoded:
             self.batch["pixel_values"] = torch.rand(count, 3, size, size, generator=generator) * 2 - 1
+            # The images a sample may carry beside its own (a ControlNet's map, an edit's source), for the modes
+            # that read them.
+            self.batch["conditioning_pixels"] = torch.rand(count, 3, size, size, generator=generator)
+            self.batch["source_pixels"] = torch.rand(count, 3, size, size, generator=generator) * 2 - 1
             return
         vae = task.vae.config
         side = size // task.family.latent_downsampling(vae)
