@@ -14,6 +14,7 @@ from torch import nn
 
 from sdtrain.errors import UserError
 from sdtrain.loaders.writers import CONTROLNET
+from sdtrain.models import families
 from sdtrain.models.families.spec import ControlSpec
 from sdtrain.train.parts import TrainedPart
 
@@ -27,8 +28,8 @@ class ControlNetPart(TrainedPart):
     @property
     def spec(self) -> ControlSpec:
         if self.family.controlnet is None:
-            raise UserError(f"mode: {self.family.title} hosts no ControlNet in this release; Stable Diffusion 1.x/2.x "
-                            "and SDXL do")
+            hosts = ", ".join(f.title for f in families.FAMILIES.values() if f.controlnet is not None)
+            raise UserError(f"mode: {self.family.title} hosts no ControlNet in this release; {hosts} do")
         return self.family.controlnet
 
     def keeps_frozen(self, name: str) -> bool:

@@ -14,6 +14,7 @@ from torch import nn
 
 from sdtrain.errors import UserError
 from sdtrain.loaders.writers import INSTRUCT_PIX2PIX
+from sdtrain.models import families
 from sdtrain.models.families.spec import InstructSpec
 from sdtrain.train.modes.controlnet import as_images
 from sdtrain.train.parts import TrainedPart
@@ -26,8 +27,9 @@ class InstructPix2PixPart(TrainedPart):
     @property
     def spec(self) -> InstructSpec:
         if self.family.instruct is None:
-            raise UserError(f"mode: {self.family.title} learns no InstructPix2Pix editing in this release; Stable "
-                            "Diffusion 1.x/2.x and SDXL do")
+            editors = ", ".join(f.title for f in families.FAMILIES.values() if f.instruct is not None)
+            raise UserError(f"mode: {self.family.title} learns no InstructPix2Pix editing in this release; "
+                            f"{editors} do")
         return self.family.instruct
 
     def make_trainable(self, denoiser: nn.Module, text_encoders: dict[str, nn.Module],
