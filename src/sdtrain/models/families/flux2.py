@@ -17,7 +17,7 @@ target.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +220,13 @@ def from_bfl(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     return convert_flux2_transformer_checkpoint_to_diffusers({key: tensor})
 
 
+def iter_from_bfl(keys: list[str], read: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """BFL's `keys` (no prefix) -> diffusers' (key, tensor) pairs, each original read with `read` when its turn comes,
+    so a caller storing them low never holds more than one in full precision."""
+    for key in keys:
+        yield from from_bfl(key, read(key)).items()
+
+
 def bfl_config(shapes: Mapping[str, tuple[int, ...]], metadata: Mapping[str, str]) -> dict[str, Any]:
     """The Flux2Transformer2DModel settings of a file's transformer (`shapes`: its BFL keys, no prefix)."""
     def need(key: str) -> tuple[int, ...]:
@@ -259,7 +266,7 @@ def load_transformer_file(path: str | Path, trust_pickle: bool | None = None, fr
     Without `weights`, only the header is read."""
     return read_transformer_file(
         path, trust_pickle, title="Flux.2", cls=Flux2Transformer2DModel, mark=BFL_MARK, prefix_of=bfl_prefix,
-        settings_of=bfl_config, convert=lambda key, tensor: from_bfl(key, tensor).items(),
+        settings_of=bfl_config, convert=iter_from_bfl,
         frozen_precision=frozen_precision, weights=weights,
         fix="pass a Flux.2 transformer file (flux2-dev.safetensors, flux-2-klein-*.safetensors, or `sdtrain export "
             "--single-file` of a Flux.2 run) or a diffusers transformer folder")

@@ -17,11 +17,13 @@ from sdtrain.models import frozen, single_file
 from sdtrain.models.families.spec import SingleFileLayout, construct
 from sdtrain.models.single_file.write import layout_metadata, write_tensors
 
-Converter = Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+Converter = Callable[[list[str], Callable[[str], torch.Tensor]], Iterable[tuple[str, torch.Tensor]]]
+"""(the file's keys, no prefix; a function reading one) -> the model's (name, tensor) pairs, each read when its turn
+comes: the file's own layout to diffusers'."""
 
 
-def _as_is(key: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-    return ((key, tensor),)
+def _as_is(keys: list[str], read: Callable[[str], torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
+    return ((key, read(key)) for key in keys)
 
 
 def read_transformer_file(path: str | Path, trust_pickle: bool | None, *, title: str, cls: type[nn.Module],
@@ -32,8 +34,8 @@ def read_transformer_file(path: str | Path, trust_pickle: bool | None, *, title:
     """A `cls` (the `title` family's transformer), in fp32 or its linear weights stored in `frozen_precision`, from
     the file at `path`: `prefix_of(keys)` finds the prefix its tensors are under (None: it holds none, `mark`
     missing), `settings_of(shapes, metadata)` the constructor's settings from their shapes without it (ValueError
-    for what does not fit), `convert(key, tensor)` each tensor's names and tensors in `cls` (the file's own layout
-    to diffusers'). Without `weights`, only the header is read. Each failure is one line ending in `fix`."""
+    for what does not fit), `convert(keys, read)` the tensors' names and values in `cls` (the file's own layout to
+    diffusers'). Without `weights`, only the header is read. Each failure is one line ending in `fix`."""
     file = single_file.open_file(path, trust_pickle)
     prefix = prefix_of(file.shapes)
     if prefix is None:
@@ -47,7 +49,7 @@ def read_transformer_file(path: str | Path, trust_pickle: bool | None, *, title:
         module = construct(cls, "transformer_overrides", settings)
     if not weights:
         return module.eval()
-    tensors = (pair for key in keys for pair in convert(key[len(prefix):], file.floats([key])[key]))
+    tensors = convert([key[len(prefix):] for key in keys], lambda key: file.floats([prefix + key])[prefix + key])
     try:
         missing = frozen.fill(module, tensors, frozen_precision)
     except (RuntimeError, TypeError, ValueError, KeyError) as exc:

@@ -23,11 +23,11 @@ from diffusers import AutoencoderKL, ZImagePipeline, ZImageTransformer2DModel
 from torch import nn
 from transformers import Qwen3Config, Qwen3Model
 
-from sdtrain.errors import UserError, first_line
-from sdtrain.models import frozen, single_file
+from sdtrain.errors import UserError
 from sdtrain.models.families import causal_lm
 from sdtrain.models.families.autoencoder import FLUX_VAE, TINY_FLUX_VAE, vae_blocks
 from sdtrain.models.families.spec import ModelFamily, SingleFileLayout, construct
+from sdtrain.models.families.transformer_file import read_transformer_file
 from sdtrain.models.single_file import kohya
 from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY, layout_metadata, write_tensors
 
@@ -240,30 +240,12 @@ def load_transformer_file(path: str | Path, trust_pickle: bool | None = None, fr
     or under ComfyUI's ``model.diffusion_model.``): sizes from the tensor shapes, the other settings from the file's
     metadata, else the released model's. Built on the meta device and filled a tensor at a time, its linear weights
     stored in `frozen_precision` as they come; without `weights`, only the header is read."""
-    file = single_file.open_file(path, trust_pickle)
-    prefix = prefix_of(file.shapes)
-    fix = ("pass a Z-Image transformer file (the released z_image_*.safetensors, or `sdtrain export --single-file` "
-           "of a Z-Image run) or a diffusers transformer folder")
-    if prefix is None:
-        raise UserError(f"{file.path}: holds no Z-Image transformer in its authors' layout ({MARK}); {fix}")
-    keys = [k for k in file.shapes if k.startswith(prefix)]
-    try:
-        config = transformer_config({k[len(prefix):]: file.shapes[k] for k in keys}, file.metadata, _ZIMAGE)
-    except ValueError as exc:
-        raise UserError(f"{file.path}: cannot read it as a Z-Image transformer ({first_line(exc)}); {fix}") from exc
-    with frozen.parameters_on_meta():
-        module = ZImageTransformer2DModel(**config)
-    if not weights:
-        return module.eval()
-    tensors = iter_from_original([k[len(prefix):] for k in keys], lambda key: file.floats([prefix + key])[prefix + key])
-    try:
-        missing = frozen.fill(module, tensors, frozen_precision)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise UserError(f"{file.path}: cannot load the Z-Image transformer ({first_line(exc)}); {fix}") from exc
-    if missing:
-        raise UserError(f"{file.path}: the Z-Image transformer lacks {len(missing)} weights (e.g. {missing[0]}); the "
-                        "file is incomplete")
-    return module.eval()
+    return read_transformer_file(
+        path, trust_pickle, title="Z-Image", cls=ZImageTransformer2DModel, mark=MARK, prefix_of=prefix_of,
+        settings_of=lambda shapes, metadata: transformer_config(shapes, metadata, _ZIMAGE),
+        convert=iter_from_original, frozen_precision=frozen_precision, weights=weights,
+        fix="pass a Z-Image transformer file (the released z_image_*.safetensors, or `sdtrain export --single-file` "
+            "of a Z-Image run) or a diffusers transformer folder")
 
 
 class TransformerFile(SingleFileLayout):
