@@ -18,6 +18,7 @@ from torch import nn
 from sdtrain.config import DdpmConfig, DiffusionConfig, FlowConfig, load_config
 from sdtrain.models import build, families
 from sdtrain.train.objectives import FlowMatching, NoisePrediction, multires_noise
+from sdtrain.train.parts import TrainedPart
 from sdtrain.train.tasks import DiffusionTask
 
 from .conftest import config_path
@@ -48,6 +49,7 @@ def objective(*overrides: str) -> DiffusionTask:
     task.vae = SimpleNamespace(config=FrozenDict(scaling_factor=SCALING))
     task.unet = RecordingDenoiser()
     task.text_embeddings = True
+    task.part, task.trainable = TrainedPart(config, families.SD), {"unet": task.unet}
     return task
 
 
