@@ -91,6 +91,32 @@ LOAD_LORA = textwrap.dedent('''
 tensors, the key map, the patches, the file's module names)."""
 
 
+LOAD_MODEL = textwrap.dedent('''
+    def load_model(model_path):
+        """What Load Diffusion Model does with the file at model_path, in fp32: the patcher, its network, the file's
+        tensors, and a report of what loaded (ComfyUI's model and config classes, the network's weights the file
+        lacks or holds beyond it, whether those it holds are the file's)."""
+        import comfy.sd
+        patcher = comfy.sd.load_diffusion_model(model_path, model_options={"dtype": torch.float32})
+        net = patcher.model.diffusion_model
+        written = load_file(model_path)
+        state = net.state_dict()
+        report = {"model": type(patcher.model).__name__, "config": type(patcher.model.model_config).__name__,
+                  "missing": sorted(set(state) - set(written)), "unread": sorted(set(written) - set(state)),
+                  "weights_equal": all(torch.equal(state[k], written[k]) for k in state if k in written)}
+        return patcher, net, written, report
+
+    def apply(patcher, patches, report):
+        """Add `patches` (comfy.lora.load_lora's) to the model and patch its weights; what was not applied in
+        `report`."""
+        added = set(patcher.add_patches(patches, 1.0))
+        report["not_applied"] = sorted(str(k) for k in patches if k not in added)
+        patcher.patch_model()
+''')
+"""``load_model(model_path)`` -> (patcher, net, written, report): ComfyUI's Load Diffusion Model on a file;
+``apply(patcher, patches, report)``: its LoRA patches applied."""
+
+
 def run_comfyui(script: str, *args: str) -> dict[str, Any]:
     """Run `script` (PREAMBLE first) in ComfyUI's venv with `args` as sys.argv[1:]; its REPORT, parsed."""
     done = subprocess.run([str(COMFY_PYTHON), "-c", script, *args], cwd=COMFY_DIR, capture_output=True, text=True,

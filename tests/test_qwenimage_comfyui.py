@@ -23,9 +23,9 @@ from . import comfyui
 
 TARGETS = ["to_q", "to_k", "to_v", "add_q_proj", "to_out.0", "to_add_out", "img_mlp.net.2", "txt_mlp.net.2"]
 
-_SCRIPT = comfyui.PREAMBLE + comfyui.LOAD_LORA + textwrap.dedent('''
+_SCRIPT = comfyui.PREAMBLE + comfyui.LOAD_LORA + comfyui.LOAD_MODEL + textwrap.dedent('''
     model_path, expected_path, *lora_paths = sys.argv[1:]
-    import comfy.model_detection, comfy.sd, comfy.utils
+    import comfy.model_detection
     collect_messages()
 
     # ComfyUI builds Qwen-Image at the released widths (24 heads of 128, Qwen2.5-VL-7B's 3584 text features, RoPE
@@ -44,21 +44,13 @@ _SCRIPT = comfyui.PREAMBLE + comfyui.LOAD_LORA + textwrap.dedent('''
         return config
     comfy.model_detection.detect_unet_config = detect_tiny
 
-    patcher = comfy.sd.load_diffusion_model(model_path, model_options={"dtype": torch.float32})
-    net = patcher.model.diffusion_model
-    written = load_file(model_path)
-    state = net.state_dict()
-    report = {"model": type(patcher.model).__name__, "missing": sorted(set(state) - set(written)),
-              "unread": sorted(set(written) - set(state)),
-              "weights_equal": all(torch.equal(state[k], written[k]) for k in state if k in written)}
+    patcher, net, written, report = load_model(model_path)
     expected = load_file(expected_path)
     for path in lora_paths:
         entry = report[path.rsplit("/", 1)[1]] = {}
         patcher_copy = patcher.clone()
         lora, key_map, patches, modules = load_lora(patcher_copy, path, entry)
-        added = set(patcher_copy.add_patches(patches, 1.0))
-        entry["not_applied"] = sorted(str(k) for k in patches if k not in added)
-        patcher_copy.patch_model()
+        apply(patcher_copy, patches, entry)
         patched = net.state_dict()
         changed = sorted(k for k in patched if k in expected and not torch.equal(patched[k], written[k]))
         entry["changed"] = changed

@@ -123,7 +123,7 @@ def test_diffusers_loads_the_kohya_file_whole_as_it_loads_its_own(lora_export, r
 
 # --------------------------------------------------------------------------------------------------- ComfyUI
 
-_COMFY_SCRIPT = comfyui.PREAMBLE + comfyui.LOAD_LORA + textwrap.dedent('''
+_COMFY_SCRIPT = comfyui.PREAMBLE + comfyui.LOAD_LORA + comfyui.LOAD_MODEL + textwrap.dedent('''
     model_path, lora_path, expected_path = sys.argv[1:4]
     import comfy.lora, comfy.model_detection, comfy.sd, comfy.supported_models, comfy.utils
     collect_messages()
@@ -151,19 +151,11 @@ _COMFY_SCRIPT = comfyui.PREAMBLE + comfyui.LOAD_LORA + textwrap.dedent('''
         return config
     comfy.model_detection.detect_unet_config = detect_tiny
 
-    patcher = comfy.sd.load_diffusion_model(model_path, model_options={"dtype": torch.float32})
-    net = patcher.model.diffusion_model
-    written = load_file(model_path)
-    state = net.state_dict()
-    report = {"model": type(patcher.model).__name__, "config": type(patcher.model.model_config).__name__,
-              "missing": sorted(set(state) - set(written)),
-              "weights_equal": all(torch.equal(state[k], written[k]) for k in state if k in written)}
+    patcher, net, written, report = load_model(model_path)
 
     lora, key_map, patches, modules = load_lora(patcher, lora_path, report)
     report["targets"] = {m: str(key_map.get(m)) for m in modules}
-    added = set(patcher.add_patches(patches, 1.0))
-    report["not_applied"] = sorted(str(k) for k in patches if k not in added)
-    patcher.patch_model()
+    apply(patcher, patches, report)
 
     # ComfyUI's patched weights against the run's merged ones (in the same layout).
     expected = load_file(expected_path)
