@@ -82,8 +82,8 @@ def test_a_family_without_a_controlnet_and_data_without_maps_are_one_line(tmp_pa
     assert _train(tmp_path / "plain", pretrained, shapes_dir) == 2
     error = [line for line in capsys.readouterr().err.strip().splitlines() if "Loading weights" not in line]
     assert len(error) == 1 and "conditioning images" in error[0] and "KEY.cond.png" in error[0]
-    from sdtrain.models.families.flux import FLUX
+    from sdtrain.models import families
     from sdtrain.train.modes.controlnet import ControlNetPart
 
-    with pytest.raises(Exception, match="Flux.1 hosts no ControlNet in this release"):
-        ControlNetPart(None, FLUX).make_trainable(torch.nn.Linear(1, 1), {}, [])
+    with pytest.raises(Exception, match="Z-Image hosts no ControlNet in this release; .*SD3, Flux.1"):
+        ControlNetPart(None, families.get("z-image")).make_trainable(torch.nn.Linear(1, 1), {}, [])

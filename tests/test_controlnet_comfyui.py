@@ -67,3 +67,73 @@ def test_comfyui_loads_every_key_of_the_exported_controlnet(tmp_path):
     print(json.dumps(report, indent=1))
     assert report["loaded"] == "ControlNet" and report["problems"] == [] and report["same"]
     assert report["keys"] == report["file_keys"]
+
+
+_TRANSFORMER_SCRIPT = comfyui.PREAMBLE + textwrap.dedent('''
+    path, axes_json = sys.argv[1:3]
+    import comfy.controlnet, comfy.model_detection
+    detect = comfy.model_detection.detect_unet_config
+    def detect_tiny(state_dict, key_prefix, metadata=None):
+        # ComfyUI takes Flux.1's sizes as released; a tiny ControlNet's, from its shapes and config.
+        config = detect(state_dict, key_prefix, metadata=metadata)
+        if config and config.get("image_model") == "flux":
+            norm = next(k for k in state_dict if k.endswith("norm.query_norm.scale"))
+            width = state_dict["img_in.weight"].shape[0]
+            config.update(hidden_size=width, num_heads=width // state_dict[norm].shape[0],
+                          context_in_dim=state_dict["txt_in.weight"].shape[1],
+                          in_channels=state_dict["img_in.weight"].shape[1] // 4,
+                          out_channels=state_dict["img_in.weight"].shape[1] // 4, axes_dim=json.loads(axes_json),
+                          vec_in_dim=state_dict["vector_in.in_layer.weight"].shape[1])
+        return config
+    comfy.model_detection.detect_unet_config = detect_tiny
+    collect_messages()
+    # The loader tells keys of the file its model has no place for at debug level.
+    logging.getLogger().handlers[-1].setLevel(logging.DEBUG)
+    logging.getLogger().setLevel(logging.DEBUG)
+    written = load_file(path)
+    control = comfy.controlnet.load_controlnet(path)
+    state = control.control_model.state_dict()
+    report = {"loaded": type(control.control_model).__module__ + "." + type(control.control_model).__name__,
+              "keys": len(state), "file_keys": len(written),
+              "problems": sorted(m[:300] for m in messages if "leftover" in m or "missing" in m or "unexpected" in m
+                                 or "size mismatch" in m),
+              # The zero layers ComfyUI adds the ControlNet's work through hold the file's weights.
+              "same": all(torch.equal(state[k], written[k]) for k in written
+                          if k.startswith(("controlnet_blocks.", "controlnet_single_blocks.")) and k in state)}
+    print("REPORT " + json.dumps(report))
+''')
+
+
+@pytest.mark.slow
+@comfyui.needs_comfyui
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_comfyui_loads_every_key_of_an_exported_transformer_controlnet(family, tmp_path):
+    """SD3's and Flux.1's ControlNet folders (diffusers' layout, as InstantX's released ones) in ComfyUI's Load
+    ControlNet Model: its MMDiT and InstantX readers, every key placed. ComfyUI sizes SD3's MMDiT by 64-wide heads,
+    one per block, as released; the tiny transformer here is built so."""
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    from sdtrain.models import families
+
+    torch.manual_seed(0)
+    if family == "sd3":
+        transformer = SD3Transformer2DModel(
+            sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=64,
+            num_attention_heads=1, joint_attention_dim=96, caption_projection_dim=64, pooled_projection_dim=64,
+            pos_embed_max_size=16)
+    else:
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+            axes_dims_rope=[4, 6, 6])
+    controlnet = families.get(family).controlnet.from_denoiser(transformer, 8)
+    with torch.no_grad():  # trained: nothing left at zero
+        for parameter in controlnet.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.01)
+    controlnet.save_pretrained(tmp_path / "controlnet", safe_serialization=True)
+    report = comfyui.run_comfyui(_TRANSFORMER_SCRIPT,
+                                 str(tmp_path / "controlnet" / "diffusion_pytorch_model.safetensors"),
+                                 json.dumps(list(transformer.config.get("axes_dims_rope", []))))
+    print(json.dumps(report, indent=1))
+    expected = {"sd3": "comfy.cldm.mmdit.ControlNet", "flux": "comfy.ldm.flux.controlnet.ControlNetFlux"}[family]
+    assert report["loaded"] == expected and report["problems"] == [] and report["same"]

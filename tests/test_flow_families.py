@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from sdtrain.cli.main import main
 from sdtrain.export import export_run
 from sdtrain.models import families
+from sdtrain.models.families.patches import pack, unpack
 
 from .conftest import TINY_CLI, config_path, resumes_bitwise_after_kill_9
 
@@ -41,7 +42,7 @@ def _image(pipe, prompt: str = "a red circle") -> np.ndarray:
 
 
 def _t5_length(pipe) -> int:
-    t5 = pipe.tokenizer_2 if type(pipe).__name__ == "FluxPipeline" else pipe.tokenizer_3
+    t5 = pipe.tokenizer_3 if type(pipe).__name__.startswith("StableDiffusion3") else pipe.tokenizer_2
     return t5.model_max_length
 
 
@@ -155,6 +156,93 @@ def test_lora_files_load_in_diffusers_and_change_the_image(family, tmp_path, pre
         assert any(k.startswith("lora_te1_text_model_encoder_layers_0_") for k in kohya)
     else:
         assert not (out / "lora_kohya.safetensors").exists()  # ComfyUI reads SD3's diffusers file itself
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("layouts")
+    assert main(["prepare", "shapes", "--out", str(out), "--num", "8", "--size", "32", "--seed", "1",
+                 "--conditioning", "layout"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_controlnet_trains_beside_the_frozen_transformer_and_exports_what_diffusers_samples_with(
+        family, tmp_path, pretrained, layouts):
+    """SD3's and Flux.1's ControlNets: made from the transformer's first blocks, they read the maps' latents, train
+    alone, draw the validation images with the last batch's maps, and export a folder diffusers' own ControlNet
+    pipeline and `sdtrain generate --controlnet` sample with."""
+    from diffusers import FluxControlNetPipeline, StableDiffusion3ControlNetPipeline
+    from PIL import Image
+
+    spec = families.get(family).controlnet
+    run = tmp_path / "run"
+    assert main(["train", str(CONFIGS / "controlnet.yaml"), f"run_dir={run}", *TINY_CLI,
+                 f"model.pretrained={pretrained[family]}", f"data.shards={layouts}", "train.max_steps=2",
+                 "optim.lr=0.01", "validation.prompts=[a red circle]", "validation.steps=1"]) == 0
+    weights = load_file(str(run / "checkpoints" / "step_00000002" / "model.safetensors"))
+    assert weights and all(k.startswith("controlnet.") for k in weights)  # the base is not the run's to save
+    assert (run / "samples" / "step_00000002.png").is_file()
+
+    controlnet = spec.model_class.from_pretrained(export_run(run, tmp_path / "out") / "controlnet")
+    for key, value in controlnet.state_dict().items():
+        torch.testing.assert_close(value, weights[f"controlnet.{key}"], rtol=0, atol=0, msg=key)
+    cls = FluxControlNetPipeline if family == "flux" else StableDiffusion3ControlNetPipeline
+    pipe = cls.from_pretrained(pretrained[family], controlnet=controlnet, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    layout = Image.new("RGB", (32, 32))
+    layout.paste((230, 30, 30), (4, 8, 14, 18))
+    images = [pipe("a red circle", control_image=layout, num_inference_steps=2, height=32, width=32,
+                   controlnet_conditioning_scale=scale, max_sequence_length=_t5_length(pipe), output_type="np",
+                   generator=torch.Generator().manual_seed(0)).images[0] for scale in (0.0, 1.0)]
+    assert np.abs(images[0] - images[1]).max() > 0  # the ControlNet steers
+    _steers_as_the_pipeline_does(family, pipe, layout)
+    layout.save(tmp_path / "layout.png")
+    assert main(["generate", "--model", str(pretrained[family]), "--controlnet", str(tmp_path / "out" / "controlnet"),
+                 "--control-image", str(tmp_path / "layout.png"), "--prompt", "a red circle", "--steps", "2",
+                 "--size", "32", "--out", str(tmp_path / "images")]) == 0
+    assert len(list((tmp_path / "images").glob("*.png"))) == 2  # the image and its grid
+
+
+def _steers_as_the_pipeline_does(family: str, pipe, layout) -> None:
+    """The denoiser's output with the ControlNet's residuals, as training computes it (the family's conditioner of
+    the map, its residuals, its denoise), is the pipeline's at its first step, given what the pipeline gave its
+    transformer: the map's latents, shift, pooled text and timestep scale as diffusers' pipeline has them."""
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    spec = families.get(family).controlnet
+    pipe.vae.register_to_config(shift_factor=0.1, scaling_factor=1.3)  # the released models' are not the identity
+    seen = {}
+
+    def keep(module, args, kwargs, output):
+        seen.setdefault("call", (kwargs, output[0]))
+
+    hook = pipe.transformer.register_forward_hook(keep, with_kwargs=True)
+    sample = DiagonalGaussianDistribution.sample
+    DiagonalGaussianDistribution.sample = lambda self, generator=None: self.mode()  # SD3's pipeline draws the map's
+    try:
+        pipe("a red circle", control_image=layout, num_inference_steps=1, height=32, width=32,
+             max_sequence_length=_t5_length(pipe), output_type="latent", generator=torch.Generator().manual_seed(0))
+    finally:
+        DiagonalGaussianDistribution.sample = sample
+        hook.remove()
+    kwargs, expected = seen["call"]
+    image = torch.from_numpy(np.asarray(layout, dtype=np.float32) / 255).permute(2, 0, 1)[None]
+    with torch.no_grad():
+        control = spec.control_input(pipe.vae, image)
+        side = control.shape[-1]
+        condition = {"encoder_hidden_states": kwargs["encoder_hidden_states"],
+                     "pooled_projections": kwargs["pooled_projections"]}
+        if family == "flux":  # packed tokens and sigma, as FluxPipeline passes them
+            noisy, timesteps = unpack(kwargs["hidden_states"], side, side), kwargs["timestep"] * 1000
+            condition["guidance"] = kwargs["guidance"]
+        else:
+            noisy, timesteps = kwargs["hidden_states"], kwargs["timestep"]
+        residuals = spec.residuals(pipe.controlnet, noisy, timesteps, condition, control)
+        output = families.get(family).denoise(pipe.transformer, noisy, timesteps, {**condition, **residuals})
+    if family == "flux":
+        output = pack(output)
+    torch.testing.assert_close(output, expected, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["flux", pytest.param("sd3", marks=pytest.mark.slow)])

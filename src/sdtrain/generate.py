@@ -79,9 +79,8 @@ def apply_additions(pipe: Any, loras: Sequence[str | Path] = (), lora_scale: flo
 
 
 def with_controlnet(pipe: Any, controlnet: str | Path, images: Sequence[str | Path]) -> tuple[Any, list[Any]]:
-    """`pipe` as its family's ControlNet pipeline with the ControlNetModel folder `controlnet` (what `sdtrain export`
-    of a ControlNet run writes as OUT/controlnet), and the conditioning `images`, opened as RGB."""
-    from diffusers import ControlNetModel
+    """`pipe` as its family's ControlNet pipeline with the ControlNet folder `controlnet` (what `sdtrain export` of a
+    ControlNet run writes as OUT/controlnet), and the conditioning `images`, opened as RGB."""
     from PIL import Image
 
     family = families.of_pipeline(pipe)
@@ -100,7 +99,7 @@ def with_controlnet(pipe: Any, controlnet: str | Path, images: Sequence[str | Pa
                 maps.append(img.convert("RGB"))
         except OSError as exc:
             raise UserError(f"--control-image: {path}: not an image ({first_line(exc)})") from exc
-    model = ControlNetModel.from_pretrained(folder, local_files_only=True).to(pipe.device)
+    model = family.controlnet.model_class.from_pretrained(folder, local_files_only=True).to(pipe.device)
     return family.controlnet.pipeline_class.from_pipe(pipe, controlnet=model), maps
 
 
@@ -145,7 +144,8 @@ def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int | 
     inputs = fixed = None
     if controlnet is not None:
         pipe, maps = with_controlnet(pipe, controlnet, control_images)
-        inputs = {"image": [maps[i % len(maps)] for i in range(len(prompts))]}
+        inputs = {families.of_pipeline(pipe).controlnet.image_argument: [maps[i % len(maps)]
+                                                                        for i in range(len(prompts))]}
         fixed = {"controlnet_conditioning_scale": control_scale}
     images = sample_images(pipe, prompts, seed=seed, steps=steps, guidance=guidance,
                            negative_prompt=negative_prompt, size=size,

@@ -63,9 +63,10 @@ class TrainedPart:
         return prompts
 
     def controls(self, trained: dict[str, nn.Module], batch: dict[str, Any], noisy: torch.Tensor,
-                 timesteps: torch.Tensor, condition: dict[str, Any]) -> dict[str, Any]:
+                 timesteps: torch.Tensor, condition: dict[str, Any], vae: nn.Module) -> dict[str, Any]:
         """What the denoiser's call is given beside its `condition`, computed by the `trained` modules (as the loss
-        calls them: under their parallel wrappers) from the `batch` (a ControlNet's residuals); nothing here."""
+        calls them: under their parallel wrappers) from the `batch`, with the frozen `vae` where they read latents
+        (a ControlNet's residuals); nothing here."""
         return {}
 
     def denoiser_extra(self, batch: dict[str, Any], vae: nn.Module, generator: torch.Generator | None

@@ -501,7 +501,7 @@ class DiffusionTask(Task):
             noisy, timesteps, target = self.objective.draw(latents, generator)
         condition = self.conditioning(batch, generator)
         trained = {name: getattr(self, name) for name in self.trainable}
-        condition = {**condition, **self.part.controls(trained, batch, noisy, timesteps, condition)}
+        condition = {**condition, **self.part.controls(trained, batch, noisy, timesteps, condition, self.vae)}
         extra = self.part.denoiser_extra(batch, self.vae, generator)
         return self.denoising_loss_at(noisy, timesteps, target, condition, latent_mask(batch, latents), extra)
 

@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
+from diffusers import (
+    AutoencoderKL,
+    FluxControlNetModel,
+    FluxControlNetPipeline,
+    FluxPipeline,
+    FluxTransformer2DModel,
+)
 from diffusers.models.normalization import RMSNorm
 from safetensors import SafetensorError, safe_open
 from torch import nn
@@ -27,7 +33,7 @@ from transformers import CLIPTextModel, T5EncoderModel
 from sdtrain.models import single_file
 from sdtrain.models.families.autoencoder import FLUX_VAE, TINY_FLUX_VAE, vae_blocks
 from sdtrain.models.families.patches import pack, unpack
-from sdtrain.models.families.spec import ModelFamily, SingleFileLayout
+from sdtrain.models.families.spec import ControlSpec, ModelFamily, SingleFileLayout
 from sdtrain.models.families.text_towers import (
     CLIP_L,
     T5_XXL,
@@ -98,6 +104,38 @@ def image_ids(rows: int, columns: int, device: torch.device, dtype: torch.dtype)
     ids[..., 1] = torch.arange(rows, device=device, dtype=dtype)[:, None]
     ids[..., 2] = torch.arange(columns, device=device, dtype=dtype)[None, :]
     return ids.reshape(rows * columns, 3)
+
+
+def controlnet_from_transformer(transformer: FluxTransformer2DModel, latent_factor: int) -> FluxControlNetModel:
+    """A FluxControlNetModel of `transformer`'s first 4 double and 10 single blocks (as diffusers' Flux ControlNet
+    training example and InstantX's released ones; fewer where the transformer has fewer), their weights and the
+    embedders' copied, its input and output layers zero: it starts by adding nothing. It reads the conditioning
+    image's packed latents, as diffusers' Flux ControlNet pipeline gives them to a ControlNet without a hint block."""
+    config = transformer.config
+    controlnet = FluxControlNetModel.from_transformer(
+        transformer, num_layers=min(4, config.num_layers), num_single_layers=min(10, config.num_single_layers),
+        attention_head_dim=config.attention_head_dim, num_attention_heads=config.num_attention_heads)
+    return controlnet.to(next(transformer.parameters()).dtype)
+
+
+def control_latents(vae: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """The conditioning images' latents as FluxControlNetPipeline gives them: normalised as the denoiser's are."""
+    latents = vae.encode(images * 2 - 1).latent_dist.mode()
+    return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+
+
+def controlnet_residuals(controlnet: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                         condition: dict[str, Any], latents: torch.Tensor) -> dict[str, Any]:
+    """What the ControlNet adds after each double and single block, as FluxControlNetPipeline computes it: from the
+    packed noisy and conditioning latents at the same positions, the text, and dev's guidance."""
+    height, width = noisy.shape[-2:]
+    context = condition["encoder_hidden_states"]
+    double, single = controlnet(
+        hidden_states=pack(noisy), controlnet_cond=pack(latents.to(noisy.dtype)), timestep=timesteps / 1000,
+        guidance=condition.get("guidance"), pooled_projections=condition["pooled_projections"],
+        encoder_hidden_states=context, img_ids=image_ids(height // 2, width // 2, noisy.device, noisy.dtype),
+        txt_ids=torch.zeros(context.shape[1], 3, device=noisy.device, dtype=noisy.dtype), return_dict=False)
+    return {"controlnet_block_samples": double, "controlnet_single_block_samples": single}
 
 
 def _xavier(*layers: nn.Linear) -> None:
@@ -203,7 +241,9 @@ class Flux(ModelFamily):
     single_file_keys = ("double_blocks.", "model.diffusion_model.double_blocks.")
     single_file = TransformerFile()
     block_lists = {FluxTransformer2DModel: transformer_blocks, AutoencoderKL: vae_blocks, CLIPTextModel: text_blocks,
-                   T5EncoderModel: t5_blocks}
+                   T5EncoderModel: t5_blocks, FluxControlNetModel: transformer_blocks}
+    controlnet = ControlSpec(FluxControlNetModel, FluxControlNetPipeline, controlnet_from_transformer,
+                             controlnet_residuals, control_latents, image_argument="control_image")
     presets = PRESETS
     kohya_prefixes = {"transformer": "lora_unet_", "text_encoder": "lora_te1_"}
 
@@ -276,6 +316,8 @@ class Flux(ModelFamily):
             timestep=timesteps / 1000, guidance=condition.get("guidance"),
             img_ids=image_ids(height // 2, width // 2, noisy.device, dtype),
             txt_ids=torch.zeros(context.shape[1], 3, device=noisy.device, dtype=dtype),
+            controlnet_block_samples=condition.get("controlnet_block_samples"),
+            controlnet_single_block_samples=condition.get("controlnet_single_block_samples"),
             return_dict=False)[0]
         return unpack(output, height, width)
 

@@ -20,14 +20,20 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
+from diffusers import (
+    AutoencoderKL,
+    SD3ControlNetModel,
+    SD3Transformer2DModel,
+    StableDiffusion3ControlNetPipeline,
+    StableDiffusion3Pipeline,
+)
 from torch import nn
 from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
 from sdtrain.errors import UserError
 from sdtrain.models import single_file
 from sdtrain.models.families.autoencoder import FLUX_VAE, TINY_FLUX_VAE, vae_blocks
-from sdtrain.models.families.spec import ModelFamily, SingleFileLayout
+from sdtrain.models.families.spec import ControlSpec, ModelFamily, SingleFileLayout
 from sdtrain.models.families.text_towers import (
     CLIP_L,
     OPENCLIP_BIGG,
@@ -75,6 +81,40 @@ def transformer_blocks(transformer: SD3Transformer2DModel) -> list:
     return list(transformer.transformer_blocks)
 
 
+def controlnet_from_transformer(transformer: SD3Transformer2DModel, latent_factor: int) -> SD3ControlNetModel:
+    """An SD3ControlNetModel of the first half of `transformer`'s blocks (SD3-medium's 24 give diffusers' 12), their
+    weights, the embedders' and the position table copied, its input and output layers zero: it starts by adding
+    nothing. It reads the conditioning image's latents, as diffusers' SD3 ControlNet pipeline gives them."""
+    # Built from a copy of the config: SD3ControlNetModel.from_transformer writes its settings into the
+    # transformer's own. The last block's context is not carried on (context_pre_only), so it is never copied.
+    config = {**transformer.config, "num_layers": max(1, transformer.config.num_layers // 2),
+              "extra_conditioning_channels": 0}
+    controlnet = SD3ControlNetModel.from_config(config)
+    for name in ("pos_embed", "time_text_embed", "context_embedder"):
+        getattr(controlnet, name).load_state_dict(getattr(transformer, name).state_dict())
+    controlnet.transformer_blocks.load_state_dict(transformer.transformer_blocks.state_dict(), strict=False)
+    return controlnet.to(next(transformer.parameters()).dtype)
+
+
+def control_latents(vae: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """The conditioning images' latents as StableDiffusion3ControlNetPipeline gives them to a ControlNet that zeroes
+    the pooled text (ours, InstantX's; ComfyUI likewise): scaled, not shifted."""
+    return vae.encode(images * 2 - 1).latent_dist.mode() * vae.config.scaling_factor
+
+
+def controlnet_residuals(controlnet: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                         condition: dict[str, Any], latents: torch.Tensor) -> dict[str, Any]:
+    """What each of the transformer's first blocks adds, as StableDiffusion3ControlNetPipeline computes it: the
+    ControlNet reads the text and, where its config says so (diffusers' default), zeros for the pooled text."""
+    config = getattr(controlnet, "module", controlnet).config  # under DDP, the wrapped model's
+    pooled = condition["pooled_projections"]
+    samples = controlnet(hidden_states=noisy, controlnet_cond=latents.to(noisy.dtype), timestep=timesteps,
+                         encoder_hidden_states=condition["encoder_hidden_states"],
+                         pooled_projections=torch.zeros_like(pooled) if config.force_zeros_for_pooled_projection
+                         else pooled, return_dict=False)[0]
+    return {"block_controlnet_hidden_states": samples}
+
+
 class StabilityCheckpoint(SingleFileLayout):
     """SD3's and SD3.5's release file (sd3_medium_incl_clips_t5xxlfp8.safetensors'): the MMDiT, the VAE and all
     three text encoders in Stability's layout (`sdtrain.models.single_file.sd3`)."""
@@ -111,11 +151,21 @@ class StableDiffusion3(ModelFamily):
     single_file_keys = ("model.diffusion_model.joint_blocks.",)
     single_file = StabilityCheckpoint()
     block_lists = {SD3Transformer2DModel: transformer_blocks, AutoencoderKL: vae_blocks,
-                   CLIPTextModelWithProjection: text_blocks, T5EncoderModel: t5_blocks}
+                   CLIPTextModelWithProjection: text_blocks, T5EncoderModel: t5_blocks,
+                   SD3ControlNetModel: transformer_blocks}
+    controlnet = ControlSpec(SD3ControlNetModel, StableDiffusion3ControlNetPipeline, controlnet_from_transformer,
+                             controlnet_residuals, control_latents, image_argument="control_image")
     presets = PRESETS
     # No kohya layout: sdtrain writes diffusers' LoRA file alone, which ComfyUI reads for SD3.
     kohya_prefixes: dict[str, str] = {}
     comfyui_reads_diffusers_lora = True
+
+    def unused_modules(self, name: str, module: nn.Module) -> list[str]:
+        # Only image states leave a ControlNet: its last block's text path computes what nothing reads.
+        if not isinstance(module, SD3ControlNetModel):
+            return []
+        last = f"transformer_blocks.{len(module.transformer_blocks) - 1}"
+        return [f"{last}.attn.to_add_out", f"{last}.ff_context", f"{last}.norm2_context"]
 
     def max_latent_side(self, denoiser_config: Any) -> int | None:
         return denoiser_config.pos_embed_max_size * denoiser_config.patch_size
@@ -178,7 +228,9 @@ class StableDiffusion3(ModelFamily):
         # Timesteps as the pipeline passes them: sigma * 1000.
         return denoiser(hidden_states=noisy, timestep=timesteps,
                         encoder_hidden_states=condition["encoder_hidden_states"],
-                        pooled_projections=condition["pooled_projections"], return_dict=False)[0]
+                        pooled_projections=condition["pooled_projections"],
+                        block_controlnet_hidden_states=condition.get("block_controlnet_hidden_states"),
+                        return_dict=False)[0]
 
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
         return StableDiffusion3Pipeline(

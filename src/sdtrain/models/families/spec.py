@@ -94,8 +94,14 @@ class ControlSpec:
     denoiser's own weights, its output layers zero, as the paper does, reading images of the latents' size times
     that."""
     residuals: Callable[[nn.Module, torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor], dict[str, Any]]
-    """(controlnet, noisy latents, timesteps, the denoiser's conditioning, conditioning images in [0, 1]) -> what
-    the denoiser's call is given beside its conditioning."""
+    """(controlnet, noisy latents, timesteps, the denoiser's conditioning, the control: conditioning images in
+    [0, 1], or what `control_input` makes of them) -> what the denoiser's call is given beside its conditioning
+    (`ModelFamily.denoise` passes it on)."""
+    control_input: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    """(VAE, conditioning images in [0, 1]) -> what the ControlNet reads of them: their latents, as the family's
+    ControlNet pipeline encodes them (SD3's, Flux.1's); None: the images themselves (the UNets')."""
+    image_argument: str = "image"
+    """The ControlNet pipeline's argument for the conditioning image (``control_image`` for SD3's and Flux.1's)."""
 
 
 @dataclass(frozen=True)

@@ -50,13 +50,17 @@ class ControlNetPart(TrainedPart):
         return {CONTROLNET: True}
 
     def controls(self, trained: dict[str, nn.Module], batch: dict[str, Any], noisy: torch.Tensor,
-                 timesteps: torch.Tensor, condition: dict[str, Any]) -> dict[str, Any]:
+                 timesteps: torch.Tensor, condition: dict[str, Any], vae: nn.Module) -> dict[str, Any]:
         images = batch.get("conditioning_pixels")
         if images is None:
             raise UserError("mode controlnet: the data has no conditioning images: put KEY.cond.png beside each image "
                             "(or `prepare folder --conditioning canny`, `prepare shapes --conditioning layout`) and "
                             "train on image shards (encoded shards keep none: data.use_encoded=false)")
-        return self.spec.residuals(trained[CONTROLNET], noisy, timesteps, condition, images.to(noisy.device))
+        control = images.to(noisy.device)
+        if self.spec.control_input is not None:
+            with torch.no_grad(), torch.autocast(noisy.device.type, enabled=False):
+                control = self.spec.control_input(vae, control)
+        return self.spec.residuals(trained[CONTROLNET], noisy, timesteps, condition, control)
 
     def pipeline(self, pipe: Any, modules: dict[str, nn.Module]) -> Any:
         return self.spec.pipeline_class.from_pipe(pipe, controlnet=modules[CONTROLNET])
@@ -67,7 +71,7 @@ class ControlNetPart(TrainedPart):
         if batch is None or "conditioning_pixels" not in batch:
             return {}
         maps = as_images(batch["conditioning_pixels"])
-        return {"image": [maps[i % len(maps)] for i in range(count)]}
+        return {self.spec.image_argument: [maps[i % len(maps)] for i in range(count)]}
 
 
 def as_images(pixels: torch.Tensor) -> list[Image.Image]:
