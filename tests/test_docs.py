@@ -47,8 +47,8 @@ def test_page_lists_every_key_in_order_with_type_and_default():
     text = render()
     sections = [line.removeprefix("## ") for line in text.splitlines() if line.startswith("## ")]
     assert sections == ["Top-level keys", "data", "model", "diffusion", "autoencoder", "lora", "textual_inversion",
-                        "dreambooth", "instruct_pix2pix", "optim", "ema", "train", "parallel", "checkpoint", "logging",
-                        "validation", "evaluation"]
+                        "dreambooth", "instruct_pix2pix", "edit", "optim", "ema", "train", "parallel", "checkpoint",
+                        "logging", "validation", "evaluation"]
     rows = {line.split(" | ")[0].removeprefix("| "): line for line in text.splitlines() if line.startswith("| `")}
     assert rows["`stage`"].startswith("| `stage` | `str` | `???` | What to train")
     assert rows["`data.resolution`"].startswith("| `data.resolution` | `int` | `64` | ")

@@ -184,6 +184,49 @@ def test_its_controlnet_starts_at_the_base_model_and_then_steers_it(tiny):
     assert not untouched, f"{tiny.family.name}: no gradient reaches the ControlNet's {untouched}"
 
 
+@pytest.mark.parametrize("kind", ["dora", "lokr"])
+def test_its_lycoris_adapters_load_in_diffusers_as_they_trained(tiny, kind, tmp_path):
+    """DoRA's and LoKr's adapters on the denoiser's attention, written as the trainer writes them (diffusers' file),
+    and loaded as `generate --lora` loads them into the family's pipeline: its denoiser computes what the trained
+    one did."""
+    from sdtrain.config import LoraConfig
+    from sdtrain.generate import load_adapters
+    from sdtrain.loaders.adapters import add_lora
+    from sdtrain.loaders.writers import save_lora
+    from sdtrain.train.modes.lora import lora_settings
+
+    family = tiny.family
+    # A trained base: a reference initialisation's zero output layer (Flux.1's) would hide the adapters.
+    base = copy.deepcopy(tiny.denoiser).requires_grad_(False)
+    with torch.no_grad():
+        for parameter in base.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.01)
+    trained = copy.deepcopy(base)
+    add_lora(trained, lora_settings(LoraConfig(type=kind, rank=2, alpha=3, target_modules=["to_q", "to_k", "to_v"])),
+             "lora.target_modules")
+    with torch.no_grad():  # trained: every factor and magnitude away from where it started
+        for name, parameter in trained.named_parameters():
+            if "lora_" in name or "lokr_" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    save_lora({family.denoiser: trained}, {family.denoiser: trained.state_dict()}, tmp_path, family)
+    noise = build.build_noise_scheduler(DiffusionConfig(), tiny.config)
+    pipe = family.assemble({**tiny.components, family.denoiser: copy.deepcopy(base)}, tiny.tokenizers,
+                           sampler_from(noise, "euler"))
+    load_adapters(pipe, tmp_path, None, "trained")
+    latents = torch.randn(1, family.latent_channels(tiny.vae.config), LATENT_SIDE, LATENT_SIDE)
+    with torch.no_grad():
+        condition = family.condition(tiny.text(["a red circle"]), {"size_ids": torch.tensor([[64, 64, 0, 0, 64, 64]])},
+                                     torch.device("cpu"))
+        if family.takes_guidance(tiny.denoiser.config):
+            condition["guidance"] = torch.full((1,), 3.5)
+        timesteps = torch.tensor([500.0])
+        expected = family.denoise(trained, latents, timesteps, condition)
+        loaded = family.denoise(getattr(pipe, family.denoiser), latents, timesteps, condition)
+        plain = family.denoise(base, latents, timesteps, condition)
+    assert not torch.allclose(expected, plain)
+    torch.testing.assert_close(loaded, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_its_instruct_pix2pix_denoiser_starts_at_the_base_model(tiny):
     """A family whose denoiser learns InstructPix2Pix's editing: widened, it ignores the source latents until they
     train, and its config says how many channels it reads (what its pipeline and a checkpoint rebuild it from)."""

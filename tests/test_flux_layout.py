@@ -254,7 +254,8 @@ def _merged(model) -> dict[str, torch.Tensor]:
     for m in model.modules():
         if isinstance(m, BaseTunerLayer):
             m.merge()
-    return {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if ".lora_" not in k}
+    return {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items()
+            if ".lora_" not in k and ".lokr_" not in k}
 
 
 def _delta(down: torch.Tensor, up: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -336,7 +337,8 @@ def test_kohya_lora_refuses_paths_without_an_original():
                         config)
 
 
-@pytest.mark.parametrize("guidance", [True, False], ids=["dev", "schnell"])
+# dev's layout by default (the suite's time), schnell's (no guidance embedding) slow.
+@pytest.mark.parametrize("guidance", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["dev", "schnell"])
 def test_diffusers_reads_every_kohya_key_at_full_width_with_the_same_deltas(guidance, tmp_path):
     """Untouched diffusers (its kohya reader splits linear1 at Flux.1's width): every module of the transformer,
     the fused ones at mixed scales and ranks, reads back with the delta peft would apply."""
@@ -405,6 +407,7 @@ _COMFY_SCRIPT = comfyui.PREAMBLE + comfyui.FLUX_TINY_DETECT + comfyui.LOAD_LORA 
     expected = load_file(expected_path)
     state = net.state_dict()
     report["max_weight_diff"] = max((state[k] - expected["weight." + k]).abs().max().item() for k in state)
+    report["worst"] = sorted(state, key=lambda k: -(state[k] - expected["weight." + k]).abs().max().item())[:3]
     inputs = {k[len("input."):]: v for k, v in expected.items() if k.startswith("input.")}
     with torch.no_grad():
         out = net.forward_orig(inputs["img"], inputs["img_ids"], inputs["txt"], inputs["txt_ids"],
@@ -412,6 +415,24 @@ _COMFY_SCRIPT = comfyui.PREAMBLE + comfyui.FLUX_TINY_DETECT + comfyui.LOAD_LORA 
     report["max_output_diff"] = (out - expected["output"]).abs().max().item()
     print("REPORT " + json.dumps(report))
 ''')
+
+
+def _save_expected(base, adapted, guidance: bool, path) -> None:
+    """What ComfyUI's patched model must hold and compute, at `path`: the weights peft merged in BFL's layout
+    (``weight.*``), the inputs as its forward_orig takes them (the same packed tokens, its ids batched, time and
+    guidance unscaled: ``input.*``) and diffusers' output with the merged weights (``output``)."""
+    merged = _merged(adapted)
+    inputs = _inputs(guidance)
+    expected = {"weight." + k: v.contiguous() for k, v in flux.to_original(merged, base.config).items()}
+    merged_model = copy.deepcopy(base)
+    merged_model.load_state_dict(merged)
+    expected["output"] = _run(merged_model, inputs)
+    expected.update({"input.img": inputs["hidden_states"], "input.img_ids": inputs["img_ids"][None],
+                     "input.txt": inputs["encoder_hidden_states"], "input.txt_ids": inputs["txt_ids"][None],
+                     "input.timesteps": inputs["timestep"], "input.y": inputs["pooled_projections"]})
+    if guidance:
+        expected["input.guidance"] = inputs["guidance"]
+    save_file({k: v.contiguous() for k, v in expected.items()}, str(path))
 
 
 @pytest.mark.slow
@@ -425,19 +446,7 @@ def test_comfyui_loads_the_transformer_and_every_lora_key(guidance, tmp_path):
     flux.save_original(tmp_path / "flux.safetensors", base)
     adapted = _with_lora(base, _linear_names(base))
     save_file(flux.kohya_lora(_peft_layers(adapted), base.config), str(tmp_path / "lora.safetensors"))
-    merged = _merged(adapted)
-    inputs = _inputs(guidance)
-    expected = {"weight." + k: v.contiguous() for k, v in flux.to_original(merged, base.config).items()}
-    merged_model = copy.deepcopy(base)
-    merged_model.load_state_dict(merged)
-    expected["output"] = _run(merged_model, inputs)
-    # ComfyUI's forward_orig takes the same packed tokens, its ids batched, and the time and guidance unscaled.
-    expected.update({"input.img": inputs["hidden_states"], "input.img_ids": inputs["img_ids"][None],
-                     "input.txt": inputs["encoder_hidden_states"], "input.txt_ids": inputs["txt_ids"][None],
-                     "input.timesteps": inputs["timestep"], "input.y": inputs["pooled_projections"]})
-    if guidance:
-        expected["input.guidance"] = inputs["guidance"]
-    save_file({k: v.contiguous() for k, v in expected.items()}, str(tmp_path / "expected.safetensors"))
+    _save_expected(base, adapted, guidance, tmp_path / "expected.safetensors")
 
     report = comfyui.run_comfyui(
         _COMFY_SCRIPT, str(tmp_path / "flux.safetensors"),
@@ -450,3 +459,39 @@ def test_comfyui_loads_the_transformer_and_every_lora_key(guidance, tmp_path):
     assert report["not_loaded"] == [] and report["patched"] == report["lora_modules"]
     assert report["max_weight_diff"] < 1e-5
     assert report["max_output_diff"] < 1e-4
+
+
+@pytest.mark.slow
+@comfyui.needs_comfyui
+@pytest.mark.parametrize("kind", ["dora", "lokr"])
+def test_comfyui_applies_dora_and_lokr_files_to_the_fused_layers_as_peft_merged_them(kind, tmp_path):
+    """DoRA and LoKr adapters on every Linear (q, k, v and a single block's MLP input among them, which BFL's layout
+    fuses), written as a run writes them: ComfyUI reads DoRA's file of diffusers' module names (magnitudes as
+    dora_scale) and LoKr's diffusers file as it is, every key placed on its rows of the fused layers, and patched
+    it holds the weights peft merged and computes what diffusers computes with them."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from sdtrain.config import LoraConfig
+    from sdtrain.loaders.adapters import add_lora
+    from sdtrain.loaders.writers import KOHYA_WEIGHTS, LORA_WEIGHTS, save_lora
+    from sdtrain.models.families import get
+    from sdtrain.train.modes.lora import lora_settings
+
+    base = _tiny(True)
+    flux.save_original(tmp_path / "flux.safetensors", base)
+    adapted = copy.deepcopy(base)
+    add_lora(adapted, lora_settings(LoraConfig(type=kind, rank=2, alpha=3, target_modules=_linear_names(base))),
+             "targets")
+    with torch.no_grad():  # trained: every factor and magnitude away from where it started
+        for name, parameter in adapted.named_parameters():
+            if "lora_" in name or "lokr_" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    save_lora({"transformer": adapted}, {"transformer": adapted.state_dict()}, tmp_path, get("flux"))
+    _save_expected(base, adapted, True, tmp_path / "expected.safetensors")
+    lora = tmp_path / (KOHYA_WEIGHTS if kind == "dora" else LORA_WEIGHTS)
+    report = comfyui.run_comfyui(_COMFY_SCRIPT, str(tmp_path / "flux.safetensors"), str(lora),
+                                 str(tmp_path / "expected.safetensors"))
+    print(report)
+    adapted_layers = sum(isinstance(m, BaseTunerLayer) for m in adapted.modules())
+    assert report["not_loaded"] == [] and report["patched"] == adapted_layers > 0
+    assert report["max_weight_diff"] < 1e-5 and report["max_output_diff"] < 1e-4

@@ -65,6 +65,10 @@ def test_the_unet_learns_to_edit_and_exports_what_diffusers_instruct_pix2pix_pip
     edited = pipe("make it blue", image=source, num_inference_steps=2, output_type="np",
                   generator=torch.Generator().manual_seed(0)).images[0]
     assert edited.shape == (32, 32, 3) and np.isfinite(edited).all()
+    source.save(tmp_path / "source.png")
+    assert main(["generate", "--model", str(out), "--image", str(tmp_path / "source.png"), "--prompt", "make it blue",
+                 "--steps", "2", "--out", str(tmp_path / "images")]) == 0
+    assert len(list((tmp_path / "images").glob("*.png"))) == 2  # the edit and its grid
 
 
 def test_data_without_sources_is_one_line(tmp_path, pretrained, shapes_dir, capsys):
@@ -72,3 +76,15 @@ def test_data_without_sources_is_one_line(tmp_path, pretrained, shapes_dir, caps
                  f"model.pretrained={pretrained}", f"data.shards={shapes_dir}", "train.max_steps=1"]) == 2
     error = [line for line in capsys.readouterr().err.strip().splitlines() if "Loading weights" not in line]
     assert len(error) == 1 and "KEY.src.png" in error[0]
+
+
+def test_editing_by_reference_on_a_family_without_it_is_one_line(tmp_path, pretrained, edits, capsys):
+    assert main(["train", str(CONFIGS / "lora.yaml"), f"run_dir={tmp_path / 'run'}", *TINY,
+                 f"model.pretrained={pretrained}", f"data.shards={edits}", "train.max_steps=1",
+                 "edit.reference=true"]) == 2
+    assert main(["train", str(CONFIGS / "textual-inversion.yaml"), f"run_dir={tmp_path / 'ti'}", *TINY,
+                 f"model.pretrained={pretrained}", f"data.shards={edits}", "edit.reference=true",
+                 "textual_inversion.initializer_token=red"]) == 2
+    error = [line for line in capsys.readouterr().err.strip().splitlines() if "Loading weights" not in line]
+    assert len(error) == 2 and "edit.reference" in error[0] and "Flux.1 do" in error[0]
+    assert "mode full or lora" in error[1]

@@ -27,6 +27,8 @@ from sdtrain.errors import UserError
 log = logging.getLogger(__name__)
 
 STAGES = ("autoencoder", "diffusion")
+LORA_TYPES = ("lora", "dora", "lokr")
+"""The adapters ``lora.type`` names."""
 MODES = ("full", "lora", "textual_inversion", "dreambooth", "controlnet", "instruct_pix2pix")
 PRECISIONS = ("auto", "fp32", "bf16")
 # YAML 1.1 reads a bare `no` as false, which OmegaConf then stores as the string "False".
@@ -402,10 +404,18 @@ MOVED_KEYS = {
 
 @dataclass
 class LoraConfig:
+    type: str = "lora"
+    """The adapter: ``lora`` (low-rank down and up projections), ``dora`` (LoRA with a learned magnitude per output
+    row, Liu et al., 2024) or ``lokr`` (LyCORIS's Kronecker product of two small factors, the denoiser's alone),
+    all through peft; DoRA and LoKr with the base stored in fp32 (``model.frozen_precision``) and DDP."""
     rank: int = 4
-    """Rank of each adapter: the width of its down and up projections."""
+    """Rank of each adapter: the width of its down and up projections (LoKr: of a factor's low-rank split, where a
+    factor is larger than twice it)."""
     alpha: float = 0.0
     """Scale numerator: the adapter's output is multiplied by alpha / rank; 0 means alpha = rank (scale 1)."""
+    lokr_factor: int = -1
+    """LoKr only: the side of the Kronecker product's first factor (LyCORIS's ``factor``); -1 splits each dimension
+    into its two most balanced factors."""
     dropout: float = 0.0
     """Dropout on the adapter's input."""
     target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
@@ -419,6 +429,11 @@ class LoraConfig:
     """Also export a full pipeline with the adapters merged into the weights."""
 
     def validate(self) -> None:
+        _check(self.type in LORA_TYPES, "lora.type", f"'{self.type}' is not one of {', '.join(LORA_TYPES)}")
+        _check(self.lokr_factor == -1 or self.lokr_factor >= 1, "lora.lokr_factor", "must be -1 or at least 1")
+        _check(self.type != "lokr" or not self.text_encoder, "lora.text_encoder",
+               "LoKr adapts the denoiser alone in this release (diffusers loads no text encoder's): set it to false "
+               "or use lora.type=lora")
         _check(self.rank >= 1, "lora.rank", "must be at least 1")
         _check(self.alpha >= 0, "lora.alpha", "must be 0 (= rank) or positive")
         _check(0 <= self.dropout < 1, "lora.dropout", "must be in [0, 1)")
@@ -465,6 +480,15 @@ class InstructPix2PixConfig:
 
     def validate(self) -> None:
         _check(0.0 <= self.source_dropout < 1.0, "instruct_pix2pix.source_dropout", "must be in [0, 1)")
+
+
+@dataclass
+class EditConfig:
+    reference: bool = False
+    """Train the denoiser to edit by reference, as Flux.1 Kontext does: each sample's source image (``KEY.src.png``
+    beside the edited one, its caption the instruction) is encoded by the VAE and its latent tokens sit beside the
+    noisy ones, the loss on the noisy ones alone; with ``mode`` full or lora (a Kontext model's LoRA, say). The run
+    samples, and a full run exports, the family's editing pipeline (FluxKontextPipeline), which takes ``image=``."""
 
 
 @dataclass
@@ -811,6 +835,7 @@ class RunConfig:
     textual_inversion: TextualInversionConfig = field(default_factory=TextualInversionConfig)
     dreambooth: DreamBoothConfig = field(default_factory=DreamBoothConfig)
     instruct_pix2pix: InstructPix2PixConfig = field(default_factory=InstructPix2PixConfig)
+    edit: EditConfig = field(default_factory=EditConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     ema: EMAConfig = field(default_factory=EMAConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -829,6 +854,8 @@ class RunConfig:
                f"{self.mode} fine-tunes the diffusion stage; set stage: diffusion")
         self.lora.validate()
         self.instruct_pix2pix.validate()
+        _check(not self.edit.reference or self.mode in ("full", "lora"), "edit.reference",
+               f"trains the denoiser to edit by reference with mode full or lora, not {self.mode}")
         self.textual_inversion.validate(trained=self.mode == "textual_inversion")
         if self.mode == "dreambooth":
             self.dreambooth.validate()
@@ -838,6 +865,15 @@ class RunConfig:
                                            ("center_crop", self.data.center_crop, True)):
                     _check(value == wanted, f"data.{key}", f"dreambooth.cache_latents encodes each image once, from "
                            f"its centre crop: set data.{key}={str(wanted).lower()}, or dreambooth.cache_latents=false")
+        if self.lora.type != "lora" and (self.mode == "lora" or self.dreambooth.lora):
+            # DoRA divides by the norm of the base weight plus the update, LoKr reshapes its product to the base
+            # weight's: both read the weight as a plain tensor outside its layer's matmul.
+            _check(self.model.frozen_precision == "fp32", "model.frozen_precision",
+                   f"lora.type={self.lora.type} reads each base weight whole outside its matmul, where low-precision "
+                   "storage has none: set fp32 (or lora.type=lora)")
+            _check(self.parallel.strategy == "ddp", "parallel.strategy",
+                   f"lora.type={self.lora.type} reads each base weight whole, which FSDP shards: set ddp (or "
+                   "lora.type=lora)")
         _check(self.model.offload_frozen is not True or self.parallel.strategy == "ddp", "model.offload_frozen",
                "streams the whole frozen base from host memory, which parallel.strategy=fsdp shards across the ranks "
                "instead: use one or the other")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from sdtrain.errors import UserError, first_line
 from sdtrain.loaders.pipelines import pipeline_from_file, pipeline_from_run, run_config
+from sdtrain.loaders.writers import LORA_WEIGHTS
 from sdtrain.models import build, families, hub
 from sdtrain.models.pipeline import DEFAULT_STEPS, read_sampling, run_sampling, sample_images, sampler_from
 from sdtrain.models.single_file import TRUST_PICKLE_ENV, trust_pickle_from_env
@@ -47,6 +49,24 @@ def load_pipeline(model: str | Path, ema: bool = True, device: str = "auto",
     return pipe.to(resolve_device(device))
 
 
+def load_adapters(pipe: Any, folder: Path, weight: str | None, name: str) -> None:
+    """The adapters of `folder`'s file `weight` (None: diffusers' default name) into `pipe` as adapter `name`: the
+    pipeline's load_lora_weights, or for a LoKr file (which it refuses for most families) each adapted component's
+    load_lora_adapter, which rebuilds LoKr from the file's metadata."""
+    from safetensors import safe_open
+
+    file = folder / (weight or LORA_WEIGHTS)
+    if file.suffix == ".safetensors" and file.is_file():
+        with safe_open(str(file), framework="pt") as handle:
+            keys = list(handle.keys())
+        if any(".lokr_" in key for key in keys):
+            for component in dict.fromkeys(key.split(".", 1)[0] for key in keys):
+                getattr(pipe, component).load_lora_adapter(folder, prefix=component, weight_name=file.name,
+                                                          adapter_name=name, local_files_only=True)
+            return
+    pipe.load_lora_weights(folder, weight_name=weight, adapter_name=name, local_files_only=True)
+
+
 def apply_additions(pipe: Any, loras: Sequence[str | Path] = (), lora_scale: float = 1.0,
                     embeddings: Sequence[str | Path] = ()) -> None:
     """LoRA adapters (a folder with pytorch_lora_weights.safetensors, or any LoRA .safetensors file diffusers
@@ -58,7 +78,7 @@ def apply_additions(pipe: Any, loras: Sequence[str | Path] = (), lora_scale: flo
             raise UserError(f"--lora: {path} not found; pass the folder `sdtrain export` wrote or a .safetensors file")
         folder, weight = (path.parent, path.name) if path.is_file() else (path, None)
         try:
-            pipe.load_lora_weights(folder, weight_name=weight, adapter_name=f"lora{i}", local_files_only=True)
+            load_adapters(pipe, folder, weight, f"lora{i}")
         except (OSError, ValueError, KeyError) as exc:
             raise UserError(f"--lora: {path}: not a LoRA diffusers can load ({first_line(exc)})") from exc
         names.append(f"lora{i}")
@@ -78,29 +98,34 @@ def apply_additions(pipe: Any, loras: Sequence[str | Path] = (), lora_scale: flo
             raise UserError(f"--embedding: {path}: cannot load ({first_line(exc)})") from exc
 
 
+def open_images(option: str, paths: Sequence[str | Path]) -> list[Any]:
+    """The images at `paths` as RGB; one that is not an image is one line naming it and `option`."""
+    from PIL import Image
+
+    opened = []
+    for path in map(Path, paths):
+        try:
+            with Image.open(path) as img:
+                opened.append(img.convert("RGB"))
+        except OSError as exc:
+            raise UserError(f"{option}: {path}: not an image ({first_line(exc)})") from exc
+    return opened
+
+
 def with_controlnet(pipe: Any, controlnet: str | Path, images: Sequence[str | Path]) -> tuple[Any, list[Any]]:
     """`pipe` as its family's ControlNet pipeline with the ControlNet folder `controlnet` (what `sdtrain export` of a
     ControlNet run writes as OUT/controlnet), and the conditioning `images`, opened as RGB."""
-    from PIL import Image
-
     family = families.of_pipeline(pipe)
-    if family.controlnet is None:
-        raise UserError(f"--controlnet: {family.title} hosts no ControlNet in this release")
+    spec = families.mode_spec(family, "controlnet", "--controlnet", "hosts no ControlNet")
     if not images:
         raise UserError("--controlnet: pass the conditioning image(s) it follows with --control-image PNG")
     folder = Path(controlnet)
     if not (folder / "config.json").is_file():
         raise UserError(f"--controlnet: {folder} is not a ControlNet folder (no config.json); pass OUT/controlnet "
                         "that `sdtrain export` wrote")
-    maps = []
-    for path in map(Path, images):
-        try:
-            with Image.open(path) as img:
-                maps.append(img.convert("RGB"))
-        except OSError as exc:
-            raise UserError(f"--control-image: {path}: not an image ({first_line(exc)})") from exc
-    model = family.controlnet.model_class.from_pretrained(folder, local_files_only=True).to(pipe.device)
-    return family.controlnet.pipeline_class.from_pipe(pipe, controlnet=model), maps
+    maps = open_images("--control-image", images)
+    model = spec.model_class.from_pretrained(folder, local_files_only=True).to(pipe.device)
+    return spec.pipeline_class.from_pipe(pipe, controlnet=model), maps
 
 
 def run_sampling_of(model: str | Path) -> dict[str, Any]:
@@ -127,11 +152,14 @@ def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int | 
              negative_prompt: str | None = None, loras: Sequence[str | Path] = (), lora_scale: float = 1.0,
              embeddings: Sequence[str | Path] = (), tokenizer: str | Path | None = None,
              size: int | None = None, controlnet: str | Path | None = None,
-             control_images: Sequence[str | Path] = (), control_scale: float = 1.0) -> list[Path]:
+             control_images: Sequence[str | Path] = (), control_scale: float = 1.0,
+             images: Sequence[str | Path] = ()) -> list[Path]:
     """Images of `prompts` into `out`, one file each plus a grid. Unset `size`, `steps` and `guidance` are, for a run
     or a pipeline its export recorded them in, those its validation images sampled with (so they match image for
     image: prompt i from seed + i), else the pipeline's default size and the model's own (see sample_images). With
-    `controlnet` (a ControlNetModel folder), each prompt is drawn following one of `control_images` in turn."""
+    `controlnet` (a ControlNetModel folder), each prompt is drawn following one of `control_images` in turn; with
+    `images`, a model that edits (Flux.1 Kontext's pipeline, InstructPix2Pix's) edits one of them per prompt in
+    turn."""
     if not prompts:
         raise UserError("no prompts: pass --prompt TEXT or --prompts FILE with one prompt per line")
     recorded = run_sampling_of(model)
@@ -147,6 +175,12 @@ def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int | 
         inputs = {families.of_pipeline(pipe).controlnet.image_argument: [maps[i % len(maps)]
                                                                         for i in range(len(prompts))]}
         fixed = {"controlnet_conditioning_scale": control_scale}
+    if images:
+        if "image" not in inspect.signature(pipe.__call__).parameters or controlnet is not None:
+            raise UserError(f"--image: {type(pipe).__name__} edits no image; pass a model that edits (a Flux.1 "
+                            "Kontext or InstructPix2Pix one, or a run trained with edit.reference)")
+        sources = open_images("--image", images)
+        inputs = {"image": [sources[i % len(sources)] for i in range(len(prompts))]}
     images = sample_images(pipe, prompts, seed=seed, steps=steps, guidance=guidance,
                            negative_prompt=negative_prompt, size=size,
                            default_steps=recorded.get("default_steps", DEFAULT_STEPS), inputs=inputs, fixed=fixed)

@@ -49,6 +49,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--control-image", action="append", default=[], metavar="PNG",
                         help="with --controlnet: the conditioning image each prompt follows, in turn (repeatable)")
     parser.add_argument("--control-scale", type=float, default=1.0, help="with --controlnet: its strength")
+    parser.add_argument("--image", action="append", default=[], metavar="PNG",
+                        help="with a model that edits (Flux.1 Kontext, InstructPix2Pix): the image each prompt, "
+                             "an instruction, edits, in turn (repeatable)")
     parser.set_defaults(run=run)
 
 
@@ -71,6 +74,6 @@ def run(args: argparse.Namespace) -> int:
                      scheduler=args.scheduler, ema=args.ema, device=args.device,
                      negative_prompt=args.negative_prompt, loras=args.lora, lora_scale=args.lora_scale,
                      embeddings=args.embedding, tokenizer=tokenizer, size=args.size, controlnet=args.controlnet,
-                     control_images=args.control_image, control_scale=args.control_scale)
+                     control_images=args.control_image, control_scale=args.control_scale, images=args.image)
     print(f"wrote {len(paths) - 1} images and {paths[-1]}")
     return 0

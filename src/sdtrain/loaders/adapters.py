@@ -9,17 +9,25 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from peft import LoKrConfig, inject_adapter_in_model
 from peft import LoraConfig as PeftLoraConfig
-from peft import inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from sdtrain.errors import UserError, first_line
 
+ADAPTER_TYPE = "adapter_type"
+"""The key of an adapter's settings (`add_lora`'s) naming a kind other than LoRA (``lokr``); DoRA is LoRA's
+``use_dora``."""
+_PEFT_CONFIGS = {"lora": PeftLoraConfig, "lokr": LoKrConfig}
+
 
 def add_lora(module: nn.Module, settings: dict[str, Any], key: str) -> None:
-    """Adapters on `module` through peft itself. transformers' own add_adapter (its text encoders') refuses every
-    peft release before 0.22, which PyPI does not carry; peft's injection is what both libraries call anyway."""
+    """Adapters on `module` through peft itself: LoRA's (DoRA with ``use_dora``), or LoKr's where the settings'
+    `ADAPTER_TYPE` says so. transformers' own add_adapter (its text encoders') refuses every peft release before
+    0.22, which PyPI does not carry; peft's injection is what both libraries call anyway."""
+    settings = dict(settings)
+    config_class = _PEFT_CONFIGS[settings.pop(ADAPTER_TYPE, "lora")]
     names = settings.get("target_modules")
     if isinstance(names, (list, tuple)) and "exclude_modules" not in settings:
         # A name peft matches may also end a container's path (Flux.2's attn.to_out: a single block's Linear, a
@@ -28,7 +36,7 @@ def add_lora(module: nn.Module, settings: dict[str, Any], key: str) -> None:
                       if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential))
                       and any(path == name or path.endswith("." + name) for name in names)]
         settings = {**settings, **({"exclude_modules": containers} if containers else {})}
-    config = PeftLoraConfig(**settings)
+    config = config_class(**settings)
     try:
         with warnings.catch_warnings():
             # peft counts as excluded only modules it would otherwise have adapted, which containers never are.
@@ -40,7 +48,7 @@ def add_lora(module: nn.Module, settings: dict[str, Any], key: str) -> None:
         # What the saved settings name: the adapted modules themselves, which a loader (diffusers') matches as
         # they are, with no containers to leave out.
         adapted = {path for path, child in module.named_modules() if isinstance(child, BaseTunerLayer)}
-        config = PeftLoraConfig(**{**settings, "target_modules": sorted(adapted), "exclude_modules": None})
+        config = config_class(**{**settings, "target_modules": sorted(adapted), "exclude_modules": None})
     # What peft's state-dict helpers and the savers read the adapter's settings from.
     module.peft_config = {"default": config}
 

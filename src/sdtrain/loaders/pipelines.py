@@ -11,7 +11,7 @@ from sdtrain.config import DiffusionConfig, ModelConfig, RunConfig, load_config
 from sdtrain.errors import UserError
 from sdtrain.loaders.adapters import merge_partial
 from sdtrain.loaders.components import load_component, load_run_modules
-from sdtrain.loaders.writers import INSTRUCT_PIX2PIX
+from sdtrain.loaders.writers import INSTRUCT_PIX2PIX, REFERENCE_EDIT
 from sdtrain.models import build, families
 from sdtrain.models.pipeline import sampler_from
 
@@ -54,8 +54,11 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
     noise = build.build_noise_scheduler(config.diffusion, model)
     pipe = family.assemble({name: component(name) for name in family.components}, tokenizers,
                            sampler_from(noise, "euler"))
-    if read_meta(checkpoint).get("task", {}).get(INSTRUCT_PIX2PIX):  # a denoiser that edits: its own pipeline
+    task = read_meta(checkpoint).get("task", {})
+    if task.get(INSTRUCT_PIX2PIX):  # a denoiser that edits: its own pipeline
         pipe = family.instruct.pipeline_class.from_pipe(pipe)
+    elif task.get(REFERENCE_EDIT):
+        pipe = family.reference.pipeline_class.from_pipe(pipe)
     return pipe
 
 

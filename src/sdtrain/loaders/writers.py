@@ -6,11 +6,14 @@ checkpoint; loaders.adapters rebuilds the modules they come from."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers.utils import convert_state_dict_to_diffusers
+from peft import LoKrConfig
+from peft.tuners.lokr import LoKrLayer
 from peft.tuners.lora import LoraLayer
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file
@@ -27,6 +30,9 @@ LEARNED_EMBEDS = "learned_embeds.safetensors"
 INSTRUCT_PIX2PIX = "instruct_pix2pix"
 """The task key of meta.json saying a run's denoiser learned InstructPix2Pix's editing (its pipeline is the
 family's InstructPix2Pix one)."""
+REFERENCE_EDIT = "reference_edit"
+"""The task key of meta.json saying a run's denoiser learned to edit by reference (``edit.reference``: its pipeline
+is the family's editing one)."""
 CONTROLNET = "controlnet"
 """A ControlNet run's trained module: its name in checkpoints (``controlnet.*``) and its export's folder
 (``OUT/controlnet``, diffusers' ControlNetModel layout)."""
@@ -54,19 +60,72 @@ def kohya_state(modules: dict[str, nn.Module], weights: dict[str, dict[str, torc
     ``<prefix><module path, dots as underscores>.lora_down.weight / .lora_up.weight / .alpha``, the prefix and
     the module paths the family's (``lora_unet_``, ``lora_te_`` for SD's one text encoder, ``lora_te1_`` and
     ``lora_te2_`` for SDXL's two; SDXL's UNet paths and Flux.1's and Z-Image's transformer paths in their original
-    layouts, their fused projections fused), and a true scalar alpha per module (the scale is alpha / rank)."""
-    def whole(tensors: dict[str, torch.Tensor], path: str, matrix: str) -> torch.Tensor:
-        return tensors[f"{path}.{matrix}.default.weight"].detach().float().cpu().contiguous()
-
+    layouts, their fused projections fused), and a true scalar alpha per module (the scale is alpha / rank).
+    DoRA adds each module's ``.dora_scale``, LoKr writes LyCORIS's ``.lokr_w1`` (``_a``/``_b``) and ``.lokr_w2``
+    factors instead (see `kohya_lycoris`)."""
     state = {}
     for name, module in modules.items():
         tensors = weights[name]
-        layers = {path: (whole(tensors, path, "lora_A"), whole(tensors, path, "lora_B"),
-                         float(layer.lora_alpha["default"]))
+        layers = {path: (_whole(tensors, f"{path}.lora_A.default.weight"),
+                         _whole(tensors, f"{path}.lora_B.default.weight"), float(layer.lora_alpha["default"]))
                   for path, layer in module.named_modules()
                   if isinstance(layer, LoraLayer) and "default" in layer.lora_A}
         state.update(family.kohya_lora(name, layers, module.config))
+        state.update(kohya_lycoris(module, tensors, lambda path, name=name, module=module:
+                                   family.kohya_lora_name(name, path, module.config)))
     return state
+
+
+def comfyui_dora_state(modules: dict[str, nn.Module], weights: dict[str, dict[str, torch.Tensor]],
+                       family: ModelFamily) -> dict[str, torch.Tensor]:
+    """DoRA adapters as ComfyUI reads them under diffusers' module names (``transformer.<path>``: the names it maps
+    onto a fused layer's rows, Flux.1's q, k, v in qkv, where kohya's layout would have to fuse DoRA's per-layer
+    magnitudes): ``.lora_down.weight / .lora_up.weight / .alpha`` and ``.dora_scale`` (see `kohya_lycoris`), whose
+    rows ComfyUI takes in the order the original layout keeps the weight's (`ModelFamily.original_rows`)."""
+    state = {}
+    for name, module in modules.items():
+        tensors = weights[name]
+        for path, layer in module.named_modules():
+            if isinstance(layer, LoraLayer) and "default" in layer.lora_A:
+                state.update({f"{name}.{path}.lora_down.weight": _whole(tensors, f"{path}.lora_A.default.weight"),
+                              f"{name}.{path}.lora_up.weight": _whole(tensors, f"{path}.lora_B.default.weight"),
+                              f"{name}.{path}.alpha": torch.tensor(float(layer.lora_alpha["default"]))})
+        for key, value in kohya_lycoris(module, tensors, lambda path, name=name: f"{name}.{path}").items():
+            path = key.removeprefix(f"{name}.").removesuffix(".dora_scale")
+            state[key] = family.original_rows(name, path, value) if key.endswith(".dora_scale") else value
+    return state
+
+
+def kohya_lycoris(module: nn.Module, tensors: dict[str, torch.Tensor], key_of: Callable[[str], str]
+                  ) -> dict[str, torch.Tensor]:
+    """What kohya's layout holds of a component's DoRA and LoKr adapters beyond LoRA's keys, as LyCORIS writes them
+    and ComfyUI applies them, under `key_of(module path)`. DoRA: ``.dora_scale`` per module, one value per output
+    row. ComfyUI scales the row of the updated weight W0 + dW by dora_scale / |row of W0|, where peft scales it by
+    m / |row of W0 + dW|: dora_scale is m * |W0| / |W0 + dW|, of the base weight as the file's reader holds it,
+    shaped (out, 1, ...) for ComfyUI's broadcasting. LoKr: the factors, the scale alpha / rank in the first
+    (ComfyUI reads an alpha only where a factor is split, peft scales every product by it), and no alpha."""
+    state = {}
+    for path, layer in module.named_modules():
+        if isinstance(layer, LoraLayer) and layer.use_dora.get("default"):
+            base = layer.get_base_layer().weight.detach().float().cpu()
+            down = _whole(tensors, f"{path}.lora_A.default.weight").flatten(1)
+            up = _whole(tensors, f"{path}.lora_B.default.weight").flatten(1)
+            updated = base + (up @ down).reshape(base.shape) * layer.scaling["default"]
+            magnitude = _whole(tensors, f"{path}.lora_magnitude_vector.default.weight").reshape(-1)
+            scale = magnitude * base.flatten(1).norm(dim=1) / updated.flatten(1).norm(dim=1)
+            state[f"{key_of(path)}.dora_scale"] = scale.reshape(-1, *[1] * (base.dim() - 1)).contiguous()
+        elif isinstance(layer, LoKrLayer) and ("default" in layer.lokr_w1 or "default" in layer.lokr_w1_a):
+            key = key_of(path)
+            first = "lokr_w1" if "default" in layer.lokr_w1 else "lokr_w1_a"
+            for factor in ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2"):
+                if "default" in getattr(layer, factor):
+                    value = _whole(tensors, f"{path}.{factor}.default")
+                    state[f"{key}.{factor}"] = value * layer.scaling["default"] if factor == first else value
+    return state
+
+
+def _whole(tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    return tensors[key].detach().float().cpu().contiguous()
 
 
 def _is_up(key: str) -> bool:
@@ -81,22 +140,49 @@ def save_lora(modules: dict[str, nn.Module], weights: dict[str, dict[str, torch.
     layout for every adapted component (ComfyUI reads SD3's diffusers file itself)."""
     adapted = {name: m for name, m in modules.items() if has_lora(m)}
     layers, metadata = {}, {}
+    lokr = any(isinstance(m.peft_config["default"], LoKrConfig) for m in adapted.values())
     for name, module in adapted.items():
         settings = module.peft_config["default"]
+        if lokr:
+            # peft's names (diffusers converts none of LoKr's), the scale alpha / rank in the first factor of each
+            # module, the file saying alpha = rank: what diffusers' load_lora_adapter rebuilds from the metadata.
+            state = get_peft_model_state_dict(module, state_dict=weights[name])
+            scale = settings.alpha / settings.r
+            layers[f"{name}_lora_layers"] = {key: value * scale if _is_first_factor(key, state) else value
+                                             for key, value in state.items()}
+            metadata[f"{name}_lora_adapter_metadata"] = {**settings.to_dict(), "alpha": settings.r}
+            continue
         state = lora_state(module, weights[name], name in family.text_encoders,
                            peft_names=name == family.denoiser and family.denoiser_lora_peft_names)
         # The scale alpha / rank goes into the up weights, and the file says alpha = rank: readers that ignore the
         # metadata's alpha (ComfyUI reads only .alpha keys, which this layout has none of) apply the same delta.
+        # DoRA's magnitudes are the same for the folded update.
         scale = settings.lora_alpha / settings.r
         layers[f"{name}_lora_layers"] = {key: value * scale if _is_up(key) else value for key, value in state.items()}
         metadata[f"{name}_lora_adapter_metadata"] = {**settings.to_dict(), "lora_alpha": settings.r}
     family.pipeline_class.save_lora_weights(folder, safe_serialization=True, weight_name=LORA_WEIGHTS, **layers,
                                             **metadata)
-    if all(name in family.kohya_prefixes for name in adapted):
-        tmp = folder / f".{KOHYA_WEIGHTS}.tmp"
-        save_file(kohya_state(adapted, weights, family), str(tmp), metadata={"ss_network_module": "networks.lora"})
-        tmp.replace(folder / KOHYA_WEIGHTS)
+    dora = any(getattr(m.peft_config["default"], "use_dora", False) for m in adapted.values())
+    if not all(name in family.kohya_prefixes for name in adapted):
+        return folder / LORA_WEIGHTS
+    if family.kohya_names_each_layer or not (lokr or dora):
+        state = kohya_state(adapted, weights, family)
+    elif dora:
+        state = comfyui_dora_state(adapted, weights, family)
+    else:
+        # ComfyUI reads the LoKr file diffusers loads as it is: peft's names, the scale in the first factor.
+        return folder / LORA_WEIGHTS
+    tmp = folder / f".{KOHYA_WEIGHTS}.tmp"
+    save_file(state, str(tmp), metadata={"ss_network_module": "lycoris.kohya" if lokr else "networks.lora"})
+    tmp.replace(folder / KOHYA_WEIGHTS)
     return folder / LORA_WEIGHTS
+
+
+def _is_first_factor(key: str, state: dict[str, torch.Tensor]) -> bool:
+    """Whether a LoKr key holds its module's first factor whole, or that factor's first half where it is split."""
+    if key.endswith(".lokr_w1"):
+        return True
+    return key.endswith(".lokr_w1_a") and key.removesuffix("_a") not in state
 
 
 def learned_embeds(modules: dict[str, nn.Module], weights: dict[str, dict[str, torch.Tensor]], family: ModelFamily,

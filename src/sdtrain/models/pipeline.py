@@ -80,8 +80,10 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
     steps = steps or defaults.get("steps", default_steps)
     guidance = defaults["guidance"] if guidance is None else guidance
     # An editing pipeline (InstructPix2Pix's) draws at its source image's size and takes none.
-    takes_size = {"height", "width"} <= set(inspect.signature(pipe.__call__).parameters)
-    shape = {"height": size, "width": size} if size and takes_size else {}
+    parameters = set(inspect.signature(pipe.__call__).parameters)
+    shape = {"height": size, "width": size} if size and {"height", "width"} <= parameters else {}
+    if shape and "max_area" in parameters:
+        shape["max_area"] = size * size  # Kontext's pipeline scales its output to this area (1024 px square else)
     seeds = list(seeds) if seeds is not None else [seed + i for i in range(len(prompts))]
     images = []
     for start in range(0, len(prompts), batch):

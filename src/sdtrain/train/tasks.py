@@ -22,14 +22,16 @@ from sdtrain.config import DataConfig, DiffusionConfig, RunConfig
 from sdtrain.data.decode import make_buckets
 from sdtrain.data.encoded import TEXT_FIELDS, dataset_encoding
 from sdtrain.errors import UserError
+from sdtrain.loaders.writers import REFERENCE_EDIT
 from sdtrain.models import build, families
+from sdtrain.models.families.spec import ReferenceSpec
 from sdtrain.models.pipeline import exact_sampling, run_sampling, sample_images, sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer
 from sdtrain.train.components import ComponentPlanner
 from sdtrain.train.objectives import FlowMatching, NoisePrediction
 from sdtrain.train.parts import TrainedPart
 from sdtrain.train.storage import FrozenStorage, on_meta
-from sdtrain.utils import save_grid, save_images
+from sdtrain.utils import save_grid, save_images, to_pil
 
 log = logging.getLogger(__name__)
 
@@ -308,6 +310,8 @@ class DiffusionTask(Task):
         self._check_positions(denoiser.config, scale)
         # Read before the trainer wraps the denoiser (DDP, FSDP), whose wrapper has no config.
         self.takes_guidance = family.takes_guidance(denoiser.config)
+        if config.edit.reference:
+            self.reference_spec()  # a family that cannot is one line at start
         if config.diffusion.flow.guidance_range and not self.takes_guidance:
             raise UserError("diffusion.flow.guidance_range: this model's denoiser has no guidance embedding (a "
                             "guidance-distilled model's, as Flux.1-dev has), so nothing would read it; remove it")
@@ -537,9 +541,26 @@ class DiffusionTask(Task):
             with torch.set_grad_enabled(self.text_encoder_trains()):
                 text = self.encode_text(batch)
         condition = self.family.condition(text, batch, self.device)
+        if self.config.edit.reference:
+            condition["reference_latents"] = self.reference_latents(batch)
         if self.takes_guidance:
             condition["guidance"] = self.guidance(len(text["text_emb"]), generator)
         return condition
+
+    def reference_spec(self) -> ReferenceSpec:
+        """How the family's denoiser edits by reference; a family that cannot is one line."""
+        return families.mode_spec(self.family, "reference", "edit.reference", "learns no editing by reference")
+
+    def reference_latents(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The latents of the batch's source images, which the denoiser reads beside the noisy ones
+        (``edit.reference``)."""
+        pixels = batch.get("source_pixels")
+        if pixels is None:
+            raise UserError("edit.reference: the data has no source images: put KEY.src.png (the image before the "
+                            "edit) beside each edited image, its caption the instruction, and train on image shards "
+                            "(encoded shards keep none: data.use_encoded=false)")
+        with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
+            return self.reference_spec().latents(self.vae, pixels.to(self.device, non_blocking=True))
 
     def guidance(self, count: int, generator: torch.Generator | None) -> torch.Tensor:
         """The guidance values a guidance-distilled denoiser is trained with: ``diffusion.flow.guidance``, or draws
@@ -559,7 +580,8 @@ class DiffusionTask(Task):
         return {self.family.denoiser: self.denoiser, **self.trainable}
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        return {**super().checkpoint_meta(), **self.part.checkpoint_meta()}
+        edits = {REFERENCE_EDIT: True} if self.config.edit.reference else {}
+        return {**super().checkpoint_meta(), **self.part.checkpoint_meta(), **edits}
 
     _told_stored_low = False
 
@@ -570,8 +592,12 @@ class DiffusionTask(Task):
         prompts = self.config.validation.prompts
         if not prompts:
             return None
-        return self.render(modules, out, self.part.validation_prompts(prompts), prompts,
-                           self.part.sampling_inputs(batch, len(prompts)))
+        inputs = self.part.sampling_inputs(batch, len(prompts))
+        if self.config.edit.reference and batch is not None and "source_pixels" in batch:
+            # Each validation instruction edits one of the last batch's sources in turn.
+            sources = to_pil(batch["source_pixels"])
+            inputs = {**inputs, "image": [sources[i % len(sources)] for i in range(len(prompts))]}
+        return self.render(modules, out, self.part.validation_prompts(prompts), prompts, inputs)
 
     def pipeline(self, modules: dict[str, nn.Module]) -> Any:
         """A pipeline of the given trained modules and this task's frozen ones."""
@@ -579,7 +605,8 @@ class DiffusionTask(Task):
                       for name in ("vae", *self.family.text_encoders)}
         components[self.family.denoiser] = modules.get(self.family.denoiser, self.denoiser)
         pipe = self.family.assemble(components, self.tokenizers, sampler_from(self.noise_scheduler, "euler"))
-        return self.part.pipeline(pipe, modules)
+        pipe = self.part.pipeline(pipe, modules)
+        return self.reference_spec().pipeline_class.from_pipe(pipe) if self.config.edit.reference else pipe
 
     @torch.no_grad()
     def render(self, modules: dict[str, nn.Module], out: Path | None, prompts: list[str],

@@ -88,10 +88,19 @@ def _init_default(cls: type, key: str) -> Any:
     return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
 
+def mode_spec(family: ModelFamily, mode: str, key: str, cannot: str) -> Any:
+    """`family`'s spec for a mode it may host (its attribute `mode`: ``controlnet``, ``instruct``, ``reference``);
+    a family without one is one line: `key`, the family that `cannot`, and the families that can."""
+    spec = getattr(family, mode)
+    if spec is None:
+        hosts = ", ".join(f.title for f in FAMILIES.values() if getattr(f, mode) is not None)
+        raise UserError(f"{key}: {family.title} {cannot} in this release; {hosts} do")
+    return spec
+
+
 def of_pipeline(pipe: Any) -> ModelFamily:
     """The family whose pipeline class `pipe` is."""
-    return next((family for family in FAMILIES.values() if isinstance(pipe, family.pipeline_class) or (
-        family.controlnet is not None and isinstance(pipe, family.controlnet.pipeline_class))), SD)
+    return next((family for family in FAMILIES.values() if isinstance(pipe, family.pipeline_classes())), SD)
 
 
 def of_vae(vae: nn.Module, served: Any = None) -> ModelFamily:
@@ -140,7 +149,8 @@ def detect(source: str | Path) -> ModelFamily:
             found = json.loads((path / "model_index.json").read_text()).get("_class_name")
         except (OSError, ValueError, AttributeError):
             return SD  # the pipeline loader reports what is wrong with the file
-        known = next((f for f in FAMILIES.values() if found in f.pipeline_names), None)
+        known = next((f for f in FAMILIES.values()
+                      if found in f.pipeline_names or found in (c.__name__ for c in f.pipeline_classes())), None)
         if known is not None:
             return known
     elif path.is_file() and path.suffix == ".safetensors":

@@ -22,6 +22,7 @@ from diffusers import (
     AutoencoderKL,
     FluxControlNetModel,
     FluxControlNetPipeline,
+    FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
 )
@@ -33,7 +34,7 @@ from transformers import CLIPTextModel, T5EncoderModel
 from sdtrain.models import single_file
 from sdtrain.models.families.autoencoder import FLUX_VAE, TINY_FLUX_VAE, vae_blocks
 from sdtrain.models.families.patches import pack, unpack
-from sdtrain.models.families.spec import ControlSpec, ModelFamily, SingleFileLayout
+from sdtrain.models.families.spec import ControlSpec, ModelFamily, ReferenceSpec, SingleFileLayout
 from sdtrain.models.families.text_towers import (
     CLIP_L,
     T5_XXL,
@@ -121,6 +122,13 @@ def controlnet_from_transformer(transformer: FluxTransformer2DModel, latent_fact
 def control_latents(vae: nn.Module, images: torch.Tensor) -> torch.Tensor:
     """The conditioning images' latents as FluxControlNetPipeline gives them: normalised as the denoiser's are."""
     latents = vae.encode(images * 2 - 1).latent_dist.mode()
+    return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+
+
+def reference_latents(vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """A reference image's latents as FluxKontextPipeline gives them: the posterior's mode, normalised as the
+    denoiser's latents are."""
+    latents = vae.encode(pixels).latent_dist.mode()
     return (latents - vae.config.shift_factor) * vae.config.scaling_factor
 
 
@@ -244,8 +252,10 @@ class Flux(ModelFamily):
                    T5EncoderModel: t5_blocks, FluxControlNetModel: transformer_blocks}
     controlnet = ControlSpec(FluxControlNetModel, FluxControlNetPipeline, controlnet_from_transformer,
                              controlnet_residuals, control_latents, image_argument="control_image")
+    reference = ReferenceSpec(FluxKontextPipeline, reference_latents)
     presets = PRESETS
     kohya_prefixes = {"transformer": "lora_unet_", "text_encoder": "lora_te1_"}
+    kohya_names_each_layer = False  # its kohya layout fuses q, k and v
 
     def holds_file(self, keys: list[str]) -> bool:
         # Other layouts share the block names: Flux.1's modulates each block with its own layers, never with one
@@ -309,17 +319,25 @@ class Flux(ModelFamily):
         height, width = noisy.shape[-2:]
         context = condition["encoder_hidden_states"]
         dtype = noisy.dtype
+        tokens, ids = pack(noisy), image_ids(height // 2, width // 2, noisy.device, dtype)
+        reference = condition.get("reference_latents")
+        if reference is not None:
+            # Kontext's: the reference's tokens after the noisy ones, at the same rows and columns on a second
+            # frame (the first position 1), the prediction the noisy ones' alone.
+            reference_ids = image_ids(reference.shape[-2] // 2, reference.shape[-1] // 2, noisy.device, dtype)
+            reference_ids[:, 0] = 1
+            tokens = torch.cat([tokens, pack(reference.to(dtype))], dim=1)
+            ids = torch.cat([ids, reference_ids])
         output = denoiser(
-            hidden_states=pack(noisy), encoder_hidden_states=context,
+            hidden_states=tokens, encoder_hidden_states=context,
             pooled_projections=condition["pooled_projections"],
             # The transformer multiplies both by 1000 itself: it takes sigma, and guidance as the user gives it.
-            timestep=timesteps / 1000, guidance=condition.get("guidance"),
-            img_ids=image_ids(height // 2, width // 2, noisy.device, dtype),
+            timestep=timesteps / 1000, guidance=condition.get("guidance"), img_ids=ids,
             txt_ids=torch.zeros(context.shape[1], 3, device=noisy.device, dtype=dtype),
             controlnet_block_samples=condition.get("controlnet_block_samples"),
             controlnet_single_block_samples=condition.get("controlnet_single_block_samples"),
             return_dict=False)[0]
-        return unpack(output, height, width)
+        return unpack(output[:, :(height // 2) * (width // 2)], height, width)
 
     def kohya_lora(self, component: str, layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]], config: Any
                    ) -> dict[str, torch.Tensor]:
@@ -328,6 +346,13 @@ class Flux(ModelFamily):
         if component == "transformer":
             return original_layout.kohya_lora(layers, dict(config))
         return super().kohya_lora(component, layers, config)
+
+    def original_rows(self, component: str, path: str, rows: torch.Tensor) -> torch.Tensor:
+        # BFL's final modulation holds shift before scale, diffusers' norm_out scale before shift.
+        if component == "transformer" and path == "norm_out.linear":
+            scale, shift = rows.chunk(2)
+            return torch.cat([shift, scale])
+        return rows
 
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
         return FluxPipeline(scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],
@@ -347,6 +372,9 @@ class Flux(ModelFamily):
         # classifier-free guidance above 1, which FluxPipeline calls true_cfg_scale and runs only with a negative
         # prompt. Released schnell is distilled to sample without either: give it a guidance of 1 or less.
         arguments: dict[str, Any] = {"max_sequence_length": pipe.tokenizer_2.model_max_length}
+        if isinstance(pipe, FluxKontextPipeline):
+            # The reference at its own size, as training read it, not at the ~1 MP Kontext's release prefers.
+            arguments["_auto_resize"] = False
         if pipe.transformer.config.guidance_embeds:
             return {**arguments, "guidance_scale": guidance, "negative_prompt": negative_prompt}
         if guidance <= 1:

@@ -299,6 +299,7 @@ class Flux2(causal_lm.LanguageModelText, ModelFamily):
     # tower under language_model.model. (model.language_model. as transformers 5 names it).
     weight_prefixes = {"text_encoder": ("model.language_model.", "language_model.model.")}
     kohya_prefixes = {"transformer": kohya.PREFIX}
+    kohya_names_each_layer = False  # its kohya layout fuses q, k and v
     # BFL's release file (see above): the transformer alone.
     single_file = TransformerAlone(
         load_transformer_file, to_bfl, lambda config: "flux2" if config["guidance_embeds"] else "flux2-klein",

@@ -10,6 +10,7 @@ data order and evaluation ask the spec and name no family's classes.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +119,18 @@ class InstructSpec:
     """(VAE, source images in [-1, 1]) -> the latents the pipeline gives the denoiser beside the noisy ones."""
 
 
+@dataclass(frozen=True)
+class ReferenceSpec:
+    """How a family's denoiser learns to edit by reference (``edit.reference``, as Flux.1 Kontext does): the
+    reference image's latents given beside the noisy ones (``reference_latents`` in the conditioning, which
+    `ModelFamily.denoise` reads), the prediction the noisy ones' alone."""
+
+    pipeline_class: type
+    """The diffusers pipeline that edits with the denoiser (``from_pipe`` of the family's pipeline, ``image=``)."""
+    latents: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    """(VAE, reference images in [-1, 1]) -> their latents as the pipeline gives them to the denoiser."""
+
+
 class ModelFamily:
     name: str
     """The config's ``model.family`` value."""
@@ -164,12 +177,18 @@ class ModelFamily:
     """How the family hosts a ControlNet; None where this release trains none for it."""
     instruct: InstructSpec | None = None
     """How the family's denoiser learns InstructPix2Pix's editing; None where this release trains none for it."""
+    reference: ReferenceSpec | None = None
+    """How the family's denoiser learns to edit by reference; None where this release trains none for it."""
     block_lists: dict[type[nn.Module], Callable[[nn.Module], list[nn.Module | None]]] = {}
     """Component class -> its repeated blocks, in forward order (None entries, an absent mid block, are skipped)."""
     presets: dict[str, dict[str, dict[str, Any]]] = {}
     """Preset name -> component name -> constructor settings."""
     kohya_prefixes: dict[str, str] = {}
     """Component name -> the prefix of its modules in kohya's LoRA files (``lora_unet_``, ``lora_te_``)."""
+    kohya_names_each_layer: bool = True
+    """Whether kohya's layout names each adapted layer as a module of its own (SD's, SDXL's), so that LyCORIS
+    adapters (DoRA's magnitudes, LoKr's factors) are written in it too; not where it fuses layers (Flux.1's q, k
+    and v), whose DoRA and LoKr adapters go in diffusers' file alone."""
     comfyui_reads_diffusers_lora: bool = False
     """Whether ComfyUI's Load LoRA reads the diffusers LoRA file of this family's (it reads kohya's of every
     family that has `kohya_prefixes`)."""
@@ -197,6 +216,12 @@ class ModelFamily:
             raise UserError(f"model.preset: '{preset}' is not a {self.title} preset; choose one of "
                             f"{', '.join(self.presets)} (or set model.family)")
         return copy.deepcopy(self.presets[preset][component])
+
+    def pipeline_classes(self) -> tuple[type, ...]:
+        """Every diffusers pipeline class that samples this family's models: its own, and those of the modes it
+        hosts (ControlNet's, InstructPix2Pix's, editing by reference)."""
+        modes = (self.controlnet, self.instruct, self.reference)
+        return (self.pipeline_class, *(mode.pipeline_class for mode in modes if mode is not None))
 
     def module_classes(self) -> list[type[nn.Module]]:
         """Every class a checkpoint of this family may hold a module of: its components', and its ControlNet's."""
@@ -377,6 +402,11 @@ class ModelFamily:
             path = "text_model." + path
         return self.kohya_prefixes[component] + self.original_module_path(component, path, config).replace(".", "_")
 
+    def original_rows(self, component: str, path: str, rows: torch.Tensor) -> torch.Tensor:
+        """A vector of one value per output row of `component`'s layer at `path` (a DoRA magnitude, in diffusers'
+        row order) in the order the original layout keeps that layer's rows; as it is by default."""
+        return rows
+
     def original_module_path(self, component: str, path: str, config: Any) -> str:
         """A module's path in the layout kohya names it by; SD's kohya files use diffusers' own paths."""
         return path
@@ -411,7 +441,14 @@ class ModelFamily:
     def pipeline_from_folder(self, folder: str | Path, **kwargs: Any) -> Any:
         """The family's pipeline diffusers loads from a pipeline folder (`kwargs`: from_pretrained's), given what
         loading it needs (`pipeline_loading`) and sampling needs that the folder cannot carry (`prepare_pipeline`)."""
-        return self.prepare_pipeline(self.pipeline_class.from_pretrained(folder, **self.pipeline_loading, **kwargs))
+        # A folder of one of the family's other pipelines (a Kontext model's, an InstructPix2Pix export) loads as
+        # that pipeline, which takes what it edits.
+        try:
+            name = json.loads((Path(folder) / "model_index.json").read_text()).get("_class_name")
+        except (OSError, ValueError):
+            name = None  # the loader reports what is wrong with the folder
+        cls = next((c for c in self.pipeline_classes() if c.__name__ == name), self.pipeline_class)
+        return self.prepare_pipeline(cls.from_pretrained(folder, **self.pipeline_loading, **kwargs))
 
     def prepare_pipeline(self, pipe: Any) -> Any:
         """`pipe` (the family's pipeline, assembled or loaded from a folder) with what its folder cannot carry and

@@ -290,6 +290,7 @@ class ZImage(causal_lm.LanguageModelText, ModelFamily):
     weight_prefixes = {"text_encoder": ("model.",)}
     # The transformer's adapters alone (no text encoder is adapted), named as the authors' modules: see LoRA files.
     kohya_prefixes = {"transformer": kohya.PREFIX}
+    kohya_names_each_layer = False  # its kohya layout fuses q, k and v
 
     def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
         ids, mask = causal_lm.chat_tokens(tokenizer, captions)

@@ -27,10 +27,7 @@ class ControlNetPart(TrainedPart):
 
     @property
     def spec(self) -> ControlSpec:
-        if self.family.controlnet is None:
-            hosts = ", ".join(f.title for f in families.FAMILIES.values() if f.controlnet is not None)
-            raise UserError(f"mode: {self.family.title} hosts no ControlNet in this release; {hosts} do")
-        return self.family.controlnet
+        return families.mode_spec(self.family, "controlnet", "mode", "hosts no ControlNet")
 
     def keeps_frozen(self, name: str) -> bool:
         # The denoiser loads in full precision: the ControlNet copies its weights first; stored low afterwards.

@@ -26,11 +26,7 @@ class InstructPix2PixPart(TrainedPart):
 
     @property
     def spec(self) -> InstructSpec:
-        if self.family.instruct is None:
-            editors = ", ".join(f.title for f in families.FAMILIES.values() if f.instruct is not None)
-            raise UserError(f"mode: {self.family.title} learns no InstructPix2Pix editing in this release; "
-                            f"{editors} do")
-        return self.family.instruct
+        return families.mode_spec(self.family, "instruct", "mode", "learns no InstructPix2Pix editing")
 
     def make_trainable(self, denoiser: nn.Module, text_encoders: dict[str, nn.Module],
                        tokenizers: list[Any], latent_factor: int = 8) -> dict[str, nn.Module]:

@@ -1,5 +1,6 @@
 """LoRA (Hu et al., 2021) through peft: low-rank adapters on the UNet's attention projections and,
-optionally, the text encoder's; the base weights stay frozen and out of the checkpoints."""
+optionally, the text encoder's, or their LyCORIS kin (``lora.type``: DoRA, LoKr); the base weights stay frozen and
+out of the checkpoints."""
 
 from __future__ import annotations
 
@@ -8,19 +9,28 @@ from typing import Any
 from torch import nn
 
 from sdtrain.config import LoraConfig
-from sdtrain.loaders.adapters import add_lora
+from sdtrain.loaders.adapters import ADAPTER_TYPE, add_lora
 from sdtrain.train.parts import TrainedPart
 
 
 def lora_settings(config: LoraConfig, text_encoder: bool = False) -> dict[str, Any]:
-    """peft LoraConfig arguments; kept in meta.json so a checkpoint rebuilds the same adapters."""
+    """The adapters' peft settings (loaders.adapters.add_lora's); kept in meta.json so a checkpoint rebuilds the
+    same adapters."""
+    targets = list(config.text_encoder_target_modules if text_encoder else config.target_modules)
+    if config.type == "lokr":
+        # Its second factor starts at zero: the adapted model starts exactly as the base.
+        return {ADAPTER_TYPE: "lokr", "r": config.rank, "alpha": config.alpha or config.rank,
+                "module_dropout": config.dropout, "decompose_factor": config.lokr_factor, "init_weights": True,
+                "target_modules": targets}
     return {
         "r": config.rank,
         "lora_alpha": config.alpha or config.rank,
         "lora_dropout": config.dropout,
-        # Gaussian A, zero B: the adapted model starts exactly as the base.
+        # Gaussian A, zero B: the adapted model starts exactly as the base (DoRA's magnitudes start at the base
+        # weights' row norms).
         "init_lora_weights": "gaussian",
-        "target_modules": list(config.text_encoder_target_modules if text_encoder else config.target_modules),
+        "use_dora": config.type == "dora",
+        "target_modules": targets,
     }
 
 

@@ -1,0 +1,81 @@
+"""LyCORIS adapters (``lora.type``: DoRA, LoKr) on a tiny pretrained Stable Diffusion through the CLI: they start at
+the base model, train, resume, and export diffusers' file (which `generate --lora` and diffusers' loaders apply as
+training did, as does the merged pipeline) and kohya's (DoRA's magnitudes and LoKr's factors as ComfyUI applies
+them: test_lycoris_comfyui, with a local ComfyUI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sdtrain.cli.main import main
+from sdtrain.export import export_run
+
+from .conftest import TINY, config_path
+
+
+def _lycoris(run: Path, pretrained: Path, shapes_dir: Path, kind: str, *extra: str) -> int:
+    return main(["train", str(config_path("diffusion.yaml")), f"run_dir={run}", *TINY, f"data.shards={shapes_dir}",
+                 f"model.pretrained={pretrained}", "model.vae=null", "mode=lora", f"lora.type={kind}",
+                 "lora.rank=2", "lora.alpha=4", "validation.prompts=[]", "train.max_steps=2", "optim.lr=0.01",
+                 "lora.save_merged=true", *extra])
+
+
+def _image(pipe) -> np.ndarray:
+    pipe.set_progress_bar_config(disable=True)
+    return pipe("a red circle", num_inference_steps=2, generator=torch.Generator().manual_seed(0),
+                output_type="np").images[0]
+
+
+@pytest.mark.parametrize("kind", ["dora", "lokr"])
+def test_an_adapter_exports_what_diffusers_and_generate_apply_as_the_merged_pipeline_draws(
+        kind, tmp_path, pretrained, shapes_dir):
+    from diffusers import StableDiffusionPipeline
+
+    from sdtrain.generate import load_adapters
+
+    # LoKr's product of a random and a zero factor moves slower than LoRA's pair at the same rate.
+    assert _lycoris(tmp_path / "run", pretrained, shapes_dir, kind, f"optim.lr={0.05 if kind == 'lokr' else 0.01}") == 0
+    out = export_run(tmp_path / "run", tmp_path / "out")
+    weights = load_file(str(out / "pytorch_lora_weights.safetensors"))
+    marker = {"dora": ".lora_magnitude_vector", "lokr": ".lokr_w2"}[kind]
+    assert any(marker in key for key in weights) and all(key.startswith("unet.") for key in weights)
+    kohya = load_file(str(out / "lora_kohya.safetensors"))
+    assert any(key.endswith({"dora": ".dora_scale", "lokr": ".lokr_w1"}[kind]) for key in kohya)
+
+    def pipe():
+        return StableDiffusionPipeline.from_pretrained(pretrained, local_files_only=True, safety_checker=None)
+
+    base = _image(pipe())
+    adapted = pipe()
+    load_adapters(adapted, out, None, "trained")
+    image = _image(adapted)
+    assert np.abs(image - base).max() > 1e-3  # it learnt something, and diffusers applies it
+    merged = _image(StableDiffusionPipeline.from_pretrained(out / "pipeline", local_files_only=True,
+                                                            safety_checker=None))
+    np.testing.assert_allclose(image, merged, atol=1e-4)  # as peft merges what trained
+    assert main(["generate", "--model", str(pretrained), "--lora", str(out), "--prompt", "a red circle",
+                 "--steps", "2", "--out", str(tmp_path / "images")]) == 0
+
+
+def test_lokr_starts_at_the_base_and_resumes_exactly(tmp_path, pretrained, shapes_dir):
+    from .conftest import same_checkpoints
+
+    assert _lycoris(tmp_path / "a", pretrained, shapes_dir, "lokr", "train.max_steps=3", "checkpoint.every=1") == 0
+    assert _lycoris(tmp_path / "b", pretrained, shapes_dir, "lokr", "train.max_steps=2", "checkpoint.every=1") == 0
+    assert _lycoris(tmp_path / "b", pretrained, shapes_dir, "lokr", "train.max_steps=3", "checkpoint.every=1") == 0
+    same_checkpoints(tmp_path / "a" / "checkpoints" / "step_00000003", tmp_path / "b" / "checkpoints" / "step_00000003")
+
+
+def test_lycoris_on_a_low_precision_base_or_lokr_on_the_text_encoder_is_one_line(tmp_path, pretrained, shapes_dir,
+                                                                                 capsys):
+    assert _lycoris(tmp_path / "a", pretrained, shapes_dir, "dora", "model.frozen_precision=bf16") == 2
+    assert _lycoris(tmp_path / "b", pretrained, shapes_dir, "lokr", "lora.text_encoder=true") == 2
+    assert _lycoris(tmp_path / "c", pretrained, shapes_dir, "loha") == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(errors) == 3 and "frozen_precision" in errors[0] and "lora.text_encoder" in errors[1]
+    assert "lora.type" in errors[2]
