@@ -87,3 +87,28 @@ def test_a_family_without_a_controlnet_and_data_without_maps_are_one_line(tmp_pa
 
     with pytest.raises(Exception, match="Z-Image hosts no ControlNet in this release; .*SD3, Flux.1"):
         ControlNetPart(None, families.get("z-image")).make_trainable(torch.nn.Linear(1, 1), {}, [])
+
+
+def test_encoded_shards_keep_the_maps_cropped_as_their_latents_and_a_controlnet_trains_on_them(
+        tmp_path, pretrained, layouts, caplog):
+    """`prepare encode` keeps each sample's map; read back, it is cropped as the image was before its latents were
+    encoded (the image shards' centre crop, pixel for pixel), and a ControlNet trains on the latents. A UNet's
+    ControlNet reads the maps' pixels: the VAE encoder is still skipped."""
+    from sdtrain.config import DataConfig
+    from sdtrain.data.decode import SampleDecoder
+    from sdtrain.data.order import read_shard, resolve_shards
+
+    encoded = tmp_path / "encoded"
+    assert main(["prepare", "encode", str(layouts), "--model", str(pretrained), "--out", str(encoded),
+                 "--resolution", "24"]) == 0
+    plain = SampleDecoder(DataConfig(shards=str(layouts), resolution=24, center_crop=True), None, seed=0)
+    reread = SampleDecoder(DataConfig(shards=str(encoded), resolution=24), None, seed=0, encoded=True)
+    raw, raw_encoded = read_shard(resolve_shards(str(layouts))[0].url)[0], read_shard(
+        resolve_shards(str(encoded))[0].url)[0]
+    assert raw["__key__"] == raw_encoded["__key__"]
+    torch.testing.assert_close(reread(raw_encoded, (0, 0, 0))["conditioning_pixels"],
+                               plain(raw, (0, 0, 0))["conditioning_pixels"], rtol=0, atol=0)
+    caplog.set_level("INFO")
+    assert _train(tmp_path / "run", pretrained, encoded, "data.resolution=24") == 0
+    assert "VAE encoder skipped" in caplog.text
+    assert load_file(str(latest_checkpoint(tmp_path / "run") / "model.safetensors"))

@@ -204,6 +204,115 @@ def test_a_controlnet_trains_beside_the_frozen_transformer_and_exports_what_diff
     assert len(list((tmp_path / "images").glob("*.png"))) == 2  # the image and its grid
 
 
+@pytest.fixture(scope="module")
+def edits(tmp_path_factory) -> Path:
+    """Eight edits: a shape recoloured, the instruction naming the new colour."""
+    from PIL import Image, ImageDraw
+
+    folder = tmp_path_factory.mktemp("edits") / "images"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    colours = {"red": (220, 30, 30), "blue": (30, 60, 220), "green": (30, 170, 60)}
+    for i in range(8):
+        box = [int(v) for v in rng.integers(2, 14, 2)]
+        box += [box[0] + 16, box[1] + 16]
+        before, after = rng.choice(list(colours), 2, replace=False)
+        for name, colour in ((f"{i}.src.png", before), (f"{i}.png", after)):
+            image = Image.new("RGB", (32, 32), (240, 240, 240))
+            ImageDraw.Draw(image).ellipse(box, fill=colours[colour])
+            image.save(folder / name)
+        (folder / f"{i}.txt").write_text(f"make it {after}")
+    out = folder.parent / "shards"
+    assert main(["prepare", "folder", str(folder), "--out", str(out)]) == 0
+    return out
+
+
+def test_flux_learns_to_edit_by_reference_as_kontext_and_its_files_load_in_kontexts_pipeline(tmp_path, pretrained,
+                                                                                              edits, caplog):
+    """edit.reference on Flux.1 (configs/flux-kontext-lora.yaml): the sources' latent tokens beside the noisy ones
+    as FluxKontextPipeline gives them (the denoiser's output as training computes it is the pipeline's), validated
+    by editing the last batch's sources; the LoRA loads into FluxKontextPipeline and changes its edit, a full run
+    exports a Kontext pipeline folder that `generate --image` edits with; pre-encoded shards keep the sources."""
+    from diffusers import FluxKontextPipeline
+    from PIL import Image
+
+    run = tmp_path / "lora"
+    common = [*TINY_CLI, f"model.pretrained={pretrained['flux']}", "train.max_steps=2", "optim.lr=0.01",
+              "data.aspect_buckets=false", "train.mixed_precision=no"]
+    assert main(["train", str(CONFIGS / "flux-kontext-lora.yaml"), f"run_dir={run}", *common, f"data.shards={edits}",
+                 "validation.prompts=[make it blue]", "validation.steps=1"]) == 0
+    assert (run / "samples" / "step_00000002.png").is_file()  # an edit of the last batch's source
+    out = export_run(run, tmp_path / "out")
+    source = Image.open(edits.parent / "images" / "0.src.png").convert("RGB")
+
+    def edit(pipe) -> np.ndarray:
+        pipe.set_progress_bar_config(disable=True)
+        return pipe(prompt="make it blue", image=source, num_inference_steps=2, height=32, width=32,
+                    max_area=32 * 32, _auto_resize=False, max_sequence_length=_t5_length(pipe), output_type="np",
+                    generator=torch.Generator().manual_seed(0)).images[0]
+
+    pipe = FluxKontextPipeline.from_pretrained(pretrained["flux"], local_files_only=True)
+    before = edit(pipe)
+    _edits_as_the_pipeline_does(FluxKontextPipeline.from_pretrained(pretrained["flux"], local_files_only=True), source)
+    pipe.load_lora_weights(out)
+    assert np.abs(edit(pipe) - before).max() > 1e-4
+
+    full = tmp_path / "full"
+    assert main(["train", str(CONFIGS / "finetune-full.yaml"), f"run_dir={full}", *common, f"data.shards={edits}",
+                 "edit.reference=true", "optim.warmup_steps=0"]) == 0
+    folder = export_run(full, tmp_path / "full-out")
+    assert json.loads((folder / "model_index.json").read_text())["_class_name"] == "FluxKontextPipeline"
+    source.save(tmp_path / "source.png")
+    assert main(["generate", "--model", str(folder), "--image", str(tmp_path / "source.png"), "--prompt",
+                 "make it blue", "--steps", "2", "--size", "32", "--out", str(tmp_path / "images")]) == 0
+    assert len(list((tmp_path / "images").glob("*.png"))) == 2  # the edit and its grid
+    assert main(["generate", "--model", str(pretrained["flux"]), "--image", str(tmp_path / "source.png"),
+                 "--prompt", "x", "--steps", "1", "--out", str(tmp_path / "no")]) == 2  # FluxPipeline edits nothing
+
+    # Pre-encoded shards keep the sources: T5 and CLIP stay on disk, the VAE encodes the sources alone.
+    encoded = tmp_path / "encoded"
+    assert main(["prepare", "encode", str(edits), "--model", str(pretrained["flux"]), "--out", str(encoded),
+                 "--t5-text-length", "12"]) == 0
+    caplog.set_level("INFO")
+    assert main(["train", str(CONFIGS / "flux-kontext-lora.yaml"), f"run_dir={tmp_path / 'on-encoded'}", *common,
+                 f"data.shards={encoded}", "model.t5_text_length=12"]) == 0
+    assert "pre-encoded shards: text encoder skipped" in caplog.text
+
+
+def _edits_as_the_pipeline_does(pipe, source) -> None:
+    """The denoiser's output with the reference, as training computes it (the family's reference latents and
+    denoise), is FluxKontextPipeline's at its first step, given what the pipeline gave its transformer."""
+    spec = families.get("flux").reference
+    pipe.vae.register_to_config(shift_factor=0.1, scaling_factor=1.3)  # the released models' are not the identity
+    with torch.no_grad():  # a model trained longer than three steps: its output far from the initial zero
+        for parameter in pipe.transformer.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    seen = {}
+
+    def keep(module, args, kwargs, output) -> None:
+        seen.setdefault("call", (kwargs, output[0]))
+
+    hook = pipe.transformer.register_forward_hook(keep, with_kwargs=True)
+    try:
+        pipe(prompt="make it blue", image=source, num_inference_steps=1, height=32, width=32, max_area=32 * 32,
+             _auto_resize=False, max_sequence_length=_t5_length(pipe), output_type="latent",
+             generator=torch.Generator().manual_seed(0))
+    finally:
+        hook.remove()
+    kwargs, expected = seen["call"]
+    pixels = torch.from_numpy(np.asarray(source, dtype=np.float32) / 127.5 - 1).permute(2, 0, 1)[None]
+    with torch.no_grad():
+        reference = spec.latents(pipe.vae, pixels)
+        side = reference.shape[-1]
+        tokens = side * side // 4
+        noisy = unpack(kwargs["hidden_states"][:, :tokens], side, side)
+        condition = {"encoder_hidden_states": kwargs["encoder_hidden_states"],
+                     "pooled_projections": kwargs["pooled_projections"], "guidance": kwargs["guidance"],
+                     "reference_latents": reference}
+        output = families.get("flux").denoise(pipe.transformer, noisy, kwargs["timestep"] * 1000, condition)
+    torch.testing.assert_close(pack(output), expected[:, :tokens], rtol=1e-4, atol=1e-5)
+
+
 def _steers_as_the_pipeline_does(family: str, pipe, layout) -> None:
     """The denoiser's output with the ControlNet's residuals, as training computes it (the family's conditioner of
     the map, its residuals, its denoise), is the pipeline's at its first step, given what the pipeline gave its

@@ -240,10 +240,29 @@ class SampleDecoder:
             side = self.config.resolution
             sample["size_ids"] = torch.from_numpy(load_npy(raw[SIZE_IDS]).astype(np.int64)) if SIZE_IDS in raw \
                 else torch.tensor([side, side, 0, 0, side, side])
-        except (OSError, ValueError, IndexError):
+            sample.update(self._encoded_companions(raw, sample["size_ids"]))
+        except (OSError, ValueError, IndexError, Image.DecompressionBombError, SyntaxError):
             return None
         drop = bool(rng.random() < self.config.caption_dropout)
         return {**sample, "caption": "" if drop else caption, "dropped": drop, "key": raw["__key__"], "bucket": 0}
+
+    def _encoded_companions(self, raw: dict[str, Any], size_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The conditioning and source images an encoded sample carries (as its source shard held them), resized and
+        cropped as its image was before its latents were encoded: `size_ids` say the image's size, the crop's
+        corner and its size (`prepare encode` never flips)."""
+        height, width, top, left, crop_height, crop_width = (int(v) for v in size_ids)
+        companions = {}
+        for name, field in COMPANION_FIELDS.items():
+            if field not in raw:
+                continue
+            img = self._companion(raw, field, (width, height), self.background or (127, 127, 127))
+            scale = max(crop_width / width, crop_height / height)
+            if scale != 1.0:  # what `prepare encode` did (it always resizes the shorter side)
+                img = img.resize((max(crop_width, round(width * scale)), max(crop_height, round(height * scale))),
+                                 Image.Resampling.BICUBIC)
+            img = img.crop((left, top, left + crop_width, top + crop_height))
+            companions[name] = _chw(img, signed=name in SIGNED_COMPANIONS)
+        return companions
 
     def _transform(self, img: Image.Image, rng: np.random.Generator, target: tuple[int, int],
                    mask: Image.Image | None = None, companions: dict[str, Image.Image] | None = None

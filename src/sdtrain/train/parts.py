@@ -75,6 +75,11 @@ class TrainedPart:
         image's), from the `batch` with the frozen `vae`; drawn from `generator` where random. None here."""
         return None
 
+    def encodes_images(self) -> bool:
+        """Whether the part runs the frozen VAE's encoder on images a sample carries beside its own (a ControlNet's
+        maps, an edit's sources): pre-encoded shards then leave the VAE loaded. None here."""
+        return False
+
     def pipeline(self, pipe: Any, modules: dict[str, nn.Module]) -> Any:
         """The pipeline that samples from the family's `pipe` with the trained `modules` (a ControlNet's own)."""
         return pipe

@@ -286,7 +286,8 @@ class DiffusionTask(Task):
         # What the pre-encoded shards stand in for is built without weights: T5-XXL alone is 19 GB in fp32.
         data = self.data_config()
         found = dataset_encoding(data.shards) if data.use_encoded else None
-        unread = self.components.stood_in_for(found[0], data, self.text_encoder_trains()) if found else []
+        unread = (self.components.stood_in_for(found[0], data, self.text_encoder_trains(), self.encodes_images())
+                  if found else [])
         vae = self.components.load("vae", weights="vae" not in unread)
         if vae is None:
             raise UserError(
@@ -414,7 +415,8 @@ class DiffusionTask(Task):
                     f"data.shards: the latents were encoded with the VAE {encoding['vae']} but model.vae is "
                     f"{self.sources.get('vae')}; point model.vae there, encode again, or set data.use_encoded=false"
                 )
-            unread = self.components.stood_in_for(encoding, self.data_config(), self.text_encoder_trains())
+            unread = self.components.stood_in_for(encoding, self.data_config(), self.text_encoder_trains(),
+                                                  self.encodes_images())
         self.text_embeddings = any(name in unread for name in self.family.text_encoders)
         encoded_t5 = (encoding or {}).get("t5_text_length")
         if self.text_embeddings and encoded_t5 and encoded_t5 != self.long_text_length:
@@ -423,8 +425,9 @@ class DiffusionTask(Task):
                 f"caption but this run reads {self.long_text_length}; set model.t5_text_length={encoded_t5}, or "
                 f"encode again with `prepare encode --t5-text-length {self.long_text_length}`")
         if encoding is not None:
-            log.info("pre-encoded shards: VAE encoder skipped%s", ", text encoder skipped" if self.text_embeddings
-                     else "")
+            skipped = [*([] if self.encodes_images() else ["VAE encoder skipped"]),
+                       *(["text encoder skipped"] if self.text_embeddings else [])]
+            log.info("pre-encoded shards: %s", ", ".join(skipped) or "latents read")
         prompts = self.fixed_prompts()
         if prompts and not self.text_embeddings and not self.text_encoder_trains():
             self.prompt_embeddings = self._encode_prompts(prompts)
@@ -547,6 +550,11 @@ class DiffusionTask(Task):
             condition["guidance"] = self.guidance(len(text["text_emb"]), generator)
         return condition
 
+    def encodes_images(self) -> bool:
+        """Whether training runs the VAE's encoder on images the samples carry beside their own (see
+        `TrainedPart.encodes_images`; editing by reference encodes the sources)."""
+        return self.part.encodes_images() or self.config.edit.reference
+
     def reference_spec(self) -> ReferenceSpec:
         """How the family's denoiser edits by reference; a family that cannot is one line."""
         return families.mode_spec(self.family, "reference", "edit.reference", "learns no editing by reference")
@@ -557,8 +565,7 @@ class DiffusionTask(Task):
         pixels = batch.get("source_pixels")
         if pixels is None:
             raise UserError("edit.reference: the data has no source images: put KEY.src.png (the image before the "
-                            "edit) beside each edited image, its caption the instruction, and train on image shards "
-                            "(encoded shards keep none: data.use_encoded=false)")
+                            "edit) beside each edited image, its caption the instruction (`prepare encode` keeps them)")
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
             return self.reference_spec().latents(self.vae, pixels.to(self.device, non_blocking=True))
 

@@ -51,13 +51,16 @@ class ControlNetPart(TrainedPart):
         images = batch.get("conditioning_pixels")
         if images is None:
             raise UserError("mode controlnet: the data has no conditioning images: put KEY.cond.png beside each image "
-                            "(or `prepare folder --conditioning canny`, `prepare shapes --conditioning layout`) and "
-                            "train on image shards (encoded shards keep none: data.use_encoded=false)")
+                            "(or `prepare folder --conditioning canny`, `prepare shapes --conditioning layout`; "
+                            "`prepare encode` keeps them)")
         control = images.to(noisy.device)
         if self.spec.control_input is not None:
             with torch.no_grad(), torch.autocast(noisy.device.type, enabled=False):
                 control = self.spec.control_input(vae, control)
         return self.spec.residuals(trained[CONTROLNET], noisy, timesteps, condition, control)
+
+    def encodes_images(self) -> bool:
+        return self.spec.control_input is not None
 
     def pipeline(self, pipe: Any, modules: dict[str, nn.Module]) -> Any:
         return self.spec.pipeline_class.from_pipe(pipe, controlnet=modules[CONTROLNET])

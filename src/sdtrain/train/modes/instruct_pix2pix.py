@@ -41,14 +41,17 @@ class InstructPix2PixPart(TrainedPart):
         pixels = batch.get("source_pixels")
         if pixels is None:
             raise UserError("mode instruct_pix2pix: the data has no source images: put KEY.src.png (the image before "
-                            "the edit) beside each edited image, its caption the instruction, and train on image "
-                            "shards (encoded shards keep none: data.use_encoded=false)")
+                            "the edit) beside each edited image, its caption the instruction (`prepare encode` keeps "
+                            "them)")
         device = next(vae.parameters()).device
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             latents = self.spec.source_latents(vae, pixels.to(device))
         kept = torch.rand(len(latents), generator=generator, device=generator.device if generator else device)
         kept = (kept >= self.config.instruct_pix2pix.source_dropout).to(latents.dtype)
         return latents * kept.to(latents.device).view(-1, 1, 1, 1)
+
+    def encodes_images(self) -> bool:
+        return True
 
     def pipeline(self, pipe: Any, modules: dict[str, nn.Module]) -> Any:
         return self.spec.pipeline_class.from_pipe(pipe)
