@@ -191,6 +191,33 @@ def tiny_scratch_run(tiny_scratch_command) -> Callable[..., Path]:
 
 
 @pytest.fixture(scope="session")
+def edits(tmp_path_factory) -> Path:
+    """Shards of eight edits (each image beside its source, ``KEY.src.png``, in `edits.parent / "images"`): a shape
+    recoloured, the instruction naming the new colour."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    from sdtrain.cli.main import main
+
+    folder = tmp_path_factory.mktemp("edits") / "images"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    colours = {"red": (220, 30, 30), "blue": (30, 60, 220), "green": (30, 170, 60)}
+    for i in range(8):
+        box = [int(v) for v in rng.integers(2, 14, 2)]
+        box += [box[0] + 16, box[1] + 16]
+        before, after = rng.choice(list(colours), 2, replace=False)
+        for name, colour in ((f"{i}.src.png", before), (f"{i}.png", after)):
+            image = Image.new("RGB", (32, 32), (240, 240, 240))
+            ImageDraw.Draw(image).ellipse(box, fill=colours[colour])
+            image.save(folder / name)
+        (folder / f"{i}.txt").write_text(f"make it {after}")
+    out = folder.parent / "shards"
+    assert main(["prepare", "folder", str(folder), "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
 def pretrained(tmp_path_factory, diffusion_run) -> Path:
     """A tiny pretrained pipeline folder to fine-tune: the diffusion run, exported."""
     from sdtrain.export import export_run

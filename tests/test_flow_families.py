@@ -204,29 +204,6 @@ def test_a_controlnet_trains_beside_the_frozen_transformer_and_exports_what_diff
     assert len(list((tmp_path / "images").glob("*.png"))) == 2  # the image and its grid
 
 
-@pytest.fixture(scope="module")
-def edits(tmp_path_factory) -> Path:
-    """Eight edits: a shape recoloured, the instruction naming the new colour."""
-    from PIL import Image, ImageDraw
-
-    folder = tmp_path_factory.mktemp("edits") / "images"
-    folder.mkdir()
-    rng = np.random.default_rng(0)
-    colours = {"red": (220, 30, 30), "blue": (30, 60, 220), "green": (30, 170, 60)}
-    for i in range(8):
-        box = [int(v) for v in rng.integers(2, 14, 2)]
-        box += [box[0] + 16, box[1] + 16]
-        before, after = rng.choice(list(colours), 2, replace=False)
-        for name, colour in ((f"{i}.src.png", before), (f"{i}.png", after)):
-            image = Image.new("RGB", (32, 32), (240, 240, 240))
-            ImageDraw.Draw(image).ellipse(box, fill=colours[colour])
-            image.save(folder / name)
-        (folder / f"{i}.txt").write_text(f"make it {after}")
-    out = folder.parent / "shards"
-    assert main(["prepare", "folder", str(folder), "--out", str(out)]) == 0
-    return out
-
-
 def test_flux_learns_to_edit_by_reference_as_kontext_and_its_files_load_in_kontexts_pipeline(tmp_path, pretrained,
                                                                                               edits, caplog):
     """edit.reference on Flux.1 (configs/flux-kontext-lora.yaml): the sources' latent tokens beside the noisy ones

@@ -5,12 +5,9 @@ batch's sources, exported as a folder diffusers' own InstructPix2Pix pipeline ed
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
-import pytest
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 from safetensors.torch import load_file
 
 from sdtrain.checkpoint import latest_checkpoint
@@ -20,27 +17,6 @@ from sdtrain.export import export_run
 from .conftest import TINY, config_path
 
 CONFIGS = config_path("diffusion.yaml").parents[1]
-
-
-@pytest.fixture(scope="module")
-def edits(tmp_path_factory) -> Path:
-    """Eight edits: a shape recoloured, the instruction naming the new colour."""
-    folder = tmp_path_factory.mktemp("edits") / "images"
-    folder.mkdir()
-    rng = np.random.default_rng(0)
-    colours = {"red": (220, 30, 30), "blue": (30, 60, 220), "green": (30, 170, 60)}
-    for i in range(8):
-        box = [int(v) for v in rng.integers(2, 14, 2)]
-        box += [box[0] + 16, box[1] + 16]
-        before, after = rng.choice(list(colours), 2, replace=False)
-        for name, colour in ((f"{i}.src.png", before), (f"{i}.png", after)):
-            image = Image.new("RGB", (32, 32), (240, 240, 240))
-            ImageDraw.Draw(image).ellipse(box, fill=colours[colour])
-            image.save(folder / name)
-        (folder / f"{i}.txt").write_text(f"make it {after}")
-    out = folder.parent / "shards"
-    assert main(["prepare", "folder", str(folder), "--out", str(out)]) == 0
-    return out
 
 
 def test_the_unet_learns_to_edit_and_exports_what_diffusers_instruct_pix2pix_pipeline_edits_with(
