@@ -36,7 +36,7 @@ def _train(run: Path, pretrained: Path, shards: Path, *extra: str) -> int:
 
 
 def test_a_controlnet_trains_beside_the_frozen_unet_and_exports_what_diffusers_samples_with(
-        tmp_path, pretrained, layouts):
+        tmp_path, pretrained, layouts, monkeypatch):
     from diffusers import ControlNetModel, StableDiffusionControlNetPipeline, UNet2DConditionModel
 
     run = tmp_path / "run"
@@ -76,6 +76,15 @@ def test_a_controlnet_trains_beside_the_frozen_unet_and_exports_what_diffusers_s
     assert len(list((tmp_path / "images").glob("*.png"))) == 3  # two images and their grid
     assert main(["generate", "--model", str(pretrained), "--controlnet", str(out / "controlnet"), "--prompt", "x",
                  "--out", str(tmp_path / "none")]) == 2  # no map to follow: one line
+
+    # The model card's code runs as written (beside the export, a map.png at hand), and tells ComfyUI's loader.
+    card = (out / "README.md").read_text()
+    code = card.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "ControlNetModel.from_pretrained" in code and "Load ControlNet Model" in card
+    layout.save(tmp_path / "map.png")
+    monkeypatch.chdir(tmp_path)
+    code = code.replace('"path/to/pipeline"', repr(str(pretrained)))  # a local base's stand-in on the card
+    exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - the card's own code, written by the export above
 
 
 def test_a_family_without_a_controlnet_and_data_without_maps_are_one_line(tmp_path, pretrained, shapes_dir, capsys):

@@ -228,6 +228,8 @@ def test_flux_learns_to_edit_by_reference_as_kontext_and_its_files_load_in_konte
                     max_area=32 * 32, _auto_resize=False, max_sequence_length=_t5_length(pipe), output_type="np",
                     generator=torch.Generator().manual_seed(0)).images[0]
 
+    card = (out / "README.md").read_text()  # the card loads the LoRA into Kontext's pipeline and edits an image
+    assert "FluxKontextPipeline.from_pretrained" in card and 'image=load_image("before.png")' in card
     pipe = FluxKontextPipeline.from_pretrained(pretrained["flux"], local_files_only=True)
     before = edit(pipe)
     _edits_as_the_pipeline_does(FluxKontextPipeline.from_pretrained(pretrained["flux"], local_files_only=True), source)

@@ -45,6 +45,8 @@ def test_the_unet_learns_to_edit_and_exports_what_diffusers_instruct_pix2pix_pip
     assert main(["generate", "--model", str(out), "--image", str(tmp_path / "source.png"), "--prompt", "make it blue",
                  "--steps", "2", "--out", str(tmp_path / "images")]) == 0
     assert len(list((tmp_path / "images").glob("*.png"))) == 2  # the edit and its grid
+    card = (out / "README.md").read_text()  # the card's code loads the editing pipeline and gives it an image
+    assert "StableDiffusionInstructPix2PixPipeline.from_pretrained" in card and "image=load_image(" in card
 
 
 def test_data_without_sources_is_one_line(tmp_path, pretrained, shapes_dir, capsys):

@@ -33,7 +33,7 @@ def _image(pipe) -> np.ndarray:
 
 @pytest.mark.parametrize("kind", ["dora", "lokr"])
 def test_an_adapter_exports_what_diffusers_and_generate_apply_as_the_merged_pipeline_draws(
-        kind, tmp_path, pretrained, shapes_dir):
+        kind, tmp_path, pretrained, shapes_dir, monkeypatch):
     from diffusers import StableDiffusionPipeline
 
     from sdtrain.generate import load_adapters
@@ -60,6 +60,12 @@ def test_an_adapter_exports_what_diffusers_and_generate_apply_as_the_merged_pipe
     np.testing.assert_allclose(image, merged, atol=1e-4)  # as peft merges what trained
     assert main(["generate", "--model", str(pretrained), "--lora", str(out), "--prompt", "a red circle",
                  "--steps", "2", "--out", str(tmp_path / "images")]) == 0
+    # The model card names the adapter and its code loads it as written (LoKr by load_lora_adapter).
+    card = (out / "README.md").read_text()
+    assert {"dora": "DoRA adapters", "lokr": "LoKr adapters"}[kind] in card
+    code = card.split("```python\n", 1)[1].split("```", 1)[0].replace('"path/to/pipeline"', repr(str(pretrained)))
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - the card's own code, written by the export above
 
 
 def test_lokr_starts_at_the_base_and_resumes_exactly(tmp_path, pretrained, shapes_dir):

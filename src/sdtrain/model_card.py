@@ -31,7 +31,14 @@ from huggingface_hub import ModelCard, ModelCardData, try_to_load_from_cache
 
 from sdtrain.checkpoint import read_meta
 from sdtrain.config import RunConfig, load_config
-from sdtrain.loaders.writers import KOHYA_WEIGHTS, LEARNED_EMBEDS, LORA_WEIGHTS
+from sdtrain.loaders.writers import (
+    CONTROLNET,
+    INSTRUCT_PIX2PIX,
+    KOHYA_WEIGHTS,
+    LEARNED_EMBEDS,
+    LORA_WEIGHTS,
+    REFERENCE_EDIT,
+)
 from sdtrain.models import build, families, hub
 from sdtrain.models.families.spec import ModelFamily
 from sdtrain.models.single_file import tokenizer_folder
@@ -177,7 +184,7 @@ class _Export:
     name: str
     """The folder's name, or the single file's."""
     kind: str
-    """pipeline, lora, embedding, vae (folders), file (a single file)."""
+    """pipeline, lora, embedding, controlnet, vae (folders), file (a single file)."""
     run_dir: Path
     checkpoint: Path
     ema: bool
@@ -199,6 +206,20 @@ class _Export:
         self.family = families.get(self.task.get("family") or "sd") if diffusion else None
         self.base = _base(self.config, self.family)
         self.mode = self.config.mode if diffusion else "full"
+
+    @property
+    def editor(self) -> Any:
+        """The spec of the editing mode the run trained its denoiser for (InstructPix2Pix's, editing by reference),
+        whose pipeline samples it with the image to edit; None for a denoiser that draws from text alone."""
+        if self.task.get(INSTRUCT_PIX2PIX):
+            return self.family.instruct
+        return self.family.reference if self.task.get(REFERENCE_EDIT) else None
+
+    @property
+    def lokr(self) -> bool:
+        """LoKr adapters, which diffusers' load_lora_weights refuses for most families (load_lora_adapter reads
+        them)."""
+        return any(settings.get("adapter_type") == "lokr" for settings in (self.task.get("lora") or {}).values())
 
 
 def _number(value: Any) -> str:
@@ -239,6 +260,8 @@ def _tags(export: _Export) -> list[str]:
         modes += ["lora", "template:sd-lora"]
     if export.kind == "embedding":
         modes.append("textual-inversion")
+    if export.kind == "controlnet":
+        modes.append("controlnet")
     return ["text-to-image", "diffusers", *(export.family.hub_tags or [export.family.name]), *modes,
             "sdtrain"]
 
@@ -262,10 +285,15 @@ def _summary(export: _Export) -> str:
         return f"{what} trained {start} with sdtrain."
     prompt = _instance_prompt(export)
     target = base.markdown() if base.source else family.title
+    if export.kind == "controlnet":
+        return (f"A ControlNet for {target} ({family.title}), trained with sdtrain: it steers the base model by a "
+                "conditioning image.")
     if export.kind == "lora":
         ranks = sorted({settings.get("r") for settings in (export.task.get("lora") or {}).values()} - {None})
         rank = f" (rank {', '.join(map(str, ranks))})" if ranks else ""
-        what = "DreamBooth LoRA adapters" if export.mode == "dreambooth" else "LoRA adapters"
+        kind = "LoKr" if export.lokr else "DoRA" if any(
+            settings.get("use_dora") for settings in (export.task.get("lora") or {}).values()) else "LoRA"
+        what = f"DreamBooth {kind} adapters" if export.mode == "dreambooth" else f"{kind} adapters"
         subject = f" on a subject: prompt with `{prompt}`" if export.mode == "dreambooth" else ""
         return f"{what}{rank} for {target} ({family.title}), trained with sdtrain{subject}."
     if export.kind == "embedding":
@@ -276,6 +304,8 @@ def _summary(export: _Export) -> str:
            "lora": f"fine-tuned {start} with sdtrain, LoRA adapters merged in",
            "textual_inversion": f"fine-tuned {start} with sdtrain by textual inversion, the token `{prompt}` added",
            }.get(export.mode, f"{'fine-tuned' if base.source else 'trained'} {start} with sdtrain")
+    if export.editor is not None:
+        how += ", to edit an image as its prompt instructs"
     if export.kind != "file":
         return f"A {family.title} pipeline for diffusers, {how}."
     layout = family.single_file
@@ -307,10 +337,28 @@ def _usage(export: _Export) -> list[str]:
         if export.kind == "file":
             out += ["ComfyUI: put the file in `ComfyUI/models/vae/` and pick it in a Load VAE node.", ""]
         return out
-    pipeline = family.pipeline_class.__name__
+    editor = export.editor
+    pipeline = (editor.pipeline_class if editor is not None else family.pipeline_class).__name__
     head = [f"from diffusers import {pipeline}", ""]
-    if export.kind == "pipeline":
+    call = f"image = pipe({prompt}).images[0]"
+    if editor is not None:
+        head = [f"from diffusers import {pipeline}", "from diffusers.utils import load_image", ""]
+        call = f"image = pipe(prompt={prompt}, image=load_image(\"before.png\")).images[0]"
+    if export.kind == "controlnet":
+        spec = family.controlnet
+        model = spec.model_class.__name__
+        pipeline = spec.pipeline_class.__name__
+        folder = json.dumps(f"{name}/{CONTROLNET}")
+        lines = [f"from diffusers import {model}, {pipeline}", "from diffusers.utils import load_image", "",
+                 f"controlnet = {model}.from_pretrained({folder}){comment}",
+                 f"pipe = {pipeline}.from_pretrained({base}, controlnet=controlnet)"]
+        call = f"image = pipe({prompt}, {spec.image_argument}=load_image(\"map.png\")).images[0]"
+    elif export.kind == "pipeline":
         lines = [*head, f"pipe = {pipeline}.from_pretrained({here}){comment}"]
+    elif export.kind == "lora" and export.lokr:
+        lines = [*head, f"pipe = {pipeline}.from_pretrained({base})",
+                 f"pipe.{family.denoiser}.load_lora_adapter({here}, prefix={json.dumps(family.denoiser)}, "
+                 f"weight_name={json.dumps(LORA_WEIGHTS)}){comment}"]
     elif export.kind == "lora":
         lines = [*head, f"pipe = {pipeline}.from_pretrained({base})", f"pipe.load_lora_weights({here}){comment}"]
     elif export.kind == "embedding":
@@ -327,7 +375,7 @@ def _usage(export: _Export) -> list[str]:
             lines.append(f"pipe.load_textual_inversion({here}, weight_name={json.dumps(LEARNED_EMBEDS)}){comment}")
     else:
         lines = family.single_file.diffusers_code(pipeline, here, base, family.components)
-    lines.append(f"image = pipe({prompt}).images[0]")
+    lines.append(call)
     out += [_code(lines), ""]
     if export.kind == "file" and not export.base.hub_id:
         out += ["`config` is a pipeline folder of the same architecture: the one `sdtrain export RUN OUT` writes "
@@ -359,6 +407,9 @@ def _comfyui(export: _Export) -> str | None:
     if export.kind == "embedding":
         return (f"put `{LEARNED_EMBEDS}` in `ComfyUI/models/embeddings/` as `{Path(name).stem}.safetensors` and write "
                 f"`embedding:{Path(name).stem}` in the prompt.")
+    if export.kind == "controlnet":
+        return (f"put `{CONTROLNET}/diffusion_pytorch_model.safetensors` (renamed as you like) in "
+                "`ComfyUI/models/controlnet/` and load it with Load ControlNet Model.")
     return None
 
 
@@ -446,6 +497,8 @@ def _describe(folder: Path, name: str, run_dir: Path, checkpoint: Path, ema: boo
                      merged=(folder / "pipeline" / "model_index.json").is_file())
     if export.family is None:
         export.kind = "vae"
+    elif (folder / CONTROLNET / "config.json").is_file():
+        export.kind = "controlnet"
     elif (folder / LORA_WEIGHTS).is_file():
         export.kind = "lora"
     elif (folder / LEARNED_EMBEDS).is_file():
