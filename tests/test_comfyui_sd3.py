@@ -146,13 +146,10 @@ def _clip_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k if k.startswith(("text_model.", "text_projection.")) else f"text_model.{k}": v for k, v in state.items()}
 
 
-def test_comfyui_loads_every_key_of_the_sd3_diffusers_lora_at_its_trained_scale(tmp_path, pipeline, lora_run):
-    run, out = lora_run
-    lora_file = out / "pytorch_lora_weights.safetensors"
-    ours = load_file(str(lora_file))
-    assert {k.split(".")[0] for k in ours} == {"transformer", "text_encoder", "text_encoder_2"}
-    assert not (out / "lora_kohya.safetensors").exists()  # diffusers' file is all SD3 gets
-
+def _save_expected(run: Path, pipeline: Path, path: Path) -> dict[str, dict]:
+    """The run's merged weights at `path` (the transformer's as ``merged.*``, each CLIP's base and merged as
+    ``te_l.*``/``merged_te_l.*`` and ``_g``), for the ComfyUI script to compare its patched ones with; returns
+    the CLIPs' configs it builds them from."""
     modules = load_run_modules(run, ["transformer", "text_encoder", "text_encoder_2"])
     expected = {f"merged.{k}": v for k, v in merge_partial(modules["transformer"]).state_dict().items()}
     te_configs = {}
@@ -167,7 +164,18 @@ def test_comfyui_loads_every_key_of_the_sd3_diffusers_lora_at_its_trained_scale(
                            "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
                            "projection_dim": c.projection_dim, "hidden_act": c.hidden_act,
                            "eos_token_id": c.eos_token_id}
-    save_file({k: v.contiguous() for k, v in expected.items()}, str(tmp_path / "expected.safetensors"))
+    save_file({k: v.contiguous() for k, v in expected.items()}, str(path))
+    return te_configs
+
+
+def test_comfyui_loads_every_key_of_the_sd3_diffusers_lora_at_its_trained_scale(tmp_path, pipeline, lora_run):
+    run, out = lora_run
+    lora_file = out / "pytorch_lora_weights.safetensors"
+    ours = load_file(str(lora_file))
+    assert {k.split(".")[0] for k in ours} == {"transformer", "text_encoder", "text_encoder_2"}
+    assert not (out / "lora_kohya.safetensors").exists()  # diffusers' file is all SD3 gets
+
+    te_configs = _save_expected(run, pipeline, tmp_path / "expected.safetensors")
 
     report = comfyui.run_comfyui(
         _COMFY_SCRIPT, str(pipeline / "transformer" / "diffusion_pytorch_model.safetensors"),
@@ -287,3 +295,22 @@ def test_comfyui_loads_the_sd3_single_file_export_with_every_key_placed(tmp_path
     # The one key ComfyUI leaves: the copy of T5's shared embedding under the encoder's name, which diffusers'
     # reader loads (and fails without); ComfyUI's T5 reads `shared` alone.
     assert report["clip_unexpected"] == ["t5xxl.transformer.encoder.embed_tokens.weight"]
+
+
+def test_comfyui_applies_an_sd3_dora_file_as_peft_merged_it(tmp_path, pipeline, shapes_dir):
+    """DoRA on SD3 (transformer and both CLIPs): ComfyUI reads its magnitudes only as dora_scale, so the export adds
+    lora_kohya.safetensors of diffusers' module names; loaded as LoraLoader loads it, every key is read and each
+    patched weight is the one peft merged."""
+    run, out = tmp_path / "dora", tmp_path / "out"
+    assert main(["train", str(CONFIGS / "sd3-lora.yaml"), f"run_dir={run}", *TINY_CLI, f"model.pretrained={pipeline}",
+                 f"data.shards={shapes_dir}", "train.max_steps=2", "lora.text_encoder=true", f"lora.rank={RANK}",
+                 f"lora.alpha={ALPHA}", "lora.type=dora", "optim.lr=0.01", "data.aspect_buckets=false"]) == 0
+    assert main(["export", str(run), str(out)]) == 0
+    te_configs = _save_expected(run, pipeline, tmp_path / "expected.safetensors")
+    report = comfyui.run_comfyui(
+        _COMFY_SCRIPT, str(pipeline / "transformer" / "diffusion_pytorch_model.safetensors"),
+        str(out / "lora_kohya.safetensors"), str(tmp_path / "expected.safetensors"), json.dumps(te_configs), "1.0")
+    print(json.dumps({k: v for k, v in report.items() if k != "mapping"}, indent=1))
+    assert report["not_loaded"] == [] and report["not_applied"] == [] and report["patched"] == 19 + 2 * 12
+    assert report["changed_by_comfy"] == report["changed_by_sdtrain"]
+    assert report["max_diff_unscaled"] < 1e-5 < report["max_delta"]

@@ -60,6 +60,9 @@ def test_an_adapter_exports_what_diffusers_and_generate_apply_as_the_merged_pipe
     np.testing.assert_allclose(image, merged, atol=1e-4)  # as peft merges what trained
     assert main(["generate", "--model", str(pretrained), "--lora", str(out), "--prompt", "a red circle",
                  "--steps", "2", "--out", str(tmp_path / "images")]) == 0
+    if kind == "lokr":  # kohya's LoKr file is ComfyUI's: diffusers refuses it, in one line
+        assert main(["generate", "--model", str(pretrained), "--lora", str(out / "lora_kohya.safetensors"),
+                     "--prompt", "x", "--steps", "1", "--out", str(tmp_path / "no")]) == 2
     # The model card names the adapter and its code loads it as written (LoKr by load_lora_adapter).
     card = (out / "README.md").read_text()
     assert {"dora": "DoRA adapters", "lokr": "LoKr adapters"}[kind] in card

@@ -417,7 +417,7 @@ class LoraConfig:
     """LoKr only: the side of the Kronecker product's first factor (LyCORIS's ``factor``); -1 splits each dimension
     into its two most balanced factors."""
     dropout: float = 0.0
-    """Dropout on the adapter's input."""
+    """Dropout on the adapter's input (LoKr: the share of steps each module's adapter is left out)."""
     target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     """Module names (or name suffixes) in the UNet that get adapters: by default every attention projection."""
     text_encoder: bool = False

@@ -53,14 +53,19 @@ def load_adapters(pipe: Any, folder: Path, weight: str | None, name: str) -> Non
     """The adapters of `folder`'s file `weight` (None: diffusers' default name) into `pipe` as adapter `name`: the
     pipeline's load_lora_weights, or for a LoKr file (which it refuses for most families) each adapted component's
     load_lora_adapter, which rebuilds LoKr from the file's metadata."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     file = folder / (weight or LORA_WEIGHTS)
     if file.suffix == ".safetensors" and file.is_file():
-        with safe_open(str(file), framework="pt") as handle:
-            keys = list(handle.keys())
-        if any(".lokr_" in key for key in keys):
-            for component in dict.fromkeys(key.split(".", 1)[0] for key in keys):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                keys = list(handle.keys())
+        except SafetensorError as exc:
+            raise ValueError(f"unreadable ({first_line(exc)})") from exc
+        components = list(dict.fromkeys(key.split(".", 1)[0] for key in keys))
+        # A LoKr file of component names (diffusers'; a kohya one goes to load_lora_weights, which names it).
+        if any(".lokr_" in key for key in keys) and all(hasattr(pipe, c) for c in components):
+            for component in components:
                 getattr(pipe, component).load_lora_adapter(folder, prefix=component, weight_name=file.name,
                                                           adapter_name=name, local_files_only=True)
             return
@@ -107,9 +112,17 @@ def open_images(option: str, paths: Sequence[str | Path]) -> list[Any]:
         try:
             with Image.open(path) as img:
                 opened.append(img.convert("RGB"))
-        except OSError as exc:
+        except (OSError, Image.DecompressionBombError) as exc:
             raise UserError(f"{option}: {path}: not an image ({first_line(exc)})") from exc
     return opened
+
+
+def fit_area(image: Any, side: int, multiple: int = 16) -> Any:
+    """`image` resized to about `side` x `side` pixels of area at its own aspect, each side a multiple of
+    `multiple` (what the editing pipelines round to)."""
+    scale = side / (image.width * image.height) ** 0.5
+    width, height = (max(multiple, round(v * scale / multiple) * multiple) for v in (image.width, image.height))
+    return image if (width, height) == image.size else image.resize((width, height))
 
 
 def with_controlnet(pipe: Any, controlnet: str | Path, images: Sequence[str | Path]) -> tuple[Any, list[Any]]:
@@ -176,10 +189,20 @@ def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int | 
                                                                         for i in range(len(prompts))]}
         fixed = {"controlnet_conditioning_scale": control_scale}
     if images:
-        if "image" not in inspect.signature(pipe.__call__).parameters or controlnet is not None:
+        if controlnet is not None:
+            raise UserError("--image: a ControlNet draws from text and its maps (--control-image); --image is for a "
+                            "model that edits: pass one of the two")
+        if "image" not in inspect.signature(pipe.__call__).parameters:
             raise UserError(f"--image: {type(pipe).__name__} edits no image; pass a model that edits (a Flux.1 "
                             "Kontext or InstructPix2Pix one, or a run trained with edit.reference)")
         sources = open_images("--image", images)
+        if recorded and size:
+            # A run (or its export) learnt to edit images of its training size: each is fitted to that area, and
+            # a pipeline that would resize it to its release's preferred sizes (Kontext's) is told not to.
+            sources = [fit_area(source, size) for source in sources]
+            reference = families.of_pipeline(pipe).reference
+            if reference is not None and isinstance(pipe, reference.pipeline_class):
+                fixed = {**(fixed or {}), **reference.own_size_arguments}
         inputs = {"image": [sources[i % len(sources)] for i in range(len(prompts))]}
     images = sample_images(pipe, prompts, seed=seed, steps=steps, guidance=guidance,
                            negative_prompt=negative_prompt, size=size,

@@ -291,8 +291,7 @@ def _summary(export: _Export) -> str:
     if export.kind == "lora":
         ranks = sorted({settings.get("r") for settings in (export.task.get("lora") or {}).values()} - {None})
         rank = f" (rank {', '.join(map(str, ranks))})" if ranks else ""
-        kind = "LoKr" if export.lokr else "DoRA" if any(
-            settings.get("use_dora") for settings in (export.task.get("lora") or {}).values()) else "LoRA"
+        kind = next(iter({_adapter_kind(s) for s in (export.task.get("lora") or {}).values()}), "LoRA")
         what = f"DreamBooth {kind} adapters" if export.mode == "dreambooth" else f"{kind} adapters"
         subject = f" on a subject: prompt with `{prompt}`" if export.mode == "dreambooth" else ""
         return f"{what}{rank} for {target} ({family.title}), trained with sdtrain{subject}."
@@ -413,6 +412,11 @@ def _comfyui(export: _Export) -> str | None:
     return None
 
 
+def _adapter_kind(settings: dict[str, Any]) -> str:
+    """What adapters a module's settings in meta.json describe: LoRA, DoRA or LoKr."""
+    return "LoKr" if settings.get("adapter_type") == "lokr" else "DoRA" if settings.get("use_dora") else "LoRA"
+
+
 def training_settings(export: _Export) -> list[tuple[str, str]]:
     """The card's table: what the run trained with, from its config and the exported checkpoint's meta.json."""
     config, meta, task = export.config, export.meta, export.task
@@ -438,7 +442,8 @@ def training_settings(export: _Export) -> list[tuple[str, str]]:
         rows.append(("Prediction type", config.diffusion.ddpm.prediction_type))
     for module, settings in (task.get("lora") or {}).items():
         targets = ", ".join(settings.get("target_modules") or [])
-        rows.append((f"LoRA ({module})", f"rank {settings.get('r')}, alpha {_number(settings.get('lora_alpha'))}"
+        alpha = settings.get("lora_alpha", settings.get("alpha"))  # LoKr's settings call it alpha
+        rows.append((f"{_adapter_kind(settings)} ({module})", f"rank {settings.get('r')}, alpha {_number(alpha)}"
                      + (f", dropout {settings['lora_dropout']:g}" if settings.get("lora_dropout") else "")
                      + (f" on {targets}" if targets else "")))
     if export.mode == "textual_inversion":

@@ -255,7 +255,8 @@ class SampleDecoder:
         for name, field in COMPANION_FIELDS.items():
             if field not in raw:
                 continue
-            img = self._companion(raw, field, (width, height), self.background or (127, 127, 127))
+            # On the background `prepare encode` composited its image on (its DataConfig's).
+            img = self._companion(raw, field, (width, height), parse_background(DataConfig.background))
             scale = max(crop_width / width, crop_height / height)
             if scale != 1.0:  # what `prepare encode` did (it always resizes the shorter side)
                 img = img.resize((max(crop_width, round(width * scale)), max(crop_height, round(height * scale))),

@@ -81,18 +81,24 @@ def comfyui_dora_state(modules: dict[str, nn.Module], weights: dict[str, dict[st
     """DoRA adapters as ComfyUI reads them under diffusers' module names (``transformer.<path>``: the names it maps
     onto a fused layer's rows, Flux.1's q, k, v in qkv, where kohya's layout would have to fuse DoRA's per-layer
     magnitudes): ``.lora_down.weight / .lora_up.weight / .alpha`` and ``.dora_scale`` (see `kohya_lycoris`), whose
-    rows ComfyUI takes in the order the original layout keeps the weight's (`ModelFamily.original_rows`)."""
+    rows ComfyUI takes in the order the original layout keeps the weight's (`ModelFamily.original_rows`). A text
+    encoder's keep CLIP's ``text_model.`` level, as ComfyUI names them (see `lora_state`)."""
     state = {}
     for name, module in modules.items():
         tensors = weights[name]
+
+        def key_of(path: str, name: str = name) -> str:
+            text = name in family.text_encoders and not path.startswith("text_model.")
+            return f"{name}.text_model.{path}" if text else f"{name}.{path}"
+
         for path, layer in module.named_modules():
             if isinstance(layer, LoraLayer) and "default" in layer.lora_A:
-                state.update({f"{name}.{path}.lora_down.weight": _whole(tensors, f"{path}.lora_A.default.weight"),
-                              f"{name}.{path}.lora_up.weight": _whole(tensors, f"{path}.lora_B.default.weight"),
-                              f"{name}.{path}.alpha": torch.tensor(float(layer.lora_alpha["default"]))})
-        for key, value in kohya_lycoris(module, tensors, lambda path, name=name: f"{name}.{path}").items():
-            path = key.removeprefix(f"{name}.").removesuffix(".dora_scale")
-            state[key] = family.original_rows(name, path, value) if key.endswith(".dora_scale") else value
+                state.update({f"{key_of(path)}.lora_down.weight": _whole(tensors, f"{path}.lora_A.default.weight"),
+                              f"{key_of(path)}.lora_up.weight": _whole(tensors, f"{path}.lora_B.default.weight"),
+                              f"{key_of(path)}.alpha": torch.tensor(float(layer.lora_alpha["default"]))})
+                if layer.use_dora.get("default"):
+                    state[f"{key_of(path)}.dora_scale"] = family.original_rows(name, path,
+                                                                               _dora_scale(layer, tensors, path))
     return state
 
 
@@ -107,13 +113,7 @@ def kohya_lycoris(module: nn.Module, tensors: dict[str, torch.Tensor], key_of: C
     state = {}
     for path, layer in module.named_modules():
         if isinstance(layer, LoraLayer) and layer.use_dora.get("default"):
-            base = layer.get_base_layer().weight.detach().float().cpu()
-            down = _whole(tensors, f"{path}.lora_A.default.weight").flatten(1)
-            up = _whole(tensors, f"{path}.lora_B.default.weight").flatten(1)
-            updated = base + (up @ down).reshape(base.shape) * layer.scaling["default"]
-            magnitude = _whole(tensors, f"{path}.lora_magnitude_vector.default.weight").reshape(-1)
-            scale = magnitude * base.flatten(1).norm(dim=1) / updated.flatten(1).norm(dim=1)
-            state[f"{key_of(path)}.dora_scale"] = scale.reshape(-1, *[1] * (base.dim() - 1)).contiguous()
+            state[f"{key_of(path)}.dora_scale"] = _dora_scale(layer, tensors, path)
         elif isinstance(layer, LoKrLayer) and ("default" in layer.lokr_w1 or "default" in layer.lokr_w1_a):
             key = key_of(path)
             first = "lokr_w1" if "default" in layer.lokr_w1 else "lokr_w1_a"
@@ -122,6 +122,18 @@ def kohya_lycoris(module: nn.Module, tensors: dict[str, torch.Tensor], key_of: C
                     value = _whole(tensors, f"{path}.{factor}.default")
                     state[f"{key}.{factor}"] = value * layer.scaling["default"] if factor == first else value
     return state
+
+
+def _dora_scale(layer: LoraLayer, tensors: dict[str, torch.Tensor], path: str) -> torch.Tensor:
+    """The DoRA layer at `path`'s magnitudes as ComfyUI applies them (see `kohya_lycoris`), from its trained
+    `tensors` (the component's, by name) and its base weight."""
+    base = layer.get_base_layer().weight.detach().float().cpu()
+    down = _whole(tensors, f"{path}.lora_A.default.weight").flatten(1)
+    up = _whole(tensors, f"{path}.lora_B.default.weight").flatten(1)
+    updated = base + (up @ down).reshape(base.shape) * layer.scaling["default"]
+    magnitude = _whole(tensors, f"{path}.lora_magnitude_vector.default.weight").reshape(-1)
+    scale = magnitude * base.flatten(1).norm(dim=1) / updated.flatten(1).norm(dim=1)
+    return scale.reshape(-1, *[1] * (base.dim() - 1)).contiguous()
 
 
 def _whole(tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
@@ -163,14 +175,14 @@ def save_lora(modules: dict[str, nn.Module], weights: dict[str, dict[str, torch.
     family.pipeline_class.save_lora_weights(folder, safe_serialization=True, weight_name=LORA_WEIGHTS, **layers,
                                             **metadata)
     dora = any(getattr(m.peft_config["default"], "use_dora", False) for m in adapted.values())
-    if not all(name in family.kohya_prefixes for name in adapted):
-        return folder / LORA_WEIGHTS
-    if family.kohya_names_each_layer or not (lokr or dora):
+    kohya = all(name in family.kohya_prefixes for name in adapted)
+    if kohya and (family.kohya_names_each_layer or not (lokr or dora)):
         state = kohya_state(adapted, weights, family)
-    elif dora:
+    elif dora and (kohya or family.comfyui_reads_diffusers_lora):
+        # ComfyUI reads diffusers' module names but DoRA's magnitudes only as dora_scale (SD3's, Flux.1's).
         state = comfyui_dora_state(adapted, weights, family)
     else:
-        # ComfyUI reads the LoKr file diffusers loads as it is: peft's names, the scale in the first factor.
+        # ComfyUI reads diffusers' file as it is (LoKr's: peft's names, the scale in the first factor), or nothing.
         return folder / LORA_WEIGHTS
     tmp = folder / f".{KOHYA_WEIGHTS}.tmp"
     save_file(state, str(tmp), metadata={"ss_network_module": "lycoris.kohya" if lokr else "networks.lora"})

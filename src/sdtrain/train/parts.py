@@ -77,7 +77,7 @@ class TrainedPart:
 
     def encodes_images(self) -> bool:
         """Whether the part runs the frozen VAE's encoder on images a sample carries beside its own (a ControlNet's
-        maps, an edit's sources): pre-encoded shards then leave the VAE loaded. None here."""
+        maps, an edit's sources): pre-encoded shards then leave the VAE loaded. Not here."""
         return False
 
     def pipeline(self, pipe: Any, modules: dict[str, nn.Module]) -> Any:

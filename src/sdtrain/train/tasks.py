@@ -281,6 +281,8 @@ class DiffusionTask(Task):
         self.part = part or TrainedPart(config, self.family)
         self.recipe = recipe or DataRecipe(config, run_dir)
         model, family = config.model, self.family
+        if config.edit.reference:
+            self.reference_spec()  # a family that cannot is one line, before any weight loads
         self.tokenizers = self._tokenizers()
         self.tokenizer = self.tokenizers[0]
         # What the pre-encoded shards stand in for is built without weights: T5-XXL alone is 19 GB in fp32.
@@ -311,8 +313,6 @@ class DiffusionTask(Task):
         self._check_positions(denoiser.config, scale)
         # Read before the trainer wraps the denoiser (DDP, FSDP), whose wrapper has no config.
         self.takes_guidance = family.takes_guidance(denoiser.config)
-        if config.edit.reference:
-            self.reference_spec()  # a family that cannot is one line at start
         if config.diffusion.flow.guidance_range and not self.takes_guidance:
             raise UserError("diffusion.flow.guidance_range: this model's denoiser has no guidance embedding (a "
                             "guidance-distilled model's, as Flux.1-dev has), so nothing would read it; remove it")
@@ -599,12 +599,13 @@ class DiffusionTask(Task):
         prompts = self.config.validation.prompts
         if not prompts:
             return None
-        inputs = self.part.sampling_inputs(batch, len(prompts))
+        inputs, fixed = self.part.sampling_inputs(batch, len(prompts)), {}
         if self.config.edit.reference and batch is not None and "source_pixels" in batch:
-            # Each validation instruction edits one of the last batch's sources in turn.
+            # Each validation instruction edits one of the last batch's sources in turn, at the training size.
             sources = to_pil(batch["source_pixels"])
             inputs = {**inputs, "image": [sources[i % len(sources)] for i in range(len(prompts))]}
-        return self.render(modules, out, self.part.validation_prompts(prompts), prompts, inputs)
+            fixed = self.reference_spec().own_size_arguments
+        return self.render(modules, out, self.part.validation_prompts(prompts), prompts, inputs, fixed)
 
     def pipeline(self, modules: dict[str, nn.Module]) -> Any:
         """A pipeline of the given trained modules and this task's frozen ones."""
@@ -617,12 +618,14 @@ class DiffusionTask(Task):
 
     @torch.no_grad()
     def render(self, modules: dict[str, nn.Module], out: Path | None, prompts: list[str],
-               labels: list[str], inputs: dict[str, list[Any]] | None = None) -> Path | None:
+               labels: list[str], inputs: dict[str, list[Any]] | None = None,
+               fixed: dict[str, Any] | None = None) -> Path | None:
         """A grid of the prompts' images from the given trained modules and this task's frozen ones at `out`
         (RUN/samples/step_N.png), and each image beside it (step_N/000-<label>.png). They are what `sdtrain
         generate` draws from the run or its export with the validation settings (its defaults there) and the
         labels as prompts: the same pipeline, sampler, seeds and size, in fp32 as a fresh process samples. `inputs`:
-        what each prompt is sampled with beside it (a ControlNet's maps), by pipeline argument."""
+        what each prompt is sampled with beside it (a ControlNet's maps), by pipeline argument; `fixed`: arguments
+        every call takes."""
         pipe = self.pipeline(modules)
         val = self.config.validation
         stored_low = sorted(name for name in ("vae", *self.family.text_encoders, self.family.denoiser)
@@ -635,7 +638,7 @@ class DiffusionTask(Task):
         with exact_sampling():
             images = sample_images(pipe, prompts, seed=val.seed, steps=settings["steps"],
                                    guidance=settings["guidance"], size=settings["size"],
-                                   default_steps=settings["default_steps"], inputs=inputs)
+                                   default_steps=settings["default_steps"], inputs=inputs, fixed=fixed)
         if out is None:
             return None
         save_images(images, labels, out.with_suffix(""))

@@ -252,7 +252,7 @@ class Flux(ModelFamily):
                    T5EncoderModel: t5_blocks, FluxControlNetModel: transformer_blocks}
     controlnet = ControlSpec(FluxControlNetModel, FluxControlNetPipeline, controlnet_from_transformer,
                              controlnet_residuals, control_latents, image_argument="control_image")
-    reference = ReferenceSpec(FluxKontextPipeline, reference_latents)
+    reference = ReferenceSpec(FluxKontextPipeline, reference_latents, {"_auto_resize": False})
     presets = PRESETS
     kohya_prefixes = {"transformer": "lora_unet_", "text_encoder": "lora_te1_"}
     kohya_names_each_layer = False  # its kohya layout fuses q, k and v
@@ -372,9 +372,6 @@ class Flux(ModelFamily):
         # classifier-free guidance above 1, which FluxPipeline calls true_cfg_scale and runs only with a negative
         # prompt. Released schnell is distilled to sample without either: give it a guidance of 1 or less.
         arguments: dict[str, Any] = {"max_sequence_length": pipe.tokenizer_2.model_max_length}
-        if isinstance(pipe, FluxKontextPipeline):
-            # The reference at its own size, as training read it, not at the ~1 MP Kontext's release prefers.
-            arguments["_auto_resize"] = False
         if pipe.transformer.config.guidance_embeds:
             return {**arguments, "guidance_scale": guidance, "negative_prompt": negative_prompt}
         if guidance <= 1:

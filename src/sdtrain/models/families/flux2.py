@@ -402,6 +402,13 @@ class Flux2(causal_lm.LanguageModelText, ModelFamily):
             txt_ids=text_positions, return_dict=False)[0]
         return output.transpose(1, 2).reshape(b, c, h, w)
 
+    def original_rows(self, component: str, path: str, rows: torch.Tensor) -> torch.Tensor:
+        # BFL's final modulation holds shift before scale, diffusers' norm_out scale before shift.
+        if component == "transformer" and path == "norm_out.linear":
+            scale, shift = rows.chunk(2)
+            return torch.cat([shift, scale])
+        return rows
+
     def kohya_lora(self, component: str, layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]], config: Any
                    ) -> dict[str, torch.Tensor]:
         if component == "transformer":

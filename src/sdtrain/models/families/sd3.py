@@ -87,6 +87,9 @@ def controlnet_from_transformer(transformer: SD3Transformer2DModel, latent_facto
     nothing. It reads the conditioning image's latents, as diffusers' SD3 ControlNet pipeline gives them."""
     # Built from a copy of the config: SD3ControlNetModel.from_transformer writes its settings into the
     # transformer's own. The last block's context is not carried on (context_pre_only), so it is never copied.
+    if transformer.config.num_layers < 2:
+        raise UserError(f"mode controlnet: SD3's ControlNet copies the transformer's first blocks but its last; this "
+                        f"one has {transformer.config.num_layers} block")
     config = {**transformer.config, "num_layers": max(1, transformer.config.num_layers // 2),
               "extra_conditioning_channels": 0}
     controlnet = SD3ControlNetModel.from_config(config)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +129,10 @@ class ReferenceSpec:
     """The diffusers pipeline that edits with the denoiser (``from_pipe`` of the family's pipeline, ``image=``)."""
     latents: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     """(VAE, reference images in [-1, 1]) -> their latents as the pipeline gives them to the denoiser."""
+    own_size_arguments: dict[str, Any] = field(default_factory=dict)
+    """What the pipeline is given to edit a reference at its own size rather than resize it to the sizes its
+    release prefers (Kontext's ``_auto_resize=False``): validation's and `generate`'s on a run, whose references
+    are at the training size."""
 
 
 class ModelFamily:

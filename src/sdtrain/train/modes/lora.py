@@ -18,7 +18,8 @@ def lora_settings(config: LoraConfig, text_encoder: bool = False) -> dict[str, A
     same adapters."""
     targets = list(config.text_encoder_target_modules if text_encoder else config.target_modules)
     if config.type == "lokr":
-        # Its second factor starts at zero: the adapted model starts exactly as the base.
+        # One factor starts at zero: the adapted model starts exactly as the base. Dropout drops a module's whole
+        # adapter for the step (LyCORIS's module dropout).
         return {ADAPTER_TYPE: "lokr", "r": config.rank, "alpha": config.alpha or config.rank,
                 "module_dropout": config.dropout, "decompose_factor": config.lokr_factor, "init_weights": True,
                 "target_modules": targets}
