@@ -47,6 +47,10 @@ def test_the_unet_learns_to_edit_and_exports_what_diffusers_instruct_pix2pix_pip
     assert len(list((tmp_path / "images").glob("*.png"))) == 2  # the edit and its grid
     card = (out / "README.md").read_text()  # the card's code loads the editing pipeline and gives it an image
     assert "StableDiffusionInstructPix2PixPipeline.from_pretrained" in card and "image=load_image(" in card
+    # One file in SD's layout (ComfyUI's InstructPix2Pix model) edits as well.
+    assert main(["export", str(run), str(tmp_path / "ip2p.safetensors"), "--single-file"]) == 0
+    assert main(["generate", "--model", str(tmp_path / "ip2p.safetensors"), "--image", str(tmp_path / "source.png"),
+                 "--prompt", "make it blue", "--steps", "1", "--out", str(tmp_path / "from-file")]) == 0
 
 
 def test_data_without_sources_is_one_line(tmp_path, pretrained, shapes_dir, capsys):

@@ -94,6 +94,10 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
             arguments["negative_prompt"] = [arguments["negative_prompt"]] * len(chunk)
         # By name: Flux.2's pipelines take reference images first.
         given = {name: list(values[start:start + batch]) for name, values in (inputs or {}).items()}
+        if shape and "max_area" in parameters and given.get("image"):
+            # An edit keeps its source's aspect (a bucketed run's), at the size's area.
+            width, height = given["image"][0].size
+            shape = {"height": height, "width": width, "max_area": size * size}
         result = pipe(prompt=chunk, num_inference_steps=steps, generator=generators, output_type="pil", **shape,
                       **arguments, **given, **(fixed or {}))
         images += result.images
