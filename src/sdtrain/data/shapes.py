@@ -134,23 +134,24 @@ def render_shapes_sample(
         shapes[1]["box"] = _random_box(rng, size, 0.25, 0.42, (half, size))
 
     background = tuple(int(v) for v in rng.integers(225, 256, size=3))
+    image = draw_shapes(shapes, size, background)
+    meta = {"width": size, "height": size, "shapes": shapes}
+    return image, "\n".join(captions_for(shapes)), meta
+
+
+def draw_shapes(shapes: list[dict], size: int, background: tuple[int, int, int]) -> Image.Image:
+    """`shapes` (render_shapes_sample's metadata) drawn on `background`, anti-aliased as the dataset draws them."""
     big = Image.new("RGB", (size * _SUPERSAMPLE, size * _SUPERSAMPLE), background)
     draw = ImageDraw.Draw(big)
     for s in shapes:
         _draw(draw, s["kind"], s["box"], COLOURS[s["colour"]])
-    image = big.resize((size, size), Image.Resampling.LANCZOS)
-    meta = {"width": size, "height": size, "shapes": shapes}
-    return image, "\n".join(captions_for(shapes)), meta
+    return big.resize((size, size), Image.Resampling.LANCZOS)
 
 
 def layout_map(shapes: list[dict], size: int) -> Image.Image:
     """Where each of `shapes` is (render_shapes_sample's metadata): its silhouette in its colour on black, drawn as
     the image draws it: a ControlNet's conditioning image that says which shape goes where."""
-    big = Image.new("RGB", (size * _SUPERSAMPLE, size * _SUPERSAMPLE), (0, 0, 0))
-    draw = ImageDraw.Draw(big)
-    for s in shapes:
-        _draw(draw, s["kind"], s["box"], COLOURS[s["colour"]])
-    return big.resize((size, size), Image.Resampling.LANCZOS)
+    return draw_shapes(shapes, size, (0, 0, 0))
 
 
 def _png_bytes(image: Image.Image) -> bytes:
