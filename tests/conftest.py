@@ -191,6 +191,17 @@ def tiny_scratch_run(tiny_scratch_command) -> Callable[..., Path]:
 
 
 @pytest.fixture(scope="session")
+def layouts(tmp_path_factory) -> Path:
+    """Shards of 16 shapes images at 32 px, each with its layout map (``KEY.cond.png``): a ControlNet's data."""
+    from sdtrain.cli.main import main
+
+    out = tmp_path_factory.mktemp("layouts")
+    assert main(["prepare", "shapes", "--out", str(out), "--num", "16", "--size", "32", "--seed", "1",
+                 "--conditioning", "layout"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
 def edits(tmp_path_factory) -> Path:
     """Shards of eight edits (each image beside its source, ``KEY.src.png``, in `edits.parent / "images"`): a shape
     recoloured, the instruction naming the new colour."""

@@ -22,14 +22,6 @@ from .conftest import TINY, config_path
 CONFIGS = config_path("diffusion.yaml").parents[1]
 
 
-@pytest.fixture(scope="module")
-def layouts(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("layouts")
-    assert main(["prepare", "shapes", "--out", str(out), "--num", "16", "--size", "32", "--seed", "1",
-                 "--conditioning", "layout"]) == 0
-    return out
-
-
 def _train(run: Path, pretrained: Path, shards: Path, *extra: str) -> int:
     return main(["train", str(CONFIGS / "controlnet.yaml"), f"run_dir={run}", *TINY, f"model.pretrained={pretrained}",
                  f"data.shards={shards}", "train.max_steps=2", "optim.lr=0.01", "logging.every=1", *extra])

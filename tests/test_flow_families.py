@@ -158,14 +158,6 @@ def test_lora_files_load_in_diffusers_and_change_the_image(family, tmp_path, pre
         assert not (out / "lora_kohya.safetensors").exists()  # ComfyUI reads SD3's diffusers file itself
 
 
-@pytest.fixture(scope="module")
-def layouts(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("layouts")
-    assert main(["prepare", "shapes", "--out", str(out), "--num", "8", "--size", "32", "--seed", "1",
-                 "--conditioning", "layout"]) == 0
-    return out
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_controlnet_trains_beside_the_frozen_transformer_and_exports_what_diffusers_samples_with(
         family, tmp_path, pretrained, layouts):

@@ -21,7 +21,7 @@ from torch import nn
 
 from sdtrain.loaders.adapters import has_lora
 from sdtrain.models import families
-from sdtrain.models.families.spec import ModelFamily
+from sdtrain.models.families.spec import ModelFamily, text_model_path
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 """The file diffusers' ``load_lora_weights(DIR)`` looks for."""
@@ -51,7 +51,7 @@ def lora_state(module: nn.Module, weights: dict[str, torch.Tensor], text_encoder
     state = convert_state_dict_to_diffusers(state)
     if not text_encoder:
         return state
-    return {key if key.startswith("text_model.") else f"text_model.{key}": value for key, value in state.items()}
+    return {text_model_path(key): value for key, value in state.items()}
 
 
 def kohya_state(modules: dict[str, nn.Module], weights: dict[str, dict[str, torch.Tensor]],
@@ -88,8 +88,7 @@ def comfyui_dora_state(modules: dict[str, nn.Module], weights: dict[str, dict[st
         tensors = weights[name]
 
         def key_of(path: str, name: str = name) -> str:
-            text = name in family.text_encoders and not path.startswith("text_model.")
-            return f"{name}.text_model.{path}" if text else f"{name}.{path}"
+            return f"{name}.{text_model_path(path) if name in family.text_encoders else path}"
 
         for path, layer in module.named_modules():
             if isinstance(layer, LoraLayer) and "default" in layer.lora_A:

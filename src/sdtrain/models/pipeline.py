@@ -82,8 +82,6 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
     # An editing pipeline (InstructPix2Pix's) draws at its source image's size and takes none.
     parameters = set(inspect.signature(pipe.__call__).parameters)
     shape = {"height": size, "width": size} if size and {"height", "width"} <= parameters else {}
-    if shape and "max_area" in parameters:
-        shape["max_area"] = size * size  # Kontext's pipeline scales its output to this area (1024 px square else)
     seeds = list(seeds) if seeds is not None else [seed + i for i in range(len(prompts))]
     images = []
     for start in range(0, len(prompts), batch):
@@ -94,11 +92,13 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
             arguments["negative_prompt"] = [arguments["negative_prompt"]] * len(chunk)
         # By name: Flux.2's pipelines take reference images first.
         given = {name: list(values[start:start + batch]) for name, values in (inputs or {}).items()}
-        if shape and "max_area" in parameters and given.get("image"):
-            # An edit keeps its source's aspect (a bucketed run's), at the size's area.
-            width, height = given["image"][0].size
-            shape = {"height": height, "width": width, "max_area": size * size}
-        result = pipe(prompt=chunk, num_inference_steps=steps, generator=generators, output_type="pil", **shape,
+        drawn = shape
+        if shape and "max_area" in parameters:
+            # Kontext's pipeline scales its output to this area (a megapixel else), at the aspect of its height and
+            # width: an edit's source's (a bucketed run's), else square.
+            width, height = given["image"][0].size if given.get("image") else (size, size)
+            drawn = {"height": height, "width": width, "max_area": size * size}
+        result = pipe(prompt=chunk, num_inference_steps=steps, generator=generators, output_type="pil", **drawn,
                       **arguments, **given, **(fixed or {}))
         images += result.images
     return images

@@ -348,11 +348,7 @@ class Flux(ModelFamily):
         return super().kohya_lora(component, layers, config)
 
     def original_rows(self, component: str, path: str, rows: torch.Tensor) -> torch.Tensor:
-        # BFL's final modulation holds shift before scale, diffusers' norm_out scale before shift.
-        if component == "transformer" and path == "norm_out.linear":
-            scale, shift = rows.chunk(2)
-            return torch.cat([shift, scale])
-        return rows
+        return original_layout.original_rows(path, rows) if component == "transformer" else rows
 
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
         return FluxPipeline(scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],

@@ -32,6 +32,7 @@ from sdtrain.models.families import causal_lm
 from sdtrain.models.families.autoencoder import TINY_VAE, vae_blocks
 from sdtrain.models.families.spec import ModelFamily, construct
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
+from sdtrain.models.single_file import flux as bfl_layout
 from sdtrain.models.single_file import kohya
 from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY
 
@@ -202,10 +203,7 @@ def to_bfl(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 out[f"single_blocks.{block}.{_BFL_SINGLE[inner]}.{_bfl_end(inner, end)}"] = state.pop(key)
         elif module in _BFL_TOP:
             tensor = state.pop(key)
-            if module == "norm_out.linear":  # (scale, shift) -> (shift, scale)
-                scale, shift = tensor.chunk(2)
-                tensor = torch.cat([shift, scale])
-            out[f"{_BFL_TOP[module]}.{end}"] = tensor
+            out[f"{_BFL_TOP[module]}.{end}"] = bfl_layout.original_rows(module, tensor)
     if state:
         raise ValueError(f"{len(state)} weights have no place in Flux.2's original layout (e.g. {next(iter(state))})")
     return out
@@ -403,11 +401,8 @@ class Flux2(causal_lm.LanguageModelText, ModelFamily):
         return output.transpose(1, 2).reshape(b, c, h, w)
 
     def original_rows(self, component: str, path: str, rows: torch.Tensor) -> torch.Tensor:
-        # BFL's final modulation holds shift before scale, diffusers' norm_out scale before shift.
-        if component == "transformer" and path == "norm_out.linear":
-            scale, shift = rows.chunk(2)
-            return torch.cat([shift, scale])
-        return rows
+        # Black Forest Labs' layout, as Flux.1's.
+        return bfl_layout.original_rows(path, rows) if component == "transformer" else rows
 
     def kohya_lora(self, component: str, layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]], config: Any
                    ) -> dict[str, torch.Tensor]:

@@ -26,6 +26,12 @@ from sdtrain.models.families.clip import pool_at_eos
 from sdtrain.models.tokenizer import train_clip_tokenizer
 
 
+def text_model_path(path: str) -> str:
+    """A CLIP text encoder's module or weight path under its ``text_model.`` level, which transformers 5 dropped
+    from CLIPTextModel and kohya's, ComfyUI's and older diffusers' names keep."""
+    return path if path.startswith("text_model.") else f"text_model.{path}"
+
+
 def construct(cls: Any, key: str, kwargs: dict[str, Any]) -> Any:
     """``cls(**kwargs)``; settings the class refuses are one line naming the config key that gave them."""
     try:
@@ -401,9 +407,8 @@ class ModelFamily:
 
     def kohya_lora_name(self, component: str, path: str, config: Any) -> str:
         """kohya's name of the adapted module at `path` in `component` (whose config is `config`)."""
-        if component in self.text_encoders and not path.startswith("text_model."):
-            # transformers 5 dropped CLIPTextModel's text_model level; kohya's names keep it.
-            path = "text_model." + path
+        if component in self.text_encoders:
+            path = text_model_path(path)
         return self.kohya_prefixes[component] + self.original_module_path(component, path, config).replace(".", "_")
 
     def original_rows(self, component: str, path: str, rows: torch.Tensor) -> torch.Tensor:

@@ -111,10 +111,17 @@ def _part_rows(parts: Sequence[str], config: Mapping[str, Any], total: int | Non
     return rows
 
 
-def _swap_halves(tensor: torch.Tensor) -> torch.Tensor:
+def swap_halves(tensor: torch.Tensor) -> torch.Tensor:
     """(scale, shift) <-> (shift, scale) along the rows: its own inverse."""
     first, second = tensor.chunk(2, dim=0)
     return torch.cat([second, first], dim=0)
+
+
+def original_rows(path: str, rows: torch.Tensor) -> torch.Tensor:
+    """A vector of one value per output row of the transformer's layer at `path` (diffusers' row order) in the order
+    Black Forest Labs' layout keeps that layer's rows: its final modulation holds shift before scale (Flux.1's and
+    Flux.2's alike)."""
+    return swap_halves(rows) if path == "norm_out.linear" else rows
 
 
 def _strip_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -141,7 +148,7 @@ def to_original(state: Mapping[str, torch.Tensor], config: Mapping[str, Any]) ->
                 raise ValueError(f"Flux transformer: {missing[0]} is missing (needed for {original}.{end})")
             tensors = [state.pop(k) for k in keys]
             tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
-            out[f"{original}.{end}"] = _swap_halves(tensor) if original == _SWAPPED else tensor
+            out[f"{original}.{end}"] = swap_halves(tensor) if original == _SWAPPED else tensor
     for key, original in _norms(config).items():
         if key not in state:
             raise ValueError(f"Flux transformer: {key} is missing (needed for {original})")
@@ -177,7 +184,7 @@ def iter_from_original(keys: Collection[str], read: Callable[[str], torch.Tensor
             remaining.discard(key)
             tensor = read(key)
             if original == _SWAPPED:
-                tensor = _swap_halves(tensor)
+                tensor = swap_halves(tensor)
             if len(parts) == 1:
                 yield f"{parts[0]}.{end}", tensor
                 continue
@@ -283,7 +290,7 @@ def kohya_lora(layers: Mapping[str, kohya.LoraFactors], config: Mapping[str, Any
         down, up, alpha = present[0] if len(parts) == 1 else kohya.fuse(original, parts, present,
                                                                         _part_rows(parts, config))
         if original == _SWAPPED:
-            up = _swap_halves(up)
+            up = swap_halves(up)
         if original.startswith("final_layer."):
             # diffusers' kohya reader drops final_layer's alphas (it reads those at scale 1): the scale goes into
             # up, which every reader then applies alike.

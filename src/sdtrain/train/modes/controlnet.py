@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from PIL import Image
 from torch import nn
 
 from sdtrain.errors import UserError
@@ -17,6 +16,7 @@ from sdtrain.loaders.writers import CONTROLNET
 from sdtrain.models import families
 from sdtrain.models.families.spec import ControlSpec
 from sdtrain.train.parts import TrainedPart
+from sdtrain.utils import to_pil
 
 
 class ControlNetPart(TrainedPart):
@@ -70,10 +70,6 @@ class ControlNetPart(TrainedPart):
         shows the ControlNet following."""
         if batch is None or "conditioning_pixels" not in batch:
             return {}
-        maps = as_images(batch["conditioning_pixels"])
+        maps = to_pil(batch["conditioning_pixels"] * 2 - 1)  # maps are in [0, 1]
         return {self.spec.image_argument: [maps[i % len(maps)] for i in range(count)]}
 
-
-def as_images(pixels: torch.Tensor) -> list[Image.Image]:
-    """A batch of images (Bx3xHxW in [0, 1]) as RGB PIL images, as pipelines take them."""
-    return [Image.fromarray((p.permute(1, 2, 0).clamp(0, 1) * 255).round().byte().cpu().numpy()) for p in pixels]

@@ -16,8 +16,8 @@ from sdtrain.errors import UserError
 from sdtrain.loaders.writers import INSTRUCT_PIX2PIX
 from sdtrain.models import families
 from sdtrain.models.families.spec import InstructSpec
-from sdtrain.train.modes.controlnet import as_images
 from sdtrain.train.parts import TrainedPart
+from sdtrain.utils import to_pil
 
 
 class InstructPix2PixPart(TrainedPart):
@@ -60,5 +60,5 @@ class InstructPix2PixPart(TrainedPart):
         """The source images of the last batch's samples, one per validation instruction in turn."""
         if batch is None or "source_pixels" not in batch:
             return {}
-        sources = as_images((batch["source_pixels"] + 1) / 2)
+        sources = to_pil(batch["source_pixels"])
         return {"image": [sources[i % len(sources)] for i in range(count)]}
