@@ -163,16 +163,19 @@ def tiny_autoencoder(tmp_path_factory, shapes_dir) -> Iterator[Callable[[str], P
 
 
 @pytest.fixture(scope="session")
-def tiny_scratch_command(tiny_autoencoder, shapes_dir) -> Callable[..., list[str]]:
+def tiny_scratch_command(tiny_autoencoder, shapes_dir, edits) -> Callable[..., list[str]]:
     """`tiny_scratch_command(family, run, steps, *overrides)`: the `sdtrain train` arguments of a tiny diffusion
-    run of `family` from scratch into `run` (configs/demo/diffusion.yaml, TINY_CLI, the session's shapes and its
-    `tiny_autoencoder`): the text encoders and the denoiser built from the tiny preset and trained, the tokenizers
-    trained on the captions; `overrides` come last, so they win."""
+    run of `family` from scratch into `run` (configs/demo/diffusion.yaml, TINY_CLI, the session's shapes, or its
+    `edits` by reference for a family whose models only edit, and its `tiny_autoencoder`): the text encoders and
+    the denoiser built from the tiny preset and trained, the tokenizers trained on the captions; `overrides` come
+    last, so they win."""
+    from sdtrain.models import families
 
     def command(family: str, run: Path, steps: int, *overrides: str) -> list[str]:
+        edits_only = families.get(family).edits_only
+        data = [f"data.shards={edits}", "edit.reference=true"] if edits_only else [f"data.shards={shapes_dir}"]
         return ["train", str(config_path("diffusion.yaml")), f"run_dir={run}", *TINY_CLI, f"model.family={family}",
-                f"model.vae={tiny_autoencoder(family)}", f"data.shards={shapes_dir}", f"train.max_steps={steps}",
-                *overrides]
+                f"model.vae={tiny_autoencoder(family)}", *data, f"train.max_steps={steps}", *overrides]
 
     return command
 

@@ -49,11 +49,19 @@ class Tiny:
     def components(self) -> dict[str, torch.nn.Module]:
         return {"vae": self.vae, **self.text_encoders, self.family.denoiser: self.denoiser}
 
+    @property
+    def text_reads_sources(self) -> bool:
+        return self.family.reference is not None and self.family.reference.text_reads_source
+
     def text(self, captions: list[str]) -> dict[str, torch.Tensor]:
-        """As training conditions a batch: the loader's tokens, then the family's conditioner."""
+        """As training conditions a batch: the loader's tokens, then the family's conditioner (given each caption's
+        source image, for a family whose text encoder reads it)."""
         encoders = [self.text_encoders[name] for name in self.family.text_encoders]
         ids, masks = self.family.token_inputs(self.captions(captions))
-        return self.family.encode_text(encoders, ids, captions, masks)
+        if not self.text_reads_sources:
+            return self.family.encode_text(encoders, ids, captions, masks)
+        sources = torch.rand(len(captions), 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+        return self.family.encode_text(encoders, ids, captions, masks, sources=sources)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -94,7 +102,10 @@ def test_the_loader_tokens_are_picklable_and_the_conditioner_gives_the_shapes_it
     declared = tiny.family.text_shapes(configs, lengths)
     assert set(text) == set(declared) and "text_emb" in text
     for key, tensor in text.items():
-        assert tuple(tensor.shape) == (len(captions), *declared[key]), key
+        if tiny.text_reads_sources:  # the sources' vision tokens lengthen the sequence by their count
+            assert tensor.shape[0] == len(captions) and tensor.shape[2:] == declared[key][1:], key
+        else:
+            assert tuple(tensor.shape) == (len(captions), *declared[key]), key
 
 
 def test_the_latent_codec_encodes_images_to_the_latents_the_denoiser_reads_and_back(tiny):
@@ -279,7 +290,8 @@ def test_the_pipeline_it_assembles_loads_in_diffusers_and_is_recognised(tiny, tm
     assert isinstance(pipe, tiny.family.pipeline_class)
     pipe.save_pretrained(tmp_path)
     assert families.detect(tmp_path) is tiny.family
-    loaded = tiny.family.pipeline_class.from_pretrained(tmp_path, local_files_only=True)
+    loaded = tiny.family.pipeline_from_folder(tmp_path, local_files_only=True)
+    assert type(loaded) is tiny.family.pipeline_class
     state = getattr(loaded, tiny.family.denoiser).state_dict()
     for key, value in tiny.denoiser.state_dict().items():
         assert torch.equal(state[key], value), key
@@ -351,7 +363,7 @@ def test_its_lora_file_loads_whole_through_the_pipelines_own_loader(tiny, tmp_pa
                        "init_lora_weights": False}, "lora.target_modules")
     save_lora({tiny.family.denoiser: adapted}, {tiny.family.denoiser: adapted.state_dict()}, tmp_path / "lora",
               tiny.family)
-    pipe = tiny.family.pipeline_class.from_pretrained(tmp_path / "pipeline", local_files_only=True)
+    pipe = tiny.family.pipeline_from_folder(tmp_path / "pipeline", local_files_only=True)
     pipe.load_lora_weights(tmp_path / "lora")
     pipe.fuse_lora()
     expected = merge_lora(adapted).state_dict()

@@ -68,5 +68,5 @@ def test_editing_by_reference_on_a_family_without_it_is_one_line(tmp_path, pretr
                  f"model.pretrained={pretrained}", f"data.shards={edits}", "edit.reference=true",
                  "textual_inversion.initializer_token=red"]) == 2
     error = [line for line in capsys.readouterr().err.strip().splitlines() if "Loading weights" not in line]
-    assert len(error) == 2 and "edit.reference" in error[0] and "Flux.1 do" in error[0]
+    assert len(error) == 2 and "edit.reference" in error[0] and "Flux.1, Qwen-Image-Edit do" in error[0]
     assert "mode full or lora" in error[1]

@@ -1,7 +1,8 @@
 """Qwen-Image's files in ComfyUI's own loaders (slow, with a local ComfyUI; tests/comfyui.py): the transformer file
 `export --single-file` writes loads as ComfyUI's QwenImage model with every weight, and both LoRA files a run writes
-(diffusers' ``transformer.`` names and kohya's ``lora_unet_``) load with no key left, patching the weights
-sdtrain's adapters merge into."""
+(diffusers' ``transformer.`` names and kohya's ``lora_unet_``), of Qwen-Image or of Qwen-Image-Edit (whose
+transformer ComfyUI loads as the same model), load with no key left, patching the weights sdtrain's adapters merge
+into."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from safetensors.torch import save_file
 
 from sdtrain.loaders.adapters import add_lora, merge_lora
 from sdtrain.loaders.writers import KOHYA_WEIGHTS, LORA_WEIGHTS, save_trained_parts
-from sdtrain.models.families.qwenimage import QWEN_IMAGE, SHAPE_KEYS
+from sdtrain.models.families.qwenimage import QWEN_IMAGE, QWEN_IMAGE_EDIT, SHAPE_KEYS
 from sdtrain.models.single_file.write import layout_metadata, write_tensors
 
 from . import comfyui
@@ -63,7 +64,8 @@ _SCRIPT = comfyui.PREAMBLE + comfyui.LOAD_LORA + comfyui.LOAD_MODEL + textwrap.d
 @pytest.mark.slow
 @comfyui.needs_comfyui
 @comfyui.needs_model("QwenImage")
-def test_comfyui_loads_the_transformer_file_and_every_key_of_both_lora_files(tmp_path):
+@pytest.mark.parametrize("family", [QWEN_IMAGE, QWEN_IMAGE_EDIT], ids=lambda family: family.name)
+def test_comfyui_loads_the_transformer_file_and_every_key_of_both_lora_files(tmp_path, family):
     torch.manual_seed(0)
     base = QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=2,
                                        attention_head_dim=32, num_attention_heads=2, joint_attention_dim=48,
@@ -77,7 +79,7 @@ def test_comfyui_loads_the_transformer_file_and_every_key_of_both_lora_files(tmp
     add_lora(adapted, {"r": 4, "lora_alpha": 8, "target_modules": TARGETS, "init_lora_weights": False},
              "lora.target_modules")
     adapted_weights = sorted(f"{n}.weight" for n, m in adapted.named_modules() if hasattr(m, "lora_A"))
-    save_trained_parts({"transformer": adapted}, {"task": {"family": QWEN_IMAGE.name, "lora": True}}, tmp_path)
+    save_trained_parts({"transformer": adapted}, {"task": {"family": family.name, "lora": True}}, tmp_path)
     save_file({k: v.contiguous() for k, v in merge_lora(adapted).state_dict().items()},
               str(tmp_path / "expected.safetensors"))
 

@@ -485,10 +485,12 @@ class InstructPix2PixConfig:
 @dataclass
 class EditConfig:
     reference: bool = False
-    """Train the denoiser to edit by reference, as Flux.1 Kontext does: each sample's source image (``KEY.src.png``
-    beside the edited one, its caption the instruction) is encoded by the VAE and its latent tokens sit beside the
-    noisy ones, the loss on the noisy ones alone; with ``mode`` full or lora (a Kontext model's LoRA, say). The run
-    samples, and a full run exports, the family's editing pipeline (FluxKontextPipeline), which takes ``image=``."""
+    """Train the denoiser to edit by reference, as Flux.1 Kontext and Qwen-Image-Edit do: each sample's source image
+    (``KEY.src.png`` beside the edited one, its caption the instruction) is encoded by the VAE and its latent tokens
+    sit beside the noisy ones, the loss on the noisy ones alone (Qwen-Image-Edit's text encoder reads the source
+    too); with ``mode`` full or lora (a Kontext model's LoRA, say). The run samples, and a full run exports, the
+    family's editing pipeline (FluxKontextPipeline, QwenImageEditPipeline), which takes ``image=``. Required for a
+    family whose models only edit (Qwen-Image-Edit)."""
 
 
 @dataclass
@@ -894,6 +896,10 @@ class RunConfig:
             _check(self.mode not in ("controlnet", "instruct_pix2pix"), "evaluation.every_samples",
                    f"mode {self.mode} samples from each prompt's image, which evaluation has none of: set it to 0 "
                    "and judge the validation images (validation.prompts), drawn from the last batch's images")
+            _check(not self.edit.reference or set(self.evaluation.metrics) <= {"val_loss"}, "evaluation.metrics",
+                   "an edit by reference draws from each prompt's source image, which FID, CLIP score and adherence "
+                   "have none of: keep val_loss alone, and judge the validation images (validation.prompts), which "
+                   "edit the last batch's sources")
 
 
 def _describe(exc: OmegaConfBaseException) -> str:

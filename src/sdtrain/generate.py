@@ -200,13 +200,11 @@ def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int | 
             # A run (or its export) learnt to edit images of its training size: each is fitted to that area, and
             # a pipeline that would resize it to its release's preferred sizes (Kontext's) is told not to.
             sources = [fit_area(source, size) for source in sources]
-            reference = families.of_pipeline(pipe).reference
-            if reference is not None and isinstance(pipe, reference.pipeline_class):
-                fixed = {**(fixed or {}), **reference.own_size_arguments}
         inputs = {"image": [sources[i % len(sources)] for i in range(len(prompts))]}
     images = sample_images(pipe, prompts, seed=seed, steps=steps, guidance=guidance,
                            negative_prompt=negative_prompt, size=size,
-                           default_steps=recorded.get("default_steps", DEFAULT_STEPS), inputs=inputs, fixed=fixed)
+                           default_steps=recorded.get("default_steps", DEFAULT_STEPS), inputs=inputs, fixed=fixed,
+                           edits_at_own_size=bool(recorded and size))
     out = Path(out)
     paths = save_images(images, prompts, out)
     rows = max(1, round(len(images) ** 0.5))

@@ -45,6 +45,10 @@ class _TokenizerShape:
     def __len__(self) -> int:
         return self.size
 
+    def convert_tokens_to_ids(self, token: str) -> int:
+        """A special token's id (a vision-language model's image marker): which one changes no parameter count."""
+        return 0
+
 
 def _component(config: RunConfig, family: ModelFamily, name: str, built: dict[str, Any]) -> tuple[Any, str]:
     source = build.component_source(config.model, name)

@@ -73,7 +73,7 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
         # weights_only in today's diffusers and transformers, but a pickle is still code to be trusted.
         prefixes = family.weight_prefixes.get(name, ()) if family else ()
         # transformers reads a language model's tower from the whole model's folder under a key mapping.
-        mapping = {"key_mapping": {f"^{re.escape(prefix)}": "" for prefix in prefixes}} if prefixes else {}
+        mapping = {"key_mapping": {f"^{re.escape(found)}": read for found, read in prefixes}} if prefixes else {}
         return cls.from_pretrained(folder, local_files_only=True, use_safetensors=not trusted or None, **mapping)
     except (OSError, ValueError) as exc:
         hint = "" if trusted else ("; a folder with only pickled .bin weights loads with model.trust_pickle=true "
@@ -134,11 +134,11 @@ def _from_config(cls: type[nn.Module], folder: Path) -> nn.Module:
 _WEIGHT_FILE = re.compile(r"[^.]+(-\d+-of-\d+)?\.safetensors")
 
 
-def load_frozen(cls: type[nn.Module], name: str, folder: Path, precision: str, prefixes: tuple[str, ...] = ()
-                ) -> nn.Module:
+def load_frozen(cls: type[nn.Module], name: str, folder: Path, precision: str,
+                prefixes: tuple[tuple[str, str], ...] = ()) -> nn.Module:
     """A component folder's module built with its parameters on the meta device, then filled from its safetensors
-    files a tensor at a time, linear weights stored in `precision` (see sdtrain.models.frozen), each key under one
-    of `prefixes` read without it (`ModelFamily.weight_prefixes`)."""
+    files a tensor at a time, linear weights stored in `precision` (see sdtrain.models.frozen), each key's prefix
+    read as `prefixes` say (`ModelFamily.weight_prefixes`)."""
     files = sorted(str(p) for p in folder.glob("*.safetensors") if _WEIGHT_FILE.fullmatch(p.name))
     if not files:
         raise UserError(f"{folder}: no safetensors weights for the {name}, which model.frozen_precision loads a tensor "

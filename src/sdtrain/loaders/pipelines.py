@@ -58,7 +58,7 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
     if task.get(INSTRUCT_PIX2PIX):  # a denoiser that edits: its own pipeline
         pipe = family.instruct.pipeline_class.from_pipe(pipe)
     elif task.get(REFERENCE_EDIT):
-        pipe = family.reference.pipeline_class.from_pipe(pipe)
+        pipe = family.editing_pipeline(pipe)
     return pipe
 
 

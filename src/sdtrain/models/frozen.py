@@ -221,15 +221,16 @@ def materialize(module: nn.Module, precision: str) -> nn.Module:
     return module
 
 
-def load_streamed(module: nn.Module, files: list[str], precision: str, prefixes: tuple[str, ...] = ()) -> list[str]:
+def load_streamed(module: nn.Module, files: list[str], precision: str,
+                  prefixes: tuple[tuple[str, str], ...] = ()) -> list[str]:
     """Fill a module built with `parameters_on_meta` from safetensors `files`, one tensor at a time (see
-    `fill_streamed`); a key under one of `prefixes` (the first it starts with) is read without it, as a language
-    model's tower is read from a folder of the whole model. Returns the state-dict names no file held (still on
-    meta)."""
+    `fill_streamed`); a key starting with the first of a pair of `prefixes` (the first such pair) is read with the
+    second in its place, as a language model's tower is read from a folder of the whole model (``model.`` read as
+    ``""``). Returns the state-dict names no file held (still on meta)."""
     from safetensors import safe_open
 
     def name(key: str) -> str:
-        return next((key[len(prefix):] for prefix in prefixes if key.startswith(prefix)), key)
+        return next((read + key[len(found):] for found, read in prefixes if key.startswith(found)), key)
 
     def tensors():
         for path in files:

@@ -66,14 +66,16 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
                   guidance: float | None = None, negative_prompt: str | None = None, batch: int = 1,
                   seeds: Sequence[int] | None = None, size: int | None = None,
                   default_steps: int = DEFAULT_STEPS, inputs: dict[str, Sequence[Any]] | None = None,
-                  fixed: dict[str, Any] | None = None) -> list[Image.Image]:
+                  fixed: dict[str, Any] | None = None, edits_at_own_size: bool = False) -> list[Image.Image]:
     """One image per prompt; prompt i uses seed + i (or ``seeds[i]``), so adding prompts never changes earlier
     images. ``batch`` prompts run through the model together, each from the noise of its own seed: the same
     images up to floating-point rounding, several times faster for small models on a CPU. `size`: the side in
     pixels (None: the pipeline's default, which for Flux.1 is 1024 px whatever the model trained on). `steps` and
     `guidance` None: the model's own (its family's `sampling_defaults`), else `default_steps` and SD's 5.
     `inputs`: a list per pipeline argument, one entry per prompt (a ControlNet pipeline's ``image``); `fixed`:
-    arguments every call takes as they are (``controlnet_conditioning_scale``)."""
+    arguments every call takes as they are (``controlnet_conditioning_scale``). `edits_at_own_size`: a pipeline that
+    edits by reference edits each source (``inputs["image"]``) at the source's own size, drawing at that size,
+    rather than resize it to the sizes its release prefers (a run's model, which learnt at its training size)."""
     pipe.set_progress_bar_config(disable=True)
     family = families.of_pipeline(pipe)
     defaults = family.sampling_defaults(getattr(pipe, family.denoiser).config)
@@ -81,6 +83,10 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
     guidance = defaults["guidance"] if guidance is None else guidance
     # An editing pipeline (InstructPix2Pix's) draws at its source image's size and takes none.
     parameters = set(inspect.signature(pipe.__call__).parameters)
+    reference = family.reference if family.reference and isinstance(pipe, family.reference.pipeline_class) else None
+    if family.edits_only and not (inputs or {}).get("image"):
+        raise UserError(f"{family.title} edits images and draws none from a prompt alone: give it the image to edit "
+                        "(`generate --image BEFORE.png`)")
     shape = {"height": size, "width": size} if size and {"height", "width"} <= parameters else {}
     seeds = list(seeds) if seeds is not None else [seed + i for i in range(len(prompts))]
     images = []
@@ -92,14 +98,19 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
             arguments["negative_prompt"] = [arguments["negative_prompt"]] * len(chunk)
         # By name: Flux.2's pipelines take reference images first.
         given = {name: list(values[start:start + batch]) for name, values in (inputs or {}).items()}
-        drawn = shape
+        drawn, editing = shape, contextlib.nullcontext({})
         if shape and "max_area" in parameters:
             # Kontext's pipeline scales its output to this area (a megapixel else), at the aspect of its height and
             # width: an edit's source's (a bucketed run's), else square.
             width, height = given["image"][0].size if given.get("image") else (size, size)
             drawn = {"height": height, "width": width, "max_area": size * size}
-        result = pipe(prompt=chunk, num_inference_steps=steps, generator=generators, output_type="pil", **drawn,
-                      **arguments, **given, **(fixed or {}))
+        if edits_at_own_size and given.get("image") and reference is not None:
+            width, height = given["image"][0].size
+            drawn = {**drawn, "height": height, "width": width}
+            editing = reference.at_own_size(given["image"])
+        with editing as own_size:
+            result = pipe(prompt=chunk, num_inference_steps=steps, generator=generators, output_type="pil", **drawn,
+                          **arguments, **given, **(fixed or {}), **own_size)
         images += result.images
     return images
 

@@ -50,17 +50,18 @@ class ComponentPlanner:
         return load_component(name, source, trust_pickle=self.trust_pickle, family=self.family,
                               frozen_precision=frozen_precision, weights=weights, served=self.config.model)
 
-    def stood_in_for(self, encoding: dict[str, Any], data: DataConfig, text_trains: bool,
+    def stood_in_for(self, encoding: dict[str, Any], data: DataConfig, text_runs: bool,
                      encodes_images: bool = False) -> list[str]:
         """The frozen components that reading shards of this `encoding` never runs: the VAE that encoded their
         latents (none when it is not this run's VAE: such shards are refused, nor when the run `encodes_images`
         beside them: a ControlNet's maps, an edit's sources), and the text encoders when the shards' embeddings can
-        stand in for them (these encoders made them, none trains, and the captions are the shards' own, which
-        prompt templates would replace and tag shuffling would reorder)."""
+        stand in for them (these encoders made them, training does not run them anyway (`text_runs`: one trains,
+        or they read each edit's source), and the captions are the shards' own, which prompt templates would
+        replace and tag shuffling would reorder)."""
         if encoding.get("vae") != self.source("vae"):
             return []
         text = list(self.family.text_encoders)
-        embeddings = (not text_trains and not data.prompt_templates and not data.shuffle_tags
+        embeddings = (not text_runs and not data.prompt_templates and not data.shuffle_tags
                       and all(encoding.get(name) == self.source(name) for name in text))
         vae = [] if self.family.normalizes_with_vae_weights or encodes_images else ["vae"]
         return [*vae, *(text if embeddings else [])]

@@ -283,12 +283,15 @@ class DiffusionTask(Task):
         model, family = config.model, self.family
         if config.edit.reference:
             self.reference_spec()  # a family that cannot is one line, before any weight loads
+        elif family.edits_only:
+            raise UserError(f"edit.reference: {family.title} edits images by reference and draws none from text "
+                            "alone; set edit.reference=true, with each image's source beside it (KEY.src.png)")
         self.tokenizers = self._tokenizers()
         self.tokenizer = self.tokenizers[0]
         # What the pre-encoded shards stand in for is built without weights: T5-XXL alone is 19 GB in fp32.
         data = self.data_config()
         found = dataset_encoding(data.shards) if data.use_encoded else None
-        unread = (self.components.stood_in_for(found[0], data, self.text_encoder_trains(), self.encodes_images())
+        unread = (self.components.stood_in_for(found[0], data, self.text_encoder_runs(), self.encodes_images())
                   if found else [])
         vae = self.components.load("vae", weights="vae" not in unread)
         if vae is None:
@@ -403,7 +406,9 @@ class DiffusionTask(Task):
                 setattr(self, name, self.frozen(name))
             encoders.append(getattr(self, name))
         ids, masks = self.family.token_inputs(batch, self.device)
-        return self.family.encode_text(encoders, ids, batch.get("captions"), masks)
+        if not self.text_reads_sources():
+            return self.family.encode_text(encoders, ids, batch.get("captions"), masks)
+        return self.family.encode_text(encoders, ids, batch.get("captions"), masks, sources=self.sources_of(batch))
 
     def use_encoded(self, encoding: dict[str, Any] | None) -> None:
         """Check pre-encoded shards against this task's frozen weights; text embeddings are used only
@@ -415,7 +420,7 @@ class DiffusionTask(Task):
                     f"data.shards: the latents were encoded with the VAE {encoding['vae']} but model.vae is "
                     f"{self.sources.get('vae')}; point model.vae there, encode again, or set data.use_encoded=false"
                 )
-            unread = self.components.stood_in_for(encoding, self.data_config(), self.text_encoder_trains(),
+            unread = self.components.stood_in_for(encoding, self.data_config(), self.text_encoder_runs(),
                                                   self.encodes_images())
         self.text_embeddings = any(name in unread for name in self.family.text_encoders)
         encoded_t5 = (encoding or {}).get("t5_text_length")
@@ -429,7 +434,7 @@ class DiffusionTask(Task):
                        *(["text encoder skipped"] if self.text_embeddings else [])]
             log.info("pre-encoded shards: %s", ", ".join(skipped) or "latents read")
         prompts = self.fixed_prompts()
-        if prompts and not self.text_embeddings and not self.text_encoder_trains():
+        if prompts and not self.text_embeddings and not self.text_encoder_runs():
             self.prompt_embeddings = self._encode_prompts(prompts)
             self.text_embeddings = True
             unread = [*unread, *self.family.text_encoders]
@@ -559,15 +564,29 @@ class DiffusionTask(Task):
         """How the family's denoiser edits by reference; a family that cannot is one line."""
         return families.mode_spec(self.family, "reference", "edit.reference", "learns no editing by reference")
 
-    def reference_latents(self, batch: dict[str, Any]) -> torch.Tensor:
-        """The latents of the batch's source images, which the denoiser reads beside the noisy ones
-        (``edit.reference``)."""
+    def text_reads_sources(self) -> bool:
+        """Whether the text conditioning reads each edit's source as well (`ReferenceSpec.text_reads_source`)."""
+        return self.config.edit.reference and self.reference_spec().text_reads_source
+
+    def text_encoder_runs(self) -> bool:
+        """Whether training runs the text encoders whatever the data holds: one trains, or they read the sources."""
+        return self.text_encoder_trains() or self.text_reads_sources()
+
+    @staticmethod
+    def sources_of(batch: dict[str, Any]) -> torch.Tensor:
+        """The batch's source images (``edit.reference``), in [-1, 1]."""
         pixels = batch.get("source_pixels")
         if pixels is None:
             raise UserError("edit.reference: the data has no source images: put KEY.src.png (the image before the "
                             "edit) beside each edited image, its caption the instruction (`prepare encode` keeps them)")
+        return pixels
+
+    def reference_latents(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The latents of the batch's source images, which the denoiser reads beside the noisy ones
+        (``edit.reference``)."""
+        pixels = self.sources_of(batch).to(self.device, non_blocking=True)
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
-            return self.reference_spec().latents(self.vae, pixels.to(self.device, non_blocking=True))
+            return self.reference_spec().latents(self.vae, pixels)
 
     def guidance(self, count: int, generator: torch.Generator | None) -> torch.Tensor:
         """The guidance values a guidance-distilled denoiser is trained with: ``diffusion.flow.guidance``, or draws
@@ -599,13 +618,12 @@ class DiffusionTask(Task):
         prompts = self.config.validation.prompts
         if not prompts:
             return None
-        inputs, fixed = self.part.sampling_inputs(batch, len(prompts)), {}
+        inputs = self.part.sampling_inputs(batch, len(prompts))
         if self.config.edit.reference and batch is not None and "source_pixels" in batch:
             # Each validation instruction edits one of the last batch's sources in turn, at the training size.
             sources = to_pil(batch["source_pixels"])
             inputs = {**inputs, "image": [sources[i % len(sources)] for i in range(len(prompts))]}
-            fixed = self.reference_spec().own_size_arguments
-        return self.render(modules, out, self.part.validation_prompts(prompts), prompts, inputs, fixed)
+        return self.render(modules, out, self.part.validation_prompts(prompts), prompts, inputs)
 
     def pipeline(self, modules: dict[str, nn.Module]) -> Any:
         """A pipeline of the given trained modules and this task's frozen ones."""
@@ -614,18 +632,17 @@ class DiffusionTask(Task):
         components[self.family.denoiser] = modules.get(self.family.denoiser, self.denoiser)
         pipe = self.family.assemble(components, self.tokenizers, sampler_from(self.noise_scheduler, "euler"))
         pipe = self.part.pipeline(pipe, modules)
-        return self.reference_spec().pipeline_class.from_pipe(pipe) if self.config.edit.reference else pipe
+        return self.family.editing_pipeline(pipe) if self.config.edit.reference else pipe
 
     @torch.no_grad()
     def render(self, modules: dict[str, nn.Module], out: Path | None, prompts: list[str],
-               labels: list[str], inputs: dict[str, list[Any]] | None = None,
-               fixed: dict[str, Any] | None = None) -> Path | None:
+               labels: list[str], inputs: dict[str, list[Any]] | None = None) -> Path | None:
         """A grid of the prompts' images from the given trained modules and this task's frozen ones at `out`
         (RUN/samples/step_N.png), and each image beside it (step_N/000-<label>.png). They are what `sdtrain
         generate` draws from the run or its export with the validation settings (its defaults there) and the
         labels as prompts: the same pipeline, sampler, seeds and size, in fp32 as a fresh process samples. `inputs`:
-        what each prompt is sampled with beside it (a ControlNet's maps), by pipeline argument; `fixed`: arguments
-        every call takes."""
+        what each prompt is sampled with beside it (a ControlNet's maps, an edit's sources, which it edits at their
+        own size), by pipeline argument."""
         pipe = self.pipeline(modules)
         val = self.config.validation
         stored_low = sorted(name for name in ("vae", *self.family.text_encoders, self.family.denoiser)
@@ -638,7 +655,7 @@ class DiffusionTask(Task):
         with exact_sampling():
             images = sample_images(pipe, prompts, seed=val.seed, steps=settings["steps"],
                                    guidance=settings["guidance"], size=settings["size"],
-                                   default_steps=settings["default_steps"], inputs=inputs, fixed=fixed)
+                                   default_steps=settings["default_steps"], inputs=inputs, edits_at_own_size=True)
         if out is None:
             return None
         save_images(images, labels, out.with_suffix(""))

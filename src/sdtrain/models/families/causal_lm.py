@@ -98,13 +98,15 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(getattr(model, "model", model).layers)
 
 
-def train_chat_tokenizer(captions: Iterable[str], out_dir: str | Path, vocab_size: int, max_length: int) -> Any:
-    """A byte-level BPE tokenizer in Qwen2's layout (the pad, chat and think markers as special tokens, the chat
-    template), learnt from `captions` and saved to `out_dir`, which a model trained from scratch reads its ids
-    from. Written in a temporary sibling and renamed into place: an interrupted run never leaves half a folder."""
+def train_chat_tokenizer(captions: Iterable[str], out_dir: str | Path, vocab_size: int, max_length: int,
+                         markers: tuple[str, ...] = ()) -> Any:
+    """A byte-level BPE tokenizer in Qwen2's layout (the pad, chat and think markers and `markers` as special
+    tokens, the chat template), learnt from `captions` and saved to `out_dir`, which a model trained from scratch
+    reads its ids from. Written in a temporary sibling and renamed into place: an interrupted run never leaves half a
+    folder."""
     from transformers import Qwen2Tokenizer
 
-    specials = [PAD, IM_START, IM_END, *THINK]
+    specials = [PAD, IM_START, IM_END, *THINK, *markers]
     smallest = len(pre_tokenizers.ByteLevel.alphabet()) + len(specials)
     if vocab_size <= smallest:
         raise UserError(f"model.tokenizer_vocab_size: {vocab_size} is too small for a byte-level tokenizer; use "
@@ -118,7 +120,7 @@ def train_chat_tokenizer(captions: Iterable[str], out_dir: str | Path, vocab_siz
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
               for m in json.loads(bpe.to_str())["model"]["merges"]]
     tokenizer = Qwen2Tokenizer(vocab=bpe.get_vocab(), merges=merges, model_max_length=max_length)
-    tokenizer.add_special_tokens({"additional_special_tokens": [IM_START, IM_END]})
+    tokenizer.add_special_tokens({"additional_special_tokens": [IM_START, IM_END, *markers]})
     tokenizer.chat_template = CHAT_TEMPLATE
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")

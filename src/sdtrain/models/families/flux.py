@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -252,7 +253,8 @@ class Flux(ModelFamily):
                    T5EncoderModel: t5_blocks, FluxControlNetModel: transformer_blocks}
     controlnet = ControlSpec(FluxControlNetModel, FluxControlNetPipeline, controlnet_from_transformer,
                              controlnet_residuals, control_latents, image_argument="control_image")
-    reference = ReferenceSpec(FluxKontextPipeline, reference_latents, {"_auto_resize": False})
+    reference = ReferenceSpec(FluxKontextPipeline, reference_latents,
+                              at_own_size=lambda pipe: nullcontext({"_auto_resize": False}))
     presets = PRESETS
     kohya_prefixes = {"transformer": "lora_unet_", "text_encoder": "lora_te1_"}
     kohya_names_each_layer = False  # its kohya layout fuses q, k and v

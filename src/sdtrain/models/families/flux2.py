@@ -295,7 +295,7 @@ class Flux2(causal_lm.LanguageModelText, ModelFamily):
     }
     # The released text encoder is the whole vision-language model (Mistral3ForConditionalGeneration), its language
     # tower under language_model.model. (model.language_model. as transformers 5 names it).
-    weight_prefixes = {"text_encoder": ("model.language_model.", "language_model.model.")}
+    weight_prefixes = {"text_encoder": (("model.language_model.", ""), ("language_model.model.", ""))}
     kohya_prefixes = {"transformer": kohya.PREFIX}
     kohya_names_each_layer = False  # its kohya layout fuses q, k and v
     # BFL's release file (see above): the transformer alone.
@@ -458,7 +458,7 @@ class Flux2Klein(Flux2):
         "flux2-klein-9b": {"vae": _VAE, "text_encoder": _QWEN3_8B, "transformer": _KLEIN_9B, "scheduler": _SCHEDULER},
     }
     # The released text encoder is Qwen3ForCausalLM, read as its Qwen3Model.
-    weight_prefixes = {"text_encoder": ("model.",)}
+    weight_prefixes = {"text_encoder": (("model.", ""),)}
 
     def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
         ids, mask = causal_lm.chat_tokens(tokenizer, captions, thinking=False)

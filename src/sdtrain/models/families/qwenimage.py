@@ -13,23 +13,36 @@ latents, packed 2x2 into tokens as Flux.1's, with 3-axis RoPE over (frame, row, 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
+from diffusers import AutoencoderKLQwenImage, QwenImageEditPipeline, QwenImagePipeline, QwenImageTransformer2DModel
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+from PIL import Image
 from torch import nn
-from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+from transformers import (
+    AutoTokenizer,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLTextConfig,
+    Qwen2_5_VLTextModel,
+    Qwen2VLImageProcessorPil,
+    Qwen2VLProcessor,
+)
 
 from sdtrain.models.families import causal_lm
 from sdtrain.models.families.patches import pack, unpack
-from sdtrain.models.families.spec import ModelFamily, construct
+from sdtrain.models.families.spec import ModelFamily, ReferenceSpec, construct
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
 from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY
+from sdtrain.utils import to_pil
 
 TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
             "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
@@ -71,9 +84,9 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-def prefix_length(tokenizer: Any) -> int:
-    """How many of `tokenizer`'s tokens the template's dropped prefix is."""
-    return len(tokenizer(PREFIX).input_ids)
+def prefix_length(tokenizer: Any, prefix: str) -> int:
+    """How many of `tokenizer`'s tokens a template's dropped `prefix` is."""
+    return len(tokenizer(prefix).input_ids)
 
 
 def transformer_blocks(transformer: QwenImageTransformer2DModel) -> list[nn.Module]:
@@ -159,17 +172,21 @@ class QwenImage(causal_lm.LanguageModelText, ModelFamily):
     presets = PRESETS
     # The released text encoder is the whole vision-language model (Qwen2_5_VLForConditionalGeneration), its
     # language tower under model. (or model.language_model. as transformers 5 names it).
-    weight_prefixes = {"text_encoder": ("model.language_model.", "model.")}
+    weight_prefixes = {"text_encoder": (("model.language_model.", ""), ("model.", ""))}
     # Qwen's own module names are diffusers' (nothing fused): kohya's names are the paths, as diffusers' and
     # ComfyUI's Qwen-Image LoRA loaders read them.
     kohya_prefixes = {"transformer": "lora_unet_"}
+    template = TEMPLATE
+    """The pipeline's prompt, the caption at ``{}``."""
+    prefix = PREFIX
+    """What of `template` the conditioning drops (the pipeline's ``prompt_template_encode_start_idx`` tokens)."""
 
     def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
         # The prefix is read by the language model but not kept: the mask marks what the conditioning keeps (the
         # caption and the assistant's header), and `encode_text` attends the prefix as well.
-        prefix = prefix_length(tokenizer)
-        tokens = tokenizer([TEMPLATE.format(caption) for caption in captions], padding="max_length", truncation=True,
-                           max_length=tokenizer.model_max_length + prefix, return_tensors="pt")
+        prefix = prefix_length(tokenizer, self.prefix)
+        tokens = tokenizer([self.template.format(caption) for caption in captions], padding="max_length",
+                           truncation=True, max_length=tokenizer.model_max_length + prefix, return_tensors="pt")
         kept = tokens.attention_mask.clone()
         kept[:, :prefix] = 0
         return {self.ids_key(index): tokens.input_ids, self.mask_key(index): kept}
@@ -248,12 +265,18 @@ class QwenImage(causal_lm.LanguageModelText, ModelFamily):
     def denoise(self, denoiser: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 condition: dict[str, Any]) -> torch.Tensor:
         height, width = noisy.shape[-2:]
+        tokens, shapes = pack(noisy), [(1, height // 2, width // 2)]
+        reference = condition.get("reference_latents")
+        if reference is not None:
+            # Qwen-Image-Edit's: the source's tokens after the noisy ones, the next frame of RoPE's first axis.
+            tokens = torch.cat([tokens, pack(reference.to(noisy.dtype))], dim=1)
+            shapes.append((1, reference.shape[-2] // 2, reference.shape[-1] // 2))
         output = denoiser(
-            hidden_states=pack(noisy), encoder_hidden_states=condition["encoder_hidden_states"],
+            hidden_states=tokens, encoder_hidden_states=condition["encoder_hidden_states"],
             encoder_hidden_states_mask=condition["encoder_hidden_states_mask"],
             # The transformer scales sigma by 1000 itself.
-            timestep=timesteps / 1000, img_shapes=[(1, height // 2, width // 2)] * len(noisy), return_dict=False)[0]
-        return unpack(output, height, width)
+            timestep=timesteps / 1000, img_shapes=[shapes] * len(noisy), return_dict=False)[0]
+        return unpack(output[:, :(height // 2) * (width // 2)], height, width)
 
     # ------------------------------------------------------------------------------------------ the pipeline
 
@@ -265,7 +288,7 @@ class QwenImage(causal_lm.LanguageModelText, ModelFamily):
     def prepare_pipeline(self, pipe: Any) -> Any:
         # The pipeline drops the released tokenizer's 34 prefix tokens whatever its tokenizer; a model trained from
         # scratch has its own (the count is no setting a folder keeps).
-        pipe.prompt_template_encode_start_idx = prefix_length(pipe.tokenizer)
+        pipe.prompt_template_encode_start_idx = prefix_length(pipe.tokenizer, self.prefix)
         return pipe
 
     def sampling_defaults(self, denoiser_config: Any) -> dict[str, Any]:
@@ -282,3 +305,201 @@ class QwenImage(causal_lm.LanguageModelText, ModelFamily):
 
 
 QWEN_IMAGE = QwenImage()
+
+
+# ------------------------------------------------------------------------------------------ Qwen-Image-Edit
+# The same transformer and autoencoder, fine-tuned to edit (Qwen/Qwen-Image-Edit): the source image's latents are
+# tokens after the noisy ones (a second frame on RoPE's first axis), and the text encoder is the whole
+# Qwen2.5-VL, which reads the source as well: the user turn opens with the image's vision tokens, which the
+# conditioning keeps with the caption.
+
+EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, "
+                 "objects, background), then explain how the user's text instruction should alter or modify the "
+                 "image. Generate a new image that meets the user's requirements while maintaining consistency with "
+                 "the original input where appropriate.<|im_end|>\n<|im_start|>user\n"
+                 "<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n")
+"""QwenImageEditPipeline's prompt: one image placeholder, which the processor widens to the image's tokens."""
+EDIT_PREFIX = EDIT_TEMPLATE.split("<|vision_start|>")[0]
+"""What the edit conditioning drops: the system turn and the user turn's header (the pipeline's 64 tokens)."""
+VISION_MARKERS = {"vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>", "image": "<|image_pad|>",
+                  "video": "<|video_pad|>"}
+"""Qwen2.5-VL's vision tokens by the name its config gives each id (``image_token_id``, ...)."""
+IMAGE_PIXELS = {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16384}
+"""The fewest and most pixels Qwen2.5-VL's processor resizes an image to (the released processor's min_pixels and
+max_pixels)."""
+
+# Qwen2.5-VL-7B-Instruct's vision tower (its vision_config).
+_QWEN25_VL_7B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                            fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, hidden_act="silu")
+_TINY_VISION = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                    fullatt_block_indexes=[1])
+
+EDIT_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    preset: {**settings, "text_encoder": {**settings["text_encoder"], "vision_config": vision}}
+    for (preset, settings), vision in zip(
+        {"tiny": PRESETS["tiny"], "qwen-image-edit": PRESETS["qwen-image"]}.items(),
+        (_TINY_VISION, _QWEN25_VL_7B_VISION))
+}
+
+
+class VisionTextProcessor(Qwen2VLProcessor):
+    """Qwen2VLProcessor of an image processor and a tokenizer alone: the pipeline reads no video, and transformers
+    cannot build (nor save) one without its video processor, which needs torchvision. Saved, it is the processor
+    folder Qwen2VLProcessor loads."""
+
+    @classmethod
+    def get_attributes(cls) -> list[str]:
+        return ["image_processor", "tokenizer"]
+
+
+@functools.cache
+def image_processor(patch: int, merge: int, temporal: int) -> Qwen2VLImageProcessorPil:
+    """The released processor's image half, for a vision tower of these patch sides and merge (PIL's resizing,
+    which needs no torchvision)."""
+    return Qwen2VLImageProcessorPil(patch_size=patch, merge_size=merge, temporal_patch_size=temporal,
+                                    size=IMAGE_PIXELS)
+
+
+def vision_images(config: Any, sources: torch.Tensor) -> Any:
+    """`sources` (in [-1, 1]) as the vision tower of a Qwen2.5-VL whose config is `config` reads them: 8-bit images,
+    resized to whole merged patches, normalised and cut into patches (pixel_values, image_grid_thw)."""
+    vision = config.vision_config
+    processor = image_processor(vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size)
+    return processor(images=to_pil(sources), return_tensors="pt")
+
+
+def reference_latents_of(vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """A source image's latents as QwenImageEditPipeline gives them: the posterior's mode, each channel normalised."""
+    return QWEN_IMAGE.normalize_latents(QWEN_IMAGE.encode_latents(vae, pixels).mode(), vae)
+
+
+@contextmanager
+def edits_at_own_size(sources: list[Image.Image]) -> Iterator[dict[str, Any]]:
+    """QwenImageEditPipeline resizes each source to about a megapixel at its aspect, and no argument says otherwise:
+    in this context, the size it computes for each of `sources` is that source's own."""
+    sizes = {width / height: (width, height) for width, height in (source.size for source in sources)}
+    released = pipeline_qwenimage_edit.calculate_dimensions
+
+    def own_size(target_area: float, ratio: float) -> tuple[int, int, None]:
+        width, height = sizes.get(ratio) or released(target_area, ratio)[:2]
+        return width, height, None
+
+    pipeline_qwenimage_edit.calculate_dimensions = own_size
+    try:
+        yield {}
+    finally:
+        pipeline_qwenimage_edit.calculate_dimensions = released
+
+
+def vision_language_blocks(model: Qwen2_5_VLForConditionalGeneration) -> list[nn.Module]:
+    """The vision tower's blocks, then the language tower's decoder layers."""
+    return [*model.model.visual.blocks, *model.model.language_model.layers]
+
+
+class QwenImageEdit(QwenImage):
+    """Qwen-Image fine-tuned to edit by reference (see above); trained with ``edit.reference``."""
+
+    name = "qwen-image-edit"
+    title = "Qwen-Image-Edit"
+    components = {"vae": AutoencoderKLQwenImage, "text_encoder": Qwen2_5_VLForConditionalGeneration,
+                  "transformer": QwenImageTransformer2DModel}
+    pipeline_class = QwenImageEditPipeline
+    pipeline_names = ("QwenImageEditPipeline",)
+    hub_tags = ("qwen-image-edit", "image-editing")
+    reference = ReferenceSpec(QwenImageEditPipeline, reference_latents_of, at_own_size=edits_at_own_size,
+                              text_reads_source=True)
+    # Its transformer file is Qwen-Image's (a file alone does not say which it is): the edit model loads from a
+    # pipeline folder or Hub id, or from such a file with model.family set.
+    single_file_keys = ()
+    single_file = None
+    block_lists = {QwenImageTransformer2DModel: transformer_blocks,
+                   Qwen2_5_VLForConditionalGeneration: vision_language_blocks}
+    presets = EDIT_PRESETS
+    # The released checkpoint keeps transformers' earlier names (model.layers, visual.blocks).
+    weight_prefixes = {"text_encoder": (("model.language_model.", "model.language_model."),
+                                        ("model.visual.", "model.visual."), ("model.", "model.language_model."),
+                                        ("visual.", "model.visual."))}
+    template = EDIT_TEMPLATE
+    prefix = EDIT_PREFIX
+
+    def train_tokenizer(self, captions: list[str], out_dir: Path, vocab_size: int, max_length: int) -> Any:
+        return causal_lm.train_chat_tokenizer(captions, out_dir, vocab_size, max_length,
+                                              tuple(VISION_MARKERS.values()))
+
+    def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
+        text = {key: value for key, value in settings.items() if key != "vision_config"}
+        markers = {f"{role}_token_id": tokenizer.convert_tokens_to_ids(token) for role, token in VISION_MARKERS.items()}
+        return Qwen2_5_VLForConditionalGeneration(construct(Qwen2_5_VLConfig, key, {
+            "text_config": {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+                            "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id, **text},
+            "vision_config": settings.get("vision_config", {}), **markers}))
+
+    def unused_modules(self, name: str, module: nn.Module) -> list[str]:
+        # The conditioning is the language tower's last states: its head computes nothing that is read.
+        if isinstance(module, Qwen2_5_VLForConditionalGeneration):
+            return ["lm_head"]
+        return super().unused_modules(name, module)
+
+    def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
+        return {"joint_attention_dim": text_encoders["text_encoder"].config.text_config.hidden_size}
+
+    def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
+        return super().text_shapes({"text_encoder": text_encoders["text_encoder"].text_config}, lengths)
+
+    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
+                    masks: list[torch.Tensor | None] | None = None, sources: torch.Tensor | None = None
+                    ) -> dict[str, torch.Tensor]:
+        if sources is None:
+            raise ValueError("Qwen-Image-Edit's conditioning reads each caption's source image: pass `sources`")
+        model = encoders[0]
+        images = vision_images(model.config, sources)
+        grid = images["image_grid_thw"]
+        # Each sample's one image placeholder widened to its image's tokens (one per merged patch), as the
+        # processor does; a batch's sources share a size, so its rows stay of one length.
+        count = int(grid[0].prod()) // model.config.vision_config.spatial_merge_size ** 2
+        placeholder = ids[0] == model.config.image_token_id
+        repeats = torch.where(placeholder, count, 1).flatten()
+
+        def widened(tokens: torch.Tensor) -> torch.Tensor:
+            return tokens.flatten().repeat_interleave(repeats).view(len(tokens), -1)
+
+        kept = widened(masks[0])
+        drop = int(kept[0].argmax())
+        attended = kept.clone()
+        attended[:, :drop] = 1
+        device = next(model.parameters()).device
+        states = model.model(input_ids=widened(ids[0]), attention_mask=attended,
+                             pixel_values=images["pixel_values"].to(device), image_grid_thw=grid.to(device),
+                             output_hidden_states=True).hidden_states[-1][:, drop:]
+        mask = kept[:, drop:].to(states.dtype)
+        return {"text_emb": states * mask.unsqueeze(-1), "text_mask": mask}
+
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+        text_encoder = components["text_encoder"]
+        pipe = QwenImageEditPipeline(
+            scheduler=scheduler, vae=components["vae"], text_encoder=text_encoder, tokenizer=tokenizers[0],
+            processor=self.processor(text_encoder.config, tokenizers[0]), transformer=components["transformer"])
+        return self.prepare_pipeline(pipe)
+
+    def processor(self, config: Any, tokenizer: Any) -> VisionTextProcessor:
+        """The pipeline's processor for a text encoder of `config` and its tokenizer."""
+        vision = config.vision_config
+        return VisionTextProcessor(image_processor(vision.patch_size, vision.spatial_merge_size,
+                                                   vision.temporal_patch_size), tokenizer)
+
+    def prepare_pipeline(self, pipe: Any) -> Any:
+        # A folder names transformers' own processor class, which is what this one saves.
+        pipe.register_to_config(processor=("transformers", "Qwen2VLProcessor"))
+        return super().prepare_pipeline(pipe)
+
+    def pipeline_from_folder(self, folder: str | Path, **kwargs: Any) -> Any:
+        # Its processor given, built from the folder's image settings and tokenizer: transformers cannot load a
+        # Qwen2VLProcessor without torchvision (its video half), and the training path resizes with PIL.
+        folder = Path(folder)
+        processor = VisionTextProcessor(Qwen2VLImageProcessorPil.from_pretrained(folder / "processor"),
+                                        AutoTokenizer.from_pretrained(folder / "tokenizer"))
+        return super().pipeline_from_folder(folder, processor=processor, **kwargs)
+
+
+QWEN_IMAGE_EDIT = QwenImageEdit()

@@ -12,7 +12,8 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -135,10 +136,14 @@ class ReferenceSpec:
     """The diffusers pipeline that edits with the denoiser (``from_pipe`` of the family's pipeline, ``image=``)."""
     latents: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     """(VAE, reference images in [-1, 1]) -> their latents as the pipeline gives them to the denoiser."""
-    own_size_arguments: dict[str, Any] = field(default_factory=dict)
-    """What the pipeline is given to edit a reference at its own size rather than resize it to the sizes its
-    release prefers (Kontext's ``_auto_resize=False``): validation's and `generate`'s on a run, whose references
-    are at the training size."""
+    at_own_size: Callable[[Any], AbstractContextManager[dict[str, Any]]] = lambda pipe: nullcontext({})
+    """(the pipeline) -> a context in which it edits a reference at the reference's own size rather than resize it
+    to the sizes its release prefers, yielding what each call is given to (Kontext's ``_auto_resize=False``):
+    validation's and `generate`'s on a run, whose references are at the training size."""
+    text_reads_source: bool = False
+    """Whether the text encoder reads the reference too (Qwen-Image-Edit's vision-language model): the conditioning
+    is then each sample's own, given the sources (`ModelFamily.encode_text`'s `sources`), never one computed from
+    the captions alone (encoded shards' text embeddings, a recipe's fixed prompts)."""
 
 
 class ModelFamily:
@@ -202,10 +207,11 @@ class ModelFamily:
     comfyui_reads_diffusers_lora: bool = False
     """Whether ComfyUI's Load LoRA reads the diffusers LoRA file of this family's (it reads kohya's of every
     family that has `kohya_prefixes`)."""
-    weight_prefixes: dict[str, tuple[str, ...]] = {}
-    """Component name -> the prefixes its weights sit under in a released folder of a larger model (a language
-    model's tower, its head or vision tower beside it: ``model.``), cut when the weights are read a tensor at a time
-    (``model.frozen_precision``); transformers' own loader knows them."""
+    weight_prefixes: dict[str, tuple[tuple[str, str], ...]] = {}
+    """Component name -> how the names of its weights in a released folder begin, and what the module calls them
+    instead (the first pair a name starts with): a language model's tower read from a folder of the whole model
+    (its head or vision tower beside it: ``model.`` read as ``""``), or a model saved under transformers' earlier
+    names (``visual.`` read as ``model.visual.``)."""
     embedding_keys: tuple[str, ...] = ()
     """The key of each text encoder's vectors in a textual-inversion file, in text encoder order; empty: the file
     holds one key, the placeholder (diffusers' and A1111's layout for one text encoder)."""
@@ -226,6 +232,12 @@ class ModelFamily:
             raise UserError(f"model.preset: '{preset}' is not a {self.title} preset; choose one of "
                             f"{', '.join(self.presets)} (or set model.family)")
         return copy.deepcopy(self.presets[preset][component])
+
+    @property
+    def edits_only(self) -> bool:
+        """Whether the family's models only edit by reference: its pipeline is its editing one, which takes the
+        source (Qwen-Image-Edit's)."""
+        return self.reference is not None and self.reference.pipeline_class is self.pipeline_class
 
     def pipeline_classes(self) -> tuple[type, ...]:
         """Every diffusers pipeline class that samples this family's models: its own, and those of the modes it
@@ -347,11 +359,13 @@ class ModelFamily:
     # ----------------------------------------------------------------------------- the conditioner
 
     def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
-                    masks: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
+                    masks: list[torch.Tensor | None] | None = None, sources: torch.Tensor | None = None
+                    ) -> dict[str, torch.Tensor]:
         """The text conditioning of a batch, from each text encoder's token ids (and attention mask, for an encoder
         that reads one: `token_inputs`): ``text_emb`` (the sequence the denoiser attends to) and any pooled vectors
         or mask, under the names pre-encoded shards store them by. `captions` (None when unknown) tell a family
-        that conditions empty captions on zeros which rows are empty."""
+        that conditions empty captions on zeros which rows are empty; `sources`, the edits' source images in
+        [-1, 1], are read by a family whose text encoder reads them (`ReferenceSpec.text_reads_source`)."""
         raise NotImplementedError
 
     def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
@@ -458,6 +472,12 @@ class ModelFamily:
             name = None  # the loader reports what is wrong with the folder
         cls = next((c for c in self.pipeline_classes() if c.__name__ == name), self.pipeline_class)
         return self.prepare_pipeline(cls.from_pretrained(folder, **self.pipeline_loading, **kwargs))
+
+    def editing_pipeline(self, pipe: Any) -> Any:
+        """`pipe` (the family's pipeline) as the one that edits by reference (`reference`'s), prepared as the family
+        prepares its pipelines (`prepare_pipeline`)."""
+        cls = self.reference.pipeline_class
+        return pipe if isinstance(pipe, cls) else self.prepare_pipeline(cls.from_pipe(pipe))
 
     def prepare_pipeline(self, pipe: Any) -> Any:
         """`pipe` (the family's pipeline, assembled or loaded from a folder) with what its folder cannot carry and

@@ -287,7 +287,7 @@ class ZImage(causal_lm.LanguageModelText, ModelFamily):
                    AutoencoderKL: vae_blocks}
     presets = PRESETS
     # The released text encoder is Qwen3ForCausalLM, read as its Qwen3Model.
-    weight_prefixes = {"text_encoder": ("model.",)}
+    weight_prefixes = {"text_encoder": (("model.", ""),)}
     # The transformer's adapters alone (no text encoder is adapted), named as the authors' modules: see LoRA files.
     kohya_prefixes = {"transformer": kohya.PREFIX}
     kohya_names_each_layer = False  # its kohya layout fuses q, k and v
