@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,12 +35,7 @@ def released(tmp_path_factory) -> Path:
     """A Qwen-Image pipeline folder as diffusers saves the release: the whole vision-language model as the text
     encoder, the 3D autoencoder with its latent statistics, the transformer, a Qwen2 chat tokenizer, and the
     released scheduler settings."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+    from diffusers import QwenImagePipeline
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     folder = tmp_path_factory.mktemp("qwen-image") / "pipeline"
@@ -53,6 +49,15 @@ def released(tmp_path_factory) -> Path:
     encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
         text_config=text, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
                                              out_hidden_size=32)))
+    QwenImagePipeline(text_encoder=encoder, tokenizer=tokenizer, **released_parts()).save_pretrained(folder)
+    return folder
+
+
+def released_parts() -> dict[str, Any]:
+    """The release's transformer, 3D autoencoder (with latent statistics) and scheduler settings, at a tiny size:
+    what Qwen-Image's and Qwen-Image-Edit's pipelines share."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
     transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=2,
                                               attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                                               axes_dims_rope=(4, 6, 6))
@@ -63,9 +68,7 @@ def released(tmp_path_factory) -> Path:
                                  latents_std=(1 + torch.rand(16, generator=generator)).tolist())
     scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
                                                 base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02)
-    QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=encoder, tokenizer=tokenizer,
-                      transformer=transformer).save_pretrained(folder)
-    return folder
+    return {"transformer": transformer, "vae": vae, "scheduler": scheduler}
 
 
 def _pipeline(folder: Path):

@@ -26,6 +26,7 @@ from sdtrain.models.families.qwenimage import VISION_MARKERS, VisionTextProcesso
 from sdtrain.models.tokenizer import CaptionTokenizer
 
 from .conftest import TINY_CLI, config_path
+from .test_qwenimage import released_parts
 
 CONFIGS = config_path("diffusion.yaml").parents[1]
 EDIT = families.get("qwen-image-edit")
@@ -40,12 +41,7 @@ def released(tmp_path_factory) -> Path:
     (its vision tokens' ids in its config), the 3D autoencoder with its latent statistics, the transformer, a Qwen2
     chat tokenizer with the vision markers, and the processor folder (the image processor's settings beside the
     tokenizer), saved by diffusers."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImageEditPipeline,
-        QwenImageTransformer2DModel,
-    )
+    from diffusers import QwenImageEditPipeline
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     folder = tmp_path_factory.mktemp("qwen-image-edit") / "pipeline"
@@ -60,19 +56,9 @@ def released(tmp_path_factory) -> Path:
     encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
         text_config=text, vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2,
                                              out_hidden_size=32, fullatt_block_indexes=[1]), **markers))
-    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=2,
-                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                                              axes_dims_rope=(4, 6, 6))
-    generator = torch.Generator().manual_seed(1)
-    vae = AutoencoderKLQwenImage(base_dim=16, z_dim=16, dim_mult=[1, 2, 2], num_res_blocks=1,
-                                 temperal_downsample=[False, True],
-                                 latents_mean=(torch.randn(16, generator=generator) * 0.1).tolist(),
-                                 latents_std=(1 + torch.rand(16, generator=generator)).tolist())
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-                                                base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02)
-    pipe = QwenImageEditPipeline(scheduler=scheduler, vae=vae, text_encoder=encoder, tokenizer=tokenizer,
+    pipe = QwenImageEditPipeline(text_encoder=encoder, tokenizer=tokenizer,
                                  processor=VisionTextProcessor(image_processor(14, 2, 2), tokenizer),
-                                 transformer=transformer)
+                                 **released_parts())
     # The release's model_index names transformers' processor, whose folder holds the image processor's
     # preprocessor_config.json and the tokenizer (transformers needs torchvision to build one with its video half).
     pipe.register_to_config(processor=("transformers", "Qwen2VLProcessor"))
@@ -228,8 +214,10 @@ def test_a_lora_learns_to_edit_and_loads_into_the_edit_pipeline(released, tmp_pa
     assert main(["prepare", "encode", str(edits), "--model", str(released), "--out", str(encoded),
                  "--resolution", "32"]) == 0
     assert "latents alone are encoded" in caplog.text
+    # Measuring the step's memory (gradient checkpointing auto) steps on a synthetic batch with sources too.
     assert main(["train", str(CONFIGS / "qwen-image-edit-lora.yaml"), f"run_dir={tmp_path / 'on-encoded'}",
-                 *COMMON, f"model.pretrained={released}", f"data.shards={encoded}"]) == 0
+                 *COMMON, f"model.pretrained={released}", f"data.shards={encoded}",
+                 "train.gradient_checkpointing=auto"]) == 0
     assert "pre-encoded shards: latents read" in caplog.text
 
 
@@ -243,8 +231,24 @@ def test_a_full_run_exports_an_edit_pipeline_that_generate_edits_with(released, 
     assert index["_class_name"] == "QwenImageEditPipeline" and index["processor"] == ["transformers",
                                                                                        "Qwen2VLProcessor"]
     assert families.detect(folder) is EDIT
+    # Where torchvision is installed, transformers builds the processor's video half from the image settings.
+    from transformers.models.auto.video_processing_auto import get_video_processor_config
+
+    assert get_video_processor_config(folder / "processor")["image_processor_type"] == "Qwen2VLImageProcessor"
     _source((64, 32)).save(tmp_path / "source.png")  # wider than tall, as a bucketed run's may be
     assert main(["generate", "--model", str(folder), "--image", str(tmp_path / "source.png"), "--prompt",
                  "make it blue", "--steps", "2", "--out", str(tmp_path / "images")]) == 0
     edited = sorted((tmp_path / "images").glob("0*.png"))
     assert len(edited) == 1 and Image.open(edited[0]).width > Image.open(edited[0]).height  # the source's aspect
+
+
+def test_the_benchmark_times_an_edit_run_on_encoded_shards(released, tmp_path):
+    """`sdtrain benchmark train --encoded` of an edit run: its synthetic shards carry sources, the text encoder runs
+    (it reads them), and the step is timed as training runs it."""
+    out = tmp_path / "result.json"
+    assert main(["benchmark", "train", str(CONFIGS / "qwen-image-edit-lora.yaml"), f"run_dir={tmp_path / 'run'}",
+                 f"model.pretrained={released}", "data.resolution=32", "data.aspect_buckets=false",
+                 f"model.t5_text_length={TEXT_LENGTH}", "train.mixed_precision=fp32", "model.frozen_precision=fp32",
+                 "--encoded", "--steps", "1", "--warmup", "0", "--peak-seconds", "0.2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["encoded"] and result["step_ms"] > 0 and result["peak_memory_gib"] > 0

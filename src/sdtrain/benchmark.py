@@ -39,6 +39,7 @@ from sdtrain.train import autotune
 from sdtrain.train.components import ComponentPlanner
 from sdtrain.train.modes import part_class
 from sdtrain.train.parallel import uncounted_recomputation
+from sdtrain.train.tasks import text_reads_sources
 from sdtrain.train.trainer import Trainer
 from sdtrain.utils import atomic_write_text
 
@@ -102,8 +103,9 @@ class Benchmark(Trainer):
         encoding = {name: planner.source(name) for name in ("vae", *family.text_encoders)}
         synthetic.mkdir(parents=True, exist_ok=True)
         write_manifest(synthetic, [], extra={"encoding": encoding})
-        trains_text = part_class(self.config)(self.config, family).text_encoder_trains()
-        return planner.stood_in_for(encoding, self.config.data, trains_text)
+        text_runs = (part_class(self.config)(self.config, family).text_encoder_trains()
+                     or text_reads_sources(self.config, family))
+        return planner.stood_in_for(encoding, self.config.data, text_runs)
 
     def _tune(self) -> autotune.Tuning:
         # Loading ends here: what autotune measures next is a training step's memory, not loading's. The

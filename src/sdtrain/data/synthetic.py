@@ -13,8 +13,10 @@ import torch
 
 from sdtrain.config import DataConfig
 from sdtrain.data.encoded import (
+    CONDITIONING_IMAGE,
     LATENT_MEAN,
     LATENT_STD,
+    SOURCE_IMAGE,
     TEXT_FIELDS,
     describe_encoding,
     empty_caption_file,
@@ -43,24 +45,23 @@ class SyntheticBatches:
             "keys": [f"synthetic-{i}" for i in range(count)],
         }
         captions = task.caption_tokenizer
-        # Every position a caption's: random ids at the tokenizer's whole length, and a full attention mask where
-        # the family's encoder reads one, so the text encoders do a real caption's most work.
-        for index, tokenizer in enumerate(captions.tokenizers if captions is not None else ()):
-            shape = (count, tokenizer.model_max_length)
-            self.batch[captions.family.ids_key(index)] = torch.randint(0, len(tokenizer), shape, generator=generator)
         if captions is not None:
-            for key, value in captions(self.batch["captions"]).items():
-                self.batch.setdefault(key, torch.ones_like(value))
+            # Every position a caption's: a caption longer than any tokenizer keeps, tokenized as the loader does
+            # (in the family's prompt template, with its attention mask), so the text encoders do a real caption's
+            # most work.
+            longest = max(tokenizer.model_max_length for tokenizer in captions.tokenizers)
+            self.batch["captions"] = [" ".join(["synthetic"] * longest)] * count
+            self.batch.update(captions(self.batch["captions"]))
         self.batch["size_ids"] = torch.tensor([[size, size, 0, 0, size, size]] * count)
         if task.text_embeddings:  # the shards' embeddings, or a mode's prompts encoded once
             for key, shape in text_shapes(task).items():
                 self.batch[key] = torch.randn(count, *shape, generator=generator)
+        # The images a sample may carry beside its own (a ControlNet's map, an edit's source), for the modes that
+        # read them: encoded shards keep them too.
+        self.batch["conditioning_pixels"] = torch.rand(count, 3, size, size, generator=generator)
+        self.batch["source_pixels"] = torch.rand(count, 3, size, size, generator=generator) * 2 - 1
         if not encoded:
             self.batch["pixel_values"] = torch.rand(count, 3, size, size, generator=generator) * 2 - 1
-            # The images a sample may carry beside its own (a ControlNet's map, an edit's source), for the modes
-            # that read them.
-            self.batch["conditioning_pixels"] = torch.rand(count, 3, size, size, generator=generator)
-            self.batch["source_pixels"] = torch.rand(count, 3, size, size, generator=generator) * 2 - 1
             return
         vae = task.vae.config
         side = size // task.family.latent_downsampling(vae)
@@ -93,11 +94,12 @@ def write_synthetic_shards(out: Path, config: DataConfig, task: Any, samples: in
             image, caption, _ = render_shapes_sample(rng, config.resolution)
             sample: dict[str, Any] = {"__key__": f"{index:08d}", "txt": caption}
             if encoding is None:
-                buffer = io.BytesIO()
-                image.save(buffer, format="JPEG", quality=90)
-                sample["jpg"] = buffer.getvalue()
+                sample["jpg"] = _image_bytes(image, "JPEG", quality=90)
             else:
                 sample |= _encoded_fields(encoding, task, rng)
+            if task.encodes_images():  # a ControlNet's map and an edit's source, the image of another sample
+                companion = _image_bytes(render_shapes_sample(rng, config.resolution)[0], "PNG")
+                sample |= {CONDITIONING_IMAGE: companion, SOURCE_IMAGE: companion}
             writer.write(sample)
     if encoding is not None and encoding["text_encoder"] is not None:
         for field, shape in text_shapes(task).items():
@@ -106,8 +108,14 @@ def write_synthetic_shards(out: Path, config: DataConfig, task: Any, samples: in
     return out
 
 
+def _image_bytes(image: Any, image_format: str, **settings: Any) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=image_format, **settings)
+    return buffer.getvalue()
+
+
 def _encoding(config: DataConfig, task: Any) -> dict[str, Any]:
-    text_encoders = {} if task.text_encoder_trains() else {name: task.sources.get(name)
+    text_encoders = {} if task.text_encoder_runs() else {name: task.sources.get(name)
                                                            for name in task.family.text_encoders}
     return describe_encoding(task.sources.get("vae"), text_encoders, config.resolution, task.family, task.vae.config,
                              task.tokenizer, "float16", task.long_text_length)

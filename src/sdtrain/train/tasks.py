@@ -124,6 +124,11 @@ class Task:
         """Whether `validate` would render anything, so the trainer builds its modules only then."""
         return False
 
+    def encodes_images(self) -> bool:
+        """Whether training reads images the samples carry beside their own (a ControlNet's maps, an edit's
+        sources)."""
+        return False
+
     def staged_on_host(self) -> bool:
         """Whether a trained module waits in host memory for the parallel wrapper to place it (FSDP moving each
         block's shard to the GPU): no step can run before the wrapping, nor the whole model on one device."""
@@ -406,7 +411,7 @@ class DiffusionTask(Task):
                 setattr(self, name, self.frozen(name))
             encoders.append(getattr(self, name))
         ids, masks = self.family.token_inputs(batch, self.device)
-        if not self.text_reads_sources():
+        if not text_reads_sources(self.config, self.family):
             return self.family.encode_text(encoders, ids, batch.get("captions"), masks)
         return self.family.encode_text(encoders, ids, batch.get("captions"), masks, sources=self.sources_of(batch))
 
@@ -564,13 +569,9 @@ class DiffusionTask(Task):
         """How the family's denoiser edits by reference; a family that cannot is one line."""
         return families.mode_spec(self.family, "reference", "edit.reference", "learns no editing by reference")
 
-    def text_reads_sources(self) -> bool:
-        """Whether the text conditioning reads each edit's source as well (`ReferenceSpec.text_reads_source`)."""
-        return self.config.edit.reference and self.reference_spec().text_reads_source
-
     def text_encoder_runs(self) -> bool:
         """Whether training runs the text encoders whatever the data holds: one trains, or they read the sources."""
-        return self.text_encoder_trains() or self.text_reads_sources()
+        return self.text_encoder_trains() or text_reads_sources(self.config, self.family)
 
     @staticmethod
     def sources_of(batch: dict[str, Any]) -> torch.Tensor:
@@ -663,6 +664,12 @@ class DiffusionTask(Task):
 
 
 TASKS: dict[str, type[Task]] = {"autoencoder": AutoencoderTask, "diffusion": DiffusionTask}
+
+
+def text_reads_sources(config: RunConfig, family: families.ModelFamily) -> bool:
+    """Whether a run's text conditioning reads each edit's source as well (``edit.reference`` on a family whose
+    `ReferenceSpec.text_reads_source`)."""
+    return bool(config.edit.reference and family.reference is not None and family.reference.text_reads_source)
 
 
 def latent_mask(batch: dict[str, Any], latents: torch.Tensor) -> torch.Tensor | None:

@@ -346,11 +346,16 @@ EDIT_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 class VisionTextProcessor(Qwen2VLProcessor):
     """Qwen2VLProcessor of an image processor and a tokenizer alone: the pipeline reads no video, and transformers
     cannot build (nor save) one without its video processor, which needs torchvision. Saved, it is the processor
-    folder Qwen2VLProcessor loads."""
+    folder Qwen2VLProcessor loads: the image settings are also written where earlier releases kept them
+    (preprocessor_config.json), which transformers makes the video processor of where the folder has none."""
 
     @classmethod
     def get_attributes(cls) -> list[str]:
         return ["image_processor", "tokenizer"]
+
+    def save_pretrained(self, save_directory: str | Path, **kwargs: Any) -> list[str]:
+        written = super().save_pretrained(save_directory, **kwargs)
+        return [*written, *self.image_processor.save_pretrained(save_directory)]
 
 
 @functools.cache
@@ -361,12 +366,16 @@ def image_processor(patch: int, merge: int, temporal: int) -> Qwen2VLImageProces
                                     size=IMAGE_PIXELS)
 
 
+def image_processor_of(config: Any) -> Qwen2VLImageProcessorPil:
+    """`image_processor` for the vision tower of a Qwen2.5-VL whose config is `config`."""
+    vision = config.vision_config
+    return image_processor(vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size)
+
+
 def vision_images(config: Any, sources: torch.Tensor) -> Any:
     """`sources` (in [-1, 1]) as the vision tower of a Qwen2.5-VL whose config is `config` reads them: 8-bit images,
     resized to whole merged patches, normalised and cut into patches (pixel_values, image_grid_thw)."""
-    vision = config.vision_config
-    processor = image_processor(vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size)
-    return processor(images=to_pil(sources), return_tensors="pt")
+    return image_processor_of(config)(images=to_pil(sources), return_tensors="pt")
 
 
 def reference_latents_of(vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
@@ -477,16 +486,10 @@ class QwenImageEdit(QwenImage):
 
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
         text_encoder = components["text_encoder"]
-        pipe = QwenImageEditPipeline(
+        processor = VisionTextProcessor(image_processor_of(text_encoder.config), tokenizers[0])
+        return self.prepare_pipeline(QwenImageEditPipeline(
             scheduler=scheduler, vae=components["vae"], text_encoder=text_encoder, tokenizer=tokenizers[0],
-            processor=self.processor(text_encoder.config, tokenizers[0]), transformer=components["transformer"])
-        return self.prepare_pipeline(pipe)
-
-    def processor(self, config: Any, tokenizer: Any) -> VisionTextProcessor:
-        """The pipeline's processor for a text encoder of `config` and its tokenizer."""
-        vision = config.vision_config
-        return VisionTextProcessor(image_processor(vision.patch_size, vision.spatial_merge_size,
-                                                   vision.temporal_patch_size), tokenizer)
+            processor=processor, transformer=components["transformer"]))
 
     def prepare_pipeline(self, pipe: Any) -> Any:
         # A folder names transformers' own processor class, which is what this one saves.
