@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from sdtrain.cli.main import main
 from sdtrain.export import export_run
@@ -240,6 +241,19 @@ def test_a_full_run_exports_an_edit_pipeline_that_generate_edits_with(released, 
                  "make it blue", "--steps", "2", "--out", str(tmp_path / "images")]) == 0
     edited = sorted((tmp_path / "images").glob("0*.png"))
     assert len(edited) == 1 and Image.open(edited[0]).width > Image.open(edited[0]).height  # the source's aspect
+
+    # Its transformer alone in one file, as ComfyUI loads it, and read back as an edit run's transformer.
+    single = tmp_path / "qwen-image-edit.safetensors"
+    assert main(["export", str(full), str(single), "--single-file"]) == 0
+    trained = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))  # as exported
+    assert main(["train", str(CONFIGS / "qwen-image-edit-lora.yaml"), f"run_dir={tmp_path / 'from-file'}", *COMMON,
+                 f"model.pretrained={released}", f"model.transformer={single}", f"data.shards={edits}",
+                 "train.max_steps=1"]) == 0
+    from sdtrain.loaders.components import load_component
+
+    transformer = load_component("transformer", single, family=EDIT)
+    for key, value in transformer.state_dict().items():
+        assert torch.equal(value, trained[key]), key
 
 
 def test_the_benchmark_times_an_edit_run_on_encoded_shards(released, tmp_path):

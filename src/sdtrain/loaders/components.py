@@ -85,7 +85,8 @@ def _from_single_file(name: str, path: Path, trust_pickle: bool | None, family: 
                       frozen_precision: str, weights: bool, served: Any) -> Any:
     """Component `name` of a single file, read by the layout of the family its keys name (`family_of_keys`; a
     VAE alone or a pickle checkpoint: Stable Diffusion's original layout, whose reader says what it cannot read),
-    which must be the model's own family unless that layout serves any (`SingleFileLayout.family_bound`)."""
+    which must be the model's own family's layout (two families may share one: an editing model's and its base's)
+    unless that layout serves any (`SingleFileLayout.family_bound`)."""
     keys: list[str] = []
     if path.suffix in single_file.SAFE_SUFFIXES or not (trust_pickle or single_file.trust_pickle_from_env()):
         # Its header (an unreadable file, or a pickle not trusted, is one line here); a trusted pickle is read
@@ -94,7 +95,7 @@ def _from_single_file(name: str, path: Path, trust_pickle: bool | None, family: 
     found = families.family_of_keys(keys) or families.SD
     layout = found.single_file
     assert layout is not None  # a family is recognised from a single file only by its layout's keys
-    if family is not None and found is not family and layout.family_bound:
+    if family is not None and layout is not family.single_file and layout.family_bound:
         raise UserError(f"{path}: a {found.title} file, but the model is {family.title}; set "
                         f"model.family={found.name}, or point model.{name} at a {family.title} source")
     if name not in found.components or (layout.holds is not None and name not in layout.holds):

@@ -418,10 +418,9 @@ class QwenImageEdit(QwenImage):
     hub_tags = ("qwen-image-edit", "image-editing")
     reference = ReferenceSpec(QwenImageEditPipeline, reference_latents_of, at_own_size=edits_at_own_size,
                               text_reads_source=True)
-    # Its transformer file is Qwen-Image's (a file alone does not say which it is): the edit model loads from a
-    # pipeline folder or Hub id, or from such a file with model.family set.
+    # Its transformer file is Qwen-Image's layout (ComfyUI loads either as the same model), which a file alone does
+    # not tell apart: one is read as the edit model's transformer (model.transformer) where the family is set.
     single_file_keys = ()
-    single_file = None
     block_lists = {QwenImageTransformer2DModel: transformer_blocks,
                    Qwen2_5_VLForConditionalGeneration: vision_language_blocks}
     presets = EDIT_PRESETS
