@@ -53,14 +53,14 @@ def released(tmp_path_factory) -> Path:
     return folder
 
 
-def released_parts() -> dict[str, Any]:
-    """The release's transformer, 3D autoencoder (with latent statistics) and scheduler settings, at a tiny size:
-    what Qwen-Image's and Qwen-Image-Edit's pipelines share."""
+def released_parts(**transformer_settings: Any) -> dict[str, Any]:
+    """The release's transformer (with `transformer_settings` beside its shape), 3D autoencoder (with latent
+    statistics) and scheduler settings, at a tiny size: what Qwen-Image's and Qwen-Image-Edit's pipelines share."""
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
     transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=2,
                                               attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                                              axes_dims_rope=(4, 6, 6))
+                                              axes_dims_rope=(4, 6, 6), **transformer_settings)
     generator = torch.Generator().manual_seed(1)
     vae = AutoencoderKLQwenImage(base_dim=16, z_dim=16, dim_mult=[1, 2, 2], num_res_blocks=1,
                                  temperal_downsample=[False, True],

@@ -31,21 +31,30 @@ from .test_qwenimage import released_parts
 
 CONFIGS = config_path("diffusion.yaml").parents[1]
 EDIT = families.get("qwen-image-edit")
-TEXT_LENGTH = 24
+PLUS = families.get("qwen-image-edit-plus")
+TEXT_LENGTH = 40
 COMMON = [*TINY_CLI, f"model.t5_text_length={TEXT_LENGTH}", "data.aspect_buckets=false", "train.max_steps=2",
           "optim.lr=0.01", "model.frozen_precision=fp32"]
 
 
 @pytest.fixture(scope="module")
 def released(tmp_path_factory) -> Path:
-    """A Qwen-Image-Edit pipeline folder as the release is: the whole vision-language model as the text encoder
-    (its vision tokens' ids in its config), the 3D autoencoder with its latent statistics, the transformer, a Qwen2
-    chat tokenizer with the vision markers, and the processor folder (the image processor's settings beside the
-    tokenizer), saved by diffusers."""
-    from diffusers import QwenImageEditPipeline
+    return _release(tmp_path_factory.mktemp("qwen-image-edit") / "pipeline", EDIT)
+
+
+@pytest.fixture(scope="module")
+def released_plus(tmp_path_factory) -> Path:
+    return _release(tmp_path_factory.mktemp("qwen-image-edit-plus") / "pipeline", PLUS)
+
+
+def _release(folder: Path, family) -> Path:
+    """A Qwen-Image-Edit pipeline folder (of `family`'s pipeline) as the release is: the whole vision-language model
+    as the text encoder (its vision tokens' ids in its config), the 3D autoencoder with its latent statistics, the
+    transformer (2511's modulating the source at timestep zero, for the Plus pipeline), a Qwen2 chat tokenizer with
+    the vision markers, and the processor folder (the image processor's settings beside the tokenizer), saved by
+    diffusers."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    folder = tmp_path_factory.mktemp("qwen-image-edit") / "pipeline"
     torch.manual_seed(0)
     tokenizer = causal_lm.train_chat_tokenizer(
         [f"make it {c}" for c in ("red", "green", "blue", "yellow")] * 4, folder.parent / "tokenizer", 600,
@@ -57,9 +66,9 @@ def released(tmp_path_factory) -> Path:
     encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
         text_config=text, vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2,
                                              out_hidden_size=32, fullatt_block_indexes=[1]), **markers))
-    pipe = QwenImageEditPipeline(text_encoder=encoder, tokenizer=tokenizer,
+    pipe = family.pipeline_class(text_encoder=encoder, tokenizer=tokenizer,
                                  processor=VisionTextProcessor(image_processor(14, 2, 2), tokenizer),
-                                 **released_parts())
+                                 **released_parts(zero_cond_t=family is PLUS))
     # The release's model_index names transformers' processor, whose folder holds the image processor's
     # preprocessor_config.json and the tokenizer (transformers needs torchvision to build one with its video half).
     pipe.register_to_config(processor=("transformers", "Qwen2VLProcessor"))
@@ -71,8 +80,8 @@ def released(tmp_path_factory) -> Path:
     return folder
 
 
-def _pipeline(folder: Path):
-    pipe = EDIT.pipeline_from_folder(folder, local_files_only=True)
+def _pipeline(folder: Path, family=EDIT):
+    pipe = family.pipeline_from_folder(folder, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -82,11 +91,9 @@ def _source(side: tuple[int, int] = (48, 32)) -> Image.Image:
     return Image.fromarray(pixels)
 
 
-def _edit(pipe, source: Image.Image) -> np.ndarray:
-    from sdtrain.models.families.qwenimage import edits_at_own_size
-
-    with edits_at_own_size([source]) as own_size:
-        return pipe(prompt="make it blue", image=source, num_inference_steps=2, height=source.height,
+def _edit(pipe, source: Image.Image, family=EDIT) -> np.ndarray:
+    with family.reference.at_own_size([source]) as own_size:
+        return pipe(prompt="make it blue", image=[source], num_inference_steps=2, height=source.height,
                     width=source.width, true_cfg_scale=1.0, output_type="np",
                     generator=torch.Generator().manual_seed(0), **own_size).images[0]
 
@@ -122,8 +129,7 @@ def test_the_text_encoder_reads_the_released_names_whole_and_a_tensor_at_a_time(
     assert any(n.startswith("visual.") for n in names) and any(n.startswith("model.layers.") for n in names)
     whole = load_component("text_encoder", released, family=EDIT)
     ids = torch.randint(0, 100, (1, 9))
-    pixels = torch.rand(1, 3, 32, 32) * 2 - 1
-    images = vision_images(whole.config, pixels)
+    images = vision_images(whole.config, [_source((32, 32))])
     ids[0, 3] = whole.config.image_token_id
     ids = torch.cat([ids[:, :3], ids[:, 3:4].repeat(1, 4), ids[:, 4:]], dim=1)  # 32 px: 4 merged patches
 
@@ -138,78 +144,86 @@ def test_the_text_encoder_reads_the_released_names_whole_and_a_tensor_at_a_time(
     assert (states(low) - expected).abs().max() <= 0.2 * expected.abs().max()
 
 
-def test_the_conditioning_and_the_denoiser_with_the_source_are_the_pipelines_own(released):
-    """Training's conditioning (the instruction's states with the source's vision tokens, the system turn dropped)
-    is QwenImageEditPipeline.encode_prompt's for that source; the denoiser's output with the source's latent tokens,
-    as training computes it, is the pipeline's at a sampling step (with a source at its own size)."""
-    from sdtrain.models.families.qwenimage import edits_at_own_size
+@pytest.mark.parametrize("family", [EDIT, PLUS], ids=lambda family: family.name)
+def test_the_conditioning_and_the_denoiser_with_the_source_are_the_pipelines_own(family, request):
+    """Training's conditioning (the instruction's states with the source's vision tokens, the system turn dropped;
+    for the Plus pipeline, the source named "Picture 1" and seen at its condition size) is what the pipeline gives
+    its transformer for that source; the denoiser's output with the source's latent tokens, as training computes
+    it, is the pipeline's at a sampling step (with a source at its own size)."""
     from sdtrain.utils import to_pil
 
-    pipe = _pipeline(released)
+    folder = request.getfixturevalue("released" if family is EDIT else "released_plus")
+    pipe = _pipeline(folder, family)
     with torch.no_grad():  # a model trained longer: its output far from the initial one
         for parameter in pipe.transformer.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)
-    tokenizer = build.load_tokenizer(str(released), TEXT_LENGTH)
+    tokenizer = build.load_tokenizer(str(folder), TEXT_LENGTH)
     captions = ["make it blue", ""]
     sources = torch.from_numpy(np.stack([np.asarray(_source()), np.asarray(_source())[::-1]]).copy())
     sources = sources.permute(0, 3, 1, 2).float() / 127.5 - 1
-    ids, masks = EDIT.token_inputs(CaptionTokenizer([tokenizer], EDIT)(captions))
+    ids, masks = family.token_inputs(CaptionTokenizer([tokenizer], family)(captions))
     with torch.no_grad():
-        text = EDIT.encode_text([pipe.text_encoder], ids, captions, masks, sources=sources)
-        for i, image in enumerate(to_pil(sources)):
-            embeds, _ = pipe.encode_prompt([captions[i]], image=[image], device=torch.device("cpu"))
-            kept = text["text_mask"][i].bool()
-            assert int(kept.sum()) == embeds.shape[1]
-            torch.testing.assert_close(text["text_emb"][i][kept], embeds[0], rtol=1e-5, atol=1e-6)
-            assert not text["text_emb"][i][~kept].any()
-
-    seen = {}
-
-    def keep(module, args, kwargs, output) -> None:
-        seen.setdefault("call", (kwargs, output[0]))
-
-    hook = pipe.transformer.register_forward_hook(keep, with_kwargs=True)
-    source = to_pil(sources[:1])[0]
-    try:
-        with torch.no_grad(), edits_at_own_size([source]) as own_size:
-            pipe(prompt=captions[:1], image=source, num_inference_steps=2, height=32, width=48, true_cfg_scale=1.0,
-                 output_type="latent", generator=torch.Generator().manual_seed(0), **own_size)
-    finally:
-        hook.remove()
-    kwargs, expected = seen["call"]
+        text = family.encode_text([pipe.text_encoder], ids, captions, masks, sources=sources)
+        reference = family.reference.latents(pipe.vae, sources)
     height, width = 32 // 4, 48 // 4  # the tiny autoencoder's latents
     tokens = height * width // 4
-    with torch.no_grad():
-        reference = EDIT.reference.latents(pipe.vae, sources[:1])
-        torch.testing.assert_close(pack(reference), kwargs["hidden_states"][:, tokens:])  # the source, not resized
-        condition = EDIT.condition({key: value[:1] for key, value in text.items()}, {}, torch.device("cpu"))
-        output = EDIT.denoise(pipe.transformer, unpack(kwargs["hidden_states"][:, :tokens], height, width),
-                              kwargs["timestep"] * 1000, {**condition, "reference_latents": reference})
-    torch.testing.assert_close(pack(output), expected[:, :tokens], rtol=1e-4, atol=1e-5)
+    seen: dict[int, tuple] = {}
+
+    def keep(module, args, kwargs, output) -> None:
+        seen.setdefault(len(seen), (kwargs, output[0]))
+
+    for i, source in enumerate(to_pil(sources)):
+        seen.clear()
+        hook = pipe.transformer.register_forward_hook(keep, with_kwargs=True)
+        try:
+            with torch.no_grad(), family.reference.at_own_size([source]) as own_size:
+                pipe(prompt=captions[i:i + 1], image=[source], num_inference_steps=2, height=32, width=48,
+                     true_cfg_scale=1.0, output_type="latent", generator=torch.Generator().manual_seed(0), **own_size)
+        finally:
+            hook.remove()
+        kwargs, expected = seen[0]
+        kept = text["text_mask"][i].bool()
+        assert int(kept.sum()) == kwargs["encoder_hidden_states"].shape[1]
+        torch.testing.assert_close(text["text_emb"][i][kept], kwargs["encoder_hidden_states"][0], rtol=1e-5,
+                                   atol=1e-6)
+        assert not text["text_emb"][i][~kept].any()
+        # The source's latents, not resized, after the noisy ones.
+        torch.testing.assert_close(pack(reference[i:i + 1]), kwargs["hidden_states"][:, tokens:])
+        with torch.no_grad():
+            condition = family.condition({key: value[i:i + 1] for key, value in text.items()}, {},
+                                         torch.device("cpu"))
+            output = family.denoise(pipe.transformer, unpack(kwargs["hidden_states"][:, :tokens], height, width),
+                                    kwargs["timestep"] * 1000, {**condition, "reference_latents": reference[i:i + 1]})
+        torch.testing.assert_close(pack(output), expected[:, :tokens], rtol=1e-4, atol=1e-5)
 
 
-def test_a_lora_learns_to_edit_and_loads_into_the_edit_pipeline(released, tmp_path, edits, caplog):
-    """configs/qwen-image-edit-lora.yaml: trained on edits, it validates by editing the last batch's sources, its
-    LoRA loads into QwenImageEditPipeline and changes the edit, `generate --lora --image` edits with it; on encoded
-    shards the VAE encodes the sources and the text encoder stays, reading them."""
+def _lora_edits(folder: Path, family, tmp_path: Path, edits: Path) -> None:
+    """configs/qwen-image-edit-lora.yaml on `folder` (a `family` release): trained on edits, it validates by
+    editing the last batch's sources, its LoRA loads into the family's pipeline and changes the edit, and `generate
+    --lora --image` edits with it."""
     run = tmp_path / "lora"
     assert main(["train", str(CONFIGS / "qwen-image-edit-lora.yaml"), f"run_dir={run}", *COMMON,
-                 f"model.pretrained={released}", f"data.shards={edits}", "validation.prompts=[make it blue]",
+                 f"model.pretrained={folder}", f"data.shards={edits}", "validation.prompts=[make it blue]",
                  "validation.steps=2"]) == 0
     assert (run / "samples" / "step_00000002.png").is_file()
     out = export_run(run, tmp_path / "out")
     card = (out / "README.md").read_text()
-    assert "QwenImageEditPipeline.from_pretrained" in card and 'image=load_image("before.png")' in card
+    assert f"{family.pipeline_class.__name__}.from_pretrained" in card and 'image=load_image("before.png")' in card
     source = _source((32, 32))
-    pipe = _pipeline(released)
-    before = _edit(pipe, source)
+    pipe = _pipeline(folder, family)
+    before = _edit(pipe, source, family)
     pipe.load_lora_weights(out)
-    assert np.abs(_edit(pipe, source) - before).max() > 1e-4
+    assert np.abs(_edit(pipe, source, family) - before).max() > 1e-4
     source.save(tmp_path / "before.png")
-    assert main(["generate", "--model", str(released), "--lora", str(out), "--image", str(tmp_path / "before.png"),
+    assert main(["generate", "--model", str(folder), "--lora", str(out), "--image", str(tmp_path / "before.png"),
                  "--prompt", "make it blue", "--steps", "2", "--size", "32", "--out", str(tmp_path / "images")]) == 0
     assert len(list((tmp_path / "images").glob("*.png"))) == 2
 
+
+def test_a_lora_learns_to_edit_and_loads_into_the_edit_pipeline(released, tmp_path, edits, caplog):
+    """`_lora_edits` on Qwen-Image-Edit; on encoded shards the VAE encodes the sources and the text encoder stays,
+    reading them."""
+    _lora_edits(released, EDIT, tmp_path, edits)
     encoded = tmp_path / "encoded"
     caplog.set_level("INFO")
     assert main(["prepare", "encode", str(edits), "--model", str(released), "--out", str(encoded),
@@ -266,3 +280,10 @@ def test_the_benchmark_times_an_edit_run_on_encoded_shards(released, tmp_path):
                  "--encoded", "--steps", "1", "--warmup", "0", "--peak-seconds", "0.2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["encoded"] and result["step_ms"] > 0 and result["peak_memory_gib"] > 0
+
+
+def test_a_plus_model_lora_learns_to_edit_and_loads_into_its_pipeline(released_plus, tmp_path, edits):
+    """`_lora_edits` on a Qwen-Image-Edit-2511 folder (QwenImageEditPlusPipeline, its transformer modulating the
+    source at timestep zero), recognised as the Plus family."""
+    assert families.detect(released_plus) is PLUS
+    _lora_edits(released_plus, PLUS, tmp_path, edits)

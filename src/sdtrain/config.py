@@ -489,8 +489,8 @@ class EditConfig:
     (``KEY.src.png`` beside the edited one, its caption the instruction) is encoded by the VAE and its latent tokens
     sit beside the noisy ones, the loss on the noisy ones alone (Qwen-Image-Edit's text encoder reads the source
     too); with ``mode`` full or lora (a Kontext model's LoRA, say). The run samples, and a full run exports, the
-    family's editing pipeline (FluxKontextPipeline, QwenImageEditPipeline), which takes ``image=``. Required for a
-    family whose models only edit (Qwen-Image-Edit)."""
+    family's editing pipeline (FluxKontextPipeline, QwenImageEditPipeline, QwenImageEditPlusPipeline), which takes
+    ``image=``. Required for a family whose models only edit (Qwen-Image-Edit's)."""
 
 
 @dataclass

@@ -22,9 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKLQwenImage, QwenImageEditPipeline, QwenImagePipeline, QwenImageTransformer2DModel
+from diffusers import (
+    AutoencoderKLQwenImage,
+    QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from diffusers.image_processor import VaeImageProcessor
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 from PIL import Image
 from torch import nn
 from transformers import (
@@ -372,10 +379,10 @@ def image_processor_of(config: Any) -> Qwen2VLImageProcessorPil:
     return image_processor(vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size)
 
 
-def vision_images(config: Any, sources: torch.Tensor) -> Any:
-    """`sources` (in [-1, 1]) as the vision tower of a Qwen2.5-VL whose config is `config` reads them: 8-bit images,
-    resized to whole merged patches, normalised and cut into patches (pixel_values, image_grid_thw)."""
-    return image_processor_of(config)(images=to_pil(sources), return_tensors="pt")
+def vision_images(config: Any, sources: list[Image.Image]) -> Any:
+    """`sources` as the vision tower of a Qwen2.5-VL whose config is `config` reads them: resized to whole merged
+    patches, normalised and cut into patches (pixel_values, image_grid_thw)."""
+    return image_processor_of(config)(images=sources, return_tensors="pt")
 
 
 def reference_latents_of(vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
@@ -384,21 +391,26 @@ def reference_latents_of(vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def edits_at_own_size(sources: list[Image.Image]) -> Iterator[dict[str, Any]]:
-    """QwenImageEditPipeline resizes each source to about a megapixel at its aspect, and no argument says otherwise:
-    in this context, the size it computes for each of `sources` is that source's own."""
+def edits_at_own_size(module: Any, kept_areas: tuple[int, ...], sources: list[Image.Image]
+                      ) -> Iterator[dict[str, Any]]:
+    """Qwen-Image-Edit's pipelines (in `module`) resize each source to about a megapixel at its aspect, and no
+    argument says otherwise: in this context, the size their `calculate_dimensions` computes for each of `sources`
+    is that source's own, but for the areas the pipeline keeps whatever the size (`kept_areas`: the Plus pipeline's
+    vision-language input)."""
     sizes = {width / height: (width, height) for width, height in (source.size for source in sources)}
-    released = pipeline_qwenimage_edit.calculate_dimensions
+    released = module.calculate_dimensions
 
-    def own_size(target_area: float, ratio: float) -> tuple[int, int, None]:
-        width, height = sizes.get(ratio) or released(target_area, ratio)[:2]
-        return width, height, None
+    def own_size(target_area: int, ratio: float) -> tuple[Any, ...]:
+        computed = released(target_area, ratio)
+        if target_area in kept_areas or ratio not in sizes:
+            return computed
+        return (*sizes[ratio], *computed[2:])
 
-    pipeline_qwenimage_edit.calculate_dimensions = own_size
+    module.calculate_dimensions = own_size
     try:
         yield {}
     finally:
-        pipeline_qwenimage_edit.calculate_dimensions = released
+        module.calculate_dimensions = released
 
 
 def vision_language_blocks(model: Qwen2_5_VLForConditionalGeneration) -> list[nn.Module]:
@@ -416,7 +428,8 @@ class QwenImageEdit(QwenImage):
     pipeline_class = QwenImageEditPipeline
     pipeline_names = ("QwenImageEditPipeline",)
     hub_tags = ("qwen-image-edit", "image-editing")
-    reference = ReferenceSpec(QwenImageEditPipeline, reference_latents_of, at_own_size=edits_at_own_size,
+    reference = ReferenceSpec(QwenImageEditPipeline, reference_latents_of,
+                              at_own_size=functools.partial(edits_at_own_size, pipeline_qwenimage_edit, ()),
                               text_reads_source=True)
     # Its transformer file is Qwen-Image's layout (ComfyUI loads either as the same model), which a file alone does
     # not tell apart: one is read as the edit model's transformer (model.transformer) where the family is set.
@@ -461,7 +474,7 @@ class QwenImageEdit(QwenImage):
         if sources is None:
             raise ValueError("Qwen-Image-Edit's conditioning reads each caption's source image: pass `sources`")
         model = encoders[0]
-        images = vision_images(model.config, sources)
+        images = vision_images(model.config, self.vision_sources(sources))
         grid = images["image_grid_thw"]
         # Each sample's one image placeholder widened to its image's tokens (one per merged patch), as the
         # processor does; a batch's sources share a size, so its rows stay of one length.
@@ -483,10 +496,14 @@ class QwenImageEdit(QwenImage):
         mask = kept[:, drop:].to(states.dtype)
         return {"text_emb": states * mask.unsqueeze(-1), "text_mask": mask}
 
+    def vision_sources(self, sources: torch.Tensor) -> list[Image.Image]:
+        """The sources (in [-1, 1]) as the pipeline gives them to the vision-language model: as they are."""
+        return to_pil(sources)
+
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
         text_encoder = components["text_encoder"]
         processor = VisionTextProcessor(image_processor_of(text_encoder.config), tokenizers[0])
-        return self.prepare_pipeline(QwenImageEditPipeline(
+        return self.prepare_pipeline(self.pipeline_class(
             scheduler=scheduler, vae=components["vae"], text_encoder=text_encoder, tokenizer=tokenizers[0],
             processor=processor, transformer=components["transformer"]))
 
@@ -505,3 +522,42 @@ class QwenImageEdit(QwenImage):
 
 
 QWEN_IMAGE_EDIT = QwenImageEdit()
+
+
+# ------------------------------------------------------------------------------------------ Qwen-Image-Edit-2509/2511
+# The Plus pipeline's models (Qwen/Qwen-Image-Edit-2509, -2511): the source is named in the instruction ("Picture 1:"
+# before its vision tokens), the vision-language model sees it at about 384x384 whatever its size, and 2511's
+# transformer modulates the source's tokens at timestep zero (its config's zero_cond_t, which diffusers reads).
+
+PLUS_TEMPLATE = EDIT_TEMPLATE.replace("<|vision_start|>", "Picture 1: <|vision_start|>")
+"""QwenImageEditPlusPipeline's prompt for one source image."""
+
+
+class QwenImageEditPlus(QwenImageEdit):
+    """Qwen-Image-Edit's Plus models (2509, 2511), one source image an edit; trained with ``edit.reference``."""
+
+    name = "qwen-image-edit-plus"
+    title = "Qwen-Image-Edit-2509/2511"
+    pipeline_class = QwenImageEditPlusPipeline
+    pipeline_names = ("QwenImageEditPlusPipeline",)
+    reference = ReferenceSpec(
+        QwenImageEditPlusPipeline, reference_latents_of, text_reads_source=True,
+        at_own_size=functools.partial(edits_at_own_size, pipeline_qwenimage_edit_plus,
+                                      (pipeline_qwenimage_edit_plus.CONDITION_IMAGE_SIZE,)))
+    presets = {**EDIT_PRESETS, "qwen-image-edit-2511": {
+        **EDIT_PRESETS["qwen-image-edit"],
+        "transformer": {**EDIT_PRESETS["qwen-image-edit"]["transformer"], "zero_cond_t": True}}}
+    template = PLUS_TEMPLATE
+
+    def vision_sources(self, sources: torch.Tensor) -> list[Image.Image]:
+        # As the pipeline resizes them (its own size computation and resampling) to its condition area.
+        resizer = VaeImageProcessor()
+        images = []
+        for image in to_pil(sources):
+            width, height = pipeline_qwenimage_edit_plus.calculate_dimensions(
+                pipeline_qwenimage_edit_plus.CONDITION_IMAGE_SIZE, image.width / image.height)
+            images.append(resizer.resize(image, height, width))
+        return images
+
+
+QWEN_IMAGE_EDIT_PLUS = QwenImageEditPlus()
