@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from sdtrain.checkpoint import latest_checkpoint
 from sdtrain.cli.main import main
 from sdtrain.export import export_run
+from sdtrain.models import families
 
 from .conftest import TINY, config_path
 
@@ -68,5 +69,6 @@ def test_editing_by_reference_on_a_family_without_it_is_one_line(tmp_path, pretr
                  f"model.pretrained={pretrained}", f"data.shards={edits}", "edit.reference=true",
                  "textual_inversion.initializer_token=red"]) == 2
     error = [line for line in capsys.readouterr().err.strip().splitlines() if "Loading weights" not in line]
-    assert len(error) == 2 and "edit.reference" in error[0] and "Flux.1, Qwen-Image-Edit do" in error[0]
+    hosts = ", ".join(family.title for family in families.FAMILIES.values() if family.reference is not None)
+    assert len(error) == 2 and "edit.reference" in error[0] and f"{hosts} do" in error[0] and "Flux.1" in hosts
     assert "mode full or lora" in error[1]

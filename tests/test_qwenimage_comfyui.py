@@ -1,6 +1,6 @@
 """Qwen-Image's files in ComfyUI's own loaders (slow, with a local ComfyUI; tests/comfyui.py): the transformer file
 `export --single-file` writes loads as ComfyUI's QwenImage model with every weight, and both LoRA files a run writes
-(diffusers' ``transformer.`` names and kohya's ``lora_unet_``), of Qwen-Image or of Qwen-Image-Edit (whose
+(diffusers' ``transformer.`` names and kohya's ``lora_unet_``), of Qwen-Image or of its edit models (whose
 transformer ComfyUI loads as the same model), load with no key left, patching the weights sdtrain's adapters merge
 into."""
 
@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from sdtrain.loaders.adapters import add_lora, merge_lora
 from sdtrain.loaders.writers import KOHYA_WEIGHTS, LORA_WEIGHTS, save_trained_parts
-from sdtrain.models.families.qwenimage import QWEN_IMAGE, QWEN_IMAGE_EDIT, SHAPE_KEYS
+from sdtrain.models.families.qwenimage import QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, SHAPE_KEYS
 from sdtrain.models.single_file.write import layout_metadata, write_tensors
 
 from . import comfyui
@@ -64,7 +64,7 @@ _SCRIPT = comfyui.PREAMBLE + comfyui.LOAD_LORA + comfyui.LOAD_MODEL + textwrap.d
 @pytest.mark.slow
 @comfyui.needs_comfyui
 @comfyui.needs_model("QwenImage")
-@pytest.mark.parametrize("family", [QWEN_IMAGE, QWEN_IMAGE_EDIT], ids=lambda family: family.name)
+@pytest.mark.parametrize("family", [QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS], ids=lambda family: family.name)
 def test_comfyui_loads_the_transformer_file_and_every_key_of_both_lora_files(tmp_path, family):
     torch.manual_seed(0)
     base = QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=2,
