@@ -282,6 +282,7 @@ def test_the_benchmark_times_an_edit_run_on_encoded_shards(released, tmp_path):
     assert result["encoded"] and result["step_ms"] > 0 and result["peak_memory_gib"] > 0
 
 
+@pytest.mark.slow  # the default suite's time: the Plus path's parity and conformance cases stay in it
 def test_a_plus_model_lora_learns_to_edit_and_loads_into_its_pipeline(released_plus, tmp_path, edits):
     """`_lora_edits` on a Qwen-Image-Edit-2511 folder (QwenImageEditPlusPipeline, its transformer modulating the
     source at timestep zero), recognised as the Plus family."""
