@@ -49,16 +49,12 @@ class Tiny:
     def components(self) -> dict[str, torch.nn.Module]:
         return {"vae": self.vae, **self.text_encoders, self.family.denoiser: self.denoiser}
 
-    @property
-    def text_reads_sources(self) -> bool:
-        return self.family.reference is not None and self.family.reference.text_reads_source
-
     def text(self, captions: list[str]) -> dict[str, torch.Tensor]:
         """As training conditions a batch: the loader's tokens, then the family's conditioner (given each caption's
         source image, for a family whose text encoder reads it)."""
         encoders = [self.text_encoders[name] for name in self.family.text_encoders]
         ids, masks = self.family.token_inputs(self.captions(captions))
-        if not self.text_reads_sources:
+        if not self.family.text_reads_source:
             return self.family.encode_text(encoders, ids, captions, masks)
         sources = torch.rand(len(captions), 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
         return self.family.encode_text(encoders, ids, captions, masks, sources=sources)
@@ -102,7 +98,7 @@ def test_the_loader_tokens_are_picklable_and_the_conditioner_gives_the_shapes_it
     declared = tiny.family.text_shapes(configs, lengths)
     assert set(text) == set(declared) and "text_emb" in text
     for key, tensor in text.items():
-        if tiny.text_reads_sources:  # the sources' vision tokens lengthen the sequence by their count
+        if tiny.family.text_reads_source:  # the sources' vision tokens lengthen the sequence by their count
             assert tensor.shape[0] == len(captions) and tensor.shape[2:] == declared[key][1:], key
         else:
             assert tuple(tensor.shape) == (len(captions), *declared[key]), key

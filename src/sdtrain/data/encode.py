@@ -89,7 +89,7 @@ class Encoder:
             raise UserError(f"--resolution {resolution}: not a multiple of the VAE's downsampling factor {scale}")
         self.text_source = build.pin_source(text_source) if text_source else None
         self.family = families.detect(self.text_source) if self.text_source else None
-        if self.family is not None and self.family.reference is not None and self.family.reference.text_reads_source:
+        if self.family is not None and self.family.text_reads_source:
             log.info("%s: %s's text encoder reads each sample's source image beside its caption, so training "
                      "computes its conditioning: latents alone are encoded", self.text_source, self.family.title)
             self.family = self.text_source = None

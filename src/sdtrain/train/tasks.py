@@ -669,7 +669,7 @@ TASKS: dict[str, type[Task]] = {"autoencoder": AutoencoderTask, "diffusion": Dif
 def text_reads_sources(config: RunConfig, family: families.ModelFamily) -> bool:
     """Whether a run's text conditioning reads each edit's source as well (``edit.reference`` on a family whose
     `ReferenceSpec.text_reads_source`)."""
-    return bool(config.edit.reference and family.reference is not None and family.reference.text_reads_source)
+    return config.edit.reference and family.text_reads_source
 
 
 def latent_mask(batch: dict[str, Any], latents: torch.Tensor) -> torch.Tensor | None:

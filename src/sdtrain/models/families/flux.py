@@ -254,7 +254,7 @@ class Flux(ModelFamily):
     controlnet = ControlSpec(FluxControlNetModel, FluxControlNetPipeline, controlnet_from_transformer,
                              controlnet_residuals, control_latents, image_argument="control_image")
     reference = ReferenceSpec(FluxKontextPipeline, reference_latents,
-                              at_own_size=lambda pipe: nullcontext({"_auto_resize": False}))
+                              at_own_size=lambda sources: nullcontext({"_auto_resize": False}))
     presets = PRESETS
     kohya_prefixes = {"transformer": "lora_unet_", "text_encoder": "lora_te1_"}
     kohya_names_each_layer = False  # its kohya layout fuses q, k and v

@@ -136,10 +136,10 @@ class ReferenceSpec:
     """The diffusers pipeline that edits with the denoiser (``from_pipe`` of the family's pipeline, ``image=``)."""
     latents: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     """(VAE, reference images in [-1, 1]) -> their latents as the pipeline gives them to the denoiser."""
-    at_own_size: Callable[[Any], AbstractContextManager[dict[str, Any]]] = lambda pipe: nullcontext({})
-    """(the pipeline) -> a context in which it edits a reference at the reference's own size rather than resize it
-    to the sizes its release prefers, yielding what each call is given to (Kontext's ``_auto_resize=False``):
-    validation's and `generate`'s on a run, whose references are at the training size."""
+    at_own_size: Callable[[list[Any]], AbstractContextManager[dict[str, Any]]] = lambda sources: nullcontext({})
+    """(the reference images a call edits) -> a context in which the pipeline edits each at its own size rather than
+    resize it to the sizes its release prefers, yielding what the call is given to (Kontext's
+    ``_auto_resize=False``): validation's and `generate`'s on a run, whose references are at the training size."""
     text_reads_source: bool = False
     """Whether the text encoder reads the reference too (Qwen-Image-Edit's vision-language model): the conditioning
     is then each sample's own, given the sources (`ModelFamily.encode_text`'s `sources`), never one computed from
@@ -232,6 +232,11 @@ class ModelFamily:
             raise UserError(f"model.preset: '{preset}' is not a {self.title} preset; choose one of "
                             f"{', '.join(self.presets)} (or set model.family)")
         return copy.deepcopy(self.presets[preset][component])
+
+    @property
+    def text_reads_source(self) -> bool:
+        """Whether the family's text encoder reads the reference it edits too (`ReferenceSpec.text_reads_source`)."""
+        return self.reference is not None and self.reference.text_reads_source
 
     @property
     def edits_only(self) -> bool:
