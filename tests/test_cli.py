@@ -73,10 +73,11 @@ def test_overrides_may_follow_options(capsys):
         main(["params", str(config_path("diffusion.yaml")), "--bogus"])
 
 
-def test_the_demo_on_a_time_budget_records_its_steps_and_a_rerun_keeps_them(tmp_path, monkeypatch, capsys):
-    """`demo --minutes M` times each stage's step, scales both stages' steps alike to fit what is left of M, and
-    writes them into the runs' config.yaml (with a warmup of at most a tenth), where a rerun finds them: it does not
-    time again, and the resumed runs keep the same schedule."""
+def test_the_demo_on_a_time_budget_records_its_budgets_and_a_rerun_keeps_them(tmp_path, monkeypatch, capsys):
+    """`demo --minutes M` times each stage's step, gives the autoencoder its share of what is left of M and the
+    diffusion stage what is left when it starts, each as train.max_minutes (steps planned as it trains, at most
+    MOST times the config's) with a warmup of at most a tenth of the steps expected; the runs' config.yaml records
+    them, where a rerun finds them: it does not time again, and passes the same budgets."""
     import pytest
     from omegaconf import OmegaConf
 
@@ -86,37 +87,39 @@ def test_the_demo_on_a_time_budget_records_its_steps_and_a_rerun_keeps_them(tmp_
 
     def step_seconds(config, overrides, encoded):
         timed.append(config.name)
-        # Slow steps, so a budget of seconds sizes the stages at a few steps each.
+        # Slow steps, so a budget of seconds expects a few steps of each stage.
         return (1.0, 16) if config.name == "autoencoder.yaml" else (1.5, 64)
 
     monkeypatch.setattr(demo_budget, "_timed_step", step_seconds)
     monkeypatch.setattr(demo_budget, "STARTUP_S", 0.0)
     monkeypatch.setattr(demo_budget, "LEAST_STEPS", 2)
+    # Two and three steps at most, however fast the tiny stages run.
+    monkeypatch.setattr(demo_budget, "MOST", 2 / 1200)
     out = tmp_path / "demo"
     argv = ["demo", "--out", str(out), "--num", "32", "--minutes", "0.3", "--adherence-prompts", "4",
             "--adherence-pairs", "2", "--sample-steps", "2"]
     assert main(argv) == 0
     assert timed == ["autoencoder.yaml", "diffusion.yaml"]
-    planned = capsys.readouterr().out
-    steps = {}
-    for stage in ("autoencoder", "diffusion"):
+    printed = capsys.readouterr().out
+    assert "min left for the diffusion stage's training" in printed
+    overrides = {}
+    for stage, most in (("autoencoder", 2), ("diffusion", 3)):
         config = OmegaConf.load(out / stage / "config.yaml")
-        steps[stage] = config.train.max_steps
-        assert config.optim.warmup_steps == min(50, steps[stage] // 10)
-        assert f"{stage} {steps[stage]} steps" in planned
-        assert (out / stage / "checkpoints" / f"step_{steps[stage]:08d}").is_dir()
-    # Both stages scaled by one factor from the configs' 1,200 and 2,000 steps.
-    assert 2 <= steps["autoencoder"] < 20 and 2 <= steps["diffusion"] < 20
-    assert steps["autoencoder"] / 1200 == pytest.approx(steps["diffusion"] / 2000, abs=0.002)
+        assert config.train.max_steps == most and 0 < config.train.max_minutes < 0.3
+        assert config.optim.warmup_steps <= 50
+        assert (out / stage / "checkpoints" / f"step_{most:08d}").is_dir()
+        overrides[stage] = demo_budget.recorded(out / stage)
+        assert f"train.max_minutes={config.train.max_minutes}" in overrides[stage]
 
-    # A rerun plans from what the runs recorded, without timing again (the runs then resume to those steps).
+    # A rerun plans from what the runs recorded, without timing again (the runs then resume to their plans).
     monkeypatch.setattr(demo_budget, "_timed_step", lambda *a: pytest.fail("a rerun timed the steps again"))
     from sdtrain.cli.demo import config_path
     from sdtrain.cli.main import build_parser
 
     args = build_parser().parse_args(argv)
-    assert demo_budget.plan_steps(args, 0.0, out / "data", (out / "autoencoder", out / "diffusion"),
-                                  (config_path("autoencoder.yaml"), config_path("diffusion.yaml")), []) == steps
+    budget = demo_budget.plan_budget(args, 0.0, out / "data", (out / "autoencoder", out / "diffusion"),
+                                     (config_path("autoencoder.yaml"), config_path("diffusion.yaml")), [])
+    assert (budget.autoencoder, budget.diffusion()) == (overrides["autoencoder"], overrides["diffusion"])
 
 
 def test_the_budget_scales_every_stage_by_one_factor_at_most_one_and_a_half():

@@ -623,7 +623,13 @@ class EMAConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 1000
-    """Optimizer steps to train for."""
+    """Optimizer steps to train for (with ``max_minutes``, at most this many)."""
+    max_minutes: float = 0.0
+    """Train for about this many minutes instead of a fixed step count (0: off). The steps are planned from the
+    run's own pace, its evaluations and saves included, and re-planned at every logging point, so a machine that
+    gets busier or idler while it trains still ends on time; the learning-rate schedule spans the planned steps, so
+    its decay ends at the last one. ``max_steps`` stays the upper bound. The plan is saved with each checkpoint and
+    a resumed run trains to the plan its checkpoint holds."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
     max_bad_steps: int = 10
@@ -661,6 +667,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         _check(self.max_steps >= 1, "train.max_steps", "must be at least 1")
+        _check(self.max_minutes >= 0, "train.max_minutes", "must be 0 (off) or positive")
         _check(self.grad_accum >= 1, "train.grad_accum", "must be at least 1")
         _check(self.max_bad_steps >= 1, "train.max_bad_steps", "must be at least 1")
         _check(self.mixed_precision in PRECISIONS, "train.mixed_precision", "must be auto, fp32 (or no) or bf16")

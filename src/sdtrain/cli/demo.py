@@ -30,9 +30,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="sampling steps of every image the demo draws: validation grids, the sample grid and "
                              "the adherence score (default %(default)s; fewer for a quick check that all runs)")
     parser.add_argument("--minutes", type=float, default=None,
-                        help="finish within about this many minutes: each stage's steps are timed first and its "
-                        "step count (and so its learning-rate schedule) set to fit; the decided steps are in each "
-                        "run's config.yaml, and a rerun keeps them (default: the configs' fixed steps)")
+                        help="finish within about this many minutes: each stage trains on a time budget "
+                        "(train.max_minutes), its steps and learning-rate schedule planned from its own pace as it "
+                        "runs; the budgets are in each run's config.yaml and the planned steps in its checkpoints, "
+                        "and a rerun keeps them (default: the configs' fixed steps)")
     parser.add_argument("--family", choices=sorted(DIFFUSION_CONFIGS), default="sd",
                         help="the model family trained from scratch: sd (a UNet, the default) or flux (a Flux.1 "
                         "transformer trained by flow matching, with CLIP and T5 text encoders)")
@@ -78,14 +79,16 @@ def run(args: argparse.Namespace) -> int:
     ae = ["train", str(config_path("autoencoder.yaml")), f"run_dir={ae_run}", f"data.shards={data}",
           f"model.family={args.family}"]
     sd_config = config_path(DIFFUSION_CONFIGS[args.family])
-    planned = {}
+    budget = None
     if args.minutes is not None:
-        from sdtrain.cli.demo_budget import plan_steps
+        from sdtrain.cli.demo_budget import plan_budget
 
-        planned = plan_steps(args, started + 60 * args.minutes, data, (ae_run, sd_run),
+        budget = plan_budget(args, started + 60 * args.minutes, data, (ae_run, sd_run),
                              (config_path("autoencoder.yaml"), sd_config), [f"model.family={args.family}"])
-    if args.autoencoder_steps or "autoencoder" in planned:
-        ae += _steps_overrides(args.autoencoder_steps or planned["autoencoder"])
+    if args.autoencoder_steps:
+        ae += _steps_overrides(args.autoencoder_steps)
+    elif budget is not None:
+        ae += budget.autoencoder
     step("2/8 train the autoencoder", ae)
     # Encoding once instead of every step: the diffusion stage's images are centre crops without flips,
     # so the latents are exactly what it would compute. The text encoder trains, so no text embeddings.
@@ -93,8 +96,10 @@ def run(args: argparse.Namespace) -> int:
           ["prepare", "encode", str(data), "--model", str(ae_run), "--out", str(latents), "--resolution", RESOLUTION,
            "--dtype", "float32", "--no-text"])
     sd = ["train", str(sd_config), f"run_dir={sd_run}", f"data.shards={latents}", f"model.vae={ae_run}"]
-    if args.diffusion_steps or "diffusion" in planned:
-        sd += _steps_overrides(args.diffusion_steps or planned["diffusion"])
+    if args.diffusion_steps:
+        sd += _steps_overrides(args.diffusion_steps)
+    elif budget is not None:
+        sd += budget.diffusion()
     if args.sample_steps != SAMPLE_STEPS:
         sd += [f"validation.steps={args.sample_steps}", f"evaluation.steps={args.sample_steps}"]
     step("4/8 train the text encoders and the transformer" if args.family == "flux" else

@@ -1,12 +1,13 @@
 """`sdtrain demo --minutes M`: the demo's two training stages sized to finish in time on whatever machine runs it.
 
 Each stage's step is timed first, as `sdtrain benchmark train` times it (the real trainer and loader, a few steps):
-the autoencoder on the demo's own images, the diffusion stage on latents of the demo autoencoder's shape. What is
-left of the budget, after what the other steps cost (encoding, sampling the validation grids, the in-loop and final
-adherence scores, exporting), goes to training, the two stages scaled alike from the configs' step counts (at most
-1.5 times them, at least 20 steps each). The counts become the runs' `train.max_steps`, so their cosine schedules
-span them and their config.yaml records them; a rerun finds them there and keeps them, so a resume repeats the same
-schedule exactly.
+the autoencoder on the demo's own images, the diffusion stage on latents of the demo autoencoder's shape. Those
+timings split the budget: what the commands after training cost (the images the demo draws, each command's
+start-up) is set aside, and the autoencoder gets its share of the rest as the configs' step counts weigh it. Each
+stage then trains on a time budget (`train.max_minutes`), its steps planned from its own pace as it runs (a timing
+taken before a run can be a third off when the machine's load changes), at most 1.5 times the config's steps; the
+diffusion stage's minutes are what is left when it starts. The runs' config.yaml records the budgets and their
+checkpoints the planned steps, so a rerun passes the same budgets and the resumed runs keep the planned schedules.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,9 @@ LEAST_STEPS = 20
 STARTUP_S = 8.0
 """What each of the demo's commands costs before its first step (imports, building models), measured on the demo."""
 COMMANDS = 7
+AFTER_TRAINING = 5
+"""Commands from the diffusion stage's on (it, export, generate, evaluate, report): their start-ups come after the
+stages before training, and are all the diffusion stage's budget must leave besides the images drawn."""
 IN_RUN = 1.12
 """How much longer a step takes in the run than when timed alone (its checkpoints, previews and loader's epochs):
 the demo's diffusion stage, timed at 0.382 s a step, trained at about 0.43."""
@@ -31,14 +36,24 @@ SAMPLING_COST = 1.0
 pass with and without the caption (classifier-free guidance) against a forward and a backward of one."""
 
 
-def _recorded_steps(run: Path) -> int | None:
-    """The step count a run's first start recorded in its config.yaml, if it started."""
+def recorded(run: Path) -> list[str] | None:
+    """The budget overrides a run's first start recorded in its config.yaml, if it started: a rerun passes the
+    same ones, so the run resumes to the steps its checkpoint planned."""
     saved = run / "config.yaml"
     if not saved.is_file():
         return None
     from omegaconf import OmegaConf
 
-    return int(OmegaConf.load(saved).train.max_steps)
+    config = OmegaConf.load(saved)
+    return [f"train.max_steps={config.train.max_steps}", f"train.max_minutes={config.train.max_minutes}",
+            f"optim.warmup_steps={config.optim.warmup_steps}"]
+
+
+def stage_overrides(configured_steps: int, minutes: float, expected_steps: int) -> list[str]:
+    """A stage given `minutes` of training: at most MOST times its `configured_steps`, its warmup (the configs'
+    50) at most a tenth of the `expected_steps`, so a short stage still decays."""
+    return [f"train.max_steps={round(configured_steps * MOST)}", f"train.max_minutes={max(minutes, 0.01):.3f}",
+            f"optim.warmup_steps={min(50, max(expected_steps, LEAST_STEPS) // 10)}"]
 
 
 def _timed_step(config: Path, overrides: list[str], encoded: bool) -> tuple[float, int]:
@@ -62,20 +77,43 @@ def _demo_vae(ae_config: Path, autoencoder_overrides: list[str], folder: Path) -
     return folder
 
 
-def plan_steps(args: argparse.Namespace, deadline: float, data: Path, runs: tuple[Path, Path],
-               configs: tuple[Path, Path], autoencoder_overrides: list[str]) -> dict[str, int]:
-    """The step counts of the stages that have not started (the autoencoder's and the diffusion stage's `runs`, of
-    their `configs`), sized to end by `deadline` (time.perf_counter()); those of stages that started, as they
-    recorded them. `autoencoder_overrides`: the demo's settings of the autoencoder's model (its family)."""
+@dataclass
+class DemoBudget:
+    """The two training stages' budget overrides: the autoencoder's, and the diffusion stage's as what is left when
+    it starts (so that it absorbs whatever the stages before it took beyond their plan)."""
+
+    autoencoder: list[str]
+    deadline: float
+    after_training: float
+    """Seconds the demo needs after the diffusion stage's training: its start-up and the commands after it."""
+    diffusion_default: int
+    diffusion_step_s: float
+    recorded_diffusion: list[str] | None
+
+    def diffusion(self) -> list[str]:
+        if self.recorded_diffusion is not None:
+            return self.recorded_diffusion
+        minutes = (self.deadline - time.perf_counter() - self.after_training) / 60
+        steps = round(60 * minutes / self.diffusion_step_s)
+        print(f"{minutes:.1f} min left for the diffusion stage's training (about {steps} steps at "
+              f"{self.diffusion_step_s:.3f} s each, re-planned as it trains)", flush=True)
+        return stage_overrides(self.diffusion_default, minutes, steps)
+
+
+def plan_budget(args: argparse.Namespace, deadline: float, data: Path, runs: tuple[Path, Path],
+                configs: tuple[Path, Path], autoencoder_overrides: list[str]) -> DemoBudget:
+    """The budgets of the autoencoder's and the diffusion stage's `runs` (of their `configs`), sized to end by
+    `deadline` (time.perf_counter()); those of stages that started, as they recorded them.
+    `autoencoder_overrides`: the demo's settings of the autoencoder's model (its family)."""
     from omegaconf import OmegaConf
 
     (ae_run, sd_run), (ae_config, sd_config) = runs, configs
-    recorded = {"autoencoder": _recorded_steps(ae_run), "diffusion": _recorded_steps(sd_run)}
-    if all(steps is not None for steps in recorded.values()):
-        return recorded
     ae_default = int(OmegaConf.load(ae_config).train.max_steps)
     sd_settings = OmegaConf.load(sd_config)
     sd_default = int(sd_settings.train.max_steps)
+    recorded_ae, recorded_sd = recorded(ae_run), recorded(sd_run)
+    if recorded_ae is not None and recorded_sd is not None:
+        return DemoBudget(recorded_ae, deadline, 0.0, sd_default, 1.0, recorded_sd)
     print("\n== timing the training steps, to fit the demo in its minutes", flush=True)
     ae_s, _ = _timed_step(ae_config, [f"data.shards={data}", *autoencoder_overrides], encoded=False)
     with tempfile.TemporaryDirectory(prefix="sdtrain-demo-vae-") as scratch:
@@ -91,16 +129,16 @@ def plan_steps(args: argparse.Namespace, deadline: float, data: Path, runs: tupl
     # Per diffusion step: its share of the in-loop evaluations and of the validation grids at each checkpoint.
     per_sd_step = sd_s + (batch / every * int(evaluation.get("num", 0)) if every else 0) * image_s \
         + (prompts / checkpoint_every if checkpoint_every else 0) * image_s
-    fixed = COMMANDS * STARTUP_S + (args.adherence_prompts + len(_grid_prompts())) * image_s + args.num / 300
-    left = max(deadline - time.perf_counter() - fixed, 0.0)
+    after_training = AFTER_TRAINING * STARTUP_S + (args.adherence_prompts + len(_grid_prompts())) * image_s
+    left = max(deadline - time.perf_counter() - (COMMANDS - AFTER_TRAINING) * STARTUP_S - after_training, 0.0)
     scale = fit(left, {"autoencoder": (ae_default, ae_s), "diffusion": (sd_default, per_sd_step)})
-    planned = {"autoencoder": max(LEAST_STEPS, round(ae_default * scale)),
-               "diffusion": max(LEAST_STEPS, round(sd_default * scale))}
-    planned.update({stage: steps for stage, steps in recorded.items() if steps is not None})
-    print(f"{left / 60:.1f} min for training: autoencoder {planned['autoencoder']} steps "
-          f"({ae_s:.3f} s each), diffusion {planned['diffusion']} steps ({sd_s:.3f} s each; {scale:.2f} x the "
-          f"configs' {ae_default} and {sd_default})", flush=True)
-    return planned
+    ae_steps = max(LEAST_STEPS, round(ae_default * scale))
+    print(f"{left / 60:.1f} min for training: autoencoder {60 * scale * ae_default * ae_s:.0f} s (about {ae_steps} "
+          f"steps at {ae_s:.3f} s each), diffusion what is left when it starts (about "
+          f"{round(sd_default * scale)} steps at {sd_s:.3f} s each; {scale:.2f} x the configs' {ae_default} and "
+          f"{sd_default})", flush=True)
+    autoencoder = recorded_ae or stage_overrides(ae_default, scale * ae_default * ae_s / 60, ae_steps)
+    return DemoBudget(autoencoder, deadline, after_training, sd_default, per_sd_step, recorded_sd)
 
 
 def fit(seconds: float, stages: dict[str, tuple[int, float]]) -> float:

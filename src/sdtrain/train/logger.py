@@ -33,8 +33,9 @@ class RunLogger:
         self._last_time = time.perf_counter()
         self._last_samples = 0
 
-    def start(self, step: int, samples: int) -> None:
+    def start(self, step: int, samples: int, planned_steps: int | None = None) -> None:
         self._last_time, self._last_samples = time.perf_counter(), samples
+        self.max_steps = planned_steps or self.max_steps
         if not self.enabled:
             return
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - open for the whole run
@@ -66,6 +67,12 @@ class RunLogger:
         rate = (samples - self._last_samples) / max(now - self._last_time, 1e-9)
         self._last_time, self._last_samples = now, samples
         return rate
+
+    def plan(self, steps: int) -> None:
+        """The run's planned length changed (train.max_minutes): the progress bar's total follows it."""
+        self.max_steps = steps
+        if self.bar is not None:
+            self.bar.total = steps
 
     def advance(self, step: int) -> None:
         if self.bar is not None:

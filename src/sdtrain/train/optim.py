@@ -6,12 +6,13 @@ import hashlib
 from typing import Any
 
 import torch
-from diffusers.optimization import get_scheduler
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
 
 from sdtrain.config import OptimConfig
 from sdtrain.errors import UserError
+from sdtrain.train.budget import StepPlan, lr_factor
 
 
 def optimizer_settings(config: OptimConfig) -> dict[str, Any]:
@@ -214,8 +215,6 @@ def step_in_backward(optimizer: torch.optim.Optimizer) -> None:
     optimizer.steps_in_backward = True  # type: ignore[attr-defined]
 
 
-def build_lr_schedule(optimizer: torch.optim.Optimizer, config: OptimConfig, max_steps: int):
-    name = "constant_with_warmup" if config.schedule == "constant" else "cosine"
-    return get_scheduler(
-        name, optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=max_steps
-    )
+def build_lr_schedule(optimizer: torch.optim.Optimizer, config: OptimConfig, plan: StepPlan) -> LambdaLR:
+    """``optim.schedule`` over the run's planned steps, which a time budget may re-plan while it trains."""
+    return LambdaLR(optimizer, lr_factor(config.schedule, config.warmup_steps, plan))

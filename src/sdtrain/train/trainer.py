@@ -54,6 +54,7 @@ from sdtrain.memory import tree_bytes
 from sdtrain.paths import FIRST_BATCH
 from sdtrain.run import prepare_run_dir, resolve_device
 from sdtrain.train import autotune
+from sdtrain.train.budget import StepPlan
 from sdtrain.train.ema import EMA
 from sdtrain.train.logger import RunLogger
 from sdtrain.train.modes import make_task, prepare_task
@@ -89,13 +90,14 @@ class TrainState:
     """The one registry of everything a resumed run needs to continue exactly."""
 
     def __init__(self, stage: str, modules: dict[str, nn.Module], ema: EMA | None, optimizer, lr_schedule,
-                 data: TrainBatches, task: Task, rank: int, tuning: autotune.Tuning):
+                 plan: StepPlan, data: TrainBatches, task: Task, rank: int, tuning: autotune.Tuning):
         self.stage = stage
         self.tuning = tuning
         self.modules = modules
         self.ema = ema
         self.optimizer = optimizer
         self.lr_schedule = lr_schedule
+        self.plan = plan
         self.data = data
         self.task = task
         self.rank = rank
@@ -133,7 +135,7 @@ class TrainState:
             "ema_updates": self.ema.updates if self.ema is not None else 0,
             "task": self.task.extra_state(),
             "ranks": ranks,
-        }
+        } | ({"planned_steps": self.plan.total} if self.plan.planned else {})
 
     def elapsed(self) -> float:
         """Seconds of training, every start of the run included."""
@@ -145,6 +147,8 @@ class TrainState:
         self.evaluations, self.seconds = int(state.get("evaluations", 0)), float(state.get("seconds", 0.0))
         self.skipped_steps, self.bad_in_a_row = int(state.get("skipped_steps", 0)), int(state.get("bad_in_a_row", 0))
         self.lr_schedule.load_state_dict(state["lr_schedule"])
+        if self.plan.seconds > 0 and "planned_steps" in state:
+            self.plan.resume(int(state["planned_steps"]))
         self.task.load_extra_state(state["task"])
         self.data.load_state_dict([r["data"] for r in ranks])
         # A job with more ranks than the one that saved gives the extra ranks the last saved streams;
@@ -211,14 +215,16 @@ class Trainer:
             raise UserError("optim.in_backward: steps each parameter before the gradients of all ranks are "
                             "averaged, so it runs in one process only; turn it off under torchrun")
         self.optimizer = build_optimizer(self.task.parameters(), config.optim, seed=config.seed)
-        self.lr_schedule = build_lr_schedule(self.optimizer, config.optim, config.train.max_steps)
+        train = config.train
+        self.plan = StepPlan(train.max_steps, train.max_steps, 60 * train.max_minutes)
+        self.lr_schedule = build_lr_schedule(self.optimizer, config.optim, self.plan)
         # A resumed run's state comes from its checkpoint; a sharded one loads into existing state in place.
         if self.resume_from is None or sharded.is_sharded(self.resume_from):
             allocate_state(self.optimizer)
         self.ema = EMA(self.task.trainable, config.ema) if config.ema.enabled else None
         self.noise = torch.Generator(self.device)
         self.state = TrainState(config.stage, self.task.trainable, self.ema, self.optimizer, self.lr_schedule,
-                                self.data, self.task, self.topology.rank, self.tuning)
+                                self.plan, self.data, self.task, self.topology.rank, self.tuning)
         self.logger = RunLogger(config.logging, self.run_dir, config.train.max_steps, to_dict(config),
                                 enabled=self.is_main)
         self.last_batch: dict[str, Any] | None = None
@@ -239,11 +245,12 @@ class Trainer:
         log.info("run %s: %s stage, %d trainable parameters, %d samples in %d shards", self.run_dir,
                  self.config.stage, sum(p.numel() for p in self.task.parameters()), self.data.num_samples,
                  len(self.data.shards))
-        self.logger.start(self.state.step, self.state.samples)
+        self.logger.start(self.state.step, self.state.samples, self.plan.total)
         self.state.started = time.perf_counter()
+        self.plan.start(self.state.step)
         memory = autotune.FirstStepMemory(self.tuning, self.device, enabled=self.is_main)
         try:
-            while self.state.step < self.config.train.max_steps:
+            while self.state.step < self.plan.total:
                 record_progress(self.state.step + 1, finished=False)
                 metrics = self.train_step()
                 memory.after_step()
@@ -424,10 +431,11 @@ class Trainer:
 
     def report(self, metrics: dict[str, torch.Tensor], force: bool = False) -> None:
         step = self.state.step
-        final = step == self.config.train.max_steps
+        final = step == self.plan.total
         self.logger.advance(step)
         if not (force or final or step % self.config.logging.every == 0):
             return
+        self._replan()
         local = {key: float(v.full_tensor() if isinstance(v, DTensor) else v) for key, v in metrics.items()}
         values = mean_over_ranks(local, self.device)
         values["skipped_steps"] = self.state.skipped_steps
@@ -436,6 +444,20 @@ class Trainer:
         values["skipped_samples"] = self.data.position.total_skipped
         values["filtered_samples"] = self.data.position.total_filtered
         self.logger.log(step, self.state.samples, values)
+
+    def _replan(self) -> None:
+        """Under train.max_minutes, the steps left as the pace so far allows; every rank takes the main rank's plan,
+        so that all stop at the same step."""
+        if not self.plan.budgeted:
+            return
+        before = self.plan.total
+        paced = self.plan.replan(self.state.step, self.state.seconds)
+        planned = gather_objects(self.plan.total)[0]
+        if planned != before and paced is not None:
+            log.info("train.max_minutes=%g: %d steps planned (%.2f s a step, %.0f s left)",
+                     self.config.train.max_minutes, planned, *paced)
+        self.plan.total = planned
+        self.logger.plan(planned)
 
     def evaluation_due(self) -> bool:
         every = self.config.evaluation.every_samples
