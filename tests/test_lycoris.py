@@ -110,29 +110,54 @@ def _dora_rule(reader: str, state: dict[str, torch.Tensor], key: str, base: torc
     return updated * state[f"{key}.dora_scale"] / norm
 
 
-def test_each_kohya_dora_file_gives_its_readers_the_merged_weights(tmp_path, pretrained, capsys):
+def _sd_pipe(pretrained: Path):
     from diffusers import StableDiffusionPipeline
 
-    def pipe():
-        return StableDiffusionPipeline.from_pretrained(pretrained, local_files_only=True, safety_checker=None)
+    return StableDiffusionPipeline.from_pretrained(pretrained, local_files_only=True, safety_checker=None)
 
-    trained, family = pipe(), families.get("sd")
-    config = LoraConfig(type="dora", rank=2, alpha=3, target_modules=["to_q", "to_out.0", "conv1", "proj_in"])
-    add_lora(trained.unet, lora_settings(config), "lora.target_modules")
+
+def _adapted_unet(pretrained: Path, kind: str, folder: Path):
+    """A tiny SD UNet with adapters of `kind` on attention projections, convolutions and a 1x1 projection, every
+    factor and magnitude moved from where it started as training moves them, its files written in `folder`."""
+    unet = _sd_pipe(pretrained).unet
+    config = LoraConfig(type=kind, rank=2, alpha=3, target_modules=["to_q", "to_out.0", "conv1", "proj_in"])
+    add_lora(unet, lora_settings(config), "lora.target_modules")
     torch.manual_seed(0)
-    with torch.no_grad():  # trained: every factor and magnitude away from where it started
-        for name, parameter in trained.unet.named_parameters():
+    with torch.no_grad():
+        for name, parameter in unet.named_parameters():
             if "lora_" in name:
                 parameter.add_(torch.randn_like(parameter) * 0.1)
-    save_lora({"unet": trained.unet}, {"unet": trained.unet.state_dict()}, tmp_path, family)
-    layers = {family.kohya_lora_name("unet", path, trained.unet.config): path
-              for path, module in trained.unet.named_modules() if hasattr(module, "lora_magnitude_vector")}
-    base = {key: trained.unet.get_submodule(path).get_base_layer().weight.detach().clone()
-            for key, path in layers.items()}
-    merged = merge_lora(trained.unet)
+    save_lora({"unet": unet}, {"unet": unet.state_dict()}, folder, families.get("sd"))
+    return unet
+
+
+def _worst_after_loading(pretrained: Path, file: Path, expected: dict[str, torch.Tensor]) -> float:
+    """How far diffusers' load_lora_weights of `file` into the UNet merges its weights from `expected`'s."""
+    pipe = _sd_pipe(pretrained)
+    pipe.load_lora_weights(file.parent, weight_name=file.name)
+    merged = merge_lora(pipe.unet).state_dict()
+    return max((merged[key] - value).abs().max().item() for key, value in expected.items())
+
+
+def test_a_lora_on_attention_and_other_layers_loads_whole_in_diffusers(tmp_path, pretrained):
+    """diffusers renames only attention projections' adapters: the file of a UNet adapted beyond them keeps peft's
+    names, which diffusers' load_lora_weights reads whole."""
+    unet = _adapted_unet(pretrained, "lora", tmp_path)
+    expected = merge_lora(unet).state_dict()
+    assert _worst_after_loading(pretrained, tmp_path / "pytorch_lora_weights.safetensors", expected) < 1e-5
+
+
+def test_each_kohya_dora_file_gives_its_readers_the_merged_weights(tmp_path, pretrained, capsys):
+    """Each reader's rule applied to the kohya DoRA file made for it gives peft's merged weight; diffusers, which
+    reads neither file's magnitudes, is pointed to its own file."""
+    trained, family = _adapted_unet(pretrained, "dora", tmp_path), families.get("sd")
+    layers = {family.kohya_lora_name("unet", path, trained.config): path
+              for path, module in trained.named_modules() if hasattr(module, "lora_magnitude_vector")}
+    base = {key: trained.get_submodule(path).get_base_layer().weight.detach().clone() for key, path in layers.items()}
+    merged = merge_lora(trained)
     expected = {key: merged.get_submodule(path).weight.detach() for key, path in layers.items()}
     assert any(w.dim() == 4 for w in expected.values()) and any(w.dim() == 2 for w in expected.values())
-    # Each file gives its own reader peft's merge, and the other reader weights as far off as a whole update.
+    # Each file gives its own reader peft's merge, and the other reader weights a tenth of the update off or more.
     for name, reader, other in (("lora_kohya.safetensors", "comfyui", "lycoris"),
                                 ("lora_kohya_lycoris.safetensors", "lycoris", "comfyui")):
         state = load_file(str(tmp_path / name))
@@ -144,12 +169,10 @@ def test_each_kohya_dora_file_gives_its_readers_the_merged_weights(tmp_path, pre
         assert off > 0.1 * max((expected[key] - base[key]).abs().max() for key in layers)
     # diffusers' own loader drops every dora_scale of a kohya file: generate --lora refuses one in a line naming
     # the file diffusers reads, which it merges to peft's weights.
-    for name in ("lora_kohya.safetensors", "lora_kohya_lycoris.safetensors"):
-        assert main(["generate", "--model", str(pretrained), "--lora", str(tmp_path / name), "--prompt", "x",
-                     "--steps", "1", "--out", str(tmp_path / "no")]) == 2
+    assert main(["generate", "--model", str(pretrained), "--lora", str(tmp_path / "lora_kohya.safetensors"),
+                 "--prompt", "x", "--steps", "1", "--out", str(tmp_path / "no")]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "--lora" in line]
-    assert len(errors) == 2 and all("dora_scale" in line and "pytorch_lora_weights" in line for line in errors)
-    loaded = pipe()
-    loaded.load_lora_weights(tmp_path / "lora_kohya_lycoris.safetensors")
-    plain = merge_lora(loaded.unet)
-    assert max((plain.get_submodule(path).weight - expected[key]).abs().max() for key, path in layers.items()) > 1e-3
+    assert len(errors) == 1 and "dora_scale" in errors[0] and "pytorch_lora_weights" in errors[0]
+    whole = merged.state_dict()
+    assert _worst_after_loading(pretrained, tmp_path / "lora_kohya_lycoris.safetensors", whole) > 1e-3
+    assert _worst_after_loading(pretrained, tmp_path / "pytorch_lora_weights.safetensors", whole) < 1e-5

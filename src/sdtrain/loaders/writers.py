@@ -46,17 +46,20 @@ CONTROLNET = "controlnet"
 def lora_state(module: nn.Module, weights: dict[str, torch.Tensor], text_encoder: bool = False,
                peft_names: bool = False) -> dict[str, Any]:
     """The adapter weights in the key layout diffusers' loaders read: converted to diffusers' names, or with
-    `peft_names` peft's own (see ModelFamily.denoiser_lora_peft_names). `weights` are the module's tensors by their
-    names in it (whole ones: the module's own may be shards). A text encoder's keep CLIP's ``text_model.`` level,
-    which transformers 5 dropped from CLIPTextModel: diffusers reads them either way, and ComfyUI and older
-    diffusers only with it."""
+    `peft_names` peft's own (see ModelFamily.denoiser_lora_peft_names; a denoiser's too where diffusers' names
+    would cover only some of its adapted layers). `weights` are the module's tensors by their names in it (whole
+    ones: the module's own may be shards). A text encoder's keep CLIP's ``text_model.`` level, which transformers 5
+    dropped from CLIPTextModel: diffusers reads them either way, and ComfyUI and older diffusers only with it."""
     state = get_peft_model_state_dict(module, state_dict=weights)
     if peft_names:
         return state
-    state = convert_state_dict_to_diffusers(state)
+    converted = convert_state_dict_to_diffusers(state)
     if not text_encoder:
-        return state
-    return {text_model_path(key): value for key, value in state.items()}
+        # diffusers' names exist for attention projections alone: a denoiser's file mixing them with peft's names
+        # of other layers (convolutions, feed-forwards) loads with the renamed layers' adapters left unset, one of
+        # peft's names whole.
+        return state if any(".lora_A." in key or ".lora_B." in key for key in converted) else converted
+    return {text_model_path(key): value for key, value in converted.items()}
 
 
 def kohya_state(modules: dict[str, nn.Module], weights: dict[str, dict[str, torch.Tensor]],
