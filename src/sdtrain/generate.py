@@ -52,7 +52,8 @@ def load_pipeline(model: str | Path, ema: bool = True, device: str = "auto",
 def load_adapters(pipe: Any, folder: Path, weight: str | None, name: str) -> None:
     """The adapters of `folder`'s file `weight` (None: diffusers' default name) into `pipe` as adapter `name`: the
     pipeline's load_lora_weights, or for a LoKr file (which it refuses for most families) each adapted component's
-    load_lora_adapter, which rebuilds LoKr from the file's metadata."""
+    load_lora_adapter, which rebuilds LoKr from the file's metadata. A file with DoRA's ``dora_scale`` is refused:
+    load_lora_weights drops those magnitudes and applies the rest."""
     from safetensors import SafetensorError, safe_open
 
     file = folder / (weight or LORA_WEIGHTS)
@@ -62,6 +63,9 @@ def load_adapters(pipe: Any, folder: Path, weight: str | None, name: str) -> Non
                 keys = list(handle.keys())
         except SafetensorError as exc:
             raise ValueError(f"unreadable ({first_line(exc)})") from exc
+        if any(key.endswith(".dora_scale") for key in keys):
+            raise ValueError(f"diffusers drops its DoRA magnitudes (dora_scale) and would apply the rest; pass "
+                             f"the folder `sdtrain export` wrote, whose {LORA_WEIGHTS} diffusers reads whole")
         components = list(dict.fromkeys(key.split(".", 1)[0] for key in keys))
         # A LoKr file of component names (diffusers'; a kohya one goes to load_lora_weights, which names it).
         if any(".lokr_" in key for key in keys) and all(hasattr(pipe, c) for c in components):

@@ -34,6 +34,7 @@ from sdtrain.config import RunConfig, load_config
 from sdtrain.loaders.writers import (
     CONTROLNET,
     INSTRUCT_PIX2PIX,
+    KOHYA_LYCORIS_WEIGHTS,
     KOHYA_WEIGHTS,
     LEARNED_EMBEDS,
     LORA_WEIGHTS,
@@ -189,6 +190,8 @@ class _Export:
     checkpoint: Path
     ema: bool
     kohya: bool = False
+    kohya_lycoris: bool = False
+    """DoRA's kohya file for LyCORIS's reading beside ComfyUI's (``lora_kohya_lycoris.safetensors``)."""
     merged: bool = False
     """A LoRA or embedding folder with the whole pipeline, merged, under pipeline/."""
     half: bool = False
@@ -220,6 +223,11 @@ class _Export:
         """LoKr adapters, which diffusers' load_lora_weights refuses for most families (load_lora_adapter reads
         them)."""
         return any(settings.get("adapter_type") == "lokr" for settings in (self.task.get("lora") or {}).values())
+
+    @property
+    def dora(self) -> bool:
+        """DoRA adapters, whose magnitudes in a kohya file each tool reads by its own rule."""
+        return any(settings.get("use_dora") for settings in (self.task.get("lora") or {}).values())
 
 
 def _number(value: Any) -> str:
@@ -390,7 +398,23 @@ def _usage(export: _Export) -> list[str]:
     comfy = _comfyui(export)
     if comfy:
         out += [f"ComfyUI: {comfy}", ""]
+    if export.kind == "lora" and export.dora and export.kohya:
+        out += [_dora_readers(export), ""]
     return out
+
+
+def _dora_readers(export: _Export) -> str:
+    """Which tools each kohya DoRA file is for: they read its magnitudes (``dora_scale``) by different rules."""
+    text = (f"DoRA's magnitudes (`dora_scale`) are read by different rules, so each kohya file is for the readers "
+            f"named: `{KOHYA_WEIGHTS}` for ComfyUI (its builds since April 2025) and Forge, which normalise each "
+            "row by the base weight's norm")
+    if export.kohya_lycoris:
+        text += (f"; `{KOHYA_LYCORIS_WEIGHTS}` for LyCORIS's own loader and the tools that follow it, which read "
+                 "`dora_scale` as the magnitude itself and normalise each row by the updated weight's norm")
+    return (text + f". diffusers' `load_lora_weights` drops `dora_scale` from a kohya file and applies the rest: "
+            f"load `{LORA_WEIGHTS}` there, as above. A1111 and older ComfyUI builds normalise DoRA by each input "
+            "column's norm instead, a decomposition these adapters did not train with: no file gives them these "
+            "weights.")
 
 
 def _comfyui(export: _Export) -> str | None:
@@ -499,6 +523,7 @@ def _describe(folder: Path, name: str, run_dir: Path, checkpoint: Path, ema: boo
     """What `folder` holds, as exported from the run: a VAE, LoRA files, an embedding, else a pipeline."""
     export = _Export(name, "pipeline", Path(run_dir), Path(checkpoint), ema, license=license,
                      kohya=(folder / KOHYA_WEIGHTS).is_file(),
+                     kohya_lycoris=(folder / KOHYA_LYCORIS_WEIGHTS).is_file(),
                      merged=(folder / "pipeline" / "model_index.json").is_file())
     if export.family is None:
         export.kind = "vae"
@@ -552,6 +577,7 @@ def write_file_card(out: Path, run_dir: Path, checkpoint: Path, ema: bool = True
     NAME.sdtrain.md (and the grid left out); None when that name too is someone else's."""
     export = _describe(out.parent, out.name, run_dir, checkpoint, ema, license)
     export.kind, export.half, export.kohya, export.merged = "file", half, False, False
+    export.kohya_lycoris = False
     target = _single_file_card(out)
     if target.exists() and _owner(target) != out.name:
         aside = out.with_suffix(".sdtrain.md")

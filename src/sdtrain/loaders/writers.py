@@ -1,11 +1,13 @@
 """The files a fine-tuned run's trained parts are written as, in the layouts the tools users load them with read:
 LoRA adapters as diffusers' ``pytorch_lora_weights.safetensors`` (``load_lora_weights``) and kohya's
-``lora_kohya.safetensors`` (A1111, ComfyUI), new token vectors as ``learned_embeds.safetensors``
+``lora_kohya.safetensors`` (A1111, ComfyUI; DoRA's also as ``lora_kohya_lycoris.safetensors`` for LyCORIS's
+reading), new token vectors as ``learned_embeds.safetensors``
 (``load_textual_inversion``). The trainer writes them into every checkpoint folder and ``sdtrain export`` from a
 checkpoint; loaders.adapters rebuilds the modules they come from."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,9 @@ from sdtrain.models.families.spec import ModelFamily, text_model_path
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 """The file diffusers' ``load_lora_weights(DIR)`` looks for."""
 KOHYA_WEIGHTS = "lora_kohya.safetensors"
+KOHYA_LYCORIS_WEIGHTS = "lora_kohya_lycoris.safetensors"
+"""DoRA's kohya file with ``dora_scale`` as LyCORIS reads it (the magnitude itself); KOHYA_WEIGHTS has it as
+ComfyUI reads it (see `kohya_lycoris`)."""
 LEARNED_EMBEDS = "learned_embeds.safetensors"
 INSTRUCT_PIX2PIX = "instruct_pix2pix"
 """The task key of meta.json saying a run's denoiser learned InstructPix2Pix's editing (its pipeline is the
@@ -41,28 +46,31 @@ CONTROLNET = "controlnet"
 def lora_state(module: nn.Module, weights: dict[str, torch.Tensor], text_encoder: bool = False,
                peft_names: bool = False) -> dict[str, Any]:
     """The adapter weights in the key layout diffusers' loaders read: converted to diffusers' names, or with
-    `peft_names` peft's own (see ModelFamily.denoiser_lora_peft_names). `weights` are the module's tensors by their
-    names in it (whole ones: the module's own may be shards). A text encoder's keep CLIP's ``text_model.`` level,
-    which transformers 5 dropped from CLIPTextModel: diffusers reads them either way, and ComfyUI and older
-    diffusers only with it."""
+    `peft_names` peft's own (see ModelFamily.denoiser_lora_peft_names; a denoiser's too where diffusers' names
+    would cover only some of its adapted layers). `weights` are the module's tensors by their names in it (whole
+    ones: the module's own may be shards). A text encoder's keep CLIP's ``text_model.`` level, which transformers 5
+    dropped from CLIPTextModel: diffusers reads them either way, and ComfyUI and older diffusers only with it."""
     state = get_peft_model_state_dict(module, state_dict=weights)
     if peft_names:
         return state
-    state = convert_state_dict_to_diffusers(state)
+    converted = convert_state_dict_to_diffusers(state)
     if not text_encoder:
-        return state
-    return {text_model_path(key): value for key, value in state.items()}
+        # diffusers' names exist for attention projections alone: a denoiser's file mixing them with peft's names
+        # of other layers (convolutions, feed-forwards) loads with the renamed layers' adapters left unset, one of
+        # peft's names whole.
+        return state if any(".lora_A." in key or ".lora_B." in key for key in converted) else converted
+    return {text_model_path(key): value for key, value in converted.items()}
 
 
 def kohya_state(modules: dict[str, nn.Module], weights: dict[str, dict[str, torch.Tensor]],
-                family: ModelFamily) -> dict[str, torch.Tensor]:
+                family: ModelFamily, dora_reader: str = "comfyui") -> dict[str, torch.Tensor]:
     """The same adapters in kohya's layout, the one A1111, ComfyUI and diffusers all read:
     ``<prefix><module path, dots as underscores>.lora_down.weight / .lora_up.weight / .alpha``, the prefix and
     the module paths the family's (``lora_unet_``, ``lora_te_`` for SD's one text encoder, ``lora_te1_`` and
     ``lora_te2_`` for SDXL's two; SDXL's UNet paths and Flux.1's and Z-Image's transformer paths in their original
     layouts, their fused projections fused), and a true scalar alpha per module (the scale is alpha / rank).
-    DoRA adds each module's ``.dora_scale``, LoKr writes LyCORIS's ``.lokr_w1`` (``_a``/``_b``) and ``.lokr_w2``
-    factors instead (see `kohya_lycoris`)."""
+    DoRA adds each module's ``.dora_scale``, as `dora_reader` reads it; LoKr writes LyCORIS's ``.lokr_w1``
+    (``_a``/``_b``) and ``.lokr_w2`` factors instead (see `kohya_lycoris`)."""
     state = {}
     for name, module in modules.items():
         tensors = weights[name]
@@ -72,7 +80,7 @@ def kohya_state(modules: dict[str, nn.Module], weights: dict[str, dict[str, torc
                   if isinstance(layer, LoraLayer) and "default" in layer.lora_A}
         state.update(family.kohya_lora(name, layers, module.config))
         state.update(kohya_lycoris(module, tensors, lambda path, name=name, module=module:
-                                   family.kohya_lora_name(name, path, module.config)))
+                                   family.kohya_lora_name(name, path, module.config), dora_reader))
     return state
 
 
@@ -101,18 +109,20 @@ def comfyui_dora_state(modules: dict[str, nn.Module], weights: dict[str, dict[st
     return state
 
 
-def kohya_lycoris(module: nn.Module, tensors: dict[str, torch.Tensor], key_of: Callable[[str], str]
-                  ) -> dict[str, torch.Tensor]:
+def kohya_lycoris(module: nn.Module, tensors: dict[str, torch.Tensor], key_of: Callable[[str], str],
+                  dora_reader: str = "comfyui") -> dict[str, torch.Tensor]:
     """What kohya's layout holds of a component's DoRA and LoKr adapters beyond LoRA's keys, as LyCORIS writes them
     and ComfyUI applies them, under `key_of(module path)`. DoRA: ``.dora_scale`` per module, one value per output
-    row. ComfyUI scales the row of the updated weight W0 + dW by dora_scale / |row of W0|, where peft scales it by
-    m / |row of W0 + dW|: dora_scale is m * |W0| / |W0 + dW|, of the base weight as the file's reader holds it,
-    shaped (out, 1, ...) for ComfyUI's broadcasting. LoKr: the factors, the scale alpha / rank in the first
-    (ComfyUI reads an alpha only where a factor is split, peft scales every product by it), and no alpha."""
+    row, shaped (out, 1, ...) as LyCORIS keeps it (its wd_on_out; ComfyUI tells that axis by the first side), for
+    the `dora_reader`. Both scale the row of the updated weight W0 + dW by dora_scale over a row norm, LyCORIS (as
+    peft does with the magnitude m) by |row of W0 + dW|: its dora_scale is m; ComfyUI by |row of W0|: its
+    dora_scale is m * |W0| / |W0 + dW|, of the base weight as the file's reader holds it. LoKr: the factors, the
+    scale alpha / rank in the first (ComfyUI reads an alpha only where a factor is split, peft scales every product
+    by it), and no alpha."""
     state = {}
     for path, layer in module.named_modules():
         if isinstance(layer, LoraLayer) and layer.use_dora.get("default"):
-            state[f"{key_of(path)}.dora_scale"] = _dora_scale(layer, tensors, path)
+            state[f"{key_of(path)}.dora_scale"] = _dora_scale(layer, tensors, path, dora_reader)
         elif isinstance(layer, LoKrLayer) and ("default" in layer.lokr_w1 or "default" in layer.lokr_w1_a):
             key = key_of(path)
             first = "lokr_w1" if "default" in layer.lokr_w1 else "lokr_w1_a"
@@ -123,15 +133,17 @@ def kohya_lycoris(module: nn.Module, tensors: dict[str, torch.Tensor], key_of: C
     return state
 
 
-def _dora_scale(layer: LoraLayer, tensors: dict[str, torch.Tensor], path: str) -> torch.Tensor:
-    """The DoRA layer at `path`'s magnitudes as ComfyUI applies them (see `kohya_lycoris`), from its trained
-    `tensors` (the component's, by name) and its base weight."""
+def _dora_scale(layer: LoraLayer, tensors: dict[str, torch.Tensor], path: str, reader: str = "comfyui"
+                ) -> torch.Tensor:
+    """The DoRA layer at `path`'s magnitudes as `reader` (comfyui, lycoris) applies them (see `kohya_lycoris`),
+    from its trained `tensors` (the component's, by name) and its base weight."""
     base = layer.get_base_layer().weight.detach().float().cpu()
-    down = _whole(tensors, f"{path}.lora_A.default.weight").flatten(1)
-    up = _whole(tensors, f"{path}.lora_B.default.weight").flatten(1)
-    updated = base + (up @ down).reshape(base.shape) * layer.scaling["default"]
-    magnitude = _whole(tensors, f"{path}.lora_magnitude_vector.default.weight").reshape(-1)
-    scale = magnitude * base.flatten(1).norm(dim=1) / updated.flatten(1).norm(dim=1)
+    scale = _whole(tensors, f"{path}.lora_magnitude_vector.default.weight").reshape(-1)
+    if reader == "comfyui":
+        down = _whole(tensors, f"{path}.lora_A.default.weight").flatten(1)
+        up = _whole(tensors, f"{path}.lora_B.default.weight").flatten(1)
+        updated = base + (up @ down).reshape(base.shape) * layer.scaling["default"]
+        scale = scale * base.flatten(1).norm(dim=1) / updated.flatten(1).norm(dim=1)
     return scale.reshape(-1, *[1] * (base.dim() - 1)).contiguous()
 
 
@@ -148,7 +160,8 @@ def save_lora(modules: dict[str, nn.Module], weights: dict[str, dict[str, torch.
               family: ModelFamily) -> Path:
     """Write ``pytorch_lora_weights.safetensors``, which the family pipeline's ``load_lora_weights(folder)``
     loads, and the same adapters as ``lora_kohya.safetensors`` for A1111 and ComfyUI where the family has a kohya
-    layout for every adapted component (ComfyUI reads SD3's diffusers file itself)."""
+    layout for every adapted component (ComfyUI reads SD3's diffusers file itself); DoRA's in that layout also as
+    ``lora_kohya_lycoris.safetensors``, its magnitudes as LyCORIS reads them."""
     adapted = {name: m for name, m in modules.items() if has_lora(m)}
     layers, metadata = {}, {}
     lokr = any(isinstance(m.peft_config["default"], LoKrConfig) for m in adapted.values())
@@ -183,10 +196,19 @@ def save_lora(modules: dict[str, nn.Module], weights: dict[str, dict[str, torch.
     else:
         # ComfyUI reads diffusers' file as it is (LoKr's: peft's names, the scale in the first factor), or nothing.
         return folder / LORA_WEIGHTS
-    tmp = folder / f".{KOHYA_WEIGHTS}.tmp"
-    save_file(state, str(tmp), metadata={"ss_network_module": "lycoris.kohya" if lokr else "networks.lora"})
-    tmp.replace(folder / KOHYA_WEIGHTS)
+    _save_kohya(state, folder / KOHYA_WEIGHTS, {"ss_network_module": "lycoris.kohya" if lokr else "networks.lora"})
+    if dora and kohya and family.kohya_names_each_layer:
+        # ComfyUI's dora_scale is not the magnitude LyCORIS's own loader reads; each reader gets a file of its own.
+        _save_kohya(kohya_state(adapted, weights, family, dora_reader="lycoris"), folder / KOHYA_LYCORIS_WEIGHTS,
+                    {"ss_network_module": "lycoris.kohya",
+                     "ss_network_args": json.dumps({"algo": "lora", "dora_wd": "True", "wd_on_output": "True"})})
     return folder / LORA_WEIGHTS
+
+
+def _save_kohya(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(state, str(tmp), metadata=metadata)
+    tmp.replace(path)
 
 
 def _is_first_factor(key: str, state: dict[str, torch.Tensor]) -> bool:
