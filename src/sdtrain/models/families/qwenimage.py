@@ -190,10 +190,13 @@ class QwenImage(causal_lm.LanguageModelText, ModelFamily):
 
     def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
         # The prefix is read by the language model but not kept: the mask marks what the conditioning keeps (the
-        # caption and the assistant's header), and `encode_text` attends the prefix as well.
+        # caption and the assistant's header), and `encode_text` attends the prefix as well. Padded on the right
+        # whatever the tokenizer's folder says, so the prefix is every row's first tokens and each token's position
+        # is the one the pipeline gives a prompt on its own (it pads a batch only to its longest).
         prefix = prefix_length(tokenizer, self.prefix)
         tokens = tokenizer([self.template.format(caption) for caption in captions], padding="max_length",
-                           truncation=True, max_length=tokenizer.model_max_length + prefix, return_tensors="pt")
+                           padding_side="right", truncation=True, max_length=tokenizer.model_max_length + prefix,
+                           return_tensors="pt")
         kept = tokens.attention_mask.clone()
         kept[:, :prefix] = 0
         return {self.ids_key(index): tokens.input_ids, self.mask_key(index): kept}
