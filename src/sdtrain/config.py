@@ -737,11 +737,13 @@ class ValidationConfig:
     seed: int = 0
     """Seed of the first prompt's image; prompt i uses seed + i."""
     steps: int | None = None
-    """Sampling steps. Unset: the model's own where it has one (4 for Flux.1-schnell, distilled to it), else 20."""
+    """Sampling steps. Unset: the model's own where it has one (a step-distilled model's: 4 for Flux.1-schnell and a
+    distilled Flux.2 klein, 8 for Z-Image-Turbo), else 20."""
     guidance: float | None = None
     """Guidance scale: classifier-free, or the input of a guidance embedding (Flux.1-dev). Unset: the model's own:
-    3.5 for a Flux.1 transformer with a guidance embedding, none (1) for one without (schnell: true classifier-free
-    guidance would double the cost and over-saturate), 5 for the other families."""
+    3.5 for a Flux.1 transformer with a guidance embedding, none (1) for a step-distilled model (Flux.1-schnell, a
+    distilled Flux.2 klein, Z-Image-Turbo: classifier-free guidance would double the cost and over-saturate), else
+    the family's (4 for Flux.2 and Qwen-Image, 5 for the others)."""
 
 
 @dataclass

@@ -421,11 +421,12 @@ class Flux2(causal_lm.LanguageModelText, ModelFamily):
         pipe.register_modules(tokenizer=tokenizer)
         return pipe
 
-    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
+                 distilled: bool = False) -> Any:
         return self.pipeline_class(scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],
                                    tokenizer=tokenizers[0], transformer=components["transformer"])
 
-    def sampling_defaults(self, denoiser_config: Any) -> dict[str, Any]:
+    def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         return {"guidance": 4.0}
 
     def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
@@ -464,13 +465,35 @@ class Flux2Klein(Flux2):
         ids, mask = causal_lm.chat_tokens(tokenizer, captions, thinking=False)
         return {self.ids_key(index): ids, self.mask_key(index): mask}
 
-    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
+                 distilled: bool = False) -> Any:
         return Flux2KleinPipeline(scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],
-                                  tokenizer=tokenizers[0], transformer=components["transformer"], is_distilled=False)
+                                  tokenizer=tokenizers[0], transformer=components["transformer"],
+                                  is_distilled=distilled)
+
+    def distilled(self, source: str | Path | None) -> bool:
+        # The released folders say it in model_index.json (true for FLUX.2-klein-4B and 9B, false for the -base
+        # models); the transformer's config is the same for both. A single file does not say.
+        if source is None or not Path(source).is_dir():
+            return False
+        folder = Path(source)
+        if not (folder / "model_index.json").is_file():
+            folder = folder.parent  # a component folder inside a pipeline folder
+        try:
+            index = json.loads((folder / "model_index.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(index, dict) and index.get("is_distilled") is True
+
+    def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
+        # The distilled models sample in 4 steps without guidance (Black Forest Labs'), the base models as dev's
+        # pipeline default; guidance at 4 on a distilled one would be ignored by the pipeline, or if it were not
+        # told, run classifier-free guidance at twice the cost and over-saturate.
+        return {"guidance": 1.0, "steps": 4} if distilled else {"guidance": 4.0}
 
     def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
         # Classifier-free guidance against the empty prompt (the pipeline takes no other negative); a distilled
-        # klein samples without it.
+        # klein samples without it (its pipeline's is_distilled).
         return {**self._text_arguments(pipe), "guidance_scale": guidance}
 
 

@@ -290,7 +290,8 @@ class QwenImage(causal_lm.LanguageModelText, ModelFamily):
 
     # ------------------------------------------------------------------------------------------ the pipeline
 
-    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
+                 distilled: bool = False) -> Any:
         return self.prepare_pipeline(QwenImagePipeline(
             scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],
             tokenizer=tokenizers[0], transformer=components["transformer"]))
@@ -301,7 +302,7 @@ class QwenImage(causal_lm.LanguageModelText, ModelFamily):
         pipe.prompt_template_encode_start_idx = prefix_length(pipe.tokenizer, self.prefix)
         return pipe
 
-    def sampling_defaults(self, denoiser_config: Any) -> dict[str, Any]:
+    def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         return {"guidance": 4.0}
 
     def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
@@ -503,7 +504,8 @@ class QwenImageEdit(QwenImage):
         """The sources (in [-1, 1]) as the pipeline gives them to the vision-language model: as they are."""
         return to_pil(sources)
 
-    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
+                 distilled: bool = False) -> Any:
         text_encoder = components["text_encoder"]
         processor = VisionTextProcessor(image_processor_of(text_encoder.config), tokenizers[0])
         return self.prepare_pipeline(self.pipeline_class(
