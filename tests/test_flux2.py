@@ -216,6 +216,40 @@ def test_a_distilled_klein_samples_in_4_steps_without_guidance_and_its_merged_ex
     assert not KLEIN.distilled(released_klein)  # the base models sample with guidance, as before
 
 
+@pytest.mark.parametrize("which", ["dev", "distilled klein"])
+def test_the_recipe_trains_at_the_shift_its_pipeline_samples_with(which, released_dev, distilled_klein):
+    """configs/flux2-lora.yaml's claim: at its resolution and its step count (the previews', 20; a distilled klein's
+    4), training shifts the sigmas as the pipeline shifts its sampling sigmas, not by the scheduler's linear mu."""
+    from sdtrain.config import load_config
+    from sdtrain.models import build
+    from sdtrain.models.pipeline import is_distilled, run_sampling, sampling_steps
+    from sdtrain.train.tasks import make_objective
+
+    family, folder = (DEV, released_dev) if which == "dev" else (KLEIN, distilled_klein)
+    config = load_config(CONFIGS / "flux2-lora.yaml", ["run_dir=unused", "data.shards=unused",
+                                                      f"model.pretrained={folder}"])
+    pipe = _pipeline(family, folder)
+    steps = sampling_steps(family, pipe.transformer.config, run_sampling(config, is_distilled(family, folder)))
+    assert steps == (20 if which == "dev" else 4)
+    objective = make_objective(family, config.diffusion, build.build_noise_scheduler(config.diffusion, config.model),
+                               torch.device("cpu"), pipe.transformer.config, steps)
+    # The release's autoencoder and patches make a token of 16 px a side; the tiny one here of 8.
+    tokens = (config.data.resolution // 16) ** 2
+    sampled = []
+
+    def first_step(pipe, step, timestep, tensors):  # the schedule is set: the other steps are skipped
+        sampled.append(pipe.scheduler.sigmas)
+        pipe._interrupt = True
+        return {}
+
+    pipe(prompt="a red circle", num_inference_steps=steps, guidance_scale=1.0, height=config.data.resolution // 2,
+         width=config.data.resolution // 2, output_type="latent", max_sequence_length=TEXT_LENGTH,
+         text_encoder_out_layers=LAYERS, callback_on_step_end=first_step, generator=torch.Generator().manual_seed(0))
+    grid = torch.linspace(1.0, 1 / steps, steps)
+    torch.testing.assert_close(objective.shift(grid, tokens), sampled[0][:-1].float(), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(objective.shift(grid, tokens), pipe.scheduler.time_shift(objective.mu(tokens), 1.0, grid))
+
+
 def test_klein_full_fine_tuning_exports_what_diffusers_loads_and_changes_the_image(tmp_path, released_klein,
                                                                                     shapes_dir):
     run = tmp_path / "full"

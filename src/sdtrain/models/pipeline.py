@@ -138,6 +138,12 @@ def run_sampling(config: RunConfig, distilled: bool = False) -> dict[str, Any]:
             "default_steps": PREVIEW_STEPS, "distilled": distilled}
 
 
+def sampling_steps(family: families.ModelFamily, denoiser_config: Any, settings: dict[str, Any]) -> int:
+    """The step count `sample_images` samples with under `settings` (`run_sampling`'s)."""
+    defaults = family.sampling_defaults(denoiser_config, bool(settings.get("distilled")))
+    return settings.get("steps") or defaults.get("steps", settings.get("default_steps", DEFAULT_STEPS))
+
+
 def is_distilled(family: families.ModelFamily, source: str | Path | None) -> bool:
     """Whether the model at `source` (a folder or file; None: none) is step-distilled (`ModelFamily.distilled`): as
     an sdtrain export recorded it (its run's base was), else as its family reads the folder."""

@@ -25,6 +25,7 @@ import torch
 from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
 from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from torch import nn
 from transformers import AutoTokenizer, MistralConfig, MistralModel, Qwen3Config, Qwen3Model
 
@@ -53,8 +54,10 @@ _DEV = dict(patch_size=1, num_layers=8, num_single_layers=48, attention_head_dim
 _KLEIN_4B = dict(_DEV, num_layers=5, num_single_layers=20, num_attention_heads=24, guidance_embeds=False)
 _KLEIN_9B = dict(_DEV, num_layers=8, num_single_layers=24, num_attention_heads=32, guidance_embeds=False)
 _VAE = dict(latent_channels=32, use_quant_conv=True, use_post_quant_conv=True)
-# Training's shift: the dynamic one whose mu is the limit of the pipelines' empirical mu at many sampling steps
-# (mu = 0.00016927 tokens + 0.45667: 0.5 at 256 image tokens, 1.15 at 4,096).
+# The released schedulers' dynamic shift, whose mu is the limit of the pipelines' empirical mu at many sampling
+# steps (mu = 0.00016927 tokens + 0.45667: 0.5 at 256 image tokens, 1.15 at 4,096). The pipelines sample with the
+# empirical mu at their step count (`sampling_mu`: 1.70 at 512 px and 50 steps), which training matches with
+# diffusion.flow.dynamic_shift: sampling.
 _SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                   base_image_seq_len=256, max_image_seq_len=4096)
 
@@ -428,6 +431,10 @@ class Flux2(causal_lm.LanguageModelText, ModelFamily):
 
     def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         return {"guidance": 4.0}
+
+    def sampling_mu(self, image_tokens: int, steps: int) -> float | None:
+        # Both pipelines shift by Black Forest Labs' empirical fit over tokens and steps.
+        return compute_empirical_mu(image_seq_len=image_tokens, num_steps=steps)
 
     def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
         # dev samples with its guidance embedding alone: Flux2Pipeline takes no negative prompt.

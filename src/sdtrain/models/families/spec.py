@@ -503,6 +503,12 @@ class ModelFamily:
         the model has its own count (a distilled one: `distilled`, or one its denoiser's config tells)."""
         return {"guidance": 5.0}
 
+    def sampling_mu(self, image_tokens: int, steps: int) -> float | None:
+        """The dynamic shift's mu the family's pipeline samples `steps` steps of an image of `image_tokens` tokens
+        with, where it is not the scheduler's (linear in the tokens, as diffusers' Flux.1 and Qwen-Image pipelines
+        compute it): Flux.2's empirical one. None: the scheduler's."""
+        return None
+
     def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
         """The pipeline call's guidance settings (classifier-free guidance at `guidance`, against
         `negative_prompt`; None: the empty prompt)."""
