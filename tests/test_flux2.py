@@ -92,6 +92,19 @@ def released_klein(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def distilled_klein(tmp_path_factory, released_klein) -> Path:
+    """FLUX.2-klein-4B's and 9B's folder: klein's, its model_index.json saying is_distilled (the -base models' says
+    false), the transformer's config the same."""
+    import shutil
+
+    folder = shutil.copytree(released_klein, tmp_path_factory.mktemp("flux2-klein-distilled") / "pipeline")
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["is_distilled"] is False
+    (folder / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
+    return folder
+
+
 def _pipeline(family, folder: Path):
     pipe = family.pipeline_from_folder(folder, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
@@ -169,6 +182,72 @@ def test_a_lora_on_every_block_loads_whole_through_diffusers_from_either_file(tm
         torch.testing.assert_close(fused[1][key], fused[0][key], rtol=1e-5, atol=1e-6, msg=key)
     assert main(["generate", "--model", str(released_dev), "--lora", str(out), "--prompt", "a red circle",
                  "--steps", "2", "--size", "32", "--out", str(tmp_path / "images")]) == 0
+
+
+def test_a_distilled_klein_samples_in_4_steps_without_guidance_and_its_merged_export_says_so(
+        tmp_path, distilled_klein, released_klein, shapes_dir, monkeypatch):
+    """Validation, generate on the run and on its merged export sample a distilled klein as it was distilled to: 4
+    transformer calls, none for classifier-free guidance; the export's model_index.json keeps is_distilled. The -base
+    models are not distilled."""
+    from diffusers import Flux2Transformer2DModel
+
+    from sdtrain.generate import run_sampling_of
+
+    calls = []
+    forward = Flux2Transformer2DModel.forward
+
+    def counted(self, *args, **kwargs):
+        if not torch.is_grad_enabled():  # sampling, not a training step
+            calls.append(1)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Flux2Transformer2DModel, "forward", counted)
+    run = tmp_path / "lora"
+    assert main(_lora(run, distilled_klein, shapes_dir, 1, "validation.prompts=[a red circle]",
+                      "lora.save_merged=true")) == 0
+    assert len(calls) == 4 * len(list((run / "samples").glob("step_*.png"))) > 0
+    assert run_sampling_of(run)["distilled"] is True  # generate on the run samples as validation did
+    out = export_run(run, tmp_path / "out")
+    assert json.loads((out / "pipeline" / "model_index.json").read_text())["is_distilled"] is True
+    calls.clear()
+    assert main(["generate", "--model", str(out / "pipeline"), "--prompt", "a red circle", "--out",
+                 str(tmp_path / "images")]) == 0
+    assert len(calls) == 4
+    assert not KLEIN.distilled(released_klein)  # the base models sample with guidance, as before
+
+
+@pytest.mark.parametrize("which", ["dev", "distilled klein"])
+def test_the_recipe_trains_at_the_shift_its_pipeline_samples_with(which, released_dev, distilled_klein):
+    """configs/flux2-lora.yaml's claim: at its resolution and its step count (the previews', 20; a distilled klein's
+    4), training shifts the sigmas as the pipeline shifts its sampling sigmas, not by the scheduler's linear mu."""
+    from sdtrain.config import load_config
+    from sdtrain.models import build
+    from sdtrain.models.pipeline import is_distilled, run_sampling, sampling_steps
+    from sdtrain.train.tasks import make_objective
+
+    family, folder = (DEV, released_dev) if which == "dev" else (KLEIN, distilled_klein)
+    config = load_config(CONFIGS / "flux2-lora.yaml", ["run_dir=unused", "data.shards=unused",
+                                                      f"model.pretrained={folder}"])
+    pipe = _pipeline(family, folder)
+    steps = sampling_steps(family, pipe.transformer.config, run_sampling(config, is_distilled(family, folder)))
+    assert steps == (20 if which == "dev" else 4)
+    objective = make_objective(family, config.diffusion, build.build_noise_scheduler(config.diffusion, config.model),
+                               torch.device("cpu"), pipe.transformer.config, steps)
+    # The release's autoencoder and patches make a token of 16 px a side; the tiny one here of 8.
+    tokens = (config.data.resolution // 16) ** 2
+    sampled = []
+
+    def first_step(pipe, step, timestep, tensors):  # the schedule is set: the other steps are skipped
+        sampled.append(pipe.scheduler.sigmas)
+        pipe._interrupt = True
+        return {}
+
+    pipe(prompt="a red circle", num_inference_steps=steps, guidance_scale=1.0, height=config.data.resolution // 2,
+         width=config.data.resolution // 2, output_type="latent", max_sequence_length=TEXT_LENGTH,
+         text_encoder_out_layers=LAYERS, callback_on_step_end=first_step, generator=torch.Generator().manual_seed(0))
+    grid = torch.linspace(1.0, 1 / steps, steps)
+    torch.testing.assert_close(objective.shift(grid, tokens), sampled[0][:-1].float(), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(objective.shift(grid, tokens), pipe.scheduler.time_shift(objective.mu(tokens), 1.0, grid))
 
 
 def test_klein_full_fine_tuning_exports_what_diffusers_loads_and_changes_the_image(tmp_path, released_klein,

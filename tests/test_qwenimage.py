@@ -130,6 +130,32 @@ def test_the_conditioning_is_the_pipelines_own(released):
     assert not text["text_emb"][:, width:].any()
 
 
+def test_a_tokenizer_that_pads_left_conditions_as_the_pipeline_does(tmp_path, released):
+    """A tokenizer folder whose tokenizer_config.json pads on the left (as some Qwen releases' do) drops the same
+    system turn and gives each caption the states the pipeline gives it alone: not the system prompt kept."""
+    import shutil
+
+    from sdtrain.models import build
+    from sdtrain.models.tokenizer import CaptionTokenizer
+
+    folder = shutil.copytree(released / "tokenizer", tmp_path / "tokenizer")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "padding_side": "left"}))
+    tokenizer = build.load_tokenizer(str(folder), TEXT_LENGTH)
+    assert tokenizer.padding_side == "left"
+    pipe = _pipeline(released)
+    pipe.tokenizer = tokenizer
+    captions = ["a red circle", "a green square beside a yellow triangle"]
+    ids, masks = QWEN.token_inputs(CaptionTokenizer([tokenizer], QWEN)(captions))
+    with torch.no_grad():
+        text = QWEN.encode_text([pipe.text_encoder], ids, captions, masks)
+        for row, caption in enumerate(captions):
+            embeds, mask = pipe.encode_prompt([caption], max_sequence_length=TEXT_LENGTH)
+            width = embeds.shape[1]  # a caption alone is not padded: the pipeline gives no mask
+            assert mask is None and text["text_mask"][row, :width].all() and not text["text_mask"][row, width:].any()
+            torch.testing.assert_close(text["text_emb"][row, :width], embeds[0], rtol=1e-5, atol=1e-6)
+
+
 def test_a_lora_over_a_low_precision_base_loads_whole_through_diffusers_from_either_file(tmp_path, released,
                                                                                           shapes_dir):
     run = tmp_path / "lora"

@@ -97,6 +97,45 @@ def test_a_lora_loads_whole_through_diffusers_z_image_loader_and_changes_the_ima
     assert "- z-image" in (out / "README.md").read_text()  # the model card names the family
 
 
+def test_turbo_samples_in_8_steps_without_guidance_and_the_base_model_with_it(tmp_path, released, shapes_dir,
+                                                                               monkeypatch):
+    """Z-Image-Turbo's folder (its scheduler shifts by 3, the base model's by 6; or the Hub id's name) samples as it
+    was distilled to, in validation and `generate` on the run: 8 transformer calls of one latent each, no
+    classifier-free guidance; the base model keeps guidance (the empty prompt's latent beside each)."""
+    import shutil
+
+    from diffusers import ZImageTransformer2DModel
+
+    from sdtrain.generate import run_sampling_of
+    from sdtrain.models.pipeline import sample_images
+
+    calls = []
+    forward = ZImageTransformer2DModel.forward
+
+    def counted(self, x, *args, **kwargs):
+        if not torch.is_grad_enabled():  # sampling, not a training step
+            calls.append(len(x))
+        return forward(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(ZImageTransformer2DModel, "forward", counted)
+    zimage = families.get("z-image")
+    assert json.loads((released / "scheduler" / "scheduler_config.json").read_text())["shift"] == 3.0
+    run = tmp_path / "lora"
+    assert main([*_command("lora", run, released, shapes_dir, 1), "validation.prompts=[a red circle]"]) == 0
+    assert calls == [1] * 8 * len(list((run / "samples").glob("step_*.png"))) and calls
+    assert run_sampling_of(run)["distilled"] is True
+
+    base = shutil.copytree(released, tmp_path / "Z-Image")
+    settings = json.loads((base / "scheduler" / "scheduler_config.json").read_text())
+    (base / "scheduler" / "scheduler_config.json").write_text(json.dumps({**settings, "shift": 6.0}))
+    calls.clear()
+    sample_images(_pipeline(base), ["a red circle"], steps=2, size=32)
+    assert calls == [2, 2] and not zimage.distilled(base)
+    snapshot = tmp_path / "models--Tongyi-MAI--Z-Image-Turbo" / "snapshots" / "0123abc"
+    shutil.copytree(base, snapshot)
+    assert zimage.distilled(snapshot) and zimage.distilled(snapshot / "transformer")
+
+
 @pytest.mark.parametrize("mode", ["full", "dreambooth"])
 def test_full_and_dreambooth_exports_load_in_diffusers_and_change_the_image(mode, tmp_path, released, shapes_dir):
     run = tmp_path / mode

@@ -327,9 +327,12 @@ class FlowConfig:
     shift: float | None = None
     """The static shift s of the sigmas, sigma' = s sigma / (1 + (s - 1) sigma), in training and sampling alike
     (SD3: 3.0; Flux.1-schnell: 1.0, none). Unset: the pretrained scheduler's, else the preset's."""
-    dynamic_shift: bool | None = None
+    dynamic_shift: Union[bool, str, None] = None  # noqa: UP007 (OmegaConf reads typing.Union)
     """Flux.1-dev's resolution-dependent shift instead of ``shift`` (exp(mu), mu rising linearly from 0.5 at 256
-    image tokens to 1.15 at 4096). Unset: the pretrained scheduler's, else the preset's."""
+    image tokens to 1.15 at 4096). ``sampling``: the dynamic shift the model's pipeline samples with at the run's
+    sampling step count (``validation.steps``, else the model's own, else 20), where its mu is not the scheduler's:
+    Flux.2's pipelines fit mu to the step count too (1.70 at 512 px and 50 steps, where the scheduler's is 0.63);
+    for other models the same as true. Unset: the pretrained scheduler's, else the preset's."""
     loss_weighting: str = "none"
     """Each sample's loss weight by its sigma: ``none``, ``sigma_sqrt`` (1 / sigma^2) or ``cosmap``
     (2 / (pi (1 - 2 sigma + 2 sigma^2))), as diffusers' SD3 scripts offer."""
@@ -346,6 +349,8 @@ class FlowConfig:
 
     def validate(self) -> None:
         _check(self.shift is None or self.shift > 0, "diffusion.flow.shift", "must be positive")
+        _check(self.dynamic_shift in (None, True, False, "sampling"), "diffusion.flow.dynamic_shift",
+               "must be true, false or sampling")
         _check(self.loss_weighting in ("none", "sigma_sqrt", "cosmap"), "diffusion.flow.loss_weighting",
                "must be none, sigma_sqrt or cosmap")
         _check(not self.guidance_range or (len(self.guidance_range) == 2
@@ -744,11 +749,13 @@ class ValidationConfig:
     seed: int = 0
     """Seed of the first prompt's image; prompt i uses seed + i."""
     steps: int | None = None
-    """Sampling steps. Unset: the model's own where it has one (4 for Flux.1-schnell, distilled to it), else 20."""
+    """Sampling steps. Unset: the model's own where it has one (a step-distilled model's: 4 for Flux.1-schnell and a
+    distilled Flux.2 klein, 8 for Z-Image-Turbo), else 20."""
     guidance: float | None = None
     """Guidance scale: classifier-free, or the input of a guidance embedding (Flux.1-dev). Unset: the model's own:
-    3.5 for a Flux.1 transformer with a guidance embedding, none (1) for one without (schnell: true classifier-free
-    guidance would double the cost and over-saturate), 5 for the other families."""
+    3.5 for a Flux.1 transformer with a guidance embedding, none (1) for a step-distilled model (Flux.1-schnell, a
+    distilled Flux.2 klein, Z-Image-Turbo: classifier-free guidance would double the cost and over-saturate), else
+    the family's (4 for Flux.2 and Qwen-Image, 5 for the others)."""
 
 
 @dataclass

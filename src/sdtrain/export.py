@@ -20,7 +20,7 @@ from sdtrain.config import RunConfig
 from sdtrain.errors import UserError
 from sdtrain.loaders.adapters import merge_partial
 from sdtrain.loaders.components import load_run_modules
-from sdtrain.loaders.pipelines import pipeline_from_run, run_config
+from sdtrain.loaders.pipelines import base_distilled, pipeline_from_run, run_config
 from sdtrain.loaders.writers import CONTROLNET, LEARNED_EMBEDS, LORA_WEIGHTS, save_trained_parts
 from sdtrain.model_card import FOLDER_FILES, write_file_card, write_folder_card
 from sdtrain.models import build, families, single_file
@@ -65,7 +65,7 @@ def _export_trained_parts(run_dir: Path, config: RunConfig, folder: Path, ema: b
     if full_pipeline:
         pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint, trained=modules).save_pretrained(
             folder / "pipeline", safe_serialization=True)
-        write_sampling(folder / "pipeline", config)
+        write_sampling(folder / "pipeline", config, base_distilled(config, pinned_sources(checkpoint)))
 
 
 def export_run(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | None = None,
@@ -90,7 +90,7 @@ def export_run(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | No
         elif config.stage == "diffusion":
             pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint).save_pretrained(tmp, safe_serialization=True)
             # generate's defaults from the folder are then those of the run's previews (size, steps, guidance).
-            write_sampling(tmp, config)
+            write_sampling(tmp, config, base_distilled(config, pinned_sources(checkpoint)))
         else:
             load_run_modules(run_dir, ["vae"], ema=ema, checkpoint=checkpoint)["vae"].save_pretrained(
                 tmp, safe_serialization=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from sdtrain.errors import UserError, first_line
-from sdtrain.loaders.pipelines import pipeline_from_file, pipeline_from_run, run_config
+from sdtrain.loaders.pipelines import pipeline_from_file, pipeline_from_run, run_config, run_distilled
 from sdtrain.loaders.writers import LORA_WEIGHTS
 from sdtrain.models import build, families, hub
 from sdtrain.models.pipeline import DEFAULT_STEPS, read_sampling, run_sampling, sample_images, sampler_from
@@ -153,7 +153,7 @@ def run_sampling_of(model: str | Path) -> dict[str, Any]:
         return {}  # a Hub id, or a path load_pipeline names as missing
     kind = build.source_kind(model)
     if kind == "run":
-        return run_sampling(run_config(Path(model)))
+        return run_sampling(run_config(Path(model)), run_distilled(Path(model)))
     return read_sampling(Path(model)) if kind == "pipeline" else {}
 
 
@@ -208,7 +208,7 @@ def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int | 
     images = sample_images(pipe, prompts, seed=seed, steps=steps, guidance=guidance,
                            negative_prompt=negative_prompt, size=size,
                            default_steps=recorded.get("default_steps", DEFAULT_STEPS), inputs=inputs, fixed=fixed,
-                           edits_at_own_size=bool(recorded and size))
+                           edits_at_own_size=bool(recorded and size), distilled=recorded.get("distilled"))
     out = Path(out)
     paths = save_images(images, prompts, out)
     rows = max(1, round(len(images) ** 0.5))

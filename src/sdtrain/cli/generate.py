@@ -25,11 +25,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", type=Path, default=Path("samples"), help="output folder")
     parser.add_argument("--steps", type=int, default=None,
                         help="sampling steps (default: a run's, or an sdtrain export's, validation steps; else the "
-                        "model's own, 4 for Flux.1-schnell; else 30)")
+                        "model's own: 4 for Flux.1-schnell and a distilled Flux.2 klein, 8 for Z-Image-Turbo; "
+                        "else 30)")
     parser.add_argument("--guidance", type=float, default=None,
                         help="guidance scale (default: a run's, or an sdtrain export's, validation guidance; else the "
-                        "model's own: 3.5 for Flux.1-dev's guidance embedding, off for Flux.1-schnell, else "
-                        "classifier-free guidance at 5)")
+                        "model's own: 3.5 for Flux.1-dev's guidance embedding, off for a step-distilled model "
+                        "(Flux.1-schnell, a distilled Flux.2 klein, Z-Image-Turbo), else classifier-free guidance "
+                        "at the family's scale (4 for Flux.2 and Qwen-Image, 5 for the others))")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first prompt; prompt i uses seed + i")
     parser.add_argument("--size", type=int, default=None,
                         help="image side in pixels (default: a run's, or an sdtrain export's, training resolution, "

@@ -13,11 +13,23 @@ from sdtrain.loaders.adapters import merge_partial
 from sdtrain.loaders.components import load_component, load_run_modules
 from sdtrain.loaders.writers import INSTRUCT_PIX2PIX, REFERENCE_EDIT
 from sdtrain.models import build, families
-from sdtrain.models.pipeline import sampler_from
+from sdtrain.models.pipeline import is_distilled, sampler_from
 
 
 def run_config(run_dir: Path) -> RunConfig:
     return load_config(Path(run_dir) / "config.yaml")
+
+
+def base_distilled(config: RunConfig, pinned: dict[str, str]) -> bool:
+    """Whether the base a run's denoiser came from (its pinned source, else the config's) is step-distilled
+    (models.pipeline.is_distilled): the run's model samples as it does."""
+    family = families.for_model(config.model)
+    return is_distilled(family, pinned.get(family.denoiser) or build.component_source(config.model, family.denoiser))
+
+
+def run_distilled(run_dir: Path) -> bool:
+    """`base_distilled` of the run at `run_dir`, from the sources its newest checkpoint pinned."""
+    return base_distilled(run_config(run_dir), pinned_sources(latest_checkpoint(Path(run_dir))))
 
 
 def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None = None,
@@ -53,7 +65,7 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
             tokenizer.add_tokens(added_tokens)
     noise = build.build_noise_scheduler(config.diffusion, model)
     pipe = family.assemble({name: component(name) for name in family.components}, tokenizers,
-                           sampler_from(noise, "euler"))
+                           sampler_from(noise, "euler"), distilled=base_distilled(config, pinned))
     task = read_meta(checkpoint).get("task", {})
     if task.get(INSTRUCT_PIX2PIX):  # a denoiser that edits: its own pipeline
         pipe = family.instruct.pipeline_class.from_pipe(pipe)

@@ -126,7 +126,7 @@ def _flow_scheduler(config: DiffusionConfig, model: ModelConfig, family: familie
     if flow.shift is not None:
         settings.update(shift=flow.shift, use_dynamic_shifting=bool(flow.dynamic_shift))
     elif flow.dynamic_shift is not None:
-        settings["use_dynamic_shifting"] = flow.dynamic_shift
+        settings["use_dynamic_shifting"] = bool(flow.dynamic_shift)
     return FlowMatchEulerDiscreteScheduler.from_config(settings)
 
 

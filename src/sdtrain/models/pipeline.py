@@ -66,19 +66,23 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
                   guidance: float | None = None, negative_prompt: str | None = None, batch: int = 1,
                   seeds: Sequence[int] | None = None, size: int | None = None,
                   default_steps: int = DEFAULT_STEPS, inputs: dict[str, Sequence[Any]] | None = None,
-                  fixed: dict[str, Any] | None = None, edits_at_own_size: bool = False) -> list[Image.Image]:
+                  fixed: dict[str, Any] | None = None, edits_at_own_size: bool = False,
+                  distilled: bool | None = None) -> list[Image.Image]:
     """One image per prompt; prompt i uses seed + i (or ``seeds[i]``), so adding prompts never changes earlier
     images. ``batch`` prompts run through the model together, each from the noise of its own seed: the same
     images up to floating-point rounding, several times faster for small models on a CPU. `size`: the side in
     pixels (None: the pipeline's default, which for Flux.1 is 1024 px whatever the model trained on). `steps` and
-    `guidance` None: the model's own (its family's `sampling_defaults`), else `default_steps` and SD's 5.
+    `guidance` None: the model's own (its family's `sampling_defaults`, a step-distilled model's where `distilled`,
+    None: as the folder the pipeline loaded from says, `is_distilled`), else `default_steps` and SD's 5.
     `inputs`: a list per pipeline argument, one entry per prompt (a ControlNet pipeline's ``image``); `fixed`:
     arguments every call takes as they are (``controlnet_conditioning_scale``). `edits_at_own_size`: a pipeline that
     edits by reference edits each source (``inputs["image"]``) at the source's own size, drawing at that size,
     rather than resize it to the sizes its release prefers (a run's model, which learnt at its training size)."""
     pipe.set_progress_bar_config(disable=True)
     family = families.of_pipeline(pipe)
-    defaults = family.sampling_defaults(getattr(pipe, family.denoiser).config)
+    if distilled is None:
+        distilled = is_distilled(family, pipe.name_or_path)
+    defaults = family.sampling_defaults(getattr(pipe, family.denoiser).config, distilled)
     steps = steps or defaults.get("steps", default_steps)
     guidance = defaults["guidance"] if guidance is None else guidance
     # An editing pipeline (InstructPix2Pix's) draws at its source image's size and takes none.
@@ -124,19 +128,35 @@ SAMPLING_FILE = "sdtrain_sampling.json"
 (`run_sampling`), which `generate` defaults to for that folder."""
 
 
-def run_sampling(config: RunConfig) -> dict[str, Any]:
+def run_sampling(config: RunConfig, distilled: bool = False) -> dict[str, Any]:
     """What a run's validation images sample with where ``validation`` leaves it to the model, as `sample_images`
     takes it: the image side (the training resolution: a pipeline's own default, Flux.1's 1024 px or a pretrained
-    UNet's sample_size, may differ), steps and guidance (None: the model's own), and the step count without one."""
+    UNet's sample_size, may differ), steps and guidance (None: the model's own), the step count without one, and
+    whether the model is step-distilled (`distilled`: its base is, `is_distilled`)."""
     val = config.validation
     return {"size": config.data.resolution, "steps": val.steps, "guidance": val.guidance,
-            "default_steps": PREVIEW_STEPS}
+            "default_steps": PREVIEW_STEPS, "distilled": distilled}
 
 
-def write_sampling(folder: Path, config: RunConfig) -> Path:
+def sampling_steps(family: families.ModelFamily, denoiser_config: Any, settings: dict[str, Any]) -> int:
+    """The step count `sample_images` samples with under `settings` (`run_sampling`'s)."""
+    defaults = family.sampling_defaults(denoiser_config, bool(settings.get("distilled")))
+    return settings.get("steps") or defaults.get("steps", settings.get("default_steps", DEFAULT_STEPS))
+
+
+def is_distilled(family: families.ModelFamily, source: str | Path | None) -> bool:
+    """Whether the model at `source` (a folder or file; None: none) is step-distilled (`ModelFamily.distilled`): as
+    an sdtrain export recorded it (its run's base was), else as its family reads the folder."""
+    if source is None:
+        return False
+    recorded = read_sampling(Path(source)) if Path(source).is_dir() else {}
+    return recorded["distilled"] if "distilled" in recorded else family.distilled(source)
+
+
+def write_sampling(folder: Path, config: RunConfig, distilled: bool = False) -> Path:
     """Record `run_sampling` in an exported pipeline `folder` (diffusers ignores the file)."""
     path = Path(folder) / SAMPLING_FILE
-    atomic_write_text(path, json.dumps(run_sampling(config), indent=2) + "\n")
+    atomic_write_text(path, json.dumps(run_sampling(config, distilled), indent=2) + "\n")
     return path
 
 
@@ -151,8 +171,9 @@ def read_sampling(folder: Path) -> dict[str, Any]:
     if not isinstance(recorded, dict):
         return {}
     keep = {"size": int, "steps": int, "guidance": (int, float), "default_steps": int}
-    return {key: value for key, value in recorded.items()
-            if key in keep and isinstance(value, keep[key]) and not isinstance(value, bool)}
+    return {**{key: value for key, value in recorded.items()
+               if key in keep and isinstance(value, keep[key]) and not isinstance(value, bool)},
+            **({"distilled": recorded["distilled"]} if isinstance(recorded.get("distilled"), bool) else {})}
 
 
 @contextlib.contextmanager

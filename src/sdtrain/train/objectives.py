@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
@@ -153,16 +154,19 @@ class FlowMatching:
     Sigmas are continuous (not snapped to the scheduler's 1000-step grid as diffusers' example scripts do),
     drawn by ``diffusion.timestep_sampling`` and then shifted exactly as the scheduler shifts its sampling
     sigmas, read from its config: statically by ``shift``, or with ``use_dynamic_shifting`` by mu linear in
-    the image's tokens (Flux.1-dev), so training and sampling see the same schedule. The scheduler's
+    the image's tokens (Flux.1-dev), so training and sampling see the same schedule; a family whose pipeline
+    samples with another mu (Flux.2's, by its step count too) trains at it with ``diffusion.flow.dynamic_shift:
+    sampling`` (`sampling_mu`). The scheduler's
     sampling-grid options (``shift_terminal``, Karras, exponential and beta sigmas) do not apply to drawn
     sigmas and are not used."""
 
     name = "flow_matching"
 
     def __init__(self, config: DiffusionConfig, scheduler: FlowMatchEulerDiscreteScheduler, device: torch.device,
-                 patch_size: int = 2):
+                 patch_size: int = 2, sampling_mu: Callable[[int], float | None] | None = None):
         """`patch_size`: the side of the latent patch the denoiser makes one token of (Flux packs 2x2, SD3
-        patches 2x2), for the image-token count the dynamic shift depends on."""
+        patches 2x2), for the image-token count the dynamic shift depends on. `sampling_mu`: the dynamic shift's
+        mu at an image's token count where it is not the scheduler's linear one (`mu`; None: it is)."""
         # These shape the DDPM noise or its loss. The shared fine-tuning recipes set min-SNR for SD, and a Flux or
         # SD3 model fine-tuned with them should train, not stop: said once, then left out.
         ignored = [f"diffusion.ddpm.{name}" for name in ("noise_offset", "input_perturbation", "snr_gamma",
@@ -175,6 +179,7 @@ class FlowMatching:
         self.scheduler = scheduler
         self.device = device
         self.patch_size = patch_size
+        self.sampling_mu = sampling_mu
         self.num_train_timesteps = scheduler.config.num_train_timesteps
 
     @torch.no_grad()
@@ -228,13 +233,15 @@ class FlowMatching:
 
     def shift(self, sigmas: torch.Tensor, image_tokens: int | None = None) -> torch.Tensor:
         """`sigmas` shifted as the scheduler's `set_timesteps` shifts its sampling sigmas: by `mu(image_tokens)`
-        with dynamic shifting, else by the static s, s sigma / (1 + (s - 1) sigma)."""
+        (or `sampling_mu`'s) with dynamic shifting, else by the static s, s sigma / (1 + (s - 1) sigma)."""
         config = self.scheduler.config
         if config.use_dynamic_shifting:
             if image_tokens is None:
                 raise ValueError("the scheduler's dynamic shift needs the image's token count")
+            mu = self.sampling_mu(image_tokens) if self.sampling_mu is not None else None
+            mu = self.mu(image_tokens) if mu is None else mu
             # The scheduler's own function, so its time_shift_type (exponential, as Flux) holds here as well.
-            return self.scheduler.time_shift(self.mu(image_tokens), 1.0, sigmas)
+            return self.scheduler.time_shift(mu, 1.0, sigmas)
         s = config.shift
         return s * sigmas / (1 + (s - 1) * sigmas)
 

@@ -25,7 +25,15 @@ from sdtrain.errors import UserError
 from sdtrain.loaders.writers import REFERENCE_EDIT
 from sdtrain.models import build, families
 from sdtrain.models.families.spec import ReferenceSpec
-from sdtrain.models.pipeline import exact_sampling, run_sampling, sample_images, sampler_from
+from sdtrain.models.pipeline import (
+    PREVIEW_STEPS,
+    exact_sampling,
+    is_distilled,
+    run_sampling,
+    sample_images,
+    sampler_from,
+    sampling_steps,
+)
 from sdtrain.models.tokenizer import CaptionTokenizer
 from sdtrain.train.components import ComponentPlanner
 from sdtrain.train.objectives import FlowMatching, NoisePrediction
@@ -37,10 +45,17 @@ log = logging.getLogger(__name__)
 
 
 def make_objective(family: families.ModelFamily, config: DiffusionConfig, scheduler: Any, device: torch.device,
-                   denoiser_config: Any) -> NoisePrediction | FlowMatching:
-    """The family's training objective, on `scheduler` (the training noise schedule build_noise_scheduler gives)."""
+                   denoiser_config: Any, sampling_steps: int = PREVIEW_STEPS) -> NoisePrediction | FlowMatching:
+    """The family's training objective, on `scheduler` (the training noise schedule build_noise_scheduler gives);
+    `sampling_steps`: the step count the run's images sample with, whose shift ``diffusion.flow.dynamic_shift:
+    sampling`` trains at."""
     if family.objective == "flow_matching":
-        return FlowMatching(config, scheduler, device, patch_size=family.downsampling(denoiser_config))
+        sampling_mu = None
+        if config.flow.dynamic_shift == "sampling":
+            def sampling_mu(tokens: int) -> float | None:
+                return family.sampling_mu(tokens, sampling_steps)
+        return FlowMatching(config, scheduler, device, patch_size=family.downsampling(denoiser_config),
+                            sampling_mu=sampling_mu)
     return NoisePrediction(config, scheduler, device)
 
 
@@ -324,8 +339,11 @@ class DiffusionTask(Task):
         if config.diffusion.flow.guidance_range and not self.takes_guidance:
             raise UserError("diffusion.flow.guidance_range: this model's denoiser has no guidance embedding (a "
                             "guidance-distilled model's, as Flux.1-dev has), so nothing would read it; remove it")
+        # The run's model samples as its base does: a step-distilled one in its few steps without guidance.
+        self.distilled = is_distilled(family, self.components.source(family.denoiser))
         self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model)
-        self.objective = make_objective(family, config.diffusion, self.noise_scheduler, device, denoiser.config)
+        self.objective = make_objective(family, config.diffusion, self.noise_scheduler, device, denoiser.config,
+                                        sampling_steps(family, denoiser.config, run_sampling(config, self.distilled)))
         self.caption_tokenizer = CaptionTokenizer(self.tokenizers, family)
         self.trainable = self.part.make_trainable(self.denoiser, self.text_encoders, self.tokenizers,
                                                   latent_factor=scale)
@@ -631,7 +649,8 @@ class DiffusionTask(Task):
         components = {name: modules[name] if name in modules else self.frozen(name)
                       for name in ("vae", *self.family.text_encoders)}
         components[self.family.denoiser] = modules.get(self.family.denoiser, self.denoiser)
-        pipe = self.family.assemble(components, self.tokenizers, sampler_from(self.noise_scheduler, "euler"))
+        pipe = self.family.assemble(components, self.tokenizers, sampler_from(self.noise_scheduler, "euler"),
+                                    distilled=self.distilled)
         pipe = self.part.pipeline(pipe, modules)
         return self.family.editing_pipeline(pipe) if self.config.edit.reference else pipe
 
@@ -652,11 +671,12 @@ class DiffusionTask(Task):
             self._told_stored_low = True
             log.info("validation samples with the frozen %s stored in %s (model.frozen_precision), its export in "
                      "fp32: their images can differ slightly", ", ".join(stored_low), self.frozen_precision)
-        settings = run_sampling(self.config)
+        settings = run_sampling(self.config, self.distilled)
         with exact_sampling():
             images = sample_images(pipe, prompts, seed=val.seed, steps=settings["steps"],
                                    guidance=settings["guidance"], size=settings["size"],
-                                   default_steps=settings["default_steps"], inputs=inputs, edits_at_own_size=True)
+                                   default_steps=settings["default_steps"], inputs=inputs, edits_at_own_size=True,
+                                   distilled=self.distilled)
         if out is None:
             return None
         save_images(images, labels, out.with_suffix(""))

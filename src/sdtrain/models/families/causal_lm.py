@@ -72,8 +72,9 @@ def chat_texts(tokenizer: Any, captions: list[str], thinking: bool = True) -> li
 
 
 def chat_tokens(tokenizer: Any, captions: list[str], thinking: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and attention mask of the templated captions (`chat_texts`), padded (right) to the tokenizer's
-    length."""
+    """Token ids and attention mask of the templated captions (`chat_texts`), padded to the tokenizer's length on its
+    padding side, as the Z-Image and Flux.2 klein pipelines pad them (each caption's states are then at the
+    positions sampling gives them)."""
     tokens = tokenizer(chat_texts(tokenizer, captions, thinking), padding="max_length", truncation=True,
                        max_length=tokenizer.model_max_length, return_tensors="pt")
     return tokens.input_ids, tokens.attention_mask

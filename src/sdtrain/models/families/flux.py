@@ -352,12 +352,13 @@ class Flux(ModelFamily):
     def original_rows(self, component: str, path: str, rows: torch.Tensor) -> torch.Tensor:
         return original_layout.original_rows(path, rows) if component == "transformer" else rows
 
-    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
+                 distilled: bool = False) -> Any:
         return FluxPipeline(scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],
                             tokenizer=tokenizers[0], text_encoder_2=components["text_encoder_2"],
                             tokenizer_2=tokenizers[-1], transformer=components["transformer"])
 
-    def sampling_defaults(self, denoiser_config: Any) -> dict[str, Any]:
+    def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         # dev's pipeline default; schnell (no guidance embedding) is distilled to 4 steps without guidance, which
         # at 5 would run true classifier-free guidance: twice the cost and over-saturated images.
         if denoiser_config.guidance_embeds:

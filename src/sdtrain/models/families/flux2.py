@@ -25,6 +25,7 @@ import torch
 from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
 from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from torch import nn
 from transformers import AutoTokenizer, MistralConfig, MistralModel, Qwen3Config, Qwen3Model
 
@@ -53,8 +54,10 @@ _DEV = dict(patch_size=1, num_layers=8, num_single_layers=48, attention_head_dim
 _KLEIN_4B = dict(_DEV, num_layers=5, num_single_layers=20, num_attention_heads=24, guidance_embeds=False)
 _KLEIN_9B = dict(_DEV, num_layers=8, num_single_layers=24, num_attention_heads=32, guidance_embeds=False)
 _VAE = dict(latent_channels=32, use_quant_conv=True, use_post_quant_conv=True)
-# Training's shift: the dynamic one whose mu is the limit of the pipelines' empirical mu at many sampling steps
-# (mu = 0.00016927 tokens + 0.45667: 0.5 at 256 image tokens, 1.15 at 4,096).
+# The released schedulers' dynamic shift, whose mu is the limit of the pipelines' empirical mu at many sampling
+# steps (mu = 0.00016927 tokens + 0.45667: 0.5 at 256 image tokens, 1.15 at 4,096). The pipelines sample with the
+# empirical mu at their step count (`sampling_mu`: 1.70 at 512 px and 50 steps), which training matches with
+# diffusion.flow.dynamic_shift: sampling.
 _SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                   base_image_seq_len=256, max_image_seq_len=4096)
 
@@ -421,12 +424,17 @@ class Flux2(causal_lm.LanguageModelText, ModelFamily):
         pipe.register_modules(tokenizer=tokenizer)
         return pipe
 
-    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
+                 distilled: bool = False) -> Any:
         return self.pipeline_class(scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],
                                    tokenizer=tokenizers[0], transformer=components["transformer"])
 
-    def sampling_defaults(self, denoiser_config: Any) -> dict[str, Any]:
+    def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         return {"guidance": 4.0}
+
+    def sampling_mu(self, image_tokens: int, steps: int) -> float | None:
+        # Both pipelines shift by Black Forest Labs' empirical fit over tokens and steps.
+        return compute_empirical_mu(image_seq_len=image_tokens, num_steps=steps)
 
     def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
         # dev samples with its guidance embedding alone: Flux2Pipeline takes no negative prompt.
@@ -464,13 +472,35 @@ class Flux2Klein(Flux2):
         ids, mask = causal_lm.chat_tokens(tokenizer, captions, thinking=False)
         return {self.ids_key(index): ids, self.mask_key(index): mask}
 
-    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
+                 distilled: bool = False) -> Any:
         return Flux2KleinPipeline(scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],
-                                  tokenizer=tokenizers[0], transformer=components["transformer"], is_distilled=False)
+                                  tokenizer=tokenizers[0], transformer=components["transformer"],
+                                  is_distilled=distilled)
+
+    def distilled(self, source: str | Path | None) -> bool:
+        # The released folders say it in model_index.json (true for FLUX.2-klein-4B and 9B, false for the -base
+        # models); the transformer's config is the same for both. A single file does not say.
+        if source is None or not Path(source).is_dir():
+            return False
+        folder = Path(source)
+        if not (folder / "model_index.json").is_file():
+            folder = folder.parent  # a component folder inside a pipeline folder
+        try:
+            index = json.loads((folder / "model_index.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(index, dict) and index.get("is_distilled") is True
+
+    def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
+        # The distilled models sample in 4 steps without guidance (Black Forest Labs'), the base models as dev's
+        # pipeline default; guidance at 4 on a distilled one would be ignored by the pipeline, or if it were not
+        # told, run classifier-free guidance at twice the cost and over-saturate.
+        return {"guidance": 1.0, "steps": 4} if distilled else {"guidance": 4.0}
 
     def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
         # Classifier-free guidance against the empty prompt (the pipeline takes no other negative); a distilled
-        # klein samples without it.
+        # klein samples without it (its pipeline's is_distilled).
         return {**self._text_arguments(pipe), "guidance_scale": guidance}
 
 

@@ -190,10 +190,13 @@ class QwenImage(causal_lm.LanguageModelText, ModelFamily):
 
     def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
         # The prefix is read by the language model but not kept: the mask marks what the conditioning keeps (the
-        # caption and the assistant's header), and `encode_text` attends the prefix as well.
+        # caption and the assistant's header), and `encode_text` attends the prefix as well. Padded on the right
+        # whatever the tokenizer's folder says, so the prefix is every row's first tokens and each token's position
+        # is the one the pipeline gives a prompt on its own (it pads a batch only to its longest).
         prefix = prefix_length(tokenizer, self.prefix)
         tokens = tokenizer([self.template.format(caption) for caption in captions], padding="max_length",
-                           truncation=True, max_length=tokenizer.model_max_length + prefix, return_tensors="pt")
+                           padding_side="right", truncation=True, max_length=tokenizer.model_max_length + prefix,
+                           return_tensors="pt")
         kept = tokens.attention_mask.clone()
         kept[:, :prefix] = 0
         return {self.ids_key(index): tokens.input_ids, self.mask_key(index): kept}
@@ -287,7 +290,8 @@ class QwenImage(causal_lm.LanguageModelText, ModelFamily):
 
     # ------------------------------------------------------------------------------------------ the pipeline
 
-    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
+                 distilled: bool = False) -> Any:
         return self.prepare_pipeline(QwenImagePipeline(
             scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],
             tokenizer=tokenizers[0], transformer=components["transformer"]))
@@ -298,7 +302,7 @@ class QwenImage(causal_lm.LanguageModelText, ModelFamily):
         pipe.prompt_template_encode_start_idx = prefix_length(pipe.tokenizer, self.prefix)
         return pipe
 
-    def sampling_defaults(self, denoiser_config: Any) -> dict[str, Any]:
+    def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         return {"guidance": 4.0}
 
     def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
@@ -500,7 +504,8 @@ class QwenImageEdit(QwenImage):
         """The sources (in [-1, 1]) as the pipeline gives them to the vision-language model: as they are."""
         return to_pil(sources)
 
-    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
+                 distilled: bool = False) -> Any:
         text_encoder = components["text_encoder"]
         processor = VisionTextProcessor(image_processor_of(text_encoder.config), tokenizers[0])
         return self.prepare_pipeline(self.pipeline_class(

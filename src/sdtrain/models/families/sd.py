@@ -93,7 +93,8 @@ class StableDiffusion(ModelFamily):
     def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
         return {"text_emb": (lengths[0], text_encoders["text_encoder"].hidden_size)}
 
-    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
+                 distilled: bool = False) -> Any:
         # Models trained here have no safety checker; the pipeline must be told so explicitly.
         return StableDiffusionPipeline(
             vae=components["vae"], text_encoder=components["text_encoder"], tokenizer=tokenizers[0],

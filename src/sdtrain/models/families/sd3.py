@@ -235,7 +235,8 @@ class StableDiffusion3(ModelFamily):
                         block_controlnet_hidden_states=condition.get("block_controlnet_hidden_states"),
                         return_dict=False)[0]
 
-    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
+                 distilled: bool = False) -> Any:
         return StableDiffusion3Pipeline(
             transformer=components["transformer"], scheduler=scheduler, vae=components["vae"],
             text_encoder=components["text_encoder"], tokenizer=tokenizers[0],

@@ -136,7 +136,8 @@ class StableDiffusionXL(ModelFamily):
         return {"encoder_hidden_states": text["text_emb"],
                 "added_cond_kwargs": {"text_embeds": text["text_pooled"], "time_ids": size_ids}}
 
-    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
+                 distilled: bool = False) -> Any:
         return StableDiffusionXLPipeline(
             vae=components["vae"], text_encoder=components["text_encoder"],
             text_encoder_2=components["text_encoder_2"], tokenizer=tokenizers[0], tokenizer_2=tokenizers[-1],

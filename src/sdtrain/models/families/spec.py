@@ -462,8 +462,10 @@ class ModelFamily:
 
     # ----------------------------------------------------------------------------- the pipeline
 
-    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
-        """The family's diffusers pipeline of these components."""
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
+                 distilled: bool = False) -> Any:
+        """The family's diffusers pipeline of these components; `distilled`: the model is step-distilled
+        (`distilled`), which a pipeline that records it is told (Flux.2 klein's ``is_distilled``)."""
         raise NotImplementedError
 
     def pipeline_from_folder(self, folder: str | Path, **kwargs: Any) -> Any:
@@ -489,10 +491,23 @@ class ModelFamily:
         sampling needs (none by default); returns it."""
         return pipe
 
-    def sampling_defaults(self, denoiser_config: Any) -> dict[str, Any]:
+    def distilled(self, source: str | Path | None) -> bool:
+        """Whether the pretrained model at `source` (a pipeline folder, a component folder in one, a single file;
+        None: a model from scratch) is step-distilled, sampling in a few steps without classifier-free guidance,
+        which its denoiser's config does not say: Flux.2 klein's model_index.json does, Z-Image-Turbo's folder
+        does. False by default."""
+        return False
+
+    def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         """What the model samples with where the user sets nothing: ``guidance`` (its scale), and ``steps`` where
-        the model has its own count (a distilled one)."""
+        the model has its own count (a distilled one: `distilled`, or one its denoiser's config tells)."""
         return {"guidance": 5.0}
+
+    def sampling_mu(self, image_tokens: int, steps: int) -> float | None:
+        """The dynamic shift's mu the family's pipeline samples `steps` steps of an image of `image_tokens` tokens
+        with, where it is not the scheduler's (linear in the tokens, as diffusers' Flux.1 and Qwen-Image pipelines
+        compute it): Flux.2's empirical one. None: the scheduler's."""
+        return None
 
     def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
         """The pipeline call's guidance settings (classifier-free guidance at `guidance`, against

@@ -37,6 +37,9 @@ _ZIMAGE = dict(all_patch_size=[2], all_f_patch_size=[1], dim=3840, n_layers=30, 
                n_kv_heads=30, norm_eps=1e-5, qk_norm=True, rope_theta=256.0, t_scale=1000.0, axes_dims=[32, 48, 48],
                axes_lens=[1536, 512, 512])
 _SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
+# The released folders' schedulers differ where their configs do not: Z-Image-Turbo (distilled to 8 steps without
+# guidance) shifts by 3, the base Z-Image by 6.
+_TURBO_SHIFT = 3.0
 TEXT_LAYER = -2
 """The hidden layer the transformer reads: the last decoder layer's input (ZImagePipeline's hidden_states[-2])."""
 
@@ -350,9 +353,32 @@ class ZImage(causal_lm.LanguageModelText, ModelFamily):
             return kohya_lora_state(layers, dict(config))
         return super().kohya_lora(component, layers, config)
 
-    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any) -> Any:
+    def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
+                 distilled: bool = False) -> Any:
         return ZImagePipeline(scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],
                               tokenizer=tokenizers[0], transformer=components["transformer"])
+
+    def distilled(self, source: str | Path | None) -> bool:
+        # Z-Image-Turbo: by name (the Hub id Tongyi-MAI/Z-Image-Turbo, whose cache folder keeps it, or a folder
+        # named so), else by its scheduler's shift, which the base model's folder does not share.
+        if source is None:
+            return False
+        path = Path(source)
+        folder = path if (path / "model_index.json").is_file() else path.parent
+        names = [folder.name, folder.parent.parent.name if folder.parent.name == "snapshots" else ""]
+        if any("z-image-turbo" in name.lower() for name in names):
+            return True
+        try:
+            scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return (isinstance(scheduler, dict) and not scheduler.get("use_dynamic_shifting")
+                and scheduler.get("shift") == _TURBO_SHIFT)
+
+    def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
+        # Turbo is distilled to 8 steps without guidance (ZImagePipeline's own example: guidance_scale=0.0,
+        # sdtrain's 1); the base model samples with classifier-free guidance.
+        return {"guidance": 1.0, "steps": 8} if distilled else super().sampling_defaults(denoiser_config)
 
     def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
         # ZImagePipeline's guidance_scale g is the step pos + g * (pos - neg): classifier-free guidance at g + 1,
