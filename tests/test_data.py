@@ -6,7 +6,11 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tarfile
+import threading
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,6 +25,7 @@ from sdtrain.data.pipeline import TrainBatches
 from sdtrain.data.shapes import write_shapes_dataset
 from sdtrain.data.shards import ShardWriter
 from sdtrain.errors import UserError
+from sdtrain.memory import descendants
 
 NUM = 37  # 10 + 10 + 10 + 7 samples: uneven shards
 KEYS = [f"{i:08d}" for i in range(NUM)]
@@ -594,3 +599,81 @@ def test_loader_workers_share_none_of_the_trainers_writable_memory(shapes: Path)
     for pid in workers:
         assert after[pid] - before[pid] < 32, (before, after)
         assert after[pid] < 200, after
+
+
+def _left_running(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """Those of `pids` still running after up to `timeout` s (a zombie has ended)."""
+    pause = threading.Event()
+    deadline = time.monotonic() + timeout
+    while True:
+        running = [pid for pid in pids if _state(pid) not in ("", "Z", "X")]
+        if not running or time.monotonic() > deadline:
+            return running
+        pause.wait(0.1)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return ""
+
+
+def _kill_and_count_left(process: subprocess.Popen) -> tuple[list[int], list[int]]:
+    """kill -9 the process; every process below it before, and those of them still running after."""
+    below = [pid for pid, _ in descendants(process.pid)]
+    process.kill()
+    process.wait(timeout=30)
+    return below, _left_running(below)
+
+
+LOADER_SCRIPT = """
+import sys
+from sdtrain.config import DataConfig
+from sdtrain.data.pipeline import TrainBatches
+
+if __name__ == "__main__":
+    tb = TrainBatches(DataConfig(shards=sys.argv[1], resolution=32, batch_size=4, num_workers=2), None, seed=0)
+    tb.next()
+    print("ready", flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads Linux's /proc")
+def test_loader_processes_end_with_a_killed_trainer(shapes: Path, tmp_path: Path) -> None:
+    script = tmp_path / "loader.py"
+    script.write_text(LOADER_SCRIPT)
+    process = subprocess.Popen([sys.executable, str(script), str(shapes)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert process.stdout.readline() == "ready\n"
+        below, left = _kill_and_count_left(process)
+    finally:
+        process.kill()
+    # The fork server, both workers and the resource tracker.
+    assert len(below) == 4, below
+    assert left == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads Linux's /proc")
+def test_kill_9_of_a_training_run_leaves_no_process_behind(shapes: Path, tmp_path: Path) -> None:
+    from .conftest import TINY, config_path
+
+    run = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sdtrain", "train", str(config_path("autoencoder.yaml")), f"run_dir={run}",
+         f"data.shards={shapes}", *TINY, "data.num_workers=2", "train.max_steps=100000", "logging.every=1",
+         "checkpoint.every=0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        pause = threading.Event()
+        deadline = time.monotonic() + 240
+        while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
+            assert process.poll() is None and time.monotonic() < deadline
+            pause.wait(0.2)
+        below, left = _kill_and_count_left(process)
+    finally:
+        process.kill()
+    assert len(below) >= 4, below
+    assert left == []

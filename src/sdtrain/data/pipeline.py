@@ -4,10 +4,14 @@ the trainer checkpoints, and resume on the same or another layout of ranks and w
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import multiprocessing
 import multiprocessing.util  # noqa: F401 - registers its exit handler before ours, see below
+import os
+import select
 import signal
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -82,7 +86,7 @@ class TrainBatches:
         loader = DataLoader(
             stream, batch_size=None, num_workers=workers, pin_memory=self.pin_memory,
             persistent_workers=False, prefetch_factor=2 if workers else None,
-            worker_init_fn=_single_thread_worker if workers else None,
+            worker_init_fn=functools.partial(_start_worker, os.getpid()) if workers else None,
             multiprocessing_context=worker_context(self.tokenizer) if workers else None,
             # Its own generator: drawing worker seeds from the global RNG would make a resumed run's
             # global RNG stream differ from an uninterrupted one.
@@ -91,7 +95,7 @@ class TrainBatches:
         return iter(loader)
 
     def close(self) -> None:
-        """Stop the loader workers. They ignore SIGTERM (see _single_thread_worker), so they must be told."""
+        """Stop the loader workers. They ignore SIGTERM (see _start_worker), so they must be told."""
         shutdown = getattr(self._iterator, "_shutdown_workers", None)
         workers = list(getattr(self._iterator, "_workers", []))
         if shutdown is not None:
@@ -203,7 +207,7 @@ def worker_context(tokenizer: Any | None = None) -> multiprocessing.context.Base
     return context
 
 
-def _single_thread_worker(_: int) -> None:
+def _start_worker(trainer: int, _: int) -> None:
     # Loader workers decode images; letting each also spawn a full torch thread pool starves the
     # training process on small machines.
     torch.set_num_threads(1)
@@ -211,6 +215,34 @@ def _single_thread_worker(_: int) -> None:
     # died first would take the final save down with it.
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
+    threading.Thread(target=_exit_with, args=(trainer,), name="sdtrain-trainer-watch", daemon=True).start()
+
+
+def _exit_with(trainer: int) -> None:
+    """End this worker when the trainer process ends, however it ends (kill -9 included).
+
+    The loader's own watchdog watches the worker's parent, which is the fork server, and the fork server
+    lives as long as any worker holds the descriptor the trainer passed it: after a kill -9 of the trainer
+    each waited on the other forever, with the resource tracker beside them. Once the workers are gone,
+    the server and the tracker see their pipes close and exit by themselves.
+    """
+    try:
+        select.select([os.pidfd_open(trainer)], [], [])  # readable once the process has exited
+    except ProcessLookupError:  # already gone
+        pass
+    except OSError:  # no pidfd (a kernel before 5.3): the trainer's pid, looked at every second
+        pause = threading.Event()
+        while _alive(trainer):
+            pause.wait(1.0)
+    os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):  # gone, or its pid taken by someone else's process
+        return False
+    return True
 
 
 def read_captions(spec: str, caption_key: str = "txt", limit: int = 200_000) -> list[str]:
