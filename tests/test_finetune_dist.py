@@ -180,11 +180,11 @@ def _single_and_two_ranks(tmp_path: Path, base: Path, shapes_dir: Path, mode: st
     the same global batch."""
     steps = ["train.max_steps=3", "data.batch_size=2", *extra]
     single = tmp_path / "single"
-    # One process, as tests/test_distributed.py compares full training: two loader workers feed two
-    # micro-batches of 2 per step, the data slots and noise streams of two ranks of 2 (data.batch_size=4 in
-    # one process would read other samples and draw other noise: both follow the micro-batch, not the sample).
+    # One process, as tests/test_distributed.py compares full training: two micro-batches of 2 per step, the
+    # samples and noise streams of two ranks of 2 (data.batch_size=4 in one process would draw other noise: it
+    # follows the micro-batch, not the sample).
     assert main(["train", str(CONFIG), *_overrides(single, base, shapes_dir, mode, *steps,
-                                                    "data.num_workers=2", "train.grad_accum=2")]) == 0
+                                                    "train.grad_accum=2")]) == 0
     ranks = tmp_path / "ranks"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "sdtrain", "train", str(CONFIG), *_overrides(ranks, base, shapes_dir, mode, *steps, *ranks_only)]

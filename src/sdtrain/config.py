@@ -52,8 +52,8 @@ class DataConfig:
     batch_size: int = 16
     """Samples per micro-batch on each process."""
     num_workers: int = 2
-    """DataLoader worker processes; 0 loads in the training process. Fixed for the life of a run,
-    because the resumable data position is kept per worker."""
+    """DataLoader worker processes; 0 loads in the training process. They only share the decoding: any number
+    reads the same samples in the same order, and a run may resume with another."""
     caption_dropout: float = 0.1
     """Fraction of captions replaced by the empty string, so the model also learns the
     unconditional prediction that classifier-free guidance needs."""

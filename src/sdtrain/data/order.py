@@ -1,16 +1,19 @@
-"""Shards, their order in every epoch, and each loader slot's resumable position in it.
+"""Shards, the one order a run reads them in, and each rank's resumable position in it.
 
 Every epoch has one global order: shards in a seeded permutation, samples within each shard in
-a seeded permutation. That order is cut into equal contiguous ranges, one per loader *slot*
-(a DataLoader worker; with several ranks, rank x worker), so within an epoch every sample is
-read once and every slot reads only about its share of shards. A slot's whole position is
-(epoch, offset into its range); batches carry it, the trainer records the position of each
-batch it consumes, and a resumed run restarts every slot exactly there. Augmentation and caption
-dropout draw from an RNG keyed by the sample's place in the epoch, so they replay identically.
+a seeded permutation; the epochs follow one another as one sequence of samples. That sequence is
+cut into *units* of `data.batch_size` samples, unit n holding samples n*B to (n+1)*B - 1, and rank r
+of W reads units r, r + W, r + 2W, ...: a step's global batch is the same samples whatever the number
+of ranks (1 x 2 micro-batches reads units 0 and 1 as 2 ranks do), and within an epoch every sample is
+read once. Loader workers only share the decoding of a rank's units, so their number changes nothing.
+Augmentation and caption dropout draw from an RNG keyed by the sample's place in its epoch.
 
-A run resumed with another number of ranks or workers cannot replay the old order; instead the
-samples each unfinished epoch still owes are dealt out again, in contiguous pieces, to the new
-slots (an epoch *plan*), so the epoch still sees every sample once.
+Batches are formed in the rank's process from its units in order: a sample that is skipped (unreadable)
+or filtered leaves its unit short, and the rank's next samples fill the batch (with aspect buckets each
+bucket fills its own). A rank's whole position is the next unit it reads and the samples read but not
+yet batched; a resumed run continues there. Resumed on another number of ranks, the run continues the
+same sequence from the first unit some rank had not read yet, skipping those another rank had already
+read and dealing out what waited in part-filled batches, so every sample is still read once.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import tarfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -104,169 +107,109 @@ def read_shard(url: str) -> list[dict[str, Any]]:
     return samples
 
 
-def slot_range(total: int, slot: int, slots: int) -> tuple[int, int]:
-    return total * slot // slots, total * (slot + 1) // slots
-
-
-Intervals = list[tuple[int, int]]
-"""Half-open ranges of places in an epoch's global order."""
-
-
-def slot_intervals(total: int, slot: int, slots: int, plans: dict[int, list[Intervals]], epoch: int) -> Intervals:
-    """What a slot reads in an epoch: its planned pieces after a re-layout, else its equal share."""
-    if epoch in plans:
-        return plans[epoch][slot]
-    return [slot_range(total, slot, slots)]
-
-
-def drop_prefix(intervals: Intervals, count: int) -> Intervals:
-    rest = []
-    for start, end in intervals:
-        taken = min(count, end - start)
-        count -= taken
-        if start + taken < end:
-            rest.append((start + taken, end))
-    return rest
-
-
-def _deal(intervals: Intervals, slots: int) -> list[Intervals]:
-    """Cut the places in `intervals` (in order) into `slots` contiguous pieces of near-equal size."""
-    total = sum(end - start for start, end in intervals)
-    pieces = []
-    for slot in range(slots):
-        first, last = slot_range(total, slot, slots)
-        pieces.append(_take(drop_prefix(intervals, first), last - first))
-    return pieces
-
-
-def _take(intervals: Intervals, count: int) -> Intervals:
-    taken = []
-    for start, end in intervals:
-        if count <= 0:
-            break
-        stop = min(end, start + count)
-        taken.append((start, stop))
-        count -= stop - start
-    return taken
-
-
 @dataclass
-class SlotCursor:
-    epoch: int = 0
-    offset: int = 0
-    pending: tuple[tuple[int, int], ...] = ()
-    """(epoch, place in the epoch's order) of samples read but still waiting in a part-filled bucket."""
-
-
 class DataPosition:
-    """The resumable part of the data stream: where every slot is and how many batches were consumed."""
+    """The resumable part of one rank's data stream (see the module docstring)."""
 
-    def __init__(self, workers: int):
-        self.workers = workers
-        self.batches = 0
-        # Batches consumed when the current slot layout began; the loader's round-robin restarts there.
-        self.layout_start = 0
-        self.cursors: dict[int, SlotCursor] = {}
-        self.skipped: dict[int, int] = {}
-        self.filtered: dict[int, int] = {}
-        self.plans: dict[int, list[Intervals]] = {}
+    total: int
+    batch_size: int
+    rank: int = 0
+    world_size: int = 1
+    next: int = 0
+    """The next of this rank's units to read: unit next * world_size + rank."""
+    pending: list[int] = field(default_factory=list)
+    """Samples (places in the whole sequence) read but not yet batched, in the order they were read."""
+    done: list[int] = field(default_factory=list)
+    """Units of this rank that a run on another number of ranks had already read."""
+    skipped: int = 0
+    filtered: int = 0
+    batches: int = 0
 
-    def advance(self, batch: dict[str, Any]) -> None:
-        pos = batch["position"]
-        self.cursors[pos["slot"]] = SlotCursor(pos["epoch"], pos["offset"],
-                                               tuple((int(e), int(p)) for e, p in pos.get("pending", ())))
-        self.skipped[pos["slot"]] = pos["skipped"]
-        self.filtered[pos["slot"]] = pos.get("filtered", 0)
-        self.batches += 1
-
-    @property
-    def rotation(self) -> int:
-        return (self.batches - self.layout_start) % self.workers
+    def unit(self, local: int) -> int:
+        return local * self.world_size + self.rank
 
     @property
     def epoch(self) -> int:
-        """The oldest epoch a slot still reads from (waiting samples included)."""
-        return min((min([c.epoch, *(e for e, _ in c.pending)]) for c in self.cursors.values()), default=0)
+        """The oldest epoch this rank still reads from (waiting samples included)."""
+        return min([self.unit(self.next) * self.batch_size, *self.pending]) // self.total
 
     @property
     def total_skipped(self) -> int:
-        return sum(self.skipped.values())
+        return self.skipped
 
     @property
     def total_filtered(self) -> int:
-        return sum(self.filtered.values())
+        return self.filtered
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "workers": self.workers,
-            "batches": self.batches,
-            "layout_start": self.layout_start,
-            "cursors": {str(k): [c.epoch, c.offset, [list(p) for p in c.pending]] for k, c in self.cursors.items()},
-            "skipped": {str(k): v for k, v in self.skipped.items()},
-            "filtered": {str(k): v for k, v in self.filtered.items()},
-            # Plans of epochs every slot has finished are no longer needed.
-            "plans": {str(e): [[list(iv) for iv in slot] for slot in plan]
-                      for e, plan in self.plans.items() if e >= self.epoch},
-        }
+        return {"world_size": self.world_size, "batch_size": self.batch_size, "next": self.next,
+                "pending": list(self.pending), "done": [u for u in self.done if u >= self.unit(self.next)],
+                "skipped": self.skipped, "filtered": self.filtered, "batches": self.batches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.next = int(state["next"])
+        self.pending = [int(p) for p in state["pending"]]
+        self.done = sorted(int(u) for u in state["done"])
+        self.skipped, self.filtered = int(state["skipped"]), int(state["filtered"])
         self.batches = int(state["batches"])
-        self.layout_start = int(state.get("layout_start", 0))
-        self.cursors = {int(k): _cursor(v) for k, v in state["cursors"].items()}
-        self.skipped = {int(k): int(v) for k, v in state["skipped"].items()}
-        self.filtered = {int(k): int(v) for k, v in state.get("filtered", {}).items()}
-        self.plans = self._plans_from(state)
-
-    @staticmethod
-    def _plans_from(state: dict[str, Any]) -> dict[int, list[Intervals]]:
-        return {int(e): [[(int(a), int(b)) for a, b in slot] for slot in plan]
-                for e, plan in state.get("plans", {}).items()}
 
 
-def _cursor(saved: list) -> SlotCursor:
-    pending = tuple((int(e), int(p)) for e, p in saved[2]) if len(saved) > 2 else ()
-    return SlotCursor(int(saved[0]), int(saved[1]), pending)
-
-
-def relayout(states: list[dict[str, Any]], total: int, slots: int) -> dict[str, Any]:
-    """One global data position for a new number of slots, from every old rank's position.
-
-    Each epoch some old slot has not finished is dealt out again: the places the old slots have not
-    yet read, in their epoch order, cut into contiguous pieces for the new slots. Every new slot
-    starts at the oldest unfinished epoch; epochs after the planned ones use the usual equal shares.
-    """
-    old_workers = int(states[0]["workers"])
-    old_slots = len(states) * old_workers
-    old = DataPosition(old_workers)
-    old.load_state_dict({**states[0], "cursors": {}, "skipped": {}, "filtered": {}, "plans": {}})
-    for state in states:
-        # Every rank holds the same plans, but each drops an epoch once its own slots are past it.
-        for epoch, plan in DataPosition._plans_from(state).items():
-            old.plans.setdefault(epoch, plan)
-        for key, saved in state["cursors"].items():
-            old.cursors[int(key)] = _cursor(saved)
-        for key, count in state["skipped"].items():
-            old.skipped[int(key)] = int(count)
-        for key, count in state.get("filtered", {}).items():
-            old.filtered[int(key)] = int(count)
-    cursors = [old.cursors.get(slot, SlotCursor()) for slot in range(old_slots)]
-    first = min(min([c.epoch, *(e for e, _ in c.pending)]) for c in cursors)
-    plans = {}
-    for epoch in range(first, max(c.epoch for c in cursors) + 1):
-        owed: Intervals = []
-        for slot, cursor in enumerate(cursors):
-            if cursor.epoch <= epoch:
-                share = slot_intervals(total, slot, old_slots, old.plans, epoch)
-                owed += drop_prefix(share, cursor.offset if cursor.epoch == epoch else 0)
-            # Read but never batched: still owed.
-            owed += [(place, place + 1) for e, place in cursor.pending if e == epoch]
-        plans[str(epoch)] = [[list(iv) for iv in piece] for piece in _deal(sorted(owed), slots)]
+def relayout(states: list[dict[str, Any]], rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's position on `world_size` ranks, from every old rank's position (see the module docstring)."""
+    old_world = len(states)
+    reached = [int(s["next"]) * old_world + r for r, s in enumerate(states)]
+    first = min(reached)
+    read = {u for s in states for u in s["done"] if u >= first}
+    for end in reached:
+        read.update(range(end - old_world, first - 1, -old_world))
+    pending = sorted(int(p) for s in states for p in s["pending"])
     return {
-        "workers": None,  # filled in by the loader that takes it
-        "batches": old.batches,
-        "layout_start": old.batches,
-        "cursors": {str(slot): [first, 0] for slot in range(slots)},
-        "skipped": {"0": old.total_skipped},
-        "filtered": {"0": old.total_filtered},
-        "plans": plans,
+        "next": max(0, -(-(first - rank) // world_size)),
+        "pending": pending[rank::world_size],
+        "done": sorted(u for u in read if u % world_size == rank),
+        # The run's counts, kept once.
+        **{**_totals(states), **({} if rank == 0 else {"skipped": 0, "filtered": 0})},
     }
+
+
+def rebatch(states: list[dict[str, Any]], batch_size: int) -> dict[str, Any]:
+    """A one-rank position in units of `batch_size`, from every old rank's in units of another batch size: it
+    continues from the first unit some rank had not read (what other ranks had read after it is read again)."""
+    old = int(states[0]["batch_size"])
+    at = min(int(s["next"]) * len(states) + r for r, s in enumerate(states)) * old
+    return {**_continue_at(at, sorted(int(p) for s in states for p in s["pending"]), batch_size),
+            **_totals(states)}
+
+
+def _continue_at(at: int, waiting: list[int], batch_size: int) -> dict[str, Any]:
+    # Units start at multiples of the batch size; what comes before the next one waits as if read.
+    unit = -(-at // batch_size)
+    return {"next": unit, "pending": waiting + list(range(at, unit * batch_size)), "done": []}
+
+
+def _totals(states: list[dict[str, Any]]) -> dict[str, int]:
+    """Skipped and filtered samples of every rank (kept per slot by earlier releases), and batches consumed."""
+    def count(value: Any) -> int:
+        return sum(int(v) for v in value.values()) if isinstance(value, dict) else int(value)
+
+    return {"skipped": sum(count(s["skipped"]) for s in states), "filtered": sum(count(s.get("filtered", 0))
+                                                                               for s in states),
+            "batches": max(int(s["batches"]) for s in states)}
+
+
+def from_slots(states: list[dict[str, Any]], total: int, batch_size: int) -> dict[str, Any]:
+    """One rank's position from the per-slot positions earlier releases saved (one contiguous range of each
+    epoch per rank x worker). With one slot that order is this one and the run continues exactly; with
+    several it starts again at the oldest epoch a slot had not finished."""
+    cursors = [(int(e), int(o), [(int(pe), int(pp)) for pe, pp in (rest[0] if rest else [])])
+               for s in states for e, o, *rest in s["cursors"].values()]
+    slots = len(states) * int(states[0]["workers"])
+    waiting: list[int] = []
+    if slots == 1:
+        epoch, offset, pairs = cursors[0] if cursors else (0, 0, [])
+        at, waiting = epoch * total + offset, sorted(e * total + p for e, p in pairs)
+    else:
+        at = min([e for e, _, _ in cursors] + [e for _, _, w in cursors for e, _ in w], default=0) * total
+        log.warning("data: the checkpoint's data position is of %d loader slots, from an earlier release; "
+                    "the run reads its oldest unfinished epoch again from the start", slots)
+    return {**_continue_at(at, waiting, batch_size), **_totals(states)}

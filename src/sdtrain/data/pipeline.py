@@ -1,13 +1,18 @@
-"""The training loader: a DataLoader over a ShardStream (workers from a fork server), the data position
-the trainer checkpoints, and resume on the same or another layout of ranks and workers."""
+"""The training loader: a DataLoader over a ShardStream (workers from a fork server), the batches formed
+from its units in order, the data position the trainer checkpoints, and resume on the same or another
+number of ranks (see sdtrain.data.order)."""
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import multiprocessing
 import multiprocessing.util  # noqa: F401 - registers its exit handler before ours, see below
+import os
+import select
 import signal
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -16,11 +21,12 @@ import numpy as np
 import torch
 import webdataset as wds
 from torch.utils.data import DataLoader
+from torch.utils.data._utils.pin_memory import pin_memory
 
 from sdtrain.config import DataConfig
 from sdtrain.data.decode import caption_lines
 from sdtrain.data.encoded import TEXT_FIELDS, dataset_encoding, empty_caption_file, load_npy
-from sdtrain.data.order import DataPosition, relayout, resolve_shards
+from sdtrain.data.order import DataPosition, from_slots, rebatch, relayout, resolve_shards
 from sdtrain.data.shards import tar_samples
 from sdtrain.data.stream import ShardStream
 from sdtrain.errors import UserError
@@ -40,13 +46,12 @@ class TrainBatches:
         self.rank = rank
         self.world_size = world_size
         self.shards = resolve_shards(config.shards)
-        self.position = DataPosition(max(1, config.num_workers))
-        slots = world_size * self.position.workers
-        if self.num_samples < slots:
-            raise UserError(
-                f"data.shards: {self.num_samples} samples cannot feed {slots} loader slots "
-                f"({world_size} ranks x {self.position.workers} workers); lower data.num_workers or add data"
-            )
+        self.position = DataPosition(self.num_samples, config.batch_size, rank, world_size)
+        # Samples read, not yet batched: (place, stacked batch, row) per bucket in the order read; full buckets
+        # wait in `ready` for their turn.
+        self._waiting: dict[int, list[tuple[int, dict[str, Any], int]]] = {}
+        self._ready: list[list[tuple[int, dict[str, Any], int]]] = []
+        self._stream: ShardStream | None = None
         self._iterator: Iterator[dict[str, Any]] | None = None
         self.encoding: dict[str, Any] | None = None
         self.empty_caption: dict[str, torch.Tensor] | None = None
@@ -72,17 +77,17 @@ class TrainBatches:
         return sum(s.samples for s in self.shards)
 
     def _make_iterator(self) -> Iterator[dict[str, Any]]:
-        stream = ShardStream(
+        self._stream = stream = ShardStream(
             self.shards, self.config, self.tokenizer, self.seed, self.rank, self.world_size,
-            cursors=dict(self.position.cursors), skipped=dict(self.position.skipped),
-            filtered=dict(self.position.filtered),
-            rotation=self.position.rotation, plans=dict(self.position.plans), empty_caption=self.empty_caption,
+            start=self.position.next, pending=list(self.position.pending), done=list(self.position.done),
+            empty_caption=self.empty_caption,
         )
+        self._waiting, self._ready = {}, []
         workers = self.config.num_workers
         loader = DataLoader(
-            stream, batch_size=None, num_workers=workers, pin_memory=self.pin_memory,
+            stream, batch_size=None, num_workers=workers, pin_memory=False,
             persistent_workers=False, prefetch_factor=2 if workers else None,
-            worker_init_fn=_single_thread_worker if workers else None,
+            worker_init_fn=functools.partial(_start_worker, os.getpid()) if workers else None,
             multiprocessing_context=worker_context(self.tokenizer) if workers else None,
             # Its own generator: drawing worker seeds from the global RNG would make a resumed run's
             # global RNG stream differ from an uninterrupted one.
@@ -91,7 +96,7 @@ class TrainBatches:
         return iter(loader)
 
     def close(self) -> None:
-        """Stop the loader workers. They ignore SIGTERM (see _single_thread_worker), so they must be told."""
+        """Stop the loader workers. They ignore SIGTERM (see _start_worker), so they must be told."""
         shutdown = getattr(self._iterator, "_shutdown_workers", None)
         workers = list(getattr(self._iterator, "_workers", []))
         if shutdown is not None:
@@ -115,22 +120,46 @@ class TrainBatches:
             self._iterator = self._make_iterator()
             _open_loaders.add(self)
             _track_workers(self._iterator)
-        empty_passes = 0
-        while True:
+        # A rank whose units hold no usable sample for a whole epoch (and the loader's read-ahead) has none.
+        barren, limit = 0, self.num_samples // (self.config.batch_size * self.world_size) + 4 + self.config.num_workers
+        while not self._ready:
             try:
-                batch = next(self._iterator)
+                item = next(self._iterator)
             except UserError as exc:
                 # A worker's error arrives wrapped with its traceback; the user needs its last line.
                 raise UserError(str(exc).strip().splitlines()[-1].split("UserError: ", 1)[-1]) from None
-            self.position.advance(batch)
-            if not batch.get("empty"):
-                return batch
-            empty_passes += 1
-            if empty_passes > 2 * self.position.workers:
+            self._take(item)
+            barren = 0 if item["groups"] else barren + 1
+            if barren > limit:
                 raise UserError(
                     f"data.shards: no sample of '{self.config.shards}' could be decoded with "
                     f"data.image_key={self.config.image_key!r}; check the image field names and the files"
                 )
+        entries = self._ready.pop(0)
+        self.position.batches += 1
+        self.position.pending = sorted(entry[0] for waiting in [*self._waiting.values(), *self._ready]
+                                       for entry in waiting)
+        parts: list[tuple[dict[str, Any], int, int]] = []
+        for _, stacked, row in entries:  # runs of rows of one stacked batch
+            if parts and parts[-1][0] is stacked and parts[-1][2] == row:
+                parts[-1] = (stacked, parts[-1][1], row + 1)
+            else:
+                parts.append((stacked, row, row + 1))
+        # Each sample's place in the run's sequence: epoch place // num_samples.
+        batch = {**self._stream.collate(parts), "places": [entry[0] for entry in entries]}
+        return pin_memory(batch) if self.pin_memory else batch
+
+    def _take(self, item: dict[str, Any]) -> None:
+        """A unit from the loader: its samples join their buckets, a bucket that holds a batch is ready."""
+        self.position.next = (item["unit"] - self.rank) // self.world_size + 1
+        self.position.skipped += item["skipped"]
+        self.position.filtered += item["filtered"]
+        for group in item["groups"]:
+            for row, place in enumerate(group["places"]):
+                bucket = self._waiting.setdefault(group["bucket"], [])
+                bucket.append((place, group["batch"], row))
+                if len(bucket) == self.config.batch_size:
+                    self._ready.append(self._waiting.pop(group["bucket"]))
 
     def state_dict(self) -> dict[str, Any]:
         return self.position.state_dict()
@@ -138,27 +167,24 @@ class TrainBatches:
     def load_state_dict(self, rank_states: list[dict[str, Any]]) -> None:
         """Resume from the positions of every rank of the run that saved them.
 
-        With the same ranks and workers this rank continues exactly where it stopped; with others,
-        the unfinished epochs are dealt out again over the new slots (see `relayout`).
+        With the same number of ranks this rank continues exactly where it stopped, whatever the number of
+        loader workers; with another, it continues the same sequence (see `relayout`).
         """
-        workers = self.position.workers
-        same_layout = len(rank_states) == self.world_size and all(int(s["workers"]) == workers for s in rank_states)
-        if same_layout:
+        if "cursors" in rank_states[0]:  # an earlier release's per-slot positions
+            rank_states = [from_slots(rank_states, self.num_samples, self.config.batch_size)]
+        elif int(rank_states[0]["batch_size"]) != self.config.batch_size:
+            log.warning("data: data.batch_size changed from %s to %d: the run's sequence of samples continues, cut "
+                        "into other batches", rank_states[0]["batch_size"], self.config.batch_size)
+            rank_states = [rebatch(rank_states, self.config.batch_size)]
+        if len(rank_states) == self.world_size:
             state = rank_states[self.rank]
         else:
-            state = {**relayout(rank_states, self.num_samples, self.world_size * workers), "workers": workers}
-            # Each rank keeps only its own slots, so that a later re-layout finds one owner per slot.
-            mine = {str(slot) for slot in range(self.rank * workers, (self.rank + 1) * workers)}
-            state["cursors"] = {k: v for k, v in state["cursors"].items() if k in mine}
-            state["skipped"] = {k: v for k, v in state["skipped"].items() if k in mine}
-            state["filtered"] = {k: v for k, v in state["filtered"].items() if k in mine}
+            state = relayout(rank_states, self.rank, self.world_size)
             if self.rank == 0:
-                log.warning(
-                    "data: resuming %d ranks x %d workers from a run of %d x %s: every sample of the unfinished "
-                    "epoch is still read once, in a different order than the original layout would have read it",
-                    self.world_size, workers, len(rank_states), rank_states[0]["workers"])
-        self.position.load_state_dict(state)
+                log.warning("data: resuming a run of %d ranks on %d: the same sequence of samples continues from "
+                            "the first batch some rank had not read", len(rank_states), self.world_size)
         self.close()
+        self.position.load_state_dict(state)
 
 
 # multiprocessing's exit handler stops leftover workers with SIGTERM, which ours ignore, then waits for
@@ -203,7 +229,7 @@ def worker_context(tokenizer: Any | None = None) -> multiprocessing.context.Base
     return context
 
 
-def _single_thread_worker(_: int) -> None:
+def _start_worker(trainer: int, _: int) -> None:
     # Loader workers decode images; letting each also spawn a full torch thread pool starves the
     # training process on small machines.
     torch.set_num_threads(1)
@@ -211,6 +237,34 @@ def _single_thread_worker(_: int) -> None:
     # died first would take the final save down with it.
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
+    threading.Thread(target=_exit_with, args=(trainer,), name="sdtrain-trainer-watch", daemon=True).start()
+
+
+def _exit_with(trainer: int) -> None:
+    """End this worker when the trainer process ends, however it ends (kill -9 included).
+
+    The loader's own watchdog watches the worker's parent, which is the fork server, and the fork server
+    lives as long as any worker holds the descriptor the trainer passed it: after a kill -9 of the trainer
+    each waited on the other forever, with the resource tracker beside them. Once the workers are gone,
+    the server and the tracker see their pipes close and exit by themselves.
+    """
+    try:
+        select.select([os.pidfd_open(trainer)], [], [])  # readable once the process has exited
+    except ProcessLookupError:  # already gone
+        pass
+    except OSError:  # no pidfd (a kernel before 5.3): the trainer's pid, looked at every second
+        pause = threading.Event()
+        while _alive(trainer):
+            pause.wait(1.0)
+    os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):  # gone, or its pid taken by someone else's process
+        return False
+    return True
 
 
 def read_captions(spec: str, caption_key: str = "txt", limit: int = 200_000) -> list[str]:

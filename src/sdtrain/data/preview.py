@@ -50,8 +50,8 @@ def batch_grid(pixels: list[torch.Tensor], captions: list[str], path: Path,
 
 
 def preview_data(config: DataConfig, seed: int, num: int, out: Path) -> dict[str, Any]:
-    """Draw the first `num` samples of the data as a run of `seed` reads them (in the training process, one
-    worker's order), write their grid to `out`, and count what was skipped on the way."""
+    """Draw the first `num` samples of the data as a run of `seed` reads them (in the training process: the
+    workers change nothing a run reads), write their grid to `out`, and count what was skipped on the way."""
     loader = TrainBatches(dataclasses.replace(config, num_workers=0), None, seed, encoded=False)
     pixels: list[torch.Tensor] = []
     captions: list[str] = []

@@ -1,5 +1,5 @@
-"""The stream one loader slot reads: its share of each epoch's order, decoded, bucketed and collated into
-batches that carry the slot's position (see sdtrain.data.order)."""
+"""What a rank's loader workers read: its units of the run's sample order (see sdtrain.data.order), each
+decoded by one worker, in turn."""
 
 from __future__ import annotations
 
@@ -14,22 +14,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 from sdtrain.config import DataConfig
 from sdtrain.data.decode import COMPANION_FIELDS, Filtered, SampleDecoder
 from sdtrain.data.encoded import TEXT_FIELDS
-from sdtrain.data.order import (
-    Intervals,
-    Shard,
-    SlotCursor,
-    drop_prefix,
-    epoch_order,
-    read_shard,
-    slot_intervals,
-    within_shard_order,
-)
+from sdtrain.data.order import Shard, epoch_order, read_shard, within_shard_order
 
 log = logging.getLogger(__name__)
 
 
 class ShardStream(IterableDataset):
-    """An endless, resumable stream of batches over shards; see the module docstring."""
+    """An endless stream of this rank's units from `start` on, one item per unit (see `__iter__`)."""
 
     def __init__(
         self,
@@ -39,11 +30,9 @@ class ShardStream(IterableDataset):
         seed: int,
         rank: int = 0,
         world_size: int = 1,
-        cursors: dict[int, SlotCursor] | None = None,
-        skipped: dict[int, int] | None = None,
-        rotation: int = 0,
-        filtered: dict[int, int] | None = None,
-        plans: dict[int, list[Intervals]] | None = None,
+        start: int = 0,
+        pending: list[int] | None = None,
+        done: list[int] | None = None,
         empty_caption: dict[str, torch.Tensor] | None = None,
     ):
         self.shards = shards
@@ -52,122 +41,90 @@ class ShardStream(IterableDataset):
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
-        self.workers = max(1, config.num_workers)
-        self.cursors = cursors or {}
-        self.skipped = skipped or {}
-        self.filtered = filtered or {}
-        self.rotation = rotation
-        self.plans = plans or {}
+        self.start = start
+        self.pending = pending or []
+        self.done = set(done or [])
         # Pre-encoded shards: caption dropout swaps in the empty caption's embeddings (text field -> tensor).
         self.empty_caption = empty_caption
         self.decoder = SampleDecoder(config, tokenizer, seed, encoded=empty_caption is not None)
         self.total = sum(s.samples for s in shards)
-
-    @property
-    def slots(self) -> int:
-        return self.world_size * self.workers
-
-    def _slot(self) -> int:
-        info = get_worker_info()
-        worker = 0 if info is None else info.id
-        # DataLoader always starts its round-robin at worker 0; rotating the logical slots makes the
-        # first batch after a resume come from the slot whose turn it was.
-        return self.rank * self.workers + (worker + self.rotation) % self.workers
+        self._layouts: dict[int, tuple[list[int], np.ndarray]] = {}
+        self._read: dict[int, list[dict[str, Any]]] = {}
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        slot = self._slot()
-        cursor = self.cursors.get(slot, SlotCursor())
-        epoch, offset = cursor.epoch, cursor.offset
-        skipped = self.skipped.get(slot, 0)
-        filtered = self.filtered.get(slot, 0)
-        # Samples wait per bucket until a bucket holds a batch (without buckets there is one bucket and
-        # nothing waits between batches); a resumed slot first reads its waiting samples again.
-        waiting: dict[int, list[tuple[int, int, dict[str, Any]]]] = {}
-        for at_epoch, place in cursor.pending:
-            sample = self._sample_at(at_epoch, place)
-            if isinstance(sample, dict):
-                waiting.setdefault(sample["bucket"], []).append((at_epoch, place, sample))
+        """Worker w of k decodes the rank's units start + w, start + w + k, ...: the loader, taking one item
+        from each worker in turn, hands them over in order. An item holds the unit's usable samples and their
+        places, stacked per bucket, and counts those skipped and filtered; the first also holds the samples a
+        resumed rank had waiting, decoded again."""
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        local = self.start + worker
+        again = self.pending if worker == 0 else []
+        batch_size = self.config.batch_size
         while True:
-            usable = False
-            for at_epoch, at_offset, place, sample in self._epoch_samples(slot, epoch, offset):
+            unit = local * self.world_size + self.rank
+            fresh = [] if unit in self.done else list(range(unit * batch_size, (unit + 1) * batch_size))
+            item: dict[str, Any] = {"unit": unit, "groups": [], "skipped": 0, "filtered": 0}
+            buckets: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+            # Samples read again were counted when first read.
+            for counted, place in [(False, p) for p in again] + [(True, p) for p in fresh]:
+                sample = self._sample_at(place)
                 if sample is None:
-                    skipped += 1
-                    continue
-                if isinstance(sample, Filtered):
-                    filtered += 1
-                    continue
-                usable = True
-                bucket = waiting.setdefault(sample["bucket"], [])
-                bucket.append((at_epoch, place, sample))
-                if len(bucket) == self.config.batch_size:
-                    batch = [entry[2] for entry in bucket]
-                    places = [[e, p] for e, p, _ in bucket]
-                    bucket.clear()
-                    pending = [[e, p] for entries in waiting.values() for e, p, _ in entries]
-                    position = {"slot": slot, "epoch": at_epoch, "offset": at_offset, "skipped": skipped,
-                                "filtered": filtered, "pending": pending}
-                    yield {**self._collate(batch, position), "places": places}
-            epoch, offset = epoch + 1, 0
-            if not usable:
-                # This slot's whole share yielded nothing (say, one unreadable shard). It must still take
-                # its turn in the loader's round-robin, or the other slots would wait for it forever.
-                pending = [[e, p] for entries in waiting.values() for e, p, _ in entries]
-                yield {"empty": True, "position": {"slot": slot, "epoch": epoch, "offset": 0, "skipped": skipped,
-                                                   "filtered": filtered, "pending": pending}}
+                    item["skipped"] += counted
+                elif isinstance(sample, Filtered):
+                    item["filtered"] += counted
+                else:
+                    buckets.setdefault(sample["bucket"], []).append((place, sample))
+            for bucket, entries in buckets.items():
+                item["groups"].append({"bucket": bucket, "places": [place for place, _ in entries],
+                                       "batch": self.stack([sample for _, sample in entries])})
+            yield item
+            local += workers
+            again = []
 
-    def _epoch_layout(self, epoch: int) -> tuple[list[int], np.ndarray]:
-        """The epoch's shard order and where each shard starts in the epoch's global order."""
-        order = epoch_order(self.shards, self.seed, epoch)
-        return order, np.cumsum([0] + [self.shards[i].samples for i in order])
-
-    def _locate(self, epoch: int, place: int) -> tuple[int, int]:
-        """(shard index, sample index in the shard) at `place` in the epoch's global order."""
-        order, bounds = self._epoch_layout(epoch)
-        j = int(np.searchsorted(bounds, place, side="right") - 1)
+    def _locate(self, place: int) -> tuple[int, int, int]:
+        """(epoch, shard index, sample index in the shard) at `place` in the run's sequence."""
+        epoch = place // self.total
+        if epoch not in self._layouts:
+            order = epoch_order(self.shards, self.seed, epoch)
+            self._layouts = {epoch: (order, np.cumsum([0] + [self.shards[i].samples for i in order]))}
+        order, bounds = self._layouts[epoch]
+        at = place - epoch * self.total
+        j = int(np.searchsorted(bounds, at, side="right") - 1)
         shard_index = order[j]
-        perm = within_shard_order(self.shards[shard_index].samples, self.seed, epoch, shard_index)
-        return shard_index, int(perm[place - bounds[j]])
+        if (epoch, shard_index) not in self._perms:  # kept while the shard is read, like the shard
+            self._perms = {(epoch, shard_index): within_shard_order(self.shards[shard_index].samples, self.seed,
+                                                                    epoch, shard_index)}
+        return epoch, shard_index, int(self._perms[epoch, shard_index][at - bounds[j]])
 
-    def _sample_at(self, epoch: int, place: int) -> Any:
-        shard_index, index = self._locate(epoch, place)
+    def _sample_at(self, place: int) -> Any:
+        epoch, shard_index, index = self._locate(place)
         raw = self._read_shard(shard_index)
-        return self.decoder(raw[index], (epoch, shard_index, index)) if index < len(raw) else None
-
-    def _epoch_samples(self, slot: int, epoch: int, offset: int) -> Iterator[tuple[int, int, int, Any]]:
-        """(epoch, this slot's offset after the sample, the sample's place in the epoch order, decoded sample or
-        None) from `offset` to the end of the slot's share."""
-        order, bounds = self._epoch_layout(epoch)
-        done = offset
-        for start, end in drop_prefix(slot_intervals(self.total, slot, self.slots, self.plans, epoch), offset):
-            position = start
-            while position < end:
-                j = int(np.searchsorted(bounds, position, side="right") - 1)
-                shard_index = order[j]
-                first, last = position - bounds[j], min(end, bounds[j + 1]) - bounds[j]
-                raw = self._read_shard(shard_index)
-                perm = within_shard_order(self.shards[shard_index].samples, self.seed, epoch, shard_index)
-                for k in range(first, last):
-                    index = int(perm[k])
-                    sample = None
-                    if index < len(raw):
-                        sample = self.decoder(raw[index], (epoch, shard_index, index))
-                        if sample is None:
-                            log.warning("skipped undecodable sample %s in %s", raw[index].get("__key__"),
-                                        self.shards[shard_index].url)
-                    position += 1
-                    done += 1
-                    yield epoch, done, position - 1, sample
-                if len(raw) < self.shards[shard_index].samples:
-                    log.warning("%s: %d of the %d samples the manifest lists are readable (a truncated or corrupt "
-                                "tar, or a wrong manifest: `sdtrain prepare verify` tells which); the rest are "
-                                "skipped", self.shards[shard_index].url, len(raw), self.shards[shard_index].samples)
+        if index >= len(raw):
+            return None
+        sample = self.decoder(raw[index], (epoch, shard_index, index))
+        if sample is None:
+            log.warning("skipped undecodable sample %s in %s", raw[index].get("__key__"), self.shards[shard_index].url)
+        return sample
 
     def _read_shard(self, shard_index: int) -> list[dict[str, Any]]:
-        return read_shard(self.shards[shard_index].url)
+        # A worker's next units are mostly in the shard it read last; one shard is kept, as much memory as
+        # reading it whole takes.
+        if shard_index not in self._read:
+            raw = read_shard(self.shards[shard_index].url)
+            if len(raw) < self.shards[shard_index].samples:
+                log.warning("%s: %d of the %d samples the manifest lists are readable (a truncated or corrupt "
+                            "tar, or a wrong manifest: `sdtrain prepare verify` tells which); the rest are "
+                            "skipped", self.shards[shard_index].url, len(raw), self.shards[shard_index].samples)
+            self._read = {shard_index: raw}
+        return self._read[shard_index]
 
-    def _collate(self, batch: list[dict[str, Any]], position: dict[str, Any]) -> dict:
+    def stack(self, batch: list[dict[str, Any]]) -> dict:
+        """Decoded samples of one bucket as one batch of tensors: what a worker hands over (one tensor a field
+        crosses between processes far faster than one a sample)."""
         captions = [s["caption"] for s in batch]
-        out: dict[str, Any] = {"captions": captions, "keys": [s["key"] for s in batch], "position": position,
+        out: dict[str, Any] = {"captions": captions, "keys": [s["key"] for s in batch],
                                "size_ids": torch.stack([s["size_ids"] for s in batch])}
         if any("mask" in s for s in batch):
             # A sample without a mask counts everywhere: ones the shape of another's mask.
@@ -187,6 +144,25 @@ class ShardStream(IterableDataset):
                 empty = self.empty_caption.get(field)
                 if empty is not None and all(field in s for s in batch):
                     out[field] = torch.stack([empty if s["dropped"] else s[field] for s in batch])
-        if self.tokenizer is not None:
-            out.update(self.tokenizer(captions))
         return out
+
+    def collate(self, parts: list[tuple[dict[str, Any], int, int]]) -> dict[str, Any]:
+        """One training batch from rows start:end of stacked batches (see `stack`), tokenized."""
+        if len(parts) == 1 and parts[0][1] == 0 and parts[0][2] == len(parts[0][0]["keys"]):
+            out = dict(parts[0][0])
+        else:
+            out = {}
+            for key in dict.fromkeys(k for part, _, _ in parts for k in part):
+                have = next(part[key] for part, _, _ in parts if key in part)
+                if isinstance(have, list):
+                    out[key] = [v for part, start, end in parts for v in part[key][start:end]]
+                elif key == "mask" or key in COMPANION_FIELDS or all(key in part for part, _, _ in parts):
+                    # As `stack` fills a sample's: a missing mask counts everywhere, a missing map or source is
+                    # zeros; text embeddings only where every sample has them.
+                    fill = torch.ones if key == "mask" else torch.zeros
+                    out[key] = torch.cat([part[key][start:end] if key in part else fill(end - start, *have.shape[1:])
+                                          for part, start, end in parts])
+        if self.tokenizer is not None:
+            out.update(self.tokenizer(out["captions"]))
+        return out
+
