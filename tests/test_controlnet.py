@@ -113,3 +113,21 @@ def test_encoded_shards_keep_the_maps_cropped_as_their_latents_and_a_controlnet_
     assert _train(tmp_path / "run", pretrained, encoded, "data.resolution=24") == 0
     assert "VAE encoder skipped" in caplog.text
     assert load_file(str(latest_checkpoint(tmp_path / "run") / "model.safetensors"))
+
+
+def test_each_family_drops_its_own_share_of_captions_unless_the_run_says():
+    """The paper drops half the captions (SD 1.5); diffusers' SD3 and Flux.1 ControlNet scripts drop none, and
+    Flux.1-dev is never sampled on an empty prompt. The shipped config leaves it to the family; a run's own wins."""
+    from sdtrain.config import load_config
+    from sdtrain.models import families
+    from sdtrain.train.modes.controlnet import ControlNetPart
+
+    def dropped(family: str, *overrides: str) -> float:
+        config = load_config(CONFIGS / "controlnet.yaml", ["run_dir=unused", "model.pretrained=unused",
+                                                           "data.shards=unused", *overrides])
+        data = ControlNetPart(config, families.get(family)).data_config(config.data)
+        return data.dropped_captions()
+
+    assert {name: dropped(name) for name in ("sd", "sdxl", "sd3", "flux")} == {
+        "sd": 0.5, "sdxl": 0.5, "sd3": 0.0, "flux": 0.0}
+    assert dropped("flux", "data.caption_dropout=0.1") == 0.1 and dropped("sd", "data.caption_dropout=0") == 0.0

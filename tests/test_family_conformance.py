@@ -248,7 +248,7 @@ def test_its_instruct_pix2pix_denoiser_starts_at_the_base_model(tiny):
                                       torch.device("cpu"))
     timesteps = torch.tensor([100.0, 900.0])
     widened = copy.deepcopy(tiny.denoiser)
-    spec.widen(widened, channels)
+    spec.widen(widened)
     assert widened.config.in_channels == 2 * channels
     with torch.no_grad():
         plain = tiny.family.denoise(tiny.denoiser, latents, timesteps, condition)

@@ -39,7 +39,7 @@ def test_comfyui_loads_the_exported_instruct_pix2pix_unet_as_its_own_model(tmp_p
     torch.manual_seed(0)
     # SD 1.5's UNet (diffusers' config of runwayml's), fp16 on disk as released.
     unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8)
-    widen_unet(unet, unet.config.in_channels)
+    widen_unet(unet)
     with torch.no_grad():  # trained: the source's inputs away from zero
         unet.conv_in.weight[:, 4:].normal_(std=0.01)
     save_single_file(tmp_path / "ip2p.safetensors", unet=unet, half=True)

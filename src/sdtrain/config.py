@@ -35,6 +35,10 @@ PRECISIONS = ("auto", "fp32", "bf16")
 _FP32_ALIASES = ("no", "False", "false")
 
 
+CAPTION_DROPOUT = 0.1
+"""``data.caption_dropout`` where a run leaves it unset and its mode has no default of its own."""
+
+
 @dataclass
 class DataConfig:
     shards: str = MISSING
@@ -54,9 +58,12 @@ class DataConfig:
     num_workers: int = 2
     """DataLoader worker processes; 0 loads in the training process. They only share the decoding: any number
     reads the same samples in the same order, and a run may resume with another."""
-    caption_dropout: float = 0.1
+    caption_dropout: float | None = None
     """Fraction of captions replaced by the empty string, so the model also learns the
-    unconditional prediction that classifier-free guidance needs."""
+    unconditional prediction that classifier-free guidance needs. Unset: 0.1, except where the mode has its own:
+    a ControlNet takes its family's (``mode: controlnet``: half for SD 1/2 and SDXL, none for SD3 and Flux.1), and
+    InstructPix2Pix drops the caption and the source image together by ``instruct_pix2pix.source_dropout``, which
+    leaves this unset."""
     image_key: str = "png;jpg;jpeg;webp;gif;tif;tiff"
     """Sample fields tried in order for the image."""
     caption_key: str = "txt"
@@ -107,11 +114,16 @@ class DataConfig:
     ``sdtrain prepare encode`` carry, instead of encoding images every step. Those shards are
     centre-cropped at one resolution: set false to train on their images with augmentation."""
 
+    def dropped_captions(self) -> float:
+        """The share of captions the loader drops: ``caption_dropout``, or its default where it is unset."""
+        return CAPTION_DROPOUT if self.caption_dropout is None else self.caption_dropout
+
     def validate(self) -> None:
         _check(self.resolution >= 8, "data.resolution", "must be at least 8 pixels")
         _check(self.batch_size >= 1, "data.batch_size", "must be at least 1")
         _check(self.num_workers >= 0, "data.num_workers", "must be 0 or more")
-        _check(0.0 <= self.caption_dropout < 1.0, "data.caption_dropout", "must be in [0, 1)")
+        _check(self.caption_dropout is None or 0.0 <= self.caption_dropout < 1.0, "data.caption_dropout",
+               "must be in [0, 1)")
         _check(self.keep_tags >= 0, "data.keep_tags", "must be 0 or more")
         if self.aspect_buckets:
             _check(8 <= self.bucket_step <= self.resolution, "data.bucket_step",
@@ -478,13 +490,15 @@ class TextualInversionConfig:
 
 @dataclass
 class InstructPix2PixConfig:
-    source_dropout: float = 0.1
-    """Share of samples trained without their source image (its latents zero), as InstructPix2Pix drops the image
-    conditioning so that sampling can weigh it (``image_guidance_scale``); captions drop by
-    ``data.caption_dropout``, independently."""
+    source_dropout: float = 0.05
+    """The paper's q: one draw per sample drops its caption alone for q of the samples, its source image alone (its
+    latents zero) for q, and both for q, as InstructPix2Pix and diffusers' ``train_instruct_pix2pix.py`` do, so
+    that sampling can weigh each (``guidance_scale``, ``image_guidance_scale``: what the latter subtracts is the
+    prediction with both dropped). It takes the place of ``data.caption_dropout``, which stays unset."""
 
     def validate(self) -> None:
-        _check(0.0 <= self.source_dropout < 1.0, "instruct_pix2pix.source_dropout", "must be in [0, 1)")
+        _check(0.0 <= self.source_dropout <= 1 / 3, "instruct_pix2pix.source_dropout",
+               "must be in [0, 1/3]: q of the samples lose their caption, q their source, q both")
 
 
 @dataclass

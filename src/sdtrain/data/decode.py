@@ -82,6 +82,11 @@ SIGNED_COMPANIONS = ("source_pixels",)
 """Those in [-1, 1], as the image (what the VAE encodes); the others in [0, 1], as ControlNets read their maps."""
 
 
+def present(field: str) -> str:
+    """The batch key saying which samples carry the companion image `field` (a bool per sample)."""
+    return f"{field}_present"
+
+
 def _chw(img: Image.Image, signed: bool) -> torch.Tensor:
     """An RGB image as a 3xHxW float tensor in [-1, 1] (`signed`) or [0, 1]."""
     array = np.asarray(img, dtype=np.float32)
@@ -179,9 +184,9 @@ class SampleDecoder:
             pixels, size_ids, mask, companions = self._transform(image, rng, target, mask, companions)
         except (OSError, ValueError, Image.DecompressionBombError, SyntaxError):
             return None
-        drop = rng.random() < self.config.caption_dropout
-        sample = {"pixel_values": pixels, "size_ids": size_ids, "caption": "" if drop else caption,
-                  "key": raw["__key__"], "bucket": bucket, **companions}
+        draw = rng.random()
+        sample = {"pixel_values": pixels, "size_ids": size_ids, "key": raw["__key__"], "bucket": bucket,
+                  **self._dropped(caption, draw), **companions}
         return sample if mask is None else {**sample, "mask": mask}
 
     @staticmethod
@@ -243,8 +248,15 @@ class SampleDecoder:
             sample.update(self._encoded_companions(raw, sample["size_ids"]))
         except (OSError, ValueError, IndexError, Image.DecompressionBombError, SyntaxError):
             return None
-        drop = bool(rng.random() < self.config.caption_dropout)
-        return {**sample, "caption": "" if drop else caption, "dropped": drop, "key": raw["__key__"], "bucket": 0}
+        return {**sample, **self._dropped(caption, rng.random()), "key": raw["__key__"], "bucket": 0}
+
+    def _dropped(self, caption: str, draw: float) -> dict[str, Any]:
+        """The sample's caption, empty where its `draw` (uniform in [0, 1), one per sample from its place) falls
+        below the share of captions dropped, whether it was, and the draw itself: a mode that drops what else a
+        sample carries together with its caption (InstructPix2Pix's source) reads it, as its recipe draws one number
+        per sample."""
+        drop = bool(draw < self.config.dropped_captions())
+        return {"caption": "" if drop else caption, "dropped": drop, "caption_draw": draw}
 
     def _encoded_companions(self, raw: dict[str, Any], size_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """The conditioning and source images an encoded sample carries (as its source shard held them), resized and

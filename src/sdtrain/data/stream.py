@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from sdtrain.config import DataConfig
-from sdtrain.data.decode import COMPANION_FIELDS, Filtered, SampleDecoder
+from sdtrain.data.decode import COMPANION_FIELDS, Filtered, SampleDecoder, present
 from sdtrain.data.encoded import TEXT_FIELDS
 from sdtrain.data.order import Shard, epoch_order, read_shard, within_shard_order
 
@@ -130,11 +130,15 @@ class ShardStream(IterableDataset):
             # A sample without a mask counts everywhere: ones the shape of another's mask.
             shape = next(s["mask"].shape for s in batch if "mask" in s)
             out["mask"] = torch.stack([s["mask"] if "mask" in s else torch.ones(shape) for s in batch])
+        # The loader's one draw per sample behind its caption's dropout, for what a mode drops with the caption.
+        out["caption_draws"] = torch.tensor([s["caption_draw"] for s in batch], dtype=torch.float64)
         for field in COMPANION_FIELDS:
             if any(field in s for s in batch):
-                # A sample without one gets zeros: a black map (no control), a mid-grey source.
+                # A sample without one gets zeros, and which have one is said: a black map is no control, but
+                # zero pixels are a grey source, which the mode replaces (or refuses).
                 shape = next(s[field].shape for s in batch if field in s)
                 out[field] = torch.stack([s[field] if field in s else torch.zeros(shape) for s in batch])
+                out[present(field)] = torch.tensor([field in s for s in batch])
         if "pixel_values" in batch[0]:
             out["pixel_values"] = torch.stack([s["pixel_values"] for s in batch])
         else:

@@ -23,6 +23,11 @@ class TrainedPart:
     """Whether gradients flow back through the frozen denoiser to trained modules upstream of it (new token
     vectors in the text encoders), which makes the denoiser part of the backward pass."""
 
+    gives_source = False
+    """Whether the denoiser's call is given a source image's latents beside the noisy ones (`denoiser_extra`,
+    InstructPix2Pix's), which a released editing denoiser reads: without them only one that reads the latents alone
+    trains."""
+
     def __init__(self, config: RunConfig, family: ModelFamily):
         self.config = config
         self.family = family

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdtrain.config import DataConfig, DiffusionConfig, RunConfig
-from sdtrain.data.decode import make_buckets
+from sdtrain.data.decode import make_buckets, present
 from sdtrain.data.encoded import TEXT_FIELDS, dataset_encoding
 from sdtrain.errors import UserError
 from sdtrain.loaders.writers import REFERENCE_EDIT
@@ -345,6 +345,12 @@ class DiffusionTask(Task):
         self.objective = make_objective(family, config.diffusion, self.noise_scheduler, device, denoiser.config,
                                         sampling_steps(family, denoiser.config, run_sampling(config, self.distilled)))
         self.caption_tokenizer = CaptionTokenizer(self.tokenizers, family)
+        if family.instruct is not None and denoiser.config.in_channels > latent[0] and not self.part.gives_source:
+            # An InstructPix2Pix (or inpainting) UNet: fed the latents alone, its first step is a shape traceback.
+            raise UserError(f"mode {config.mode}: this {family.denoiser} reads {denoiser.config.in_channels} input "
+                            f"channels, more than the {latent[0]} of its latents: it edits, reading an image beside "
+                            "them; fine-tune an InstructPix2Pix model with mode instruct_pix2pix "
+                            "(configs/instruct-pix2pix.yaml), or start from a text-to-image one")
         self.trainable = self.part.make_trainable(self.denoiser, self.text_encoders, self.tokenizers,
                                                   latent_factor=scale)
         for name, module in self.trainable.items():  # a module of the part's own (a ControlNet), called by name
@@ -598,6 +604,13 @@ class DiffusionTask(Task):
         if pixels is None:
             raise UserError("edit.reference: the data has no source images: put KEY.src.png (the image before the "
                             "edit) beside each edited image, its caption the instruction (`prepare encode` keeps them)")
+        given = batch.get(present("source_pixels"))
+        if given is not None and not given.all():
+            # The loader's zeros would be a grey image to edit, not the absence of one.
+            missing = [key for key, has in zip(batch["keys"], given.tolist(), strict=True) if not has]
+            raise UserError(f"edit.reference: no source image (KEY.src.png beside the edited image) for "
+                            f"{', '.join(missing)}, and an edit by reference learns from none: add theirs, or leave "
+                            "those samples out of the shards")
         return pixels
 
     def reference_latents(self, batch: dict[str, Any]) -> torch.Tensor:

@@ -109,10 +109,13 @@ def image_ids(rows: int, columns: int, device: torch.device, dtype: torch.dtype)
 
 
 def controlnet_from_transformer(transformer: FluxTransformer2DModel, latent_factor: int) -> FluxControlNetModel:
-    """A FluxControlNetModel of `transformer`'s first 4 double and 10 single blocks (as diffusers' Flux ControlNet
-    training example and InstantX's released ones; fewer where the transformer has fewer), their weights and the
-    embedders' copied, its input and output layers zero: it starts by adding nothing. It reads the conditioning
-    image's packed latents, as diffusers' Flux ControlNet pipeline gives them to a ControlNet without a hint block."""
+    """A FluxControlNetModel of `transformer`'s first 4 double and 10 single blocks (fewer where the transformer has
+    fewer), their weights and the embedders' copied, its input and output layers zero: it starts by adding nothing.
+    The depth is sdtrain's, between the two ControlNets users compare with: the double blocks of diffusers'
+    ``train_controlnet_flux.py`` (4 double and 4 single by default; its README trains 4 and 0) and the single
+    blocks of InstantX's released Flux.1-dev ControlNets (5 double and 10 single), so the map's residuals reach as
+    many single blocks as those do. It reads the conditioning image's packed latents, as diffusers' Flux ControlNet
+    pipeline gives them to a ControlNet without a hint block."""
     config = transformer.config
     controlnet = FluxControlNetModel.from_transformer(
         transformer, num_layers=min(4, config.num_layers), num_single_layers=min(10, config.num_single_layers),
@@ -252,7 +255,10 @@ class Flux(ModelFamily):
     block_lists = {FluxTransformer2DModel: transformer_blocks, AutoencoderKL: vae_blocks, CLIPTextModel: text_blocks,
                    T5EncoderModel: t5_blocks, FluxControlNetModel: transformer_blocks}
     controlnet = ControlSpec(FluxControlNetModel, FluxControlNetPipeline, controlnet_from_transformer,
-                             controlnet_residuals, control_latents, image_argument="control_image")
+                             controlnet_residuals, control_latents, image_argument="control_image",
+                             # As diffusers' train_controlnet_flux.py: Flux.1-dev is guidance-distilled and is never
+                             # sampled on an empty prompt.
+                             caption_dropout=0.0)
     reference = ReferenceSpec(FluxKontextPipeline, reference_latents,
                               at_own_size=lambda sources: nullcontext({"_auto_resize": False}))
     presets = PRESETS

@@ -157,7 +157,8 @@ class StableDiffusion3(ModelFamily):
                    CLIPTextModelWithProjection: text_blocks, T5EncoderModel: t5_blocks,
                    SD3ControlNetModel: transformer_blocks}
     controlnet = ControlSpec(SD3ControlNetModel, StableDiffusion3ControlNetPipeline, controlnet_from_transformer,
-                             controlnet_residuals, control_latents, image_argument="control_image")
+                             controlnet_residuals, control_latents, image_argument="control_image",
+                             caption_dropout=0.0)  # diffusers' train_controlnet_sd3.py drops none
     presets = PRESETS
     # No kohya layout: sdtrain writes diffusers' LoRA file alone, which ComfyUI reads for SD3.
     kohya_prefixes: dict[str, str] = {}

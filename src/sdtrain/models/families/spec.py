@@ -110,6 +110,9 @@ class ControlSpec:
     ControlNet pipeline encodes them (SD3's, Flux.1's); None: the images themselves (the UNets')."""
     image_argument: str = "image"
     """The ControlNet pipeline's argument for the conditioning image (``control_image`` for SD3's and Flux.1's)."""
+    caption_dropout: float = 0.5
+    """``data.caption_dropout`` of a ControlNet run that leaves it unset: the paper's half (the ControlNet must then
+    read the map where the caption says nothing), or none, as diffusers' SD3 and Flux.1 ControlNet scripts drop."""
 
 
 @dataclass(frozen=True)
@@ -119,9 +122,10 @@ class InstructSpec:
 
     pipeline_class: type
     """The diffusers pipeline that edits with the widened denoiser (``from_pipe`` of the family's pipeline)."""
-    widen: Callable[[nn.Module, int], None]
-    """(denoiser, extra channels) -> the denoiser reads that many more input channels, their weights zero (so it
-    starts as the base model), its config saying so."""
+    widen: Callable[[nn.Module], None]
+    """(denoiser) -> it reads the source's latents too: one that reads the noisy latents alone gains as many input
+    channels, their weights zero (so it starts as the base model), its config saying so; one that reads both already
+    (a released editing model) is kept; any other is a UserError."""
     source_latents: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     """(VAE, source images in [-1, 1]) -> the latents the pipeline gives the denoiser beside the noisy ones."""
 

@@ -12,6 +12,7 @@ import torch
 from diffusers import ControlNetModel, UNet2DConditionModel
 from torch import nn
 
+from sdtrain.errors import UserError
 from sdtrain.models import single_file
 from sdtrain.models.families.spec import ControlSpec, InstructSpec, SingleFileLayout
 
@@ -48,15 +49,23 @@ def controlnet_from_unet(unet: UNet2DConditionModel, latent_factor: int) -> Cont
     return ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=widths)
 
 
-def widen_unet(unet: UNet2DConditionModel, channels: int) -> None:
-    """`unet`'s first convolution reads `channels` more input channels, their weights zero (InstructPix2Pix's
-    initialisation: the UNet starts as it was), and its config says so."""
-    old = unet.conv_in
-    new = nn.Conv2d(old.in_channels + channels, old.out_channels, old.kernel_size, old.stride, old.padding,
+def widen_unet(unet: UNet2DConditionModel) -> None:
+    """`unet` reads a source image's latents beside the noisy ones, as InstructPix2Pix's does: a UNet that reads the
+    latents alone gains as many input channels, their weights zero (the paper's initialisation: it starts as it was),
+    its config saying so; one that reads both already (a released InstructPix2Pix model, an InstructPix2Pix run's
+    export) is kept as it is; any other (an inpainting UNet's 9 inputs) is one line."""
+    old, latents = unet.conv_in, unet.config.out_channels
+    if old.in_channels == 2 * latents:
+        return
+    if old.in_channels != latents:
+        raise UserError(f"mode instruct_pix2pix: this UNet reads {old.in_channels} input channels, neither its "
+                        f"{latents} latents alone (a text-to-image model, which it widens) nor {2 * latents} (the "
+                        "latents and a source image's, an InstructPix2Pix model); start from one of those")
+    new = nn.Conv2d(2 * latents, old.out_channels, old.kernel_size, old.stride, old.padding,
                     device=old.weight.device, dtype=old.weight.dtype)
     with torch.no_grad():
         new.weight.zero_()
-        new.weight[:, :old.in_channels].copy_(old.weight)
+        new.weight[:, :latents].copy_(old.weight)
         new.bias.copy_(old.bias)
     unet.conv_in = new
     unet.register_to_config(in_channels=new.in_channels)

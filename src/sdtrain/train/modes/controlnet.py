@@ -1,16 +1,18 @@
 """ControlNet (Zhang et al., 2023): a trainable copy of the denoiser's encoding half, initialised from its weights
 with zero convolutions on its outputs (so training starts exactly at the base model), reads each sample's
 conditioning image (``KEY.cond.png``) and adds what it computes into the frozen denoiser. The family supplies how
-(`ModelFamily.controlnet`); the base, text encoders included, stays frozen (and may be stored low,
-``model.frozen_precision``) and out of the checkpoints."""
+(`ModelFamily.controlnet`), and how many captions drop where ``data.caption_dropout`` is unset; the base, text
+encoders included, stays frozen (and may be stored low, ``model.frozen_precision``) and out of the checkpoints."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
+from sdtrain.config import DataConfig
 from sdtrain.errors import UserError
 from sdtrain.loaders.writers import CONTROLNET
 from sdtrain.models import families
@@ -45,6 +47,12 @@ class ControlNetPart(TrainedPart):
 
     def checkpoint_meta(self) -> dict[str, Any]:
         return {CONTROLNET: True}
+
+    def data_config(self, data: DataConfig) -> DataConfig:
+        """The family's caption dropout where the run sets none (`ControlSpec.caption_dropout`)."""
+        if data.caption_dropout is not None:
+            return data
+        return dataclasses.replace(data, caption_dropout=self.spec.caption_dropout)
 
     def controls(self, trained: dict[str, nn.Module], batch: dict[str, Any], noisy: torch.Tensor,
                  timesteps: torch.Tensor, condition: dict[str, Any], vae: nn.Module) -> dict[str, Any]:

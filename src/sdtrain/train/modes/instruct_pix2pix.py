@@ -1,17 +1,25 @@
 """InstructPix2Pix (Brooks et al., 2023): the denoiser learns to edit a source image as its caption instructs, reading
 the source's latents on extra input channels beside the noisy latents (their first-layer weights start at zero, so
-training starts at the base model). Each sample's source image is ``KEY.src.png`` beside its edited image, its
-caption the instruction; the source is dropped for ``instruct_pix2pix.source_dropout`` of the samples and the
-caption for ``data.caption_dropout``, so that sampling can weigh each (the pipeline's ``image_guidance_scale`` and
-``guidance_scale``). The whole denoiser trains, as in the paper; the family supplies how (`ModelFamily.instruct`)."""
+training starts at the base model; a released editor, or this mode's export, already reads them). Each sample's
+source image is ``KEY.src.png`` beside its edited image, its caption the instruction. One draw per sample, the
+loader's (so a resumed run draws the same), drops what it is conditioned on as the paper and diffusers'
+``train_instruct_pix2pix.py`` do: with ``instruct_pix2pix.source_dropout`` q, draws below q drop the caption,
+those in [q, 2q) the caption and the source, those in [2q, 3q) the source, so that sampling can weigh each (the
+pipeline's ``guidance_scale`` and ``image_guidance_scale``, which subtracts the prediction with both dropped). A
+dropped source, or a sample without one, gives zero latents: "no image". The whole denoiser trains, as in the
+paper; the family supplies how (`ModelFamily.instruct`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any
 
 import torch
 from torch import nn
 
+from sdtrain.config import DataConfig
+from sdtrain.data.decode import present
 from sdtrain.errors import UserError
 from sdtrain.loaders.writers import INSTRUCT_PIX2PIX
 from sdtrain.models import families
@@ -19,10 +27,14 @@ from sdtrain.models.families.spec import InstructSpec
 from sdtrain.train.parts import TrainedPart
 from sdtrain.utils import to_pil
 
+log = logging.getLogger(__name__)
+
 
 class InstructPix2PixPart(TrainedPart):
     """The whole denoiser (and with ``diffusion.train_text_encoder`` the text encoders), widened to read the source
     image's latents."""
+
+    gives_source = True
 
     @property
     def spec(self) -> InstructSpec:
@@ -30,11 +42,19 @@ class InstructPix2PixPart(TrainedPart):
 
     def make_trainable(self, denoiser: nn.Module, text_encoders: dict[str, nn.Module],
                        tokenizers: list[Any], latent_factor: int = 8) -> dict[str, nn.Module]:
-        self.spec.widen(denoiser, denoiser.config.in_channels)
+        self.spec.widen(denoiser)  # a released editor, or this mode's export, reads the source already
         return super().make_trainable(denoiser, text_encoders, tokenizers, latent_factor)
 
     def checkpoint_meta(self) -> dict[str, Any]:
         return {INSTRUCT_PIX2PIX: True}
+
+    def data_config(self, data: DataConfig) -> DataConfig:
+        """The loader drops the caption of the draws below 2q: those of the caption alone and of both."""
+        if data.caption_dropout is not None:
+            raise UserError("data.caption_dropout: mode instruct_pix2pix drops the caption and the source together, "
+                            "by instruct_pix2pix.source_dropout (q: q of the samples lose their caption, q their "
+                            "source, q both, as the paper does); remove data.caption_dropout")
+        return dataclasses.replace(data, caption_dropout=2 * self.config.instruct_pix2pix.source_dropout)
 
     def denoiser_extra(self, batch: dict[str, Any], vae: nn.Module, generator: torch.Generator | None
                        ) -> torch.Tensor | None:
@@ -46,9 +66,22 @@ class InstructPix2PixPart(TrainedPart):
         device = next(vae.parameters()).device
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             latents = self.spec.source_latents(vae, pixels.to(device))
-        kept = torch.rand(len(latents), generator=generator, device=generator.device if generator else device)
-        kept = (kept >= self.config.instruct_pix2pix.source_dropout).to(latents.dtype)
-        return latents * kept.to(latents.device).view(-1, 1, 1, 1)
+        kept = torch.ones(len(latents), dtype=torch.bool)
+        draws = batch.get("caption_draws")  # none in synthetic batches, which keep every source
+        if draws is not None:
+            q = self.config.instruct_pix2pix.source_dropout
+            kept &= (draws < q) | (draws >= 3 * q)
+        given = batch.get(present("source_pixels"))
+        if given is not None and not given.all():
+            if not self._told_missing:
+                log.warning("mode instruct_pix2pix: %s without a source image (KEY.src.png) train as edits of no "
+                            "image (zero source latents), as a dropped source does", ", ".join(
+                                key for key, has in zip(batch["keys"], given.tolist(), strict=True) if not has))
+                self._told_missing = True
+            kept &= given
+        return latents * kept.to(latents.device, latents.dtype).view(-1, 1, 1, 1)
+
+    _told_missing = False
 
     def encodes_images(self) -> bool:
         return True
