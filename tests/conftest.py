@@ -71,6 +71,13 @@ def same_checkpoints(a: Path, b: Path) -> None:
         assert not different, f"{group}: {len(different)} tensors differ, e.g. {different[:3]}"
 
 
+# The sdtrain CLI in a fresh process with this one's thread setting: on some CPUs a process that called
+# torch.set_num_threads(2) (as this conftest does) and one left at torch's default of 2 threads compute a Qwen2.5-VL
+# vision block's gradients a rounding apart; two fresh processes alike agree bit for bit, as a user's run and its resume.
+SDTRAIN_AS_HERE = [sys.executable, "-c", "import sys, torch; torch.set_num_threads(2); "
+                   "from sdtrain.cli.main import main; sys.exit(main(sys.argv[1:]))"]
+
+
 def resumes_bitwise_after_kill_9(command, tmp_path: Path, steps: int = 3) -> None:
     """`command(run)` (a 3-step `sdtrain train` argument list) run straight, and run again SIGKILLed right after
     step 2 with no chance to save beyond that checkpoint, then resumed: both end with the same checkpoint."""
@@ -80,7 +87,7 @@ def resumes_bitwise_after_kill_9(command, tmp_path: Path, steps: int = 3) -> Non
 
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert main(command(straight)) == 0
-    result = subprocess.run([sys.executable, "-m", "sdtrain", *command(killed)],
+    result = subprocess.run([*SDTRAIN_AS_HERE, *command(killed)],
                             env={**os.environ, "OMP_NUM_THREADS": "2", "SDTRAIN_KILL_AT_STEP": str(steps - 1)},
                             capture_output=True, text=True)
     assert result.returncode == -9, result.stderr[-2000:]
