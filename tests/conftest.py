@@ -73,7 +73,7 @@ def same_checkpoints(a: Path, b: Path) -> None:
 
 # The sdtrain CLI in a fresh process with this one's thread setting: on some CPUs a process that called
 # torch.set_num_threads(2) (as this conftest does) and one left at torch's default of 2 threads compute a Qwen2.5-VL
-# vision block's gradients a rounding apart; two fresh processes alike agree bit for bit, as a user's run and its resume.
+# vision block's gradients a rounding apart; two fresh processes agree bit for bit, as a user's run and its resume.
 SDTRAIN_AS_HERE = [sys.executable, "-c", "import sys, torch; torch.set_num_threads(2); "
                    "from sdtrain.cli.main import main; sys.exit(main(sys.argv[1:]))"]
 

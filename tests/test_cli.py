@@ -82,6 +82,7 @@ def test_the_demo_on_a_time_budget_records_its_budgets_and_a_rerun_keeps_them(tm
     from omegaconf import OmegaConf
 
     from sdtrain.cli import demo_budget
+    from sdtrain.cli.demo import config_path as demo_budget_config
 
     timed = []
 
@@ -93,8 +94,9 @@ def test_the_demo_on_a_time_budget_records_its_budgets_and_a_rerun_keeps_them(tm
     monkeypatch.setattr(demo_budget, "_timed_step", step_seconds)
     monkeypatch.setattr(demo_budget, "STARTUP_S", 0.0)
     monkeypatch.setattr(demo_budget, "LEAST_STEPS", 2)
-    # Two and three steps at most, however fast the tiny stages run.
+    # Two steps of the autoencoder (of its config's 1,200), the diffusion stage in proportion, however fast they run.
     monkeypatch.setattr(demo_budget, "MOST", 2 / 1200)
+    diffusion_most = round(OmegaConf.load(demo_budget_config("diffusion.yaml")).train.max_steps * 2 / 1200)
     out = tmp_path / "demo"
     argv = ["demo", "--out", str(out), "--num", "32", "--minutes", "0.3", "--adherence-prompts", "4",
             "--adherence-pairs", "2", "--sample-steps", "2"]
@@ -103,7 +105,7 @@ def test_the_demo_on_a_time_budget_records_its_budgets_and_a_rerun_keeps_them(tm
     printed = capsys.readouterr().out
     assert "min left for the diffusion stage's training" in printed
     overrides = {}
-    for stage, most in (("autoencoder", 2), ("diffusion", 3)):
+    for stage, most in (("autoencoder", 2), ("diffusion", diffusion_most)):
         config = OmegaConf.load(out / stage / "config.yaml")
         assert config.train.max_steps == most and 0 < config.train.max_minutes < 0.3
         assert config.optim.warmup_steps <= 50

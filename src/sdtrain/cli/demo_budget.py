@@ -133,7 +133,7 @@ def plan_budget(args: argparse.Namespace, deadline: float, data: Path, runs: tup
     left = max(deadline - time.perf_counter() - (COMMANDS - AFTER_TRAINING) * STARTUP_S - after_training, 0.0)
     scale = fit(left, {"autoencoder": (ae_default, ae_s), "diffusion": (sd_default, per_sd_step)})
     ae_steps = max(LEAST_STEPS, round(ae_default * scale))
-    print(f"{left / 60:.1f} min for training: autoencoder {60 * scale * ae_default * ae_s:.0f} s (about {ae_steps} "
+    print(f"{left / 60:.1f} min for training: autoencoder {scale * ae_default * ae_s:.0f} s (about {ae_steps} "
           f"steps at {ae_s:.3f} s each), diffusion what is left when it starts (about "
           f"{round(sd_default * scale)} steps at {sd_s:.3f} s each; {scale:.2f} x the configs' {ae_default} and "
           f"{sd_default})", flush=True)

@@ -450,10 +450,11 @@ class Trainer:
         so that all stop at the same step."""
         if not self.plan.budgeted:
             return
-        before = self.plan.total
+        before, first = self.plan.total, not self.plan.planned
         paced = self.plan.replan(self.state.step, self.state.seconds)
         planned = gather_objects(self.plan.total)[0]
-        if planned != before and paced is not None:
+        # The progress bar follows every re-plan; the log only the first and those that move the end by a twentieth.
+        if paced is not None and (first or abs(planned - before) > before / 20):
             log.info("train.max_minutes=%g: %d steps planned (%.2f s a step, %.0f s left)",
                      self.config.train.max_minutes, planned, *paced)
         self.plan.total = planned
