@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import logging
 import multiprocessing
 import multiprocessing.util  # noqa: F401 - registers its exit handler before ours, see below
@@ -233,6 +234,10 @@ def _start_worker(trainer: int, _: int) -> None:
     # Loader workers decode images; letting each also spawn a full torch thread pool starves the
     # training process on small machines.
     torch.set_num_threads(1)
+    # Every object inherited from the fork server moves to the permanent generation (a splice of the collector's
+    # lists): the worker's collections then never write to their headers, each of which would copy a page the
+    # worker now shares with the server and its other workers.
+    gc.freeze()
     # Launchers signal the whole process group; the trainer decides when to stop, and a worker that
     # died first would take the final save down with it.
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
