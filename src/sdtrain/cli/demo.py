@@ -54,8 +54,10 @@ def config_path(name: str) -> Path:
 
 
 def _steps_overrides(steps: int) -> list[str]:
-    """A stage's step count; its warmup (the configs' 50) at most a tenth of it, so a short stage still decays."""
-    return [f"train.max_steps={steps}", f"optim.warmup_steps={min(50, steps // 10)}"]
+    """A stage's step count and its warmup."""
+    from sdtrain.cli.demo_budget import warmup_steps
+
+    return [f"train.max_steps={steps}", f"optim.warmup_steps={warmup_steps(steps)}"]
 
 
 def _step(cli: Callable[[list[str]], int], title: str, argv: list[str]) -> None:

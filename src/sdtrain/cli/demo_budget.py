@@ -53,7 +53,13 @@ def stage_overrides(configured_steps: int, minutes: float, expected_steps: int) 
     """A stage given `minutes` of training: at most MOST times its `configured_steps`, its warmup (the configs'
     50) at most a tenth of the `expected_steps`, so a short stage still decays."""
     return [f"train.max_steps={round(configured_steps * MOST)}", f"train.max_minutes={max(minutes, 0.01):.3f}",
-            f"optim.warmup_steps={min(50, max(expected_steps, LEAST_STEPS) // 10)}"]
+            f"optim.warmup_steps={warmup_steps(max(expected_steps, LEAST_STEPS))}"]
+
+
+def warmup_steps(steps: int) -> int:
+    """A stage's warmup for about `steps` steps: the configs' 50, at most a tenth of them, so a short stage still
+    decays."""
+    return min(50, steps // 10)
 
 
 def _timed_step(config: Path, overrides: list[str], encoded: bool) -> tuple[float, int]:
