@@ -29,6 +29,8 @@ TINY = [
     "logging.tensorboard=false",
     # Fixed, so runs the tests compare train alike whatever the machine measures (autotune has its own tests).
     "train.mixed_precision=fp32",
+    # The demo configs follow the cores other processes leave; a test's runs keep one thread count to compare.
+    "train.threads=0",
     "train.gradient_checkpointing=false",
 ]
 # A family's tests through the CLI: TINY in batches of 2, no validation previews and no evaluation unless asked.

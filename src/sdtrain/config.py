@@ -681,8 +681,11 @@ class TrainConfig:
     """On CUDA, only deterministic kernels (``torch.use_deterministic_algorithms``, cuDNN's deterministic
     convolutions, cuBLAS's fixed workspace): two runs, or a run and its resume, agree bit for bit, at some speed.
     An operation with no deterministic kernel stops the run and is named. CPU kernels are deterministic already."""
-    threads: int = 0
-    """torch intra-op threads on CPU; 0 keeps torch's default."""
+    threads: Union[int, str] = 0  # noqa: UP007 (OmegaConf reads typing.Union)
+    """torch intra-op threads on CPU; 0 keeps torch's default. ``auto`` starts at torch's default and, between
+    logging points, moves the count as other processes take or free the run's cores, keeping a change only when
+    its steps are faster (with another job on one of two cores, one thread trains twice as fast as two). A run
+    whose count changed is not bitwise repeatable: CPU sums split over other thread counts round differently."""
 
     def validate(self) -> None:
         _check(self.max_steps >= 1, "train.max_steps", "must be at least 1")
@@ -693,6 +696,8 @@ class TrainConfig:
         _check(self.gradient_checkpointing in (True, False, "auto"), "train.gradient_checkpointing",
                "must be auto, true or false")
         _check(self.device in ("auto", "cpu", "cuda"), "train.device", "must be auto, cpu or cuda")
+        _check(self.threads == "auto" or (isinstance(self.threads, int) and self.threads >= 0), "train.threads",
+               "must be a thread count, 0 (torch's default) or auto")
 
 
 @dataclass

@@ -68,6 +68,7 @@ from sdtrain.train.optim import (
 )
 from sdtrain.train.parallel import DataParallel
 from sdtrain.train.tasks import Task
+from sdtrain.train.threads import ThreadTuner
 from sdtrain.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -168,8 +169,9 @@ class Trainer:
         self.topology = detect_topology()
         check_optimizer(config.optim, sharded=self.topology.distributed and config.parallel.strategy == "fsdp")
         self.device = resolve_device(config.train.device, self.topology.local_rank)
-        if config.train.threads and self.device.type == "cpu":
+        if config.train.threads != "auto" and config.train.threads and self.device.type == "cpu":
             torch.set_num_threads(config.train.threads)
+        self.threads = ThreadTuner.for_run(config.train.threads, self.device)
         if self.device.type == "cuda":
             # Process-wide; off unless asked for (`make gpu-check` measures what each pays).
             torch.set_float32_matmul_precision("high" if config.train.tf32 else "highest")
@@ -248,6 +250,7 @@ class Trainer:
         self.logger.start(self.state.step, self.state.samples, self.plan.total)
         self.state.started = time.perf_counter()
         self.plan.start(self.state.step)
+        self._new_window()
         memory = autotune.FirstStepMemory(self.tuning, self.device, enabled=self.is_main)
         try:
             while self.state.step < self.plan.total:
@@ -286,6 +289,8 @@ class Trainer:
         finally:
             self.data.close()
             self.logger.close()
+            if self.threads is not None:
+                self.threads.finish()
         return final
 
     def _sharded_saves(self) -> bool:
@@ -436,6 +441,8 @@ class Trainer:
         if not (force or final or step % self.config.logging.every == 0):
             return
         self._replan()
+        if self.threads is not None:
+            self.threads.observe(step)
         local = {key: float(v.full_tensor() if isinstance(v, DTensor) else v) for key, v in metrics.items()}
         values = mean_over_ranks(local, self.device)
         values["skipped_steps"] = self.state.skipped_steps
@@ -485,6 +492,7 @@ class Trainer:
         self.logger.evaluation(self.state.step, self.state.samples, metrics)
         log.info("evaluation at step %d: %s", self.state.step,
                  ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        self._new_window()
         if not target_met(metrics, cfg.target):
             return False
         reached = {"target": cfg.target, "metrics": metrics, "step": self.state.step, "samples": self.state.samples,
@@ -549,7 +557,14 @@ class Trainer:
         self.validate(snapshot)
         barrier()
         self.saved = (self.state.step, path)
+        self._new_window()
         return path
+
+    def _new_window(self) -> None:
+        """Under train.threads=auto, the steps from here on are what the next thread count is judged by, not the
+        save or evaluation before them."""
+        if self.threads is not None:
+            self.threads.restart(self.state.step)
 
     def _trained_parts(self, snapshot: Snapshot, meta: dict[str, Any]) -> Callable[[Path], list[Path]]:
         """What writes a LoRA or textual-inversion run's own files into a checkpoint folder: those `sdtrain export`
