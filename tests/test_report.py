@@ -143,10 +143,10 @@ def test_not_a_run_is_one_clear_error(tmp_path, capsys):
 def test_demo_ends_with_the_report(tmp_path, monkeypatch, capsys):
     real_step = demo._step
 
-    def step(cli, title: str, argv: list[str]) -> None:
+    def step(cli, load, title: str, argv: list[str]) -> None:
         # The stages before the report are covered elsewhere; here they only leave what the demo reads.
         if argv[0] == "report":
-            return real_step(cli, title, argv)
+            return real_step(cli, load, title, argv)
         if argv[0] == "train" and "diffusion" in argv[1]:
             fake_run(Path(next(a for a in argv if a.startswith("run_dir="))[8:]), [record(1, 1.0)])
         if argv[0] == "generate":
