@@ -17,6 +17,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402 - a script beside the package, not part of it
 
 
+# Slow (90-120 s, the default suite's longest): a GPU session runs `make gpu-check` itself first.
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU `make gpu-check` runs the real thing")
 def test_the_dry_run_goes_through_every_step_and_writes_its_results(tmp_path):
     out = tmp_path / "gpu-check"
