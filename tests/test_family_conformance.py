@@ -42,7 +42,7 @@ class Tiny:
         self.vae = build.build_vae(self.config)
         self.text_encoders = {encoder: build.build_text_encoder(self.config, tokenizer, encoder)
                               for encoder, tokenizer in zip(self.family.text_encoders, self.tokenizers)}
-        self.denoiser = build.build_denoiser(self.config, self.family.latent_channels(self.vae.config), LATENT_SIDE,
+        self.denoiser = build.build_denoiser(self.config, self.family.codec.channels(self.vae.config), LATENT_SIDE,
                                              self.text_encoders)
 
     @property
@@ -108,25 +108,25 @@ def test_the_latent_codec_encodes_images_to_the_latents_the_denoiser_reads_and_b
     """Images in, a posterior over (B, C, h, w) latents out, decoded back to images; the normalisation an
     autoencoder run fits to its latents gives the denoiser latents of unit scale."""
     family, vae = tiny.family, tiny.vae
-    channels, factor = family.latent_channels(vae.config), family.latent_downsampling(vae.config)
+    channels, factor = family.codec.channels(vae.config), family.codec.downsampling(vae.config)
     pixels = torch.rand(2, 3, 32, 32) * 2 - 1
     with torch.no_grad():
-        posterior = family.encode_latents(vae, pixels)
+        posterior = family.codec.encode(vae, pixels)
         assert posterior.mean.shape == (2, channels, 32 // factor, 32 // factor)
         assert posterior.sample(torch.Generator().manual_seed(0)).shape == posterior.mean.shape
-        assert family.decode_latents(vae, posterior.mode()).shape == pixels.shape
+        assert family.codec.decode(vae, posterior.mode()).shape == pixels.shape
     centre, spread = torch.linspace(-2, 2, channels), torch.linspace(0.5, 3, channels)
     latents = centre.view(1, -1, 1, 1) + spread.view(1, -1, 1, 1) * torch.randn(64, channels, 8, 8)
     axes = (0, 2, 3)
     fitted = copy.deepcopy(vae)
-    family.fit_latent_normalization(fitted, latents.mean(dim=axes), latents.square().mean(dim=axes))
-    normalized = family.normalize_latents(latents, fitted)
+    family.codec.fit_normalization(fitted, latents.mean(dim=axes), latents.square().mean(dim=axes))
+    normalized = family.codec.normalize(latents, fitted)
     assert normalized.dtype == torch.float32
     assert abs(normalized.square().mean().sqrt().item() - 1) < 0.05
 
 
 def test_a_denoiser_step_predicts_the_latents_shape_and_trains_every_weight(tiny):
-    latents = torch.randn(2, tiny.family.latent_channels(tiny.vae.config), LATENT_SIDE, LATENT_SIDE)
+    latents = torch.randn(2, tiny.family.codec.channels(tiny.vae.config), LATENT_SIDE, LATENT_SIDE)
     with torch.no_grad():
         text = tiny.text(["a red circle", "a blue square"])
     batch = {"size_ids": torch.tensor([[64, 64, 0, 0, 64, 64]] * 2)}
@@ -151,7 +151,7 @@ def test_its_controlnet_starts_at_the_base_model_and_then_steers_it(tiny):
     spec = tiny.family.controlnet
     if spec is None:
         pytest.skip(f"{tiny.family.title} hosts no ControlNet in this release")
-    factor = tiny.family.latent_downsampling(tiny.vae.config)
+    factor = tiny.family.codec.downsampling(tiny.vae.config)
     # A trained base: a reference initialisation's zero output layer (Flux.1's) would hide what is added in.
     denoiser = copy.deepcopy(tiny.denoiser).requires_grad_(False)
     with torch.no_grad():
@@ -159,7 +159,7 @@ def test_its_controlnet_starts_at_the_base_model_and_then_steers_it(tiny):
             parameter.add_(torch.randn_like(parameter) * 0.01)
     controlnet = spec.from_denoiser(denoiser, factor)
     assert isinstance(controlnet, spec.model_class) and families.blocks(controlnet)
-    latents = torch.randn(2, tiny.family.latent_channels(tiny.vae.config), LATENT_SIDE, LATENT_SIDE)
+    latents = torch.randn(2, tiny.family.codec.channels(tiny.vae.config), LATENT_SIDE, LATENT_SIDE)
     # What the ControlNet reads: the conditioning images, or what the family makes of them (their latents).
     images = torch.rand(2, 3, LATENT_SIDE * factor, LATENT_SIDE * factor)
     if spec.control_input is not None:
@@ -220,7 +220,7 @@ def test_its_lycoris_adapters_load_in_diffusers_as_they_trained(tiny, kind, tmp_
     pipe = family.assemble({**tiny.components, family.denoiser: copy.deepcopy(base)}, tiny.tokenizers,
                            sampler_from(noise, "euler"))
     load_adapters(pipe, tmp_path, None, "trained")
-    latents = torch.randn(1, family.latent_channels(tiny.vae.config), LATENT_SIDE, LATENT_SIDE)
+    latents = torch.randn(1, family.codec.channels(tiny.vae.config), LATENT_SIDE, LATENT_SIDE)
     with torch.no_grad():
         condition = family.condition(tiny.text(["a red circle"]), {"size_ids": torch.tensor([[64, 64, 0, 0, 64, 64]])},
                                      torch.device("cpu"))
@@ -240,7 +240,7 @@ def test_its_instruct_pix2pix_denoiser_starts_at_the_base_model(tiny):
     spec = tiny.family.instruct
     if spec is None:
         pytest.skip(f"{tiny.family.title} learns no InstructPix2Pix editing in this release")
-    channels = tiny.family.latent_channels(tiny.vae.config)
+    channels = tiny.family.codec.channels(tiny.vae.config)
     latents = torch.randn(2, channels, LATENT_SIDE, LATENT_SIDE)
     with torch.no_grad():
         text = tiny.text(["make it red", "make it blue"])

@@ -459,7 +459,7 @@ def test_a_resolution_past_sd3s_position_table_is_one_line_at_start(tmp_path, pr
 
     folder = pretrained["sd3"]
     rows = json.loads((folder / "transformer" / "config.json").read_text())["pos_embed_max_size"] * 2  # patch 2
-    largest = rows * families.get("sd3").latent_downsampling(FrozenDict(AutoencoderKL.load_config(folder / "vae")))
+    largest = rows * families.get("sd3").codec.downsampling(FrozenDict(AutoencoderKL.load_config(folder / "vae")))
     command = _command("full", tmp_path / "run", folder, shapes_dir, 1)
     capsys.readouterr()
     assert main([*command, f"data.resolution={largest * 2}"]) == 2

@@ -64,8 +64,8 @@ def _component(config: RunConfig, family: ModelFamily, name: str, built: dict[st
             module = build.build_text_encoder(model, shape, name)
         else:
             vae = built["vae"]
-            side = config.data.resolution // family.latent_downsampling(vae.config)
-            module = build.build_denoiser(model, family.latent_channels(vae.config), side,
+            side = config.data.resolution // family.codec.downsampling(vae.config)
+            module = build.build_denoiser(model, family.codec.channels(vae.config), side,
                                           text_encoders={te: built[te] for te in family.text_encoders})
     return module, f"preset {model.preset}"
 

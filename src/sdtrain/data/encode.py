@@ -76,8 +76,8 @@ class Encoder:
         self.vae_source = build.pin_source(vae_source)
         family = families.for_model(served) if served is not None else families.detect(self.vae_source)
         self.vae = load_component("vae", self.vae_source, family=family, served=served).to(device).eval()
-        self.codec = families.of_vae(self.vae, served)
-        scale = self.codec.latent_downsampling(self.vae.config)
+        self.codec = families.codec_of(self.vae, served)
+        scale = self.codec.downsampling(self.vae.config)
         if resolution is None:
             # What the VAE was made for, as diffusers records it.
             if self.vae.config.get("sample_size") is None:
@@ -117,7 +117,7 @@ class Encoder:
 
     @torch.no_grad()
     def latents(self, pixels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        posterior = self.codec.encode_latents(self.vae, pixels.to(self.device))
+        posterior = self.codec.encode(self.vae, pixels.to(self.device))
         return posterior.mean.float().cpu().numpy(), posterior.std.float().cpu().numpy()
 
     @torch.no_grad()

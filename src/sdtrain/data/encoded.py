@@ -55,7 +55,7 @@ def describe_encoding(vae_source: str | None, text_sources: dict[str, str | None
                       vae_config: Any, tokenizer: Any | None, dtype: str, long_text_length: int | None = None
                       ) -> dict[str, Any]:
     """The manifest's `encoding` entry: which weights and settings produced the latents and embeddings
-    (`codec`: the family whose latent codec reads the VAE, `families.of_vae`; `text_sources`: each text encoder's,
+    (`codec`: the latent codec that reads the VAE, `families.codec_of`; `text_sources`: each text encoder's,
     by component name; empty when the shards hold no embeddings;
     `long_text_length`: the tokens per caption of a long-context encoder's states, T5's or a language model's;
     the manifest keeps T5's name for it)."""
@@ -64,7 +64,7 @@ def describe_encoding(vae_source: str | None, text_sources: dict[str, str | None
         "text_encoder": None,
         **text_sources,
         "resolution": resolution,
-        "latent_channels": codec.latent_channels(vae_config),
+        "latent_channels": codec.channels(vae_config),
         # How the latents are normalised for the denoiser (an AutoencoderKL's scaling and shift, or a mean and
         # deviation per channel), as the VAE's config says it.
         **{key: vae_config[key] for key in ("scaling_factor", "shift_factor", "latents_mean", "latents_std")

@@ -64,8 +64,8 @@ class SyntheticBatches:
             self.batch["pixel_values"] = torch.rand(count, 3, size, size, generator=generator) * 2 - 1
             return
         vae = task.vae.config
-        side = size // task.family.latent_downsampling(vae)
-        self.batch["latent_mean"] = torch.randn(count, task.family.latent_channels(vae), side, side,
+        side = size // task.family.codec.downsampling(vae)
+        self.batch["latent_mean"] = torch.randn(count, task.family.codec.channels(vae), side, side,
                                                 generator=generator)
         self.batch["latent_std"] = torch.full_like(self.batch["latent_mean"], 0.1)
 
@@ -128,7 +128,7 @@ def text_shapes(task: Any) -> dict[str, tuple[int, ...]]:
 
 
 def _encoded_fields(encoding: dict[str, Any], task: Any, rng: np.random.Generator) -> dict[str, bytes]:
-    side = encoding["resolution"] // task.family.latent_downsampling(task.vae.config)
+    side = encoding["resolution"] // task.family.codec.downsampling(task.vae.config)
     shape = (encoding["latent_channels"], side, side)
     fields = {LATENT_MEAN: npy_bytes(rng.standard_normal(shape).astype(np.float16)),
               LATENT_STD: npy_bytes(np.full(shape, 0.1, dtype=np.float16))}

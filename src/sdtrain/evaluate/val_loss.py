@@ -239,7 +239,7 @@ class ValLoss:
         else:
             pixels = torch.stack([row["pixel_values"] for row in rows]).to(self.device)
             with torch.autocast(self.device.type, enabled=False):
-                posterior = self.task.family.encode_latents(self.vae(), pixels)
+                posterior = self.task.family.codec.encode(self.vae(), pixels)
             mean, std = posterior.mean, posterior.std
         if self.sample_posterior:
             draws = torch.stack([sample_noise(self.seed, i, tuple(mean.shape[1:]), "posterior") for i, _ in samples])

@@ -92,7 +92,7 @@ def pipeline_from_file(path: str | Path, tokenizer: str | Path | None = None) ->
     noise = build.build_noise_scheduler(DiffusionConfig(), model)
     pipe = family.assemble(components, tokenizers, sampler_from(noise, "euler"))
     denoiser = components[family.denoiser]
-    if family.instruct is not None and denoiser.config.in_channels > family.latent_channels(components["vae"].config):
+    if family.instruct is not None and denoiser.config.in_channels > family.codec.channels(components["vae"].config):
         # A denoiser that reads more than its latents was widened to edit (an InstructPix2Pix file).
         pipe = family.instruct.pipeline_class.from_pipe(pipe)
     return pipe

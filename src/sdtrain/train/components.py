@@ -63,7 +63,7 @@ class ComponentPlanner:
         text = list(self.family.text_encoders)
         embeddings = (not text_runs and not data.prompt_templates and not data.shuffle_tags
                       and all(encoding.get(name) == self.source(name) for name in text))
-        vae = [] if self.family.normalizes_with_vae_weights or encodes_images else ["vae"]
+        vae = [] if self.family.codec.reads_vae_weights or encodes_images else ["vae"]
         return [*vae, *(text if embeddings else [])]
 
     def build(self, tokenizers: list[Any], latent: tuple[int, int], stored_as: Callable[[str], str],

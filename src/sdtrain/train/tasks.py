@@ -157,7 +157,7 @@ class Task:
 
     def _check_resolution(self, vae: nn.Module) -> int:
         """The VAE's downsampling factor, which the training resolution must be a multiple of."""
-        scale = self.family.latent_downsampling(vae.config)
+        scale = self.family.codec.downsampling(vae.config)
         if self.config.data.resolution % scale:
             raise UserError(
                 f"data.resolution: {self.config.data.resolution} is not a multiple of the VAE's factor {scale}"
@@ -182,9 +182,9 @@ class Reconstruct(nn.Module):
         self.family = family
 
     def forward(self, pixels: torch.Tensor, sample_posterior: bool, generator: torch.Generator | None):
-        posterior = self.family.encode_latents(self.vae, pixels)
+        posterior = self.family.codec.encode(self.vae, pixels)
         latents = posterior.sample(generator) if sample_posterior else posterior.mode()
-        return self.family.decode_latents(self.vae, latents), posterior.mean, posterior.logvar
+        return self.family.codec.decode(self.vae, latents), posterior.mean, posterior.logvar
 
 
 class AutoencoderTask(Task):
@@ -199,7 +199,7 @@ class AutoencoderTask(Task):
         self.trainable = {"vae": vae}
         self.reconstruct = Reconstruct(vae, self.family)
         # Running mean and second moment of each latent channel, for how the family normalises them.
-        channels = self.family.latent_channels(vae.config)
+        channels = self.family.codec.channels(vae.config)
         self.channel_moments = torch.zeros(2, channels, device=device)
         self.latent_batches = 0
 
@@ -228,7 +228,7 @@ class AutoencoderTask(Task):
     def before_save(self) -> None:
         # How the latents seen so far are normalised, recorded in the VAE as the family keeps it.
         if self.latent_batches:
-            self.family.fit_latent_normalization(self.vae, *self.channel_moments.cpu())
+            self.family.codec.fit_normalization(self.vae, *self.channel_moments.cpu())
 
     def extra_state(self):
         return {"channel_moments": self.channel_moments.tolist(), "latent_batches": self.latent_batches}
@@ -251,7 +251,7 @@ class AutoencoderTask(Task):
             return None
         vae = modules["vae"]
         pixels = batch["pixel_values"][:8].to(self.device)
-        reconstruction = self.family.decode_latents(vae, self.family.encode_latents(vae, pixels).mode())
+        reconstruction = self.family.codec.decode(vae, self.family.codec.encode(vae, pixels).mode())
         return save_grid(torch.cat([pixels, reconstruction]).clamp(-1, 1), out, rows=2)
 
 
@@ -321,7 +321,7 @@ class DiffusionTask(Task):
             )
         self.vae = _placed(vae, device).eval().requires_grad_(False)
         scale = self._check_resolution(self.vae)
-        latent = (family.latent_channels(self.vae.config), config.data.resolution // scale)
+        latent = (family.codec.channels(self.vae.config), config.data.resolution // scale)
         self.storage = FrozenStorage(config, device, family, self.part.keeps_frozen, self.resumed)
         if self.storage.needs_plan:
             # Planned from the shapes alone, before any weight loads, since weights are stored low as they load.
@@ -526,9 +526,9 @@ class DiffusionTask(Task):
                 std = batch["latent_std"].to(self.device, non_blocking=True)
                 latents = latents + std * torch.randn(latents.shape, generator=generator, device=self.device)
         else:
-            posterior = self.family.encode_latents(self.vae, batch["pixel_values"].to(self.device, non_blocking=True))
+            posterior = self.family.codec.encode(self.vae, batch["pixel_values"].to(self.device, non_blocking=True))
             latents = posterior.sample(generator) if sample else posterior.mode()
-        return self.family.normalize_latents(latents, self.vae)
+        return self.family.codec.normalize(latents, self.vae)
 
     def loss(self, batch, generator):
         return self.recipe.loss(self.denoising_loss(batch, generator), batch)

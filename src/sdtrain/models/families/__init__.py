@@ -17,6 +17,7 @@ from torch import nn
 
 from sdtrain.checkpoint import latest_checkpoint, read_meta
 from sdtrain.errors import UserError
+from sdtrain.models.families.codec import LatentCodec
 from sdtrain.models.families.flux import FLUX
 from sdtrain.models.families.flux2 import FLUX2, FLUX2_KLEIN
 from sdtrain.models.families.qwenimage import QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
@@ -79,7 +80,7 @@ def latent_constants(config: Any) -> tuple[dict[str, float | None], str] | None:
     family = named(config)
     if family is None:
         return None
-    return dict(family.latent_constants), f"{family.title}'s released values"
+    return dict(family.codec.released), f"{family.title}'s released values"
 
 
 def _init_default(cls: type, key: str) -> Any:
@@ -103,13 +104,16 @@ def of_pipeline(pipe: Any) -> ModelFamily:
     return next((family for family in FAMILIES.values() if isinstance(pipe, family.pipeline_classes())), SD)
 
 
-def of_vae(vae: nn.Module, served: Any = None) -> ModelFamily:
-    """The family whose latent codec (`ModelFamily.encode_latents` and the rest) reads `vae`: that of the model it
-    serves (a ModelConfig) when its VAE is of that class, else the first family whose VAE class it is."""
-    family = for_model(served) if served is not None else None
-    if family is not None and isinstance(vae, family.components["vae"]):
-        return family
-    return next((f for f in FAMILIES.values() if isinstance(vae, f.components["vae"])), SD)
+def codec_of(vae: nn.Module, served: Any = None) -> LatentCodec:
+    """The latent codec that reads `vae`: that of the model it serves (a ModelConfig) when its VAE is of that class,
+    else that of the first family whose VAE class it is."""
+    family = named(served) if served is not None else None
+    if family is None or not isinstance(vae, family.components["vae"]):
+        family = next((f for f in FAMILIES.values() if isinstance(vae, f.components["vae"])), None)
+    if family is None:
+        raise UserError(f"a {type(vae).__name__} autoencoder is no model family's; sdtrain reads "
+                        f"{', '.join(sorted({f.components['vae'].__name__ for f in FAMILIES.values()}))}")
+    return family.codec
 
 
 def component_class(name: str, family: ModelFamily | None = None) -> type[nn.Module]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from diffusers import AutoencoderKL
 
+from sdtrain.models.families.codec import AutoencoderKLCodec
+
 # 4x downsampling: 64 px images become 16x16x4 latents. No mid-block attention: on a CPU it costs
 # 15% of the step and flat shapes need no global context to reconstruct.
 TINY_VAE = dict(
@@ -36,6 +38,8 @@ FLUX_VAE = dict(
     scaling_factor=0.3611,
     sample_size=1024,
 )
+# Flux.1's codec, which Z-Image's autoencoder shares.
+FLUX_CODEC = AutoencoderKLCodec(scaling_factor=FLUX_VAE["scaling_factor"], shift_factor=FLUX_VAE["shift_factor"])
 TINY_FLUX_VAE = {**TINY_VAE, "latent_channels": 16, "use_quant_conv": False, "use_post_quant_conv": False,
                  "shift_factor": 0.0, "scaling_factor": 1.0}
 

@@ -33,7 +33,7 @@ from torch import nn
 from transformers import CLIPTextModel, T5EncoderModel
 
 from sdtrain.models import single_file
-from sdtrain.models.families.autoencoder import FLUX_VAE, TINY_FLUX_VAE, vae_blocks
+from sdtrain.models.families.autoencoder import FLUX_CODEC, FLUX_VAE, TINY_FLUX_VAE, vae_blocks
 from sdtrain.models.families.patches import pack, unpack
 from sdtrain.models.families.spec import ControlSpec, ModelFamily, ReferenceSpec, SingleFileLayout
 from sdtrain.models.families.text_towers import (
@@ -236,7 +236,7 @@ class TransformerFile(SingleFileLayout):
 class Flux(ModelFamily):
     name = "flux"
     title = "Flux.1"
-    latent_constants = {key: FLUX_VAE[key] for key in ("scaling_factor", "shift_factor")}
+    codec = FLUX_CODEC
     components = {"vae": AutoencoderKL, "text_encoder": CLIPTextModel, "text_encoder_2": T5EncoderModel,
                   "transformer": FluxTransformer2DModel}
     text_encoders = ("text_encoder", "text_encoder_2")

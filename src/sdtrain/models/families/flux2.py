@@ -31,6 +31,7 @@ from transformers import AutoTokenizer, MistralConfig, MistralModel, Qwen3Config
 
 from sdtrain.models.families import causal_lm
 from sdtrain.models.families.autoencoder import TINY_VAE, vae_blocks
+from sdtrain.models.families.codec import LatentCodec
 from sdtrain.models.families.spec import ModelFamily, construct
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
 from sdtrain.models.single_file import flux as bfl_layout
@@ -273,6 +274,42 @@ def load_transformer_file(path: str | Path, trust_pickle: bool | None = None, fr
             "--single-file` of a Flux.2 run) or a diffusers transformer folder")
 
 
+class Flux2Codec(LatentCodec):
+    """Flux.2's autoencoder (AutoencoderKLFlux2): its latents patchified 2x2 into four times the channels and
+    normalised by the running statistics of its BatchNorm, per patch channel, as the pipelines normalise them."""
+
+    released = {"scaling_factor": 1.0, "shift_factor": None}
+    reads_vae_weights = True
+
+    def channels(self, vae_config: Any) -> int:
+        return 4 * vae_config.latent_channels
+
+    def downsampling(self, vae_config: Any) -> int:
+        return 2 ** len(vae_config.block_out_channels)
+
+    def encode(self, vae: nn.Module, pixels: torch.Tensor) -> DiagonalGaussianDistribution:
+        # The posterior's mean and log-variance patchified alike: a permutation of its elements.
+        posterior = vae.encode(pixels).latent_dist
+        return DiagonalGaussianDistribution(torch.cat([patchify(posterior.mean), patchify(posterior.logvar)], dim=1))
+
+    def decode(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        return vae.decode(unpatchify(latents)).sample
+
+    def normalize(self, latents: torch.Tensor, vae: nn.Module) -> torch.Tensor:
+        mean = vae.bn.running_mean.float().view(1, -1, 1, 1).to(latents.device)
+        std = torch.sqrt(vae.bn.running_var.float().view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.device)
+        return (latents.float() - mean) / std
+
+    def fit_normalization(self, vae: nn.Module, channel_mean: torch.Tensor, channel_square: torch.Tensor) -> None:
+        variance = (channel_square - channel_mean.square() - vae.config.batch_norm_eps).clamp_min(1e-6)
+        with torch.no_grad():
+            vae.bn.running_mean.copy_(channel_mean)
+            vae.bn.running_var.copy_(variance)
+
+
+FLUX2_CODEC = Flux2Codec()
+
+
 class Flux2(causal_lm.LanguageModelText, ModelFamily):
     """Flux.2-dev."""
 
@@ -289,7 +326,7 @@ class Flux2(causal_lm.LanguageModelText, ModelFamily):
     pipeline_class = Flux2Pipeline
     pipeline_names = ("Flux2Pipeline",)
     hub_tags = ("flux2", "flux2-diffusers")
-    normalizes_with_vae_weights = True
+    codec = FLUX2_CODEC
     block_lists = {Flux2Transformer2DModel: transformer_blocks, MistralModel: causal_lm.decoder_layers,
                    AutoencoderKLFlux2: vae_blocks}
     presets = {
@@ -337,36 +374,6 @@ class Flux2(causal_lm.LanguageModelText, ModelFamily):
             return []
         deepest = text_layers(len(module.layers))[-1]
         return [f"layers.{i}" for i in range(deepest, len(module.layers))] + ["norm"]
-
-    # ------------------------------------------------------------------------------------------ the latent codec
-
-    def latent_channels(self, vae_config: Any) -> int:
-        return 4 * vae_config.latent_channels
-
-    def latent_downsampling(self, vae_config: Any) -> int:
-        return 2 ** len(vae_config.block_out_channels)
-
-    def encode_latents(self, vae: nn.Module, pixels: torch.Tensor) -> DiagonalGaussianDistribution:
-        # The posterior's mean and log-variance patchified alike: a permutation of its elements.
-        posterior = vae.encode(pixels).latent_dist
-        return DiagonalGaussianDistribution(torch.cat([patchify(posterior.mean), patchify(posterior.logvar)], dim=1))
-
-    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
-        return vae.decode(unpatchify(latents)).sample
-
-    def normalize_latents(self, latents: torch.Tensor, vae: nn.Module) -> torch.Tensor:
-        # As the pipelines normalise them: by the running statistics of the autoencoder's BatchNorm, per patch
-        # channel.
-        mean = vae.bn.running_mean.float().view(1, -1, 1, 1).to(latents.device)
-        std = torch.sqrt(vae.bn.running_var.float().view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.device)
-        return (latents.float() - mean) / std
-
-    def fit_latent_normalization(self, vae: nn.Module, channel_mean: torch.Tensor, channel_square: torch.Tensor
-                                 ) -> None:
-        variance = (channel_square - channel_mean.square() - vae.config.batch_norm_eps).clamp_min(1e-6)
-        with torch.no_grad():
-            vae.bn.running_mean.copy_(channel_mean)
-            vae.bn.running_var.copy_(variance)
 
     def denoiser_shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
         # One token per patchified latent pixel; RoPE positions, no fixed table.

@@ -45,6 +45,7 @@ from transformers import (
 )
 
 from sdtrain.models.families import causal_lm
+from sdtrain.models.families.codec import LatentCodec
 from sdtrain.models.families.patches import pack, unpack
 from sdtrain.models.families.spec import ModelFamily, ReferenceSpec, construct
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
@@ -149,6 +150,41 @@ def load_transformer_file(path: str | Path, trust_pickle: bool | None = None, fr
             "--single-file` of a Qwen-Image run) or a diffusers transformer folder")
 
 
+class WanImageCodec(LatentCodec):
+    """Wan's 3D autoencoder (AutoencoderKLQwenImage) read as an image one: each image a one-frame video, its latents
+    normalised per channel by the config's ``latents_mean`` and ``latents_std``, as the pipelines normalise them."""
+
+    released = {"scaling_factor": 1.0, "shift_factor": None}
+
+    def channels(self, vae_config: Any) -> int:
+        return vae_config.z_dim
+
+    def downsampling(self, vae_config: Any) -> int:
+        return 2 ** len(vae_config.temperal_downsample)
+
+    def encode(self, vae: nn.Module, pixels: torch.Tensor) -> DiagonalGaussianDistribution:
+        # A one-frame video in; the frame axis of the posterior's parameters taken out.
+        posterior = vae.encode(pixels.unsqueeze(2)).latent_dist
+        return DiagonalGaussianDistribution(posterior.parameters.squeeze(2))
+
+    def decode(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        return vae.decode(latents.unsqueeze(2)).sample.squeeze(2)
+
+    def normalize(self, latents: torch.Tensor, vae: nn.Module) -> torch.Tensor:
+        # Minus each channel's mean, times the inverse of its deviation.
+        shape = (1, -1, *([1] * (latents.dim() - 2)))
+        mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(shape)
+        inverse = 1.0 / torch.tensor(vae.config.latents_std, device=latents.device).view(shape)
+        return (latents.float() - mean) * inverse
+
+    def fit_normalization(self, vae: nn.Module, channel_mean: torch.Tensor, channel_square: torch.Tensor) -> None:
+        deviation = (channel_square - channel_mean.square()).clamp_min(1e-12).sqrt()
+        vae.register_to_config(latents_mean=channel_mean.tolist(), latents_std=deviation.tolist())
+
+
+WAN_CODEC = WanImageCodec()
+
+
 class QwenImage(causal_lm.LanguageModelText, ModelFamily):
     name = "qwen-image"
     title = "Qwen-Image"
@@ -158,7 +194,7 @@ class QwenImage(causal_lm.LanguageModelText, ModelFamily):
     lora_text_encoders = ()
     # Each channel has its own mean and deviation, in the VAE's config (latents_mean, latents_std); no VAE file
     # without a config is read for this family.
-    latent_constants = {"scaling_factor": 1.0, "shift_factor": None}
+    codec = WAN_CODEC
     denoiser = "transformer"
     denoiser_lora_peft_names = True
     objective = "flow_matching"
@@ -215,34 +251,6 @@ class QwenImage(causal_lm.LanguageModelText, ModelFamily):
 
     def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
         return {"joint_attention_dim": text_encoders["text_encoder"].config.hidden_size}
-
-    # ------------------------------------------------------------------------------------------ the latent codec
-
-    def latent_channels(self, vae_config: Any) -> int:
-        return vae_config.z_dim
-
-    def latent_downsampling(self, vae_config: Any) -> int:
-        return 2 ** len(vae_config.temperal_downsample)
-
-    def encode_latents(self, vae: nn.Module, pixels: torch.Tensor) -> DiagonalGaussianDistribution:
-        # A one-frame video in; the frame axis of the posterior's parameters taken out.
-        posterior = vae.encode(pixels.unsqueeze(2)).latent_dist
-        return DiagonalGaussianDistribution(posterior.parameters.squeeze(2))
-
-    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
-        return vae.decode(latents.unsqueeze(2)).sample.squeeze(2)
-
-    def normalize_latents(self, latents: torch.Tensor, vae: nn.Module) -> torch.Tensor:
-        # As the pipelines normalise them: minus each channel's mean, times the inverse of its deviation.
-        shape = (1, -1, *([1] * (latents.dim() - 2)))
-        mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(shape)
-        inverse = 1.0 / torch.tensor(vae.config.latents_std, device=latents.device).view(shape)
-        return (latents.float() - mean) * inverse
-
-    def fit_latent_normalization(self, vae: nn.Module, channel_mean: torch.Tensor, channel_square: torch.Tensor
-                                 ) -> None:
-        deviation = (channel_square - channel_mean.square()).clamp_min(1e-12).sqrt()
-        vae.register_to_config(latents_mean=channel_mean.tolist(), latents_std=deviation.tolist())
 
     def denoiser_shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
         # Tokens are 2x2 patches of the latents, and the output is unpatched; RoPE positions, no fixed table.
@@ -391,7 +399,7 @@ def vision_images(config: Any, sources: list[Image.Image]) -> Any:
 
 def reference_latents_of(vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     """A source image's latents as QwenImageEditPipeline gives them: the posterior's mode, each channel normalised."""
-    return QWEN_IMAGE.normalize_latents(QWEN_IMAGE.encode_latents(vae, pixels).mode(), vae)
+    return WAN_CODEC.normalize(WAN_CODEC.encode(vae, pixels).mode(), vae)
 
 
 @contextmanager

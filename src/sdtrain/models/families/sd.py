@@ -18,6 +18,7 @@ from torch import nn
 from transformers import CLIPTextModel
 
 from sdtrain.models.families.autoencoder import SD_VAE, TINY_VAE, vae_blocks
+from sdtrain.models.families.codec import AutoencoderKLCodec
 from sdtrain.models.families.spec import ModelFamily
 from sdtrain.models.families.text_towers import clip_text_config, text_blocks
 from sdtrain.models.families.unet import (
@@ -78,6 +79,7 @@ class StableDiffusion(ModelFamily):
     controlnet = unet_control(StableDiffusionControlNetPipeline)
     instruct = unet_instruct(StableDiffusionInstructPix2PixPipeline)
     kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
+    codec = AutoencoderKLCodec(scaling_factor=0.18215)
 
     def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
         return CLIPTextModel(clip_text_config(settings, tokenizer, key))

@@ -33,6 +33,7 @@ from transformers import CLIPTextModelWithProjection, T5EncoderModel
 from sdtrain.errors import UserError
 from sdtrain.models import single_file
 from sdtrain.models.families.autoencoder import FLUX_VAE, TINY_FLUX_VAE, vae_blocks
+from sdtrain.models.families.codec import AutoencoderKLCodec
 from sdtrain.models.families.spec import ControlSpec, ModelFamily, SingleFileLayout
 from sdtrain.models.families.text_towers import (
     CLIP_L,
@@ -135,7 +136,7 @@ class StabilityCheckpoint(SingleFileLayout):
 class StableDiffusion3(ModelFamily):
     name = "sd3"
     title = "SD3"
-    latent_constants = {key: _SD3_VAE[key] for key in ("scaling_factor", "shift_factor")}
+    codec = AutoencoderKLCodec(**{key: _SD3_VAE[key] for key in ("scaling_factor", "shift_factor")})
     components = {"vae": AutoencoderKL, "text_encoder": CLIPTextModelWithProjection,
                   "text_encoder_2": CLIPTextModelWithProjection, "text_encoder_3": T5EncoderModel,
                   "transformer": SD3Transformer2DModel}

@@ -27,6 +27,7 @@ from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
 from sdtrain.models import single_file
 from sdtrain.models.families.autoencoder import SD_VAE, TINY_VAE, vae_blocks
+from sdtrain.models.families.codec import AutoencoderKLCodec
 from sdtrain.models.families.spec import ModelFamily
 from sdtrain.models.families.text_towers import (
     CLIP_L,
@@ -77,7 +78,7 @@ SIZE_IDS = 6
 class StableDiffusionXL(ModelFamily):
     name = "sdxl"
     title = "SDXL"
-    latent_constants = {"scaling_factor": _SDXL_VAE["scaling_factor"], "shift_factor": None}
+    codec = AutoencoderKLCodec(scaling_factor=_SDXL_VAE["scaling_factor"])
     components = {"vae": AutoencoderKL, "text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection,
                   "unet": UNet2DConditionModel}
     text_encoders = ("text_encoder", "text_encoder_2")

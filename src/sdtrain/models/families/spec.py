@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from safetensors import safe_open
 from torch import nn
 
 from sdtrain.errors import UserError, first_line
 from sdtrain.models.families.clip import pool_at_eos
+from sdtrain.models.families.codec import LatentCodec
 from sdtrain.models.tokenizer import train_clip_tokenizer
 
 
@@ -151,6 +151,15 @@ class ReferenceSpec:
 
 
 class ModelFamily:
+    PARTS: dict[str, type] = {"codec": LatentCodec}
+    """The parts every family declares, each of its class: nothing is inherited from another family."""
+
+    def __init__(self) -> None:
+        for part, kind in self.PARTS.items():
+            if not isinstance(getattr(self, part, None), kind):
+                raise TypeError(f"model family {getattr(self, 'name', type(self).__name__)}: declares no {part} "
+                                f"(a {kind.__name__}: {first_line(kind.__doc__ or '')})")
+
     name: str
     """The config's ``model.family`` value."""
     title: str
@@ -176,9 +185,8 @@ class ModelFamily:
     """The tokenizers (of `tokenizers`) that feed a long-context encoder, T5 or a language model: their length is
     ``model.t5_text_length`` (the key keeps T5's name, the first such encoder), else the family's
     `long_text_length`, not CLIP's 77."""
-    latent_constants: dict[str, float | None] = {"scaling_factor": 0.18215, "shift_factor": None}
-    """How the released models' latents are normalised for the denoiser, ``(latent - shift_factor) *
-    scaling_factor``: what a VAE file that does not say it takes when this family's model is trained or encoded."""
+    codec: LatentCodec
+    """How its VAE encodes and decodes, and how the latents are normalised for the denoiser."""
     pipeline_class: type
     """The diffusers pipeline export writes and generate loads."""
     hub_tags: tuple[str, ...] = ()
@@ -317,43 +325,6 @@ class ModelFamily:
         """What the denoiser's shape takes from the text encoders (the width it attends to, pooled sizes), given
         its other `settings` (preset and overrides)."""
         raise NotImplementedError
-
-    # ----------------------------------------------------------------------------- the latent codec
-
-    def latent_channels(self, vae_config: Any) -> int:
-        """The channels of the latents the VAE gives (AutoencoderKL's ``latent_channels``)."""
-        return vae_config.latent_channels
-
-    def encode_latents(self, vae: nn.Module, pixels: torch.Tensor) -> DiagonalGaussianDistribution:
-        """The VAE's posterior over the latents of images `pixels` (B, 3, H, W), with (B, C, h, w) parameters: what
-        the denoiser's latents are drawn from and encoded shards store."""
-        return vae.encode(pixels).latent_dist
-
-    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
-        """Images (B, 3, H, W) of raw (not normalised) latents (B, C, h, w), as `encode_latents` gives them."""
-        return vae.decode(latents).sample
-
-    def fit_latent_normalization(self, vae: nn.Module, channel_mean: torch.Tensor, channel_square: torch.Tensor
-                                 ) -> None:
-        """Record in a VAE trained from scratch how its latents are normalised, from the mean and mean square of
-        each channel of its posterior means over training: an AutoencoderKL's config the ``scaling_factor`` that
-        gives them unit variance about zero (the latent diffusion paper's)."""
-        vae.register_to_config(scaling_factor=float(1.0 / max(channel_square.mean().sqrt().item(), 1e-6)))
-
-    def latent_downsampling(self, vae_config: Any) -> int:
-        """How many pixels one latent pixel spans on a side: an AutoencoderKL halves the resolution at every level
-        but the last."""
-        return 2 ** (len(vae_config.block_out_channels) - 1)
-
-    normalizes_with_vae_weights: bool = False
-    """Whether `normalize_latents` reads statistics the VAE holds in its weights (Flux.2's BatchNorm buffers), not
-    its config: training on encoded shards then keeps the VAE's weights."""
-
-    def normalize_latents(self, latents: torch.Tensor, vae: nn.Module) -> torch.Tensor:
-        """The VAE's latents as the denoiser reads them, in fp32: an AutoencoderKL's are centred by its
-        ``shift_factor`` (SD3's, Flux.1's) and scaled by its ``scaling_factor`` (its config's)."""
-        shift = vae.config.get("shift_factor") or 0.0
-        return (latents.float() - shift) * vae.config.scaling_factor
 
     def denoiser_shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
         """What the denoiser's shape takes from the latents it denoises."""

@@ -25,7 +25,7 @@ from transformers import Qwen3Config, Qwen3Model
 
 from sdtrain.errors import UserError
 from sdtrain.models.families import causal_lm
-from sdtrain.models.families.autoencoder import FLUX_VAE, TINY_FLUX_VAE, vae_blocks
+from sdtrain.models.families.autoencoder import FLUX_CODEC, FLUX_VAE, TINY_FLUX_VAE, vae_blocks
 from sdtrain.models.families.spec import ModelFamily, SingleFileLayout, construct
 from sdtrain.models.families.transformer_file import read_transformer_file
 from sdtrain.models.single_file import kohya
@@ -274,7 +274,7 @@ class TransformerFile(SingleFileLayout):
 class ZImage(causal_lm.LanguageModelText, ModelFamily):
     name = "z-image"
     title = "Z-Image"
-    latent_constants = {key: FLUX_VAE[key] for key in ("scaling_factor", "shift_factor")}
+    codec = FLUX_CODEC
     components = {"vae": AutoencoderKL, "text_encoder": Qwen3Model, "transformer": ZImageTransformer2DModel}
     # diffusers' Z-Image LoRA loader adapts the transformer alone.
     lora_text_encoders = ()
