@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except UserError as exc:
-        print(f"sdtrain {args.command}: error: {exc}", file=sys.stderr)
+        # A check that found several problems (`sdtrain train --check`) says each on a line of its own.
+        for line in str(exc).splitlines() or [""]:
+            print(f"sdtrain {args.command}: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"sdtrain {args.command}: interrupted", file=sys.stderr)

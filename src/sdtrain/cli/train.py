@@ -14,12 +14,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("train", help="train the stage a config describes (autoencoder or diffusion)")
     parser.add_argument("config", type=Path, help="YAML config")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.max_steps=100")
+    parser.add_argument("--check", action="store_true",
+                        help="check the config against its model's family and its mode without loading any weight "
+                             "(Hub models: their config files only), print every key they cannot take, and exit")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from sdtrain.config import load_config
 
+    if args.check:
+        return check(args.config, args.overrides)
     # Validate before the heavy imports, so a typo is reported at once.
     config = load_config(args.config, args.overrides)
     from sdtrain.models.hub import resolve_model
@@ -54,3 +59,20 @@ def run(args: argparse.Namespace) -> int:
         # Everything is saved and every rank has passed the final barrier.
         exit_without_teardown(code)
     return code
+
+
+def check(path: Path, overrides: list[str]) -> int:
+    """`sdtrain train --check`: every problem one line, from the config and the models' config files alone. The
+    run folder and the data may still be open; the model's sources, which say its family, may not."""
+    from sdtrain.config import load_config_without
+    from sdtrain.errors import UserError
+    from sdtrain.models.hub import SOURCE_FIELDS, resolve_model
+
+    config = load_config_without(path, overrides, keep=tuple(f"model.{name}" for name in SOURCE_FIELDS))
+    from sdtrain.train.modes import capability
+
+    trains, problems = capability(resolve_model(config, fetch_weights=False))
+    if problems:
+        raise UserError("\n".join(problems))
+    print(f"{path}: ok: {trains}; no weight was loaded")
+    return 0

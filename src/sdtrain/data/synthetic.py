@@ -117,8 +117,8 @@ def _image_bytes(image: Any, image_format: str, **settings: Any) -> bytes:
 def _encoding(config: DataConfig, task: Any) -> dict[str, Any]:
     text_encoders = {} if task.text_encoder_runs() else {name: task.sources.get(name)
                                                            for name in task.family.text_encoders}
-    return describe_encoding(task.sources.get("vae"), text_encoders, config.resolution, task.family.codec, task.vae.config,
-                             task.tokenizer, "float16", task.long_text_length)
+    return describe_encoding(task.sources.get("vae"), text_encoders, config.resolution, task.family.codec,
+                             task.vae.config, task.tokenizer, "float16", task.long_text_length)
 
 
 def text_shapes(task: Any) -> dict[str, tuple[int, ...]]:

@@ -200,20 +200,22 @@ def resolve(source: str | Path | None, key: str, weights: Collection[str] | None
     return path
 
 
-def resolve_model(config: Any) -> Any:
+def resolve_model(config: Any, fetch_weights: bool = True) -> Any:
     """A copy of a RunConfig whose model sources (`SOURCE_FIELDS`) are resolved with `resolve` (the config itself is
     left as loaded). `pretrained` is fetched with the weights of only the components no other field names a source
-    for."""
+    for; without `fetch_weights`, every source with its configs and tokenizers alone."""
     model = config.model
     pickles = pickles_trusted(getattr(model, "trust_pickle", False))
     resolved = {}
-    for name, weights in SOURCE_FIELDS.items():
+    for name, components in SOURCE_FIELDS.items():
         value = getattr(model, name)
         if value is None:
             continue
-        if weights is None:
-            weights = tuple(c for c in COMPONENTS if getattr(model, c, None) is None)
-        resolved[name] = resolve(value, f"model.{name}", weights, pickles)
+        if not fetch_weights:
+            components = ()
+        elif components is None:
+            components = tuple(c for c in COMPONENTS if getattr(model, c, None) is None)
+        resolved[name] = resolve(value, f"model.{name}", components, pickles)
     return dataclasses.replace(config, model=dataclasses.replace(model, **resolved))
 
 

@@ -52,6 +52,23 @@ def multires_noise(noise: torch.Tensor, iterations: int, discount: float, genera
     return (total / total.std()).to(noise.dtype)
 
 
+def option_problems(objective: str, config: DiffusionConfig) -> list[str]:
+    """What of the diffusion section (`config`) an objective named `objective` cannot take, one line: flow-matching
+    options on a noise-prediction model (noise-prediction options on a flow-matching one are only ignored, with a
+    warning: the shared fine-tuning recipes set them)."""
+    if objective != NoisePrediction.name:
+        return []
+    flow = FlowConfig()
+    unsupported = [f"diffusion.flow.{f.name}: {getattr(config.flow, f.name)}" for f in dataclasses.fields(flow)
+                   if getattr(config.flow, f.name) != getattr(flow, f.name)]
+    if config.timestep_sampling not in ("uniform", "logit_normal"):
+        unsupported.insert(0, f"diffusion.timestep_sampling: {config.timestep_sampling}")
+    if not unsupported:
+        return []
+    return [f"{', '.join(unsupported)}: flow-matching options, which this model's objective (noise prediction on a "
+            "DDPM schedule) does not use; remove them"]
+
+
 class NoisePrediction:
     """Epsilon or v-prediction on a DDPM noise schedule, with the options the field uses: min-SNR-gamma
     weighting, offset and multi-resolution noise, input perturbation, zero terminal SNR (in the schedule
@@ -61,14 +78,9 @@ class NoisePrediction:
 
     def __init__(self, config: DiffusionConfig, scheduler: DDPMScheduler, device: torch.device):
         """`config`: the diffusion section; its ``ddpm`` options apply, ``flow`` ones are refused."""
-        flow = FlowConfig()
-        unsupported = [f"diffusion.flow.{f.name}: {getattr(config.flow, f.name)}" for f in dataclasses.fields(flow)
-                       if getattr(config.flow, f.name) != getattr(flow, f.name)]
-        if config.timestep_sampling not in ("uniform", "logit_normal"):
-            unsupported.insert(0, f"diffusion.timestep_sampling: {config.timestep_sampling}")
-        if unsupported:
-            raise UserError(f"{', '.join(unsupported)}: flow-matching options, which this model's objective (noise "
-                            "prediction on a DDPM schedule) does not use; remove them")
+        problems = option_problems(self.name, config)
+        if problems:
+            raise UserError(problems[0])
         self.config = config
         self.scheduler = scheduler
         self.device = device

@@ -32,6 +32,12 @@ class TrainedPart:
         self.config = config
         self.family = family
 
+    @classmethod
+    def problems(cls, config: RunConfig, family: ModelFamily) -> list[str]:
+        """What of `config` this part cannot take on `family`, one line each, read from the config and the family's
+        spec alone, before any weight loads (`sdtrain train --check` and the start of every run report them)."""
+        return []
+
     def keeps_frozen(self, name: str) -> bool:
         """Whether this part trains none of component `name`'s linear weights (their storage may then be low)."""
         return name in self.family.text_encoders and not self.config.diffusion.train_text_encoder

@@ -9,6 +9,7 @@ mode supplies, so any trained part takes any recipe.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from diffusers.configuration_utils import FrozenDict
 from torch import nn
 
 from sdtrain.config import DataConfig, DiffusionConfig, RunConfig
@@ -36,7 +38,7 @@ from sdtrain.models.pipeline import (
 )
 from sdtrain.models.tokenizer import CaptionTokenizer
 from sdtrain.train.components import ComponentPlanner
-from sdtrain.train.objectives import FlowMatching, NoisePrediction
+from sdtrain.train.objectives import FlowMatching, NoisePrediction, option_problems
 from sdtrain.train.parts import TrainedPart
 from sdtrain.train.storage import FrozenStorage, on_meta
 from sdtrain.utils import save_grid, save_images, to_pil
@@ -57,6 +59,50 @@ def make_objective(family: families.ModelFamily, config: DiffusionConfig, schedu
         return FlowMatching(config, scheduler, device, patch_size=family.downsampling(denoiser_config),
                             sampling_mu=sampling_mu)
     return NoisePrediction(config, scheduler, device)
+
+
+def capability_problems(config: RunConfig, family: families.ModelFamily, part: type[TrainedPart]) -> list[str]:
+    """Every key of a diffusion run's `config` that its `family` or its trained `part` cannot take, one line each,
+    from the config, the family's spec and the pretrained denoiser's config.json alone: no weight loads."""
+    found = []
+    model = config.model
+    built = [name for name in family.components if build.component_source(model, name) is None]
+    if built:
+        try:
+            family.preset(model.preset, built[0])
+        except UserError as exc:
+            found.append(str(exc))
+    if config.edit.reference:
+        found.append(families.unhosted(family, "reference", "edit.reference", "learns no editing by reference"))
+    elif family.edits_only:
+        found.append(f"edit.reference: {family.title} edits images by reference and draws none from text alone; set "
+                     "edit.reference=true, with each image's source beside it (KEY.src.png)")
+    found += option_problems(family.objective, config.diffusion)
+    denoiser_config = _pretrained_config(model, family.denoiser)
+    if config.diffusion.flow.guidance_range and denoiser_config is not None \
+            and not family.takes_guidance(denoiser_config):
+        found.append(GUIDANCE_RANGE_UNREAD)
+    found += part.problems(config, family)
+    return [line for line in found if line]
+
+
+GUIDANCE_RANGE_UNREAD = ("diffusion.flow.guidance_range: this model's denoiser has no guidance embedding (a "
+                         "guidance-distilled model's, as Flux.1-dev has), so nothing would read it; remove it")
+
+
+def _pretrained_config(model: Any, name: str) -> FrozenDict | None:
+    """Component `name`'s config.json in the folder it loads from (its own, or the pipeline's subfolder); None when
+    it builds from the preset or loads from a single file or a run."""
+    source = build.component_source(model, name)
+    if source is None:
+        return None
+    for candidate in (Path(source) / "config.json", Path(source) / name / "config.json"):
+        if candidate.is_file() and not (Path(source) / "meta.json").is_file():
+            try:
+                return FrozenDict(json.loads(candidate.read_text()))
+            except (OSError, ValueError):
+                return None  # the loader reports what is wrong with the file
+    return None
 
 
 class Task:
@@ -301,11 +347,9 @@ class DiffusionTask(Task):
         self.part = part or TrainedPart(config, self.family)
         self.recipe = recipe or DataRecipe(config, run_dir)
         model, family = config.model, self.family
-        if config.edit.reference:
-            self.reference_spec()  # a family that cannot is one line, before any weight loads
-        elif family.edits_only:
-            raise UserError(f"edit.reference: {family.title} edits images by reference and draws none from text "
-                            "alone; set edit.reference=true, with each image's source beside it (KEY.src.png)")
+        problems = capability_problems(config, family, type(self.part))
+        if problems:  # every one, before any weight loads
+            raise UserError("\n".join(problems))
         self.tokenizers = self._tokenizers()
         self.tokenizer = self.tokenizers[0]
         # What the pre-encoded shards stand in for is built without weights: T5-XXL alone is 19 GB in fp32.
@@ -336,9 +380,8 @@ class DiffusionTask(Task):
         self._check_positions(denoiser.config, scale)
         # Read before the trainer wraps the denoiser (DDP, FSDP), whose wrapper has no config.
         self.takes_guidance = family.takes_guidance(denoiser.config)
-        if config.diffusion.flow.guidance_range and not self.takes_guidance:
-            raise UserError("diffusion.flow.guidance_range: this model's denoiser has no guidance embedding (a "
-                            "guidance-distilled model's, as Flux.1-dev has), so nothing would read it; remove it")
+        if config.diffusion.flow.guidance_range and not self.takes_guidance:  # a denoiser from a file or a run
+            raise UserError(GUIDANCE_RANGE_UNREAD)
         # The run's model samples as its base does: a step-distilled one in its few steps without guidance.
         self.distilled = is_distilled(family, self.components.source(family.denoiser))
         self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model)

@@ -91,12 +91,20 @@ def _init_default(cls: type, key: str) -> Any:
 
 def mode_spec(family: ModelFamily, mode: str, key: str, cannot: str) -> Any:
     """`family`'s spec for a mode it may host (its attribute `mode`: ``controlnet``, ``instruct``, ``reference``);
-    a family without one is one line: `key`, the family that `cannot`, and the families that can."""
-    spec = getattr(family, mode)
-    if spec is None:
-        hosts = ", ".join(f.title for f in FAMILIES.values() if getattr(f, mode) is not None)
-        raise UserError(f"{key}: {family.title} {cannot} in this release; {hosts} do")
-    return spec
+    a family without one is one line (`unhosted`)."""
+    problem = unhosted(family, mode, key, cannot)
+    if problem is not None:
+        raise UserError(problem)
+    return getattr(family, mode)
+
+
+def unhosted(family: ModelFamily, mode: str, key: str, cannot: str) -> str | None:
+    """None when `family` hosts the mode its attribute `mode` describes, else the line that says it does not: `key`,
+    the family that `cannot`, and the families that can."""
+    if getattr(family, mode) is not None:
+        return None
+    hosts = ", ".join(f.title for f in FAMILIES.values() if getattr(f, mode) is not None)
+    return f"{key}: {family.title} {cannot} in this release; {hosts} do"
 
 
 def of_pipeline(pipe: Any) -> ModelFamily:

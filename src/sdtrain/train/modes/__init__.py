@@ -18,7 +18,7 @@ from sdtrain.train.modes.instruct_pix2pix import InstructPix2PixPart
 from sdtrain.train.modes.lora import Adapters
 from sdtrain.train.modes.textual_inversion import NewTokens
 from sdtrain.train.parts import TrainedPart
-from sdtrain.train.tasks import TASKS, DataRecipe, DiffusionTask, Task
+from sdtrain.train.tasks import TASKS, DataRecipe, DiffusionTask, Task, capability_problems
 
 # What trains, by mode; DreamBooth trains the whole model, or adapters with dreambooth.lora.
 TRAINED: dict[str, type[TrainedPart]] = {"lora": Adapters, "textual_inversion": NewTokens,
@@ -37,6 +37,19 @@ def part_class(config: RunConfig) -> type[TrainedPart]:
 def recipe_class(config: RunConfig) -> type[DataRecipe]:
     """What a diffusion run trains on: its mode's data recipe, else the plain one."""
     return RECIPES.get(config.mode, DataRecipe)
+
+
+def capability(config: RunConfig) -> tuple[str, list[str]]:
+    """What the run trains, in words, and every key of `config` its model's family or its mode cannot take, one
+    line each, read from the config, the families' specs and the pretrained models' config files: no weight loads
+    (`sdtrain train --check`; every run checks the same as its task is built)."""
+    if config.stage != "diffusion":
+        return f"stage {config.stage}", []
+    family = families.for_model(config.model)
+    part = part_class(config)
+    trains = f"{family.title}, mode {config.mode}" + (" (adapters)" if part is Adapters and config.mode != "lora"
+                                                      else "")
+    return trains, capability_problems(config, family, part)
 
 
 def prepare_task(config: RunConfig, run_dir: Path) -> None:

@@ -10,10 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdtrain.config import DataConfig, TextualInversionConfig
+from sdtrain.config import DataConfig, RunConfig, TextualInversionConfig
 from sdtrain.errors import UserError
 from sdtrain.loaders.adapters import add_token_rows
 from sdtrain.models.families.clip import pool_at_eos
+from sdtrain.models.families.spec import ModelFamily
 from sdtrain.train.parts import TrainedPart
 
 # Caption templates: the concept in the varied contexts a few photos of it could be described in.
@@ -72,12 +73,16 @@ class NewTokens(TrainedPart):
     def text_encoder_trains(self) -> bool:
         return True
 
+    @classmethod
+    def problems(cls, config: RunConfig, family: ModelFamily) -> list[str]:
+        if not family.long_text_tokenizers:
+            return []
+        return [f"mode: textual_inversion learns CLIP token vectors (SD 1/2, SDXL); {family.title} conditions mostly "
+                "on a T5 or language-model encoder: train a LoRA instead (mode: lora)"]
+
     def make_trainable(self, denoiser: nn.Module, text_encoders: dict[str, nn.Module],
                        tokenizers: list[Any], latent_factor: int = 8) -> dict[str, nn.Module]:
         cfg = self.config.textual_inversion
-        if self.family.long_text_tokenizers:
-            raise UserError(f"mode: textual_inversion learns CLIP token vectors (SD 1/2, SDXL); {self.family.title} "
-                            "conditions mostly on a T5 or language-model encoder: train a LoRA instead (mode: lora)")
         self.tokens = placeholder_tokens(cfg)
         denoiser.eval().requires_grad_(False)
         self.vocab = len(tokenizers[0])

@@ -1,0 +1,72 @@
+"""`sdtrain train --check CONFIG`: what a model's family and a mode cannot take is known from the config and the
+models' config files, so it is reported before any weight loads, every problem on a line of its own; every run
+checks the same before it loads a weight."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sdtrain.cli.main import main
+
+FLUX_LORA = Path(__file__).resolve().parents[1] / "configs" / "flux-lora.yaml"
+LORA = Path(__file__).resolve().parents[1] / "configs" / "lora.yaml"
+
+
+@pytest.fixture
+def weightless_flux(tmp_path) -> Path:
+    """A Flux.1 pipeline folder as the Hub lays one out, with its config files and not one weight: what
+    ``--check`` needs of a pretrained model (a Hub id fetches no more for it)."""
+    folder = tmp_path / "FLUX.1-schnell"
+    (folder / "transformer").mkdir(parents=True)
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    (folder / "transformer" / "config.json").write_text(json.dumps(
+        {"_class_name": "FluxTransformer2DModel", "guidance_embeds": False}))
+    return folder
+
+
+def _errors(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("sdtrain train: error: ")]
+
+
+def test_a_config_its_model_takes_checks_ok_from_config_files_alone(weightless_flux, capsys):
+    assert main(["train", str(FLUX_LORA), "--check", f"model.pretrained={weightless_flux}"]) == 0
+    out = capsys.readouterr().out
+    assert "ok: Flux.1, mode lora; no weight was loaded" in out, out
+
+
+def test_a_key_the_pretrained_denoiser_cannot_read_is_one_line_from_its_config_json(weightless_flux, capsys):
+    # schnell's transformer has no guidance embedding: a guidance range would train nothing.
+    assert main(["train", str(FLUX_LORA), "--check", f"model.pretrained={weightless_flux}",
+                 "diffusion.flow.guidance_range=[1.0,4.0]"]) == 2
+    errors = _errors(capsys)
+    assert len(errors) == 1 and "diffusion.flow.guidance_range" in errors[0], errors
+
+
+def test_every_key_the_family_and_the_mode_cannot_take_is_reported_each_on_its_own_line(capsys):
+    assert main(["train", str(LORA), "--check", "model.pretrained=null", "model.family=z-image",
+                 "model.preset=huge", "mode=instruct_pix2pix", "diffusion.flow.shift=3"]) == 2
+    errors = _errors(capsys)
+    assert len(errors) == 2, errors
+    assert errors[0].startswith("sdtrain train: error: model.preset: 'huge' is not a Z-Image preset"), errors
+    assert "mode: Z-Image learns no InstructPix2Pix editing" in errors[1], errors
+
+
+def test_flow_matching_options_on_a_noise_prediction_model_are_refused_before_training(capsys):
+    assert main(["train", str(LORA), "--check", "model.pretrained=null", "model.family=sd", "model.preset=tiny",
+                 "diffusion.timestep_sampling=cosmap", "diffusion.flow.shift=3"]) == 2
+    errors = _errors(capsys)
+    assert len(errors) == 1 and "diffusion.timestep_sampling: cosmap, diffusion.flow.shift: 3.0" in errors[0]
+
+
+def test_a_run_reports_what_its_model_cannot_take_before_it_loads_a_weight(weightless_flux, tmp_path, shapes_dir,
+                                                                           capsys):
+    """The same check at the start of a run: the weightless folder would fail to load, so the run's one line
+    must be the capability's, found first."""
+    assert main(["train", str(FLUX_LORA), f"model.pretrained={weightless_flux}", f"data.shards={shapes_dir}",
+                 f"run_dir={tmp_path / 'run'}", "mode=instruct_pix2pix", "data.num_workers=0"]) == 2
+    errors = _errors(capsys)
+    assert errors == ["sdtrain train: error: mode: Flux.1 learns no InstructPix2Pix editing in this release; "
+                      "Stable Diffusion 1.x/2.x, SDXL do"], errors
