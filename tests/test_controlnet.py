@@ -131,3 +131,52 @@ def test_each_family_drops_its_own_share_of_captions_unless_the_run_says():
     assert {name: dropped(name) for name in ("sd", "sdxl", "sd3", "flux")} == {
         "sd": 0.5, "sdxl": 0.5, "sd3": 0.0, "flux": 0.0}
     assert dropped("flux", "data.caption_dropout=0.1") == 0.1 and dropped("sd", "data.caption_dropout=0") == 0.0
+
+
+def test_a_controlnet_and_lora_adapters_on_the_unet_it_steers_train_together_and_load_in_diffusers(
+        tmp_path, pretrained, layouts):
+    """``mode: [controlnet, lora]``: the ControlNet made from the frozen UNet, adapters on that UNet's attention, both
+    trained by one loss; the export holds the ControlNet's folder and the adapters' file, which diffusers' ControlNet
+    pipeline loads whole on the base."""
+    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
+    from PIL import Image
+
+    run = tmp_path / "run"
+    assert _train(run, pretrained, layouts, "mode=[lora,controlnet]", "validation.prompts=[a red circle]",
+                  "validation.steps=1") == 0
+    checkpoint = latest_checkpoint(run)
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    adapters = [k for k in weights if k.startswith("unet.")]
+    assert adapters and all(".lora_" in k for k in adapters)  # the UNet's base weights stay the base's
+    assert any(k.startswith("controlnet.") for k in weights)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    assert meta["task"]["mode"] == "controlnet + lora" and meta["task"]["controlnet"] and meta["task"]["lora"]["unet"]
+
+    out = export_run(run, tmp_path / "out")
+    assert (out / "controlnet" / "config.json").is_file() and (out / "pytorch_lora_weights.safetensors").is_file()
+    pipe = StableDiffusionControlNetPipeline.from_pretrained(
+        pretrained, controlnet=ControlNetModel.from_pretrained(out / "controlnet"), safety_checker=None,
+        local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    layout = Image.new("RGB", (32, 32))
+    layout.paste((230, 30, 30), (4, 8, 14, 18))
+
+    def image() -> np.ndarray:
+        return pipe("a red circle", image=layout, num_inference_steps=2, height=32, width=32, output_type="np",
+                    generator=torch.Generator().manual_seed(0)).images[0]
+
+    without = image()
+    pipe.load_lora_weights(out)
+    loaded = [k for k in pipe.unet.state_dict() if ".lora_" in k]
+    assert len(loaded) == len(adapters)  # every adapter the run trained, none left unset
+    assert np.abs(image() - without).max() > 0
+    card = (out / "README.md").read_text()
+    assert "pipe.load_lora_weights(" in card and "lora" in card.split("---")[1]  # its code and its tags
+
+
+def test_modes_that_do_not_train_together_are_one_line(capsys):
+    assert main(["train", str(CONFIGS / "controlnet.yaml"), "--check", "model.pretrained=null", "model.preset=tiny",
+                 "mode=[controlnet,textual_inversion]"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error == ["sdtrain train: error: mode: [textual_inversion, controlnet] do not train together; modes that do: "
+                     "[controlnet, lora]; [instruct_pix2pix, lora]"], error

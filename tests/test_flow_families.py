@@ -196,6 +196,38 @@ def test_a_controlnet_trains_beside_the_frozen_transformer_and_exports_what_diff
     assert len(list((tmp_path / "images").glob("*.png"))) == 2  # the image and its grid
 
 
+def test_a_flux_controlnet_and_lora_adapters_on_its_transformer_train_together_and_load_in_diffusers(
+        tmp_path, pretrained, layouts):
+    """``mode: [controlnet, lora]`` on Flux.1: adapters on the transformer the ControlNet steers, trained with it;
+    FluxControlNetPipeline on the base takes the exported ControlNet and loads the adapters' file whole."""
+    from diffusers import FluxControlNetModel, FluxControlNetPipeline
+    from PIL import Image
+
+    run = tmp_path / "run"
+    assert main(["train", str(CONFIGS / "controlnet.yaml"), f"run_dir={run}", *TINY_CLI, "mode=[controlnet,lora]",
+                 f"model.pretrained={pretrained['flux']}", f"data.shards={layouts}", "train.max_steps=2",
+                 "optim.lr=0.01", "validation.prompts=[]"]) == 0
+    weights = load_file(str(run / "checkpoints" / "step_00000002" / "model.safetensors"))
+    adapters = [k for k in weights if k.startswith("transformer.")]
+    assert adapters and all(".lora_" in k for k in adapters) and any(k.startswith("controlnet.") for k in weights)
+    out = export_run(run, tmp_path / "out")
+    pipe = FluxControlNetPipeline.from_pretrained(
+        pretrained["flux"], controlnet=FluxControlNetModel.from_pretrained(out / "controlnet"), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    layout = Image.new("RGB", (32, 32))
+    layout.paste((230, 30, 30), (4, 8, 14, 18))
+
+    def image() -> np.ndarray:
+        return pipe("a red circle", control_image=layout, num_inference_steps=2, height=32, width=32,
+                    max_sequence_length=_t5_length(pipe), output_type="np",
+                    generator=torch.Generator().manual_seed(0)).images[0]
+
+    without = image()
+    pipe.load_lora_weights(out)
+    assert len([k for k in pipe.transformer.state_dict() if ".lora_" in k]) == len(adapters)
+    assert np.abs(image() - without).max() > 0
+
+
 def test_flux_learns_to_edit_by_reference_as_kontext_and_its_files_load_in_kontexts_pipeline(tmp_path, pretrained,
                                                                                               edits, caplog):
     """edit.reference on Flux.1 (configs/flux-kontext-lora.yaml): the sources' latent tokens beside the noisy ones

@@ -101,9 +101,9 @@ def _edit_with(model: Path, source: Path, out: Path) -> None:
     assert len(list(out.glob("*.png"))) == 2
 
 
-def _fine_tune(run: Path, model: Path, edits: Path, config: str = "instruct-pix2pix.yaml") -> int:
+def _fine_tune(run: Path, model: Path, edits: Path, config: str = "instruct-pix2pix.yaml", *extra: str) -> int:
     return main(["train", str(CONFIGS / config), f"run_dir={run}", f"model.pretrained={model}", *TINY,
-                 f"data.shards={edits}", "train.max_steps=1", "validation.prompts=[]", "ema.enabled=false"])
+                 f"data.shards={edits}", "train.max_steps=1", "validation.prompts=[]", "ema.enabled=false", *extra])
 
 
 def _reads(run: Path) -> int:
@@ -119,6 +119,45 @@ def test_a_released_editor_fine_tunes_without_widening_and_other_modes_refuse_it
     assert _fine_tune(tmp_path / "full", released_editor, edits, "finetune-full.yaml") == 2
     error = [line for line in capsys.readouterr().err.strip().splitlines() if "Loading weights" not in line]
     assert len(error) == 1 and "mode instruct_pix2pix" in error[0] and "8 input channels" in error[0]
+
+
+def test_lora_adapters_on_a_released_editor_train_with_its_sources_and_load_in_diffusers_editing_pipeline(
+        tmp_path, released_editor, pretrained, edits, capsys):
+    """``mode: [instruct_pix2pix, lora]``: adapters on a denoiser that already edits, fed each sample's source as it
+    was trained to read it; the adapters' file loads whole in diffusers' InstructPix2Pix pipeline on that editor.
+    On a UNet that reads its latents alone, the inputs it would gain for the source could not train: one line."""
+    from diffusers import StableDiffusionInstructPix2PixPipeline
+
+    def fine_tune(run: Path, model: Path) -> int:
+        return _fine_tune(run, model, edits, "instruct-pix2pix.yaml", "mode=[instruct_pix2pix,lora]", "optim.lr=0.01",
+                          "validation.prompts=[make it blue]", "validation.steps=1")
+
+    run = tmp_path / "run"
+    assert fine_tune(run, released_editor) == 0
+    weights = load_file(str(latest_checkpoint(run) / "model.safetensors"))
+    assert weights and all(".lora_" in k for k in weights)  # the editor's own weights stay its own
+    assert (run / "samples" / "step_00000001.png").is_file()  # drawn from the last batch's sources
+    out = export_run(run, tmp_path / "out")
+    pipe = StableDiffusionInstructPix2PixPipeline.from_pretrained(released_editor, safety_checker=None,
+                                                                  local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    source = Image.open(next(iter(sorted((edits.parent / "images").glob("*.src.png")))))
+
+    def edit() -> np.ndarray:
+        return pipe("make it blue", image=source, num_inference_steps=2, output_type="np",
+                    generator=torch.Generator().manual_seed(0)).images[0]
+
+    before = edit()
+    pipe.load_lora_weights(out)
+    assert len([k for k in pipe.unet.state_dict() if ".lora_" in k]) == len(weights)
+    assert np.abs(edit() - before).max() > 0
+    card = (out / "README.md").read_text()
+    assert "StableDiffusionInstructPix2PixPipeline" in card and "to edit an image" in card
+
+    capsys.readouterr()
+    assert fine_tune(tmp_path / "unwidened", pretrained) == 2
+    error = [line for line in capsys.readouterr().err.strip().splitlines() if "error:" in line]
+    assert len(error) == 1 and "train that first" in error[0], error
 
 
 @pytest.mark.slow

@@ -37,7 +37,7 @@ from sdtrain.memory import TreePeak, own_peak_bytes
 from sdtrain.models import build, families
 from sdtrain.train import autotune
 from sdtrain.train.components import ComponentPlanner
-from sdtrain.train.modes import part_class
+from sdtrain.train.modes import make_part
 from sdtrain.train.parallel import uncounted_recomputation
 from sdtrain.train.tasks import text_reads_sources
 from sdtrain.train.trainer import Trainer
@@ -103,7 +103,7 @@ class Benchmark(Trainer):
         encoding = {name: planner.source(name) for name in ("vae", *family.text_encoders)}
         synthetic.mkdir(parents=True, exist_ok=True)
         write_manifest(synthetic, [], extra={"encoding": encoding})
-        text_runs = (part_class(self.config)(self.config, family).text_encoder_trains()
+        text_runs = (make_part(self.config, family).text_encoder_trains()
                      or text_reads_sources(self.config, family))
         return planner.stood_in_for(encoding, self.config.data, text_runs)
 

@@ -30,6 +30,9 @@ STAGES = ("autoencoder", "diffusion")
 LORA_TYPES = ("lora", "dora", "lokr")
 """The adapters ``lora.type`` names."""
 MODES = ("full", "lora", "textual_inversion", "dreambooth", "controlnet", "instruct_pix2pix")
+COMBINED = (("controlnet", "lora"), ("instruct_pix2pix", "lora"))
+"""The modes a run may train together (``mode: [controlnet, lora]``), each pair in MODES' order: LoRA adapters on
+the frozen denoiser beside a ControlNet, or on a denoiser that edits as InstructPix2Pix does."""
 PRECISIONS = ("auto", "fp32", "bf16")
 # YAML 1.1 reads a bare `no` as false, which OmegaConf then stores as the string "False".
 _FP32_ALIASES = ("no", "False", "false")
@@ -855,11 +858,13 @@ class RunConfig:
     """What to train: ``autoencoder`` or ``diffusion`` (UNet, optionally with the text encoder)."""
     run_dir: str = MISSING
     """Folder for the resolved config, checkpoints, logs and samples."""
-    mode: str = "full"
+    mode: Any = "full"
     """What the diffusion stage trains: ``full`` (all UNet weights, optionally the text encoder), ``lora``
     (low-rank adapters only), ``textual_inversion`` (new token embeddings only), ``dreambooth``, or
     ``controlnet`` (a ControlNet made from the frozen denoiser, reading each sample's conditioning image) or
-    ``instruct_pix2pix`` (the whole denoiser, given each sample's source image's latents beside the noisy ones)."""
+    ``instruct_pix2pix`` (the whole denoiser, given each sample's source image's latents beside the noisy ones).
+    A list trains parts together: ``[controlnet, lora]`` (a ControlNet and LoRA adapters on the frozen denoiser it
+    steers), ``[instruct_pix2pix, lora]`` (adapters on a denoiser that already edits, an InstructPix2Pix model)."""
     seed: int = 0
     """Seeds initialisation, data order, augmentation and noise."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -880,19 +885,39 @@ class RunConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
 
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The modes the run trains: ``mode`` itself, or the list it gives, in MODES' order but adapters last (they
+        go on what the other parts made: a ControlNet copies the denoiser before adapters wrap its layers)."""
+        given = [self.mode] if isinstance(self.mode, str) else list(self.mode)
+        return tuple(sorted(given, key=lambda m: (m == "lora", MODES.index(m) if m in MODES else len(MODES))))
+
+    @property
+    def mode_name(self) -> str:
+        """The run's modes as a card or a log line names them: ``lora``, ``controlnet + lora``."""
+        return " + ".join(self.modes)
+
     def validate(self) -> None:
         """Checks OmegaConf's types cannot express; each failure names its key. Each section checks its own
         fields; what spans sections is checked here."""
         _check(self.stage in STAGES, "stage", f"'{self.stage}' is not one of {', '.join(STAGES)}")
-        _check(self.mode in MODES, "mode", f"'{self.mode}' is not one of {', '.join(MODES)}")
-        _check(self.mode == "full" or self.stage == "diffusion", "mode",
-               f"{self.mode} fine-tunes the diffusion stage; set stage: diffusion")
+        _check(isinstance(self.mode, str) or (isinstance(self.mode, list) and bool(self.mode)
+                                              and all(isinstance(m, str) for m in self.mode)),
+               "mode", f"{self.mode!r}: give one mode (mode: lora) or a list of modes (mode: [controlnet, lora])")
+        modes = self.modes
+        unknown = [m for m in modes if m not in MODES]
+        _check(not unknown, "mode", f"'{unknown[0] if unknown else ''}' is not one of {', '.join(MODES)}")
+        _check(len(modes) == 1 or modes in COMBINED, "mode",
+               f"[{', '.join(modes)}] do not train together; modes that do: "
+               f"{'; '.join(f'[{a}, {b}]' for a, b in COMBINED)}")
+        _check(modes == ("full",) or self.stage == "diffusion", "mode",
+               f"{self.mode_name} fine-tunes the diffusion stage; set stage: diffusion")
         self.lora.validate()
         self.instruct_pix2pix.validate()
-        _check(not self.edit.reference or self.mode in ("full", "lora"), "edit.reference",
-               f"trains the denoiser to edit by reference with mode full or lora, not {self.mode}")
-        self.textual_inversion.validate(trained=self.mode == "textual_inversion")
-        if self.mode == "dreambooth":
+        _check(not self.edit.reference or modes in (("full",), ("lora",)), "edit.reference",
+               f"trains the denoiser to edit by reference with mode full or lora, not {self.mode_name}")
+        self.textual_inversion.validate(trained="textual_inversion" in modes)
+        if "dreambooth" in modes:
             self.dreambooth.validate()
             if self.dreambooth.cache_latents:
                 for key, value, wanted in (("random_flip", self.data.random_flip, False),
@@ -900,7 +925,7 @@ class RunConfig:
                                            ("center_crop", self.data.center_crop, True)):
                     _check(value == wanted, f"data.{key}", f"dreambooth.cache_latents encodes each image once, from "
                            f"its centre crop: set data.{key}={str(wanted).lower()}, or dreambooth.cache_latents=false")
-        if self.lora.type != "lora" and (self.mode == "lora" or self.dreambooth.lora):
+        if self.lora.type != "lora" and ("lora" in modes or self.dreambooth.lora):
             # DoRA divides by the norm of the base weight plus the update, LoKr reshapes its product to the base
             # weight's: both read the weight as a plain tensor outside its layer's matmul.
             _check(self.model.frozen_precision == "fp32", "model.frozen_precision",
@@ -912,7 +937,7 @@ class RunConfig:
         _check(self.model.offload_frozen is not True or self.parallel.strategy == "ddp", "model.offload_frozen",
                "streams the whole frozen base from host memory, which parallel.strategy=fsdp shards across the ranks "
                "instead: use one or the other")
-        if self.mode == "textual_inversion":
+        if "textual_inversion" in modes:
             _check(self.parallel.strategy == "ddp", "parallel.strategy",
                    "textual_inversion trains a few vectors of a text encoder every rank holds whole: use ddp")
         for section in (self.diffusion, self.data, self.model, self.autoencoder, self.optim, self.ema, self.train,
@@ -926,8 +951,8 @@ class RunConfig:
                    "steps each parameter during backward, so it cannot accumulate: set train.grad_accum=1")
         if self.evaluation.every_samples:
             _check(self.stage == "diffusion", "evaluation.every_samples", "evaluates generated images: diffusion only")
-            _check(self.mode not in ("controlnet", "instruct_pix2pix"), "evaluation.every_samples",
-                   f"mode {self.mode} samples from each prompt's image, which evaluation has none of: set it to 0 "
+            _check(not {"controlnet", "instruct_pix2pix"} & set(modes), "evaluation.every_samples",
+                   f"mode {self.mode_name} samples from each prompt's image, which evaluation has none of: set it to 0 "
                    "and judge the validation images (validation.prompts), drawn from the last batch's images")
             _check(not self.edit.reference or set(self.evaluation.metrics) <= {"val_loss"}, "evaluation.metrics",
                    "an edit by reference draws from each prompt's source image, which FID, CLIP score and adherence "

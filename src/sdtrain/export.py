@@ -60,7 +60,7 @@ def _export_trained_parts(run_dir: Path, config: RunConfig, folder: Path, ema: b
     modules = load_run_modules(run_dir, ema=ema, checkpoint=checkpoint)
     save_trained_parts(modules, read_meta(checkpoint), folder)
     if full_pipeline is None:
-        full_pipeline = config.textual_inversion.save_as_full_pipeline if config.mode == "textual_inversion" \
+        full_pipeline = config.textual_inversion.save_as_full_pipeline if "textual_inversion" in config.modes \
             else config.lora.save_merged
     if full_pipeline:
         pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint, trained=modules).save_pretrained(
@@ -81,10 +81,12 @@ def export_run(run_dir: Path, out: Path, ema: bool = True, checkpoint: Path | No
 
     def write(tmp: Path) -> None:
         if config.stage == "diffusion" and read_meta(checkpoint).get("task", {}).get(CONTROLNET):
-            # A ControlNet is used beside its base, which the run never changed: its folder alone, as diffusers'
-            # ControlNetModel.from_pretrained and ComfyUI's ControlNet loader read it.
-            load_run_modules(run_dir, [CONTROLNET], ema=ema, checkpoint=checkpoint)[CONTROLNET].save_pretrained(
-                tmp / CONTROLNET, safe_serialization=True)
+            # A ControlNet is used beside its base: its folder, as diffusers' ControlNetModel.from_pretrained and
+            # ComfyUI's ControlNet loader read it, and the files of the adapters trained on the base beside it
+            # (mode [controlnet, lora]), which the base's pipeline loads.
+            modules = load_run_modules(run_dir, ema=ema, checkpoint=checkpoint)
+            modules.pop(CONTROLNET).save_pretrained(tmp / CONTROLNET, safe_serialization=True)
+            save_trained_parts(modules, read_meta(checkpoint), tmp)
         elif config.stage == "diffusion" and is_partial_run(checkpoint):
             _export_trained_parts(run_dir, config, tmp, ema, checkpoint, full_pipeline)
         elif config.stage == "diffusion":

@@ -208,7 +208,7 @@ class _Export:
         diffusion = self.config.stage == "diffusion"
         self.family = families.get(self.task.get("family") or "sd") if diffusion else None
         self.base = _base(self.config, self.family)
-        self.mode = self.config.mode if diffusion else "full"
+        self.modes = self.config.modes if diffusion else ("full",)
 
     @property
     def editor(self) -> Any:
@@ -242,18 +242,18 @@ def _prompt(export: _Export) -> str:
     """A prompt for the card's code: DreamBooth's instance prompt, a validation prompt (with the embedding's
     token for textual inversion)."""
     config, prompts = export.config, list(export.config.validation.prompts)
-    if export.mode == "dreambooth" and config.dreambooth.instance_prompt:
+    if "dreambooth" in export.modes and config.dreambooth.instance_prompt:
         return config.dreambooth.instance_prompt
-    if export.mode == "textual_inversion":
+    if "textual_inversion" in export.modes:
         token = export.task.get("placeholder_token") or config.textual_inversion.placeholder_token
         return next((p for p in prompts if token in p), f"a photo of {token}")
     return prompts[0] if prompts else "a photo of a cat"
 
 
 def _instance_prompt(export: _Export) -> str | None:
-    if export.mode == "dreambooth":
+    if "dreambooth" in export.modes:
         return export.config.dreambooth.instance_prompt or None
-    if export.mode == "textual_inversion":
+    if "textual_inversion" in export.modes:
         return export.task.get("placeholder_token") or export.config.textual_inversion.placeholder_token
     return None
 
@@ -262,14 +262,14 @@ def _tags(export: _Export) -> list[str]:
     if export.family is None:
         return ["diffusers", "vae", "sdtrain"]
     modes = []
-    if export.mode == "dreambooth":
+    if "dreambooth" in export.modes:
         modes.append("dreambooth")
     if export.kind == "lora":
         modes += ["lora", "template:sd-lora"]
     if export.kind == "embedding":
         modes.append("textual-inversion")
     if export.kind == "controlnet":
-        modes.append("controlnet")
+        modes += ["controlnet", *(["lora"] if export.task.get("lora") else [])]
     return ["text-to-image", "diffusers", *(export.family.hub_tags or [export.family.name]), *modes,
             "sdtrain"]
 
@@ -294,15 +294,19 @@ def _summary(export: _Export) -> str:
     prompt = _instance_prompt(export)
     target = base.markdown() if base.source else family.title
     if export.kind == "controlnet":
-        return (f"A ControlNet for {target} ({family.title}), trained with sdtrain: it steers the base model by a "
-                "conditioning image.")
+        adapters = export.task.get("lora")
+        beside = (f", with the {_adapter_kind(next(iter(adapters.values())))} adapters trained on the base beside it"
+                  if adapters else "")
+        return (f"A ControlNet for {target} ({family.title}){beside}, trained with sdtrain: it steers the base model "
+                "by a conditioning image.")
     if export.kind == "lora":
         ranks = sorted({settings.get("r") for settings in (export.task.get("lora") or {}).values()} - {None})
         rank = f" (rank {', '.join(map(str, ranks))})" if ranks else ""
         kind = next(iter({_adapter_kind(s) for s in (export.task.get("lora") or {}).values()}), "LoRA")
-        what = f"DreamBooth {kind} adapters" if export.mode == "dreambooth" else f"{kind} adapters"
-        subject = f" on a subject: prompt with `{prompt}`" if export.mode == "dreambooth" else ""
-        return f"{what}{rank} for {target} ({family.title}), trained with sdtrain{subject}."
+        what = f"DreamBooth {kind} adapters" if "dreambooth" in export.modes else f"{kind} adapters"
+        subject = f" on a subject: prompt with `{prompt}`" if "dreambooth" in export.modes else ""
+        edits = ", to edit an image as its prompt instructs" if export.editor is not None else ""
+        return f"{what}{rank} for {target} ({family.title}), trained with sdtrain{subject}{edits}."
     if export.kind == "embedding":
         vectors = len(export.task.get("tokens") or []) or export.config.textual_inversion.num_vectors
         return (f"A textual-inversion embedding for {target} ({family.title}), trained with sdtrain: the token "
@@ -310,7 +314,7 @@ def _summary(export: _Export) -> str:
     how = {"dreambooth": f"DreamBooth-fine-tuned {start} with sdtrain on a subject: prompt with `{prompt}`",
            "lora": f"fine-tuned {start} with sdtrain, LoRA adapters merged in",
            "textual_inversion": f"fine-tuned {start} with sdtrain by textual inversion, the token `{prompt}` added",
-           }.get(export.mode, f"{'fine-tuned' if base.source else 'trained'} {start} with sdtrain")
+           }.get(export.modes[0], f"{'fine-tuned' if base.source else 'trained'} {start} with sdtrain")
     if export.editor is not None:
         how += ", to edit an image as its prompt instructs"
     if export.kind != "file":
@@ -358,7 +362,9 @@ def _usage(export: _Export) -> list[str]:
         folder = json.dumps(f"{name}/{CONTROLNET}")
         lines = [f"from diffusers import {model}, {pipeline}", "from diffusers.utils import load_image", "",
                  f"controlnet = {model}.from_pretrained({folder}){comment}",
-                 f"pipe = {pipeline}.from_pretrained({base}, controlnet=controlnet)"]
+                 f"pipe = {pipeline}.from_pretrained({base}, controlnet=controlnet)",
+                 *([f"pipe.load_lora_weights({here})  # the adapters trained beside it"]
+                   if export.task.get("lora") else [])]
         call = f"image = pipe({prompt}, {spec.image_argument}=load_image(\"map.png\")).images[0]"
     elif export.kind == "pipeline":
         lines = [*head, f"pipe = {pipeline}.from_pretrained({here}){comment}"]
@@ -448,7 +454,7 @@ def training_settings(export: _Export) -> list[tuple[str, str]]:
     rows = [("Base model", export.base.label or "none (trained from scratch)")]
     if export.family is not None:
         rows.append(("Family", export.family.title))
-    rows.append(("Mode", config.mode if export.family is not None else "autoencoder"))
+    rows.append(("Mode", config.mode_name if export.family is not None else "autoencoder"))
     rows.append(("Resolution", f"{data.resolution}" + (" (aspect buckets)" if data.aspect_buckets else "")))
     steps = int(meta.get("step", 0))
     rows.append(("Steps", f"{steps}" + (f" of {config.train.max_steps}" if steps < config.train.max_steps else "")))
@@ -470,12 +476,12 @@ def training_settings(export: _Export) -> list[tuple[str, str]]:
         rows.append((f"{_adapter_kind(settings)} ({module})", f"rank {settings.get('r')}, alpha {_number(alpha)}"
                      + (f", dropout {settings['lora_dropout']:g}" if settings.get("lora_dropout") else "")
                      + (f" on {targets}" if targets else "")))
-    if export.mode == "textual_inversion":
+    if "textual_inversion" in export.modes:
         ti = config.textual_inversion
         vectors = len(task.get("tokens") or []) or ti.num_vectors
         rows.append(("Placeholder token", f"`{_instance_prompt(export)}` ({vectors} vector{'s' if vectors != 1 else ''}"
                      + (f", initialised from `{ti.initializer_token}`" if ti.initializer_token else "") + ")"))
-    if export.mode == "dreambooth":
+    if "dreambooth" in export.modes:
         db = config.dreambooth
         rows.append(("Instance prompt", f"`{db.instance_prompt}`"))
         if db.class_prompt:

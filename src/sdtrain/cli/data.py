@@ -34,10 +34,10 @@ def run_preview(args: argparse.Namespace) -> int:
     data = config.data
     if config.stage == "diffusion":
         from sdtrain.models import families
-        from sdtrain.train.modes import part_class
+        from sdtrain.train.modes import make_part
 
         # What the mode makes of the data settings: its captions' dropout (a ControlNet's family's), its templates.
-        data = part_class(config)(config, families.for_model(config.model)).data_config(data)
+        data = make_part(config, families.for_model(config.model)).data_config(data)
     result = preview_data(data, config.seed, args.num, args.out)
     print(f"{result['grid']}: the first {result['samples']} samples as training receives them "
           f"({result['skipped']} skipped as undecodable, {result['filtered']} filtered by data.filters on the way)")

@@ -32,6 +32,11 @@ class TrainedPart:
         self.config = config
         self.family = family
 
+    @property
+    def pieces(self) -> list[TrainedPart]:
+        """The parts this one is made of: itself alone (`Together`'s, its parts)."""
+        return [self]
+
     @classmethod
     def problems(cls, config: RunConfig, family: ModelFamily) -> list[str]:
         """What of `config` this part cannot take on `family`, one line each, read from the config and the family's
@@ -99,3 +104,65 @@ class TrainedPart:
         """What each of `count` validation prompts is sampled with beside it, by pipeline argument (a ControlNet's
         maps, from the last `batch`); nothing here."""
         return {}
+
+
+class Together(TrainedPart):
+    """Several trained parts in one run (``mode: [controlnet, lora]``): each hook asks every part, in the order of the
+    run's modes (adapters last, on what the others made), and combines their answers."""
+
+    def __init__(self, config: RunConfig, family: ModelFamily, parts: list[TrainedPart]):
+        super().__init__(config, family)
+        self.parts = parts
+        self.through_frozen_denoiser = any(part.through_frozen_denoiser for part in parts)
+        self.gives_source = any(part.gives_source for part in parts)
+
+    @property
+    def pieces(self) -> list[TrainedPart]:
+        return self.parts
+
+    def keeps_frozen(self, name: str) -> bool:
+        return all(part.keeps_frozen(name) for part in self.parts)
+
+    def text_encoder_trains(self) -> bool:
+        return any(part.text_encoder_trains() for part in self.parts)
+
+    def make_trainable(self, denoiser: nn.Module, text_encoders: dict[str, nn.Module],
+                       tokenizers: list[Any], latent_factor: int = 8) -> dict[str, nn.Module]:
+        trainable: dict[str, nn.Module] = {}
+        for part in self.parts:
+            trainable.update(part.make_trainable(denoiser, text_encoders, tokenizers, latent_factor))
+        return trainable
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {key: value for part in self.parts for key, value in part.checkpoint_meta().items()}
+
+    def data_config(self, data: DataConfig) -> DataConfig:
+        for part in self.parts:
+            data = part.data_config(data)
+        return data
+
+    def validation_prompts(self, prompts: list[str]) -> list[str]:
+        for part in self.parts:
+            prompts = part.validation_prompts(prompts)
+        return prompts
+
+    def controls(self, trained: dict[str, nn.Module], batch: dict[str, Any], noisy: torch.Tensor,
+                 timesteps: torch.Tensor, condition: dict[str, Any], vae: nn.Module) -> dict[str, Any]:
+        return {key: value for part in self.parts
+                for key, value in part.controls(trained, batch, noisy, timesteps, condition, vae).items()}
+
+    def denoiser_extra(self, batch: dict[str, Any], vae: nn.Module, generator: torch.Generator | None
+                       ) -> torch.Tensor | None:
+        return next((extra for part in self.parts
+                     if (extra := part.denoiser_extra(batch, vae, generator)) is not None), None)
+
+    def encodes_images(self) -> bool:
+        return any(part.encodes_images() for part in self.parts)
+
+    def pipeline(self, pipe: Any, modules: dict[str, nn.Module]) -> Any:
+        for part in self.parts:
+            pipe = part.pipeline(pipe, modules)
+        return pipe
+
+    def sampling_inputs(self, batch: dict[str, Any] | None, count: int) -> dict[str, list[Any]]:
+        return {key: value for part in self.parts for key, value in part.sampling_inputs(batch, count).items()}

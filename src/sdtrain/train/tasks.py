@@ -61,8 +61,9 @@ def make_objective(family: families.ModelFamily, config: DiffusionConfig, schedu
     return NoisePrediction(config, scheduler, device)
 
 
-def capability_problems(config: RunConfig, family: families.ModelFamily, part: type[TrainedPart]) -> list[str]:
-    """Every key of a diffusion run's `config` that its `family` or its trained `part` cannot take, one line each,
+def capability_problems(config: RunConfig, family: families.ModelFamily, parts: list[type[TrainedPart]]
+                        ) -> list[str]:
+    """Every key of a diffusion run's `config` that its `family` or its trained `parts` cannot take, one line each,
     from the config, the family's spec and the pretrained denoiser's config.json alone: no weight loads."""
     found = []
     model = config.model
@@ -82,7 +83,8 @@ def capability_problems(config: RunConfig, family: families.ModelFamily, part: t
     if config.diffusion.flow.guidance_range and denoiser_config is not None \
             and not family.takes_guidance(denoiser_config):
         found.append(GUIDANCE_RANGE_UNREAD)
-    found += part.problems(config, family)
+    for part in parts:
+        found += part.problems(config, family)
     return [line for line in found if line]
 
 
@@ -171,7 +173,7 @@ class Task:
 
     def checkpoint_meta(self) -> dict[str, Any]:
         """What a checkpoint's reader needs to rebuild partly trained modules on their base (meta.json)."""
-        return {"mode": self.config.mode, "family": self.family.name,
+        return {"mode": self.config.mode_name, "family": self.family.name,
                 **({"trust_pickle": True} if self.components.trust_pickle else {}),
                 **({"frozen_precision": self.frozen_precision} if self.config.model.frozen_precision == "auto" else {})}
 
@@ -347,7 +349,7 @@ class DiffusionTask(Task):
         self.part = part or TrainedPart(config, self.family)
         self.recipe = recipe or DataRecipe(config, run_dir)
         model, family = config.model, self.family
-        problems = capability_problems(config, family, type(self.part))
+        problems = capability_problems(config, family, [type(piece) for piece in self.part.pieces])
         if problems:  # every one, before any weight loads
             raise UserError("\n".join(problems))
         self.tokenizers = self._tokenizers()
@@ -390,10 +392,11 @@ class DiffusionTask(Task):
         self.caption_tokenizer = CaptionTokenizer(self.tokenizers, family)
         if family.instruct is not None and denoiser.config.in_channels > latent[0] and not self.part.gives_source:
             # An InstructPix2Pix (or inpainting) UNet: fed the latents alone, its first step is a shape traceback.
-            raise UserError(f"mode {config.mode}: this {family.denoiser} reads {denoiser.config.in_channels} input "
-                            f"channels, more than the {latent[0]} of its latents: it edits, reading an image beside "
-                            "them; fine-tune an InstructPix2Pix model with mode instruct_pix2pix "
-                            "(configs/instruct-pix2pix.yaml), or start from a text-to-image one")
+            raise UserError(f"mode {config.mode_name}: this {family.denoiser} reads {denoiser.config.in_channels} "
+                            f"input channels, more than the {latent[0]} of its latents: it edits, reading an image "
+                            "beside them; fine-tune an InstructPix2Pix model with mode instruct_pix2pix "
+                            "(configs/instruct-pix2pix.yaml; adapters on it: mode [instruct_pix2pix, lora]), or start "
+                            "from a text-to-image one")
         self.trainable = self.part.make_trainable(self.denoiser, self.text_encoders, self.tokenizers,
                                                   latent_factor=scale)
         for name, module in self.trainable.items():  # a module of the part's own (a ControlNet), called by name

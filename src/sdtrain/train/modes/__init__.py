@@ -17,7 +17,7 @@ from sdtrain.train.modes.dreambooth import DreamBoothRecipe
 from sdtrain.train.modes.instruct_pix2pix import InstructPix2PixPart
 from sdtrain.train.modes.lora import Adapters
 from sdtrain.train.modes.textual_inversion import NewTokens
-from sdtrain.train.parts import TrainedPart
+from sdtrain.train.parts import Together, TrainedPart
 from sdtrain.train.tasks import TASKS, DataRecipe, DiffusionTask, Task, capability_problems
 
 # What trains, by mode; DreamBooth trains the whole model, or adapters with dreambooth.lora.
@@ -27,16 +27,23 @@ TRAINED: dict[str, type[TrainedPart]] = {"lora": Adapters, "textual_inversion": 
 RECIPES: dict[str, type[DataRecipe]] = {"dreambooth": DreamBoothRecipe}
 
 
-def part_class(config: RunConfig) -> type[TrainedPart]:
-    """What a diffusion run trains: its mode's trained part, else the whole model."""
-    if config.mode == "dreambooth" and config.dreambooth.lora:
-        return Adapters
-    return TRAINED.get(config.mode, TrainedPart)
+def part_classes(config: RunConfig) -> list[type[TrainedPart]]:
+    """What a diffusion run trains, a part per mode that trains one (adapters last), else the whole model."""
+    parts = [TRAINED[mode] for mode in config.modes if mode in TRAINED]
+    if "dreambooth" in config.modes and config.dreambooth.lora:
+        parts.append(Adapters)
+    return parts or [TrainedPart]
+
+
+def make_part(config: RunConfig, family: families.ModelFamily) -> TrainedPart:
+    """The run's trained part: its one part, or its parts together."""
+    parts = [cls(config, family) for cls in part_classes(config)]
+    return parts[0] if len(parts) == 1 else Together(config, family, parts)
 
 
 def recipe_class(config: RunConfig) -> type[DataRecipe]:
     """What a diffusion run trains on: its mode's data recipe, else the plain one."""
-    return RECIPES.get(config.mode, DataRecipe)
+    return next((RECIPES[mode] for mode in config.modes if mode in RECIPES), DataRecipe)
 
 
 def capability(config: RunConfig) -> tuple[str, list[str]]:
@@ -46,10 +53,10 @@ def capability(config: RunConfig) -> tuple[str, list[str]]:
     if config.stage != "diffusion":
         return f"stage {config.stage}", []
     family = families.for_model(config.model)
-    part = part_class(config)
-    trains = f"{family.title}, mode {config.mode}" + (" (adapters)" if part is Adapters and config.mode != "lora"
-                                                      else "")
-    return trains, capability_problems(config, family, part)
+    parts = part_classes(config)
+    trains = f"{family.title}, mode {config.mode_name}" + (
+        " (adapters)" if "dreambooth" in config.modes and Adapters in parts else "")
+    return trains, capability_problems(config, family, parts)
 
 
 def prepare_task(config: RunConfig, run_dir: Path) -> None:
@@ -63,5 +70,5 @@ def make_task(config: RunConfig, device: torch.device, run_dir: Path, resumed: d
     from."""
     if config.stage != "diffusion":
         return TASKS[config.stage](config, device, run_dir, resumed)
-    part = part_class(config)(config, families.for_model(config.model))
+    part = make_part(config, families.for_model(config.model))
     return DiffusionTask(config, device, run_dir, resumed, part=part, recipe=recipe_class(config)(config, run_dir))
