@@ -316,7 +316,8 @@ class Krea2(causal_lm.LanguageModelText, ModelFamily):
         position = (attended.long().cumsum(-1) - 1).clamp(min=0).expand(3, -1, -1)
         states = encoder(input_ids=ids[0], attention_mask=attended.long(), position_ids=position,
                          output_hidden_states=True).hidden_states
-        layers = text_layers(encoder.config.num_hidden_layers)
+        # The tower's depth, or the whole Qwen3-VL's language tower's (the pipeline's text encoder).
+        layers = text_layers(encoder.config.get_text_config().num_hidden_layers)
         stacked = torch.cat([states[layer][:, drop:] for layer in layers], dim=-1)
         kept = (mask[:, drop:] == KEPT_TOKEN).to(stacked.dtype)
         # Padding's states zeroed (the transformer masks them either way): shards of a caption are then its own.
@@ -359,7 +360,7 @@ class Krea2(causal_lm.LanguageModelText, ModelFamily):
         return self.prepare_pipeline(Krea2Pipeline(
             scheduler=scheduler, vae=components["vae"], text_encoder=text_encoder, tokenizer=tokenizers[0],
             transformer=components["transformer"], is_distilled=distilled, patch_size=PATCH,
-            text_encoder_select_layers=text_layers(text_encoder.config.num_hidden_layers)))
+            text_encoder_select_layers=text_layers(text_encoder.config.get_text_config().num_hidden_layers)))
 
     def prepare_pipeline(self, pipe: Any) -> Any:
         # The pipeline drops the released tokenizer's 34 prefix tokens and appends its 5 suffix tokens whatever its
