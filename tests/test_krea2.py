@@ -176,6 +176,26 @@ def test_the_conditioning_and_the_transformers_call_are_the_pipelines_own(releas
     torch.testing.assert_close(ours, pipe._unpack_latents(theirs, 32, 32).squeeze(2), rtol=1e-5, atol=1e-5)
 
 
+def test_the_kept_length_changes_nothing_but_truncation(released):
+    """Padding takes no position in the language model and is masked everywhere after it (the transformer's text
+    tokens all sit at RoPE's origin), so a caption that fits conditions the transformer the same at any
+    ``model.t5_text_length``: a shorter one only makes encoded shards smaller."""
+    from sdtrain.models import build
+    from sdtrain.models.tokenizer import CaptionTokenizer
+
+    pipe = _pipeline(released)
+    latents = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for length in (TEXT_LENGTH, 3 * TEXT_LENGTH):
+        tokenizer = build.load_tokenizer(str(released / "tokenizer"), length)
+        ids, masks = KREA.token_inputs(CaptionTokenizer([tokenizer], KREA)(["a red circle", ""]))
+        with torch.no_grad():
+            text = KREA.encode_text([pipe.text_encoder], ids, None, masks)
+            condition = KREA.condition(text, {}, torch.device("cpu"))
+            outputs.append(KREA.denoise(pipe.transformer, latents, torch.tensor([300.0, 700.0]), condition))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+
+
 def test_training_shifts_the_sigmas_as_the_base_pipeline_samples(released):
     """The base model's pipeline shifts its sampling sigmas by mu linear in the image tokens (0.5 at 256, 1.15 at
     6,400, from the scheduler's config): the training objective on the preset's scheduler shifts by the same."""
