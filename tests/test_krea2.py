@@ -120,22 +120,28 @@ def test_the_released_taps_and_template_are_the_pipelines():
     assert krea2.text_layers(6) == LAYERS
 
 
-def test_a_released_folder_is_recognised_and_its_language_tower_read_alone(released):
+def test_a_released_folder_is_recognised_and_its_language_tower_read_alone(released, tmp_path):
     """The whole Qwen3-VL's hidden states at the taps, with padding in the middle and the positions the pipeline
-    gives, are its language tower's alone, loaded as transformers loads it and a tensor at a time in fp8."""
-    from transformers import Qwen3VLTextModel
+    gives, are its language tower's alone, loaded as transformers loads it and a tensor at a time in fp8, from the
+    pipeline's Qwen3VLModel folder or from a Qwen3VLForConditionalGeneration one (Qwen's own release, its tower
+    under model.language_model.)."""
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLTextModel
 
     from sdtrain.loaders.components import load_component
 
     assert families.detect(released) is KREA
     whole = _pipeline(released).text_encoder
+    generation = Qwen3VLForConditionalGeneration(whole.config)
+    generation.model.load_state_dict(whole.state_dict())
+    generation.save_pretrained(tmp_path / "text_encoder")
     ids = torch.randint(0, 100, (2, 9))
     mask = torch.ones_like(ids)
     mask[0, 3:6] = 0
     position = (mask.cumsum(-1) - 1).clamp(min=0).expand(3, -1, -1)
     expected = whole(input_ids=ids, attention_mask=mask, position_ids=position, output_hidden_states=True)
-    for precision in ("fp32", "fp8"):
-        tower = load_component("text_encoder", released, family=KREA, frozen_precision=precision)
+    for source, precision in [(released, "fp32"), (released, "fp8"), (tmp_path / "text_encoder", "fp32"),
+                              (tmp_path / "text_encoder", "fp8")]:
+        tower = load_component("text_encoder", source, family=KREA, frozen_precision=precision)
         assert type(tower) is Qwen3VLTextModel  # no vision tower
         got = tower(input_ids=ids, attention_mask=mask, position_ids=position, output_hidden_states=True)
         tolerance = 0 if precision == "fp32" else 0.2
@@ -223,7 +229,8 @@ def test_training_shifts_the_sigmas_as_the_base_pipeline_samples(released):
 
 def test_a_distilled_folder_samples_in_8_steps_without_guidance(distilled, released, tmp_path, monkeypatch):
     """model_index.json's is_distilled: `generate` samples as the pipeline's own example does, 8 transformer calls,
-    none for classifier-free guidance; the base model samples in 28 at Krea's 4.5, sdtrain's 5.5."""
+    none for classifier-free guidance, at the fixed shift mu = 1.15; the base model samples in 28 at Krea's 4.5,
+    sdtrain's 5.5."""
     from diffusers import Krea2Transformer2DModel
 
     assert KREA.distilled(distilled) and KREA.distilled(distilled / "transformer") and not KREA.distilled(released)
@@ -242,6 +249,19 @@ def test_a_distilled_folder_samples_in_8_steps_without_guidance(distilled, relea
     assert main(["generate", "--model", str(distilled), "--prompt", "a red circle", "--size", "32",
                  "--out", str(tmp_path / "images")]) == 0
     assert len(calls) == 8
+    # Whatever the image's size, at the distilled shift.
+    sampled = []
+
+    def first_step(pipe, step, timestep, tensors):
+        sampled.append(pipe.scheduler.sigmas)
+        pipe._interrupt = True
+        return {}
+
+    _pipeline(distilled)(prompt="a red circle", num_inference_steps=8, guidance_scale=0.0, height=64, width=48,
+                         output_type="latent", max_sequence_length=TEXT_LENGTH, callback_on_step_end=first_step)
+    grid = torch.linspace(1.0, 1 / 8, 8)
+    torch.testing.assert_close(sampled[0][:-1].float(), pipe.scheduler.time_shift(krea2.DISTILLED_MU, 1.0, grid),
+                               rtol=1e-5, atol=1e-6)
     # What an export of a run on it writes: its model_index.json keeps is_distilled, and the taps.
     assembled = KREA.assemble({"vae": pipe.vae, "text_encoder": pipe.text_encoder, "transformer": pipe.transformer},
                               [pipe.tokenizer], pipe.scheduler, distilled=True)
