@@ -30,7 +30,6 @@ from diffusers import (
     QwenImageTransformer2DModel,
 )
 from diffusers.image_processor import VaeImageProcessor
-from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 from PIL import Image
 from torch import nn
@@ -45,10 +44,10 @@ from transformers import (
 )
 
 from sdtrain.models.families import causal_lm
-from sdtrain.models.families.codec import LatentCodec
 from sdtrain.models.families.patches import pack, unpack
 from sdtrain.models.families.spec import ModelFamily, ReferenceSpec, construct
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
+from sdtrain.models.families.wan_vae import TINY_WAN_VAE, WAN_CODEC, WAN_VAE
 from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY
 from sdtrain.utils import to_pil
 
@@ -69,8 +68,7 @@ _QWEN25_VL_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layer
 # the text encoder, see denoiser_settings) and autoencoder (diffusers' defaults, the released latent statistics).
 _QWEN_IMAGE = dict(patch_size=2, num_layers=60, attention_head_dim=128, num_attention_heads=24,
                    axes_dims_rope=[16, 56, 56])
-_QWEN_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
-                 temperal_downsample=[False, True, True])
+_QWEN_VAE = WAN_VAE
 # The released scheduler: a shift growing with the image, mu from 0.5 at 256 tokens to 0.9 at 8192.
 _SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
                   base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02)
@@ -80,8 +78,7 @@ _SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True
 _TINY_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, max_position_embeddings=512,
                   rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3]})
-_TINY_VAE = dict(base_dim=16, z_dim=16, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, True],
-                 latents_mean=[0.0] * 16, latents_std=[1.0] * 16)
+_TINY_VAE = TINY_WAN_VAE
 _TINY_QWEN_IMAGE = dict(patch_size=2, num_layers=2, attention_head_dim=16, num_attention_heads=2,
                         axes_dims_rope=[4, 6, 6])
 
@@ -150,39 +147,6 @@ def load_transformer_file(path: str | Path, trust_pickle: bool | None = None, fr
             "--single-file` of a Qwen-Image run) or a diffusers transformer folder")
 
 
-class WanImageCodec(LatentCodec):
-    """Wan's 3D autoencoder (AutoencoderKLQwenImage) read as an image one: each image a one-frame video, its latents
-    normalised per channel by the config's ``latents_mean`` and ``latents_std``, as the pipelines normalise them."""
-
-    released = {"scaling_factor": 1.0, "shift_factor": None}
-
-    def channels(self, vae_config: Any) -> int:
-        return vae_config.z_dim
-
-    def downsampling(self, vae_config: Any) -> int:
-        return 2 ** len(vae_config.temperal_downsample)
-
-    def encode(self, vae: nn.Module, pixels: torch.Tensor) -> DiagonalGaussianDistribution:
-        # A one-frame video in; the frame axis of the posterior's parameters taken out.
-        posterior = vae.encode(pixels.unsqueeze(2)).latent_dist
-        return DiagonalGaussianDistribution(posterior.parameters.squeeze(2))
-
-    def decode(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
-        return vae.decode(latents.unsqueeze(2)).sample.squeeze(2)
-
-    def normalize(self, latents: torch.Tensor, vae: nn.Module) -> torch.Tensor:
-        # Minus each channel's mean, times the inverse of its deviation.
-        shape = (1, -1, *([1] * (latents.dim() - 2)))
-        mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(shape)
-        inverse = 1.0 / torch.tensor(vae.config.latents_std, device=latents.device).view(shape)
-        return (latents.float() - mean) * inverse
-
-    def fit_normalization(self, vae: nn.Module, channel_mean: torch.Tensor, channel_square: torch.Tensor) -> None:
-        deviation = (channel_square - channel_mean.square()).clamp_min(1e-12).sqrt()
-        vae.register_to_config(latents_mean=channel_mean.tolist(), latents_std=deviation.tolist())
-
-
-WAN_CODEC = WanImageCodec()
 
 
 class QwenImage(causal_lm.LanguageModelText, ModelFamily):
