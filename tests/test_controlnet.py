@@ -178,5 +178,5 @@ def test_modes_that_do_not_train_together_are_one_line(capsys):
     assert main(["train", str(CONFIGS / "controlnet.yaml"), "--check", "model.pretrained=null", "model.preset=tiny",
                  "mode=[controlnet,textual_inversion]"]) == 2
     error = capsys.readouterr().err.strip().splitlines()
-    assert error == ["sdtrain train: error: mode: [textual_inversion, controlnet] do not train together; modes that do: "
-                     "[controlnet, lora]; [instruct_pix2pix, lora]"], error
+    assert error == ["sdtrain train: error: mode: [textual_inversion, controlnet] do not train together; modes that "
+                     "do: [controlnet, lora]; [instruct_pix2pix, lora]"], error
