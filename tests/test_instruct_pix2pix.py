@@ -255,7 +255,7 @@ def test_a_sample_without_its_source_edits_no_image_and_editing_by_reference_ref
     from sdtrain.config import DataConfig
     from sdtrain.data.pipeline import TrainBatches
     from sdtrain.errors import UserError
-    from sdtrain.train.tasks import DiffusionTask
+    from sdtrain.train.tasks import sources_of
 
     drops = _drops(tmp_path, 500, 0.0, without_source=(3, 7))
     assert sorted(key for key, zero in zip(drops["keys"], drops["source"].tolist()) if zero) == ["000003", "000007"]
@@ -267,7 +267,7 @@ def test_a_sample_without_its_source_edits_no_image_and_editing_by_reference_ref
     finally:
         loader.close()
     with pytest.raises(UserError, match="edit.reference: no source image .* for (000003, 000007|000007, 000003),"):
-        DiffusionTask.sources_of(batch)
+        sources_of(batch)
 
 
 def test_a_caption_dropout_beside_the_source_dropout_is_one_line():

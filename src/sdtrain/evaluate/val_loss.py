@@ -178,8 +178,8 @@ class ValLoss:
         noisy, timesteps, target = task.objective.draw_at(latents, noise.to(self.device), fractions.to(self.device))
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             # No generator: a guidance-distilled model is fed its constant diffusion.flow.guidance, not a draw.
-            condition = task.conditioning(batch)
-            return task.denoising_loss_at(noisy, timesteps, target, condition).float()
+            condition, extra = task.denoiser_inputs(batch, noisy, timesteps)
+            return task.denoising_loss_at(noisy, timesteps, target, condition, extra=extra).float()
 
     @contextmanager
     def _scoring(self, modules: dict[str, nn.Module]) -> Iterator[None]:

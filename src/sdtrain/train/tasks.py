@@ -24,9 +24,7 @@ from sdtrain.config import DataConfig, DiffusionConfig, RunConfig
 from sdtrain.data.decode import make_buckets, present
 from sdtrain.data.encoded import TEXT_FIELDS, dataset_encoding
 from sdtrain.errors import UserError
-from sdtrain.loaders.writers import REFERENCE_EDIT
 from sdtrain.models import build, families
-from sdtrain.models.families.spec import ReferenceSpec
 from sdtrain.models.pipeline import (
     PREVIEW_STEPS,
     exact_sampling,
@@ -41,7 +39,7 @@ from sdtrain.train.components import ComponentPlanner
 from sdtrain.train.objectives import FlowMatching, NoisePrediction, option_problems
 from sdtrain.train.parts import TrainedPart
 from sdtrain.train.storage import FrozenStorage, on_meta
-from sdtrain.utils import save_grid, save_images, to_pil
+from sdtrain.utils import save_grid, save_images
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +71,7 @@ def capability_problems(config: RunConfig, family: families.ModelFamily, parts: 
             family.preset(model.preset, built[0])
         except UserError as exc:
             found.append(str(exc))
-    if config.edit.reference:
-        found.append(families.unhosted(family, "reference", "edit.reference", "learns no editing by reference"))
-    elif family.edits_only:
+    if family.edits_only and not config.edit.reference:
         found.append(f"edit.reference: {family.title} edits images by reference and draws none from text alone; set "
                      "edit.reference=true, with each image's source beside it (KEY.src.png)")
     found += option_problems(family.objective, config.diffusion)
@@ -343,11 +339,12 @@ class DiffusionTask(Task):
     needs_captions = True
     reads_encoded = True
 
-    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, resumed: dict[str, Any] | None = None,
-                 part: TrainedPart | None = None, recipe: DataRecipe | None = None):
+    def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, resumed: dict[str, Any] | None, *,
+                 part: TrainedPart, recipe: DataRecipe):
+        """`part`: what trains (train.modes.make_part); `recipe`: what it trains on."""
         super().__init__(config, device, run_dir, resumed)
-        self.part = part or TrainedPart(config, self.family)
-        self.recipe = recipe or DataRecipe(config, run_dir)
+        self.part = part
+        self.recipe = recipe
         model, family = config.model, self.family
         problems = capability_problems(config, family, [type(piece) for piece in self.part.pieces])
         if problems:  # every one, before any weight loads
@@ -483,7 +480,7 @@ class DiffusionTask(Task):
         ids, masks = self.family.token_inputs(batch, self.device)
         if not text_reads_sources(self.config, self.family):
             return self.family.encode_text(encoders, ids, batch.get("captions"), masks)
-        return self.family.encode_text(encoders, ids, batch.get("captions"), masks, sources=self.sources_of(batch))
+        return self.family.encode_text(encoders, ids, batch.get("captions"), masks, sources=sources_of(batch))
 
     def use_encoded(self, encoding: dict[str, Any] | None) -> None:
         """Check pre-encoded shards against this task's frozen weights; text embeddings are used only
@@ -586,11 +583,18 @@ class DiffusionTask(Task):
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
             latents = self._latents(batch, generator)
             noisy, timesteps, target = self.objective.draw(latents, generator)
+        condition, extra = self.denoiser_inputs(batch, noisy, timesteps, generator)
+        return self.denoising_loss_at(noisy, timesteps, target, condition, latent_mask(batch, latents), extra)
+
+    def denoiser_inputs(self, batch: dict[str, Any], noisy: torch.Tensor, timesteps: torch.Tensor,
+                        generator: torch.Generator | None = None) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """What the denoiser's call on `noisy` at `timesteps` is given beside them: its conditioning with what the
+        trained part adds to it (a ControlNet's residuals, an edit's reference latents), and latents it reads on
+        extra input channels (InstructPix2Pix's source's), or None."""
         condition = self.conditioning(batch, generator)
         trained = {name: getattr(self, name) for name in self.trainable}
         condition = {**condition, **self.part.controls(trained, batch, noisy, timesteps, condition, self.vae)}
-        extra = self.part.denoiser_extra(batch, self.vae, generator)
-        return self.denoising_loss_at(noisy, timesteps, target, condition, latent_mask(batch, latents), extra)
+        return condition, self.part.denoiser_extra(batch, self.vae, generator)
 
     def denoising_loss_at(self, noisy: torch.Tensor, timesteps: torch.Tensor, target: torch.Tensor,
                           condition: dict[str, Any], mask: torch.Tensor | None = None,
@@ -624,47 +628,18 @@ class DiffusionTask(Task):
             with torch.set_grad_enabled(self.text_encoder_trains()):
                 text = self.encode_text(batch)
         condition = self.family.condition(text, batch, self.device)
-        if self.config.edit.reference:
-            condition["reference_latents"] = self.reference_latents(batch)
         if self.takes_guidance:
             condition["guidance"] = self.guidance(len(text["text_emb"]), generator)
         return condition
 
     def encodes_images(self) -> bool:
         """Whether training runs the VAE's encoder on images the samples carry beside their own (see
-        `TrainedPart.encodes_images`; editing by reference encodes the sources)."""
-        return self.part.encodes_images() or self.config.edit.reference
-
-    def reference_spec(self) -> ReferenceSpec:
-        """How the family's denoiser edits by reference; a family that cannot is one line."""
-        return families.mode_spec(self.family, "reference", "edit.reference", "learns no editing by reference")
+        `TrainedPart.encodes_images`)."""
+        return self.part.encodes_images()
 
     def text_encoder_runs(self) -> bool:
         """Whether training runs the text encoders whatever the data holds: one trains, or they read the sources."""
         return self.text_encoder_trains() or text_reads_sources(self.config, self.family)
-
-    @staticmethod
-    def sources_of(batch: dict[str, Any]) -> torch.Tensor:
-        """The batch's source images (``edit.reference``), in [-1, 1]."""
-        pixels = batch.get("source_pixels")
-        if pixels is None:
-            raise UserError("edit.reference: the data has no source images: put KEY.src.png (the image before the "
-                            "edit) beside each edited image, its caption the instruction (`prepare encode` keeps them)")
-        given = batch.get(present("source_pixels"))
-        if given is not None and not given.all():
-            # The loader's zeros would be a grey image to edit, not the absence of one.
-            missing = [key for key, has in zip(batch["keys"], given.tolist(), strict=True) if not has]
-            raise UserError(f"edit.reference: no source image (KEY.src.png beside the edited image) for "
-                            f"{', '.join(missing)}, and an edit by reference learns from none: add theirs, or leave "
-                            "those samples out of the shards")
-        return pixels
-
-    def reference_latents(self, batch: dict[str, Any]) -> torch.Tensor:
-        """The latents of the batch's source images, which the denoiser reads beside the noisy ones
-        (``edit.reference``)."""
-        pixels = self.sources_of(batch).to(self.device, non_blocking=True)
-        with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
-            return self.reference_spec().latents(self.vae, pixels)
 
     def guidance(self, count: int, generator: torch.Generator | None) -> torch.Tensor:
         """The guidance values a guidance-distilled denoiser is trained with: ``diffusion.flow.guidance``, or draws
@@ -684,8 +659,7 @@ class DiffusionTask(Task):
         return {self.family.denoiser: self.denoiser, **self.trainable}
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        edits = {REFERENCE_EDIT: True} if self.config.edit.reference else {}
-        return {**super().checkpoint_meta(), **self.part.checkpoint_meta(), **edits}
+        return {**super().checkpoint_meta(), **self.part.checkpoint_meta()}
 
     _told_stored_low = False
 
@@ -697,10 +671,6 @@ class DiffusionTask(Task):
         if not prompts:
             return None
         inputs = self.part.sampling_inputs(batch, len(prompts))
-        if self.config.edit.reference and batch is not None and "source_pixels" in batch:
-            # Each validation instruction edits one of the last batch's sources in turn, at the training size.
-            sources = to_pil(batch["source_pixels"])
-            inputs = {**inputs, "image": [sources[i % len(sources)] for i in range(len(prompts))]}
         return self.render(modules, out, self.part.validation_prompts(prompts), prompts, inputs)
 
     def pipeline(self, modules: dict[str, nn.Module]) -> Any:
@@ -710,8 +680,7 @@ class DiffusionTask(Task):
         components[self.family.denoiser] = modules.get(self.family.denoiser, self.denoiser)
         pipe = self.family.assemble(components, self.tokenizers, sampler_from(self.noise_scheduler, "euler"),
                                     distilled=self.distilled)
-        pipe = self.part.pipeline(pipe, modules)
-        return self.family.editing_pipeline(pipe) if self.config.edit.reference else pipe
+        return self.part.pipeline(pipe, modules)
 
     @torch.no_grad()
     def render(self, modules: dict[str, nn.Module], out: Path | None, prompts: list[str],
@@ -749,6 +718,22 @@ def text_reads_sources(config: RunConfig, family: families.ModelFamily) -> bool:
     """Whether a run's text conditioning reads each edit's source as well (``edit.reference`` on a family whose
     `ReferenceSpec.text_reads_source`)."""
     return config.edit.reference and family.text_reads_source
+
+
+def sources_of(batch: dict[str, Any]) -> torch.Tensor:
+    """The batch's source images (``edit.reference``), in [-1, 1]."""
+    pixels = batch.get("source_pixels")
+    if pixels is None:
+        raise UserError("edit.reference: the data has no source images: put KEY.src.png (the image before the "
+                        "edit) beside each edited image, its caption the instruction (`prepare encode` keeps them)")
+    given = batch.get(present("source_pixels"))
+    if given is not None and not given.all():
+        # The loader's zeros would be a grey image to edit, not the absence of one.
+        missing = [key for key, has in zip(batch["keys"], given.tolist(), strict=True) if not has]
+        raise UserError(f"edit.reference: no source image (KEY.src.png beside the edited image) for "
+                        f"{', '.join(missing)}, and an edit by reference learns from none: add theirs, or leave "
+                        "those samples out of the shards")
+    return pixels
 
 
 def latent_mask(batch: dict[str, Any], latents: torch.Tensor) -> torch.Tensor | None:

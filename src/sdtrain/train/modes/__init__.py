@@ -16,6 +16,7 @@ from sdtrain.train.modes.controlnet import ControlNetPart
 from sdtrain.train.modes.dreambooth import DreamBoothRecipe
 from sdtrain.train.modes.instruct_pix2pix import InstructPix2PixPart
 from sdtrain.train.modes.lora import Adapters
+from sdtrain.train.modes.reference import ReferencePart
 from sdtrain.train.modes.textual_inversion import NewTokens
 from sdtrain.train.parts import Together, TrainedPart
 from sdtrain.train.tasks import TASKS, DataRecipe, DiffusionTask, Task, capability_problems
@@ -32,7 +33,8 @@ def part_classes(config: RunConfig) -> list[type[TrainedPart]]:
     parts = [TRAINED[mode] for mode in config.modes if mode in TRAINED]
     if "dreambooth" in config.modes and config.dreambooth.lora:
         parts.append(Adapters)
-    return parts or [TrainedPart]
+    # Editing by reference trains nothing of its own: it is given beside what trains (the whole model by default).
+    return [*(parts or [TrainedPart]), *([ReferencePart] if config.edit.reference else [])]
 
 
 def make_part(config: RunConfig, family: families.ModelFamily) -> TrainedPart:
@@ -55,7 +57,8 @@ def capability(config: RunConfig) -> tuple[str, list[str]]:
     family = families.for_model(config.model)
     parts = part_classes(config)
     trains = f"{family.title}, mode {config.mode_name}" + (
-        " (adapters)" if "dreambooth" in config.modes and Adapters in parts else "")
+        " (adapters)" if "dreambooth" in config.modes and Adapters in parts else "") + (
+        ", editing by reference" if ReferencePart in parts else "")
     return trains, capability_problems(config, family, parts)
 
 
