@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from sdtrain.config import DataConfig, RunConfig
+from sdtrain.models import families
 from sdtrain.models.families.spec import ModelFamily
 
 
@@ -22,6 +23,11 @@ class TrainedPart:
     through_frozen_denoiser = False
     """Whether gradients flow back through the frozen denoiser to trained modules upstream of it (new token
     vectors in the text encoders), which makes the denoiser part of the backward pass."""
+
+    host: tuple[str, str, str] | None = None
+    """What a family must host for this part: its spec attribute (``controlnet``, ``instruct``, ``reference``), the
+    config key a family without one is told of, and what such a family cannot do (`families.unhosted`); None: every
+    family can train it."""
 
     gives_source = False
     """Whether the denoiser's call is given a source image's latents beside the noisy ones (`denoiser_extra`,
@@ -40,8 +46,16 @@ class TrainedPart:
     @classmethod
     def problems(cls, config: RunConfig, family: ModelFamily) -> list[str]:
         """What of `config` this part cannot take on `family`, one line each, read from the config and the family's
-        spec alone, before any weight loads (`sdtrain train --check` and the start of every run report them)."""
-        return []
+        spec alone, before any weight loads (`sdtrain train --check` and the start of every run report them): by
+        default, a family that does not host it."""
+        line = families.unhosted(family, *cls.host) if cls.host else None
+        return [line] if line else []
+
+    @property
+    def spec(self) -> Any:
+        """The family's spec of the mode this part trains (`host`); a family without one is one line."""
+        assert self.host is not None, f"{type(self).__name__} needs no family spec"
+        return families.mode_spec(self.family, *self.host)
 
     def keeps_frozen(self, name: str) -> bool:
         """Whether this part trains none of component `name`'s linear weights (their storage may then be low)."""

@@ -12,11 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdtrain.config import DataConfig, RunConfig
+from sdtrain.config import DataConfig
 from sdtrain.errors import UserError
 from sdtrain.loaders.writers import CONTROLNET
-from sdtrain.models import families
-from sdtrain.models.families.spec import ControlSpec, ModelFamily
+from sdtrain.models.families.spec import ControlSpec
 from sdtrain.train.parts import TrainedPart
 from sdtrain.utils import to_pil
 
@@ -27,13 +26,8 @@ class ControlNetPart(TrainedPart):
     # The loss reaches the ControlNet through the frozen denoiser, which adds its outputs in.
     through_frozen_denoiser = True
 
-    @property
-    def spec(self) -> ControlSpec:
-        return families.mode_spec(self.family, "controlnet", "mode", "hosts no ControlNet")
-
-    @classmethod
-    def problems(cls, config: RunConfig, family: ModelFamily) -> list[str]:
-        return [line for line in [families.unhosted(family, "controlnet", "mode", "hosts no ControlNet")] if line]
+    host = ("controlnet", "mode", "hosts no ControlNet")
+    spec: ControlSpec
 
     def keeps_frozen(self, name: str) -> bool:
         # The denoiser loads in full precision: the ControlNet copies its weights first; stored low afterwards.

@@ -18,12 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdtrain.config import DataConfig, RunConfig
+from sdtrain.config import DataConfig
 from sdtrain.data.decode import present
 from sdtrain.errors import UserError
 from sdtrain.loaders.writers import INSTRUCT_PIX2PIX
-from sdtrain.models import families
-from sdtrain.models.families.spec import InstructSpec, ModelFamily
+from sdtrain.models.families.spec import InstructSpec
 from sdtrain.train.parts import TrainedPart
 from sdtrain.utils import to_pil
 
@@ -36,14 +35,8 @@ class InstructPix2PixPart(TrainedPart):
 
     gives_source = True
 
-    @property
-    def spec(self) -> InstructSpec:
-        return families.mode_spec(self.family, "instruct", "mode", "learns no InstructPix2Pix editing")
-
-    @classmethod
-    def problems(cls, config: RunConfig, family: ModelFamily) -> list[str]:
-        return [line for line in [families.unhosted(family, "instruct", "mode", "learns no InstructPix2Pix editing")]
-                if line]
+    host = ("instruct", "mode", "learns no InstructPix2Pix editing")
+    spec: InstructSpec
 
     def make_trainable(self, denoiser: nn.Module, text_encoders: dict[str, nn.Module],
                        tokenizers: list[Any], latent_factor: int = 8) -> dict[str, nn.Module]:

@@ -11,10 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdtrain.config import RunConfig
 from sdtrain.loaders.writers import REFERENCE_EDIT
-from sdtrain.models import families
-from sdtrain.models.families.spec import ModelFamily, ReferenceSpec
+from sdtrain.models.families.spec import ReferenceSpec
 from sdtrain.train.parts import TrainedPart
 from sdtrain.train.tasks import sources_of
 from sdtrain.utils import to_pil
@@ -23,14 +21,8 @@ from sdtrain.utils import to_pil
 class ReferencePart(TrainedPart):
     """What editing by reference adds to the run's trained part (the whole denoiser, or adapters on it)."""
 
-    @property
-    def spec(self) -> ReferenceSpec:
-        return families.mode_spec(self.family, "reference", "edit.reference", "learns no editing by reference")
-
-    @classmethod
-    def problems(cls, config: RunConfig, family: ModelFamily) -> list[str]:
-        line = families.unhosted(family, "reference", "edit.reference", "learns no editing by reference")
-        return [line] if line else []
+    host = ("reference", "edit.reference", "learns no editing by reference")
+    spec: ReferenceSpec
 
     def keeps_frozen(self, name: str) -> bool:
         return True  # it trains nothing: what trains is the other part's to say
