@@ -172,6 +172,10 @@ def test_a_controlnet_and_lora_adapters_on_the_unet_it_steers_train_together_and
     assert np.abs(image() - without).max() > 0
     card = (out / "README.md").read_text()
     assert "pipe.load_lora_weights(" in card and "lora" in card.split("---")[1]  # its code and its tags
+    layout.save(tmp_path / "layout.png")
+    assert main(["generate", "--model", str(pretrained), "--controlnet", str(out / "controlnet"), "--lora", str(out),
+                 "--control-image", str(tmp_path / "layout.png"), "--prompt", "a red circle", "--steps", "1",
+                 "--size", "32", "--out", str(tmp_path / "images")]) == 0
 
 
 def test_modes_that_do_not_train_together_are_one_line(capsys):
