@@ -70,3 +70,24 @@ def test_a_run_reports_what_its_model_cannot_take_before_it_loads_a_weight(weigh
     errors = _errors(capsys)
     assert errors == ["sdtrain train: error: mode: Flux.1 learns no InstructPix2Pix editing in this release; "
                       "Stable Diffusion 1.x/2.x, SDXL do"], errors
+
+
+def test_image_sizes_the_pretrained_models_shapes_cannot_take_are_found_from_their_config_files(tmp_path, capsys):
+    """SD3's transformer covers pos_embed_max_size patches a side; its VAE downsamples 8x; buckets must survive both
+    with its 2x2 patches: all read from the folder's config.json files, every one reported."""
+    folder = tmp_path / "stable-diffusion-3-medium-diffusers"
+    for name, settings in {"vae": {"_class_name": "AutoencoderKL", "block_out_channels": [128, 256, 512, 512]},
+                           "transformer": {"_class_name": "SD3Transformer2DModel", "patch_size": 2,
+                                           "pos_embed_max_size": 8}}.items():
+        (folder / name).mkdir(parents=True)
+        (folder / name / "config.json").write_text(json.dumps(settings))
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    sd3_lora = FLUX_LORA.with_name("sd3-lora.yaml")
+    assert main(["train", str(sd3_lora), "--check", f"model.pretrained={folder}", "data.resolution=100"]) == 2
+    assert _errors(capsys) == ["sdtrain train: error: data.resolution: 100 is not a multiple of the VAE's factor 8"]
+    assert main(["train", str(sd3_lora), "--check", f"model.pretrained={folder}", "data.resolution=256",
+                 "data.aspect_buckets=true", "data.bucket_step=24"]) == 2
+    errors = _errors(capsys)
+    assert len(errors) == 2 and "data.bucket_step: 24 is not a multiple of 16" in errors[0]
+    assert "takes images of at most 128 px a side" in errors[1], errors
+    assert main(["train", str(sd3_lora), "--check", f"model.pretrained={folder}", "data.resolution=128"]) == 0

@@ -76,12 +76,43 @@ def capability_problems(config: RunConfig, family: families.ModelFamily, parts: 
                      "edit.reference=true, with each image's source beside it (KEY.src.png)")
     found += option_problems(family.objective, config.diffusion)
     denoiser_config = _pretrained_config(model, family.denoiser)
+    vae_config = _pretrained_config(model, "vae")
+    if vae_config is not None:
+        found += shape_problems(config, family, vae_config, denoiser_config,
+                                str(build.component_source(model, family.denoiser)))
     if config.diffusion.flow.guidance_range and denoiser_config is not None \
             and not family.takes_guidance(denoiser_config):
         found.append(GUIDANCE_RANGE_UNREAD)
     for part in parts:
         found += part.problems(config, family)
     return [line for line in found if line]
+
+
+def shape_problems(config: RunConfig, family: families.ModelFamily, vae_config: Any, denoiser_config: Any = None,
+                   where: str = "the denoiser") -> list[str]:
+    """What of the run's image sizes the model's shapes cannot take, one line each: the resolution against the VAE's
+    downsampling (`vae_config`), and with the `denoiser_config` the bucket step against both downsamplings together
+    and the largest side against the denoiser's position table (SD3's pos_embed_max_size; `where`: the denoiser's
+    source, as the line names it)."""
+    data = config.data
+    scale = family.codec.downsampling(vae_config)
+    if data.resolution % scale:
+        return [f"data.resolution: {data.resolution} is not a multiple of the VAE's factor {scale}"]
+    if denoiser_config is None:
+        return []
+    found = []
+    factor = scale * family.downsampling(denoiser_config)
+    if data.aspect_buckets and data.bucket_step % factor:
+        found.append(f"data.bucket_step: {data.bucket_step} is not a multiple of {factor}, the VAE and UNet's "
+                     f"combined downsampling; use {factor} or a multiple of it")
+    longest = family.max_latent_side(denoiser_config)
+    side = max(max(bucket) for bucket in make_buckets(data)) if data.aspect_buckets else data.resolution
+    if longest is not None and side > longest * scale:
+        # A traceback in the first step otherwise.
+        found.append(f"data.resolution: {where} takes images of at most {longest * scale} px a side (its position "
+                     f"table covers {longest} latent rows), but this run trains at {side} px; set data.resolution "
+                     f"(and with aspect buckets data.max_aspect) so no side exceeds {longest * scale}")
+    return found
 
 
 GUIDANCE_RANGE_UNREAD = ("diffusion.flow.guidance_range: this model's denoiser has no guidance embedding (a "
@@ -201,20 +232,10 @@ class Task:
 
     def _check_resolution(self, vae: nn.Module) -> int:
         """The VAE's downsampling factor, which the training resolution must be a multiple of."""
-        scale = self.family.codec.downsampling(vae.config)
-        if self.config.data.resolution % scale:
-            raise UserError(
-                f"data.resolution: {self.config.data.resolution} is not a multiple of the VAE's factor {scale}"
-            )
-        return scale
-
-
-    def _check_buckets(self, factor: int) -> None:
-        """Every bucket side must survive the model's downsampling: a multiple of `factor`."""
-        data = self.config.data
-        if data.aspect_buckets and data.bucket_step % factor:
-            raise UserError(f"data.bucket_step: {data.bucket_step} is not a multiple of {factor}, the VAE and UNet's "
-                            f"combined downsampling; use {factor} or a multiple of it")
+        problems = shape_problems(self.config, self.family, vae.config)
+        if problems:
+            raise UserError(problems[0])
+        return self.family.codec.downsampling(vae.config)
 
 
 class Reconstruct(nn.Module):
@@ -375,8 +396,10 @@ class DiffusionTask(Task):
             self.storage.offload(module)  # before placing: streamed weights never all reach the device
             setattr(self, name, module if self.storage.stages(name) else _placed(module, device))
         denoiser = self.denoiser
-        self._check_buckets(scale * family.downsampling(denoiser.config))
-        self._check_positions(denoiser.config, scale)
+        problems = shape_problems(config, family, self.vae.config, denoiser.config,
+                                  self.components.source(family.denoiser) or "the denoiser")
+        if problems:
+            raise UserError("\n".join(problems))
         # Read before the trainer wraps the denoiser (DDP, FSDP), whose wrapper has no config.
         self.takes_guidance = family.takes_guidance(denoiser.config)
         if config.diffusion.flow.guidance_range and not self.takes_guidance:  # a denoiser from a file or a run
@@ -403,21 +426,6 @@ class DiffusionTask(Task):
 
     def staged_on_host(self) -> bool:
         return self.storage.stages(self.family.denoiser)
-
-    def _check_positions(self, denoiser_config: Any, scale: int) -> None:
-        """A pretrained denoiser whose position table stops short of the largest image trained on (SD3's
-        pos_embed_max_size) is one line at start-up, not a traceback in the first step."""
-        longest = self.family.max_latent_side(denoiser_config)
-        if longest is None:
-            return
-        data = self.config.data
-        side = max(max(bucket) for bucket in make_buckets(data)) if data.aspect_buckets else data.resolution
-        if side > longest * scale:
-            where = self.components.source(self.family.denoiser) or "the denoiser"
-            raise UserError(f"data.resolution: {where} takes images of at most {longest * scale} px a side (its "
-                            f"position table covers {longest} latent rows), but this run trains at {side} px; set "
-                            f"data.resolution (and with aspect buckets data.max_aspect) so no side exceeds "
-                            f"{longest * scale}")
 
     @property
     def frozen_precision(self) -> str:
