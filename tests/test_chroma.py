@@ -19,7 +19,7 @@ from sdtrain.cli.main import main
 from sdtrain.models import families
 from sdtrain.models.families import chroma
 
-from .conftest import FINE_TUNE_MODES, TINY_CLI, config_path
+from .conftest import FINE_TUNE_MODES, TINY_CLI, config_path, resumes_bitwise_after_kill_9
 
 CONFIGS = config_path("diffusion.yaml").parents[1]
 TEXT_LENGTH = 24
@@ -259,7 +259,20 @@ def test_a_single_file_in_the_original_layout_reads_back_weight_for_weight(tmp_p
         assert torch.equal(loaded.state_dict()[key], tensor), key
 
 
+def test_textual_inversion_is_refused_in_one_line(tmp_path, released, shapes_dir, capsys):
+    assert main(["train", str(CONFIGS / "textual-inversion.yaml"), f"run_dir={tmp_path / 'ti'}", *COMMON,
+                 f"model.pretrained={released}", f"data.shards={shapes_dir}", "train.max_steps=1",
+                 "textual_inversion.placeholder_token=<shp>", "textual_inversion.initializer_token=circle"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert "textual_inversion learns CLIP token vectors" in error[-1] and "mode: lora" in error[-1]
+
+
 # ------------------------------------------------------------------------------------------ end to end (slow)
+
+@pytest.mark.slow
+def test_a_lora_resumes_bitwise_after_kill_9(tmp_path, released, shapes_dir):
+    resumes_bitwise_after_kill_9(lambda run: _command("lora", run, released, shapes_dir, 3), tmp_path)
+
 
 @pytest.mark.slow
 def test_a_lora_loads_whole_through_chroma_s_loader_and_changes_the_image(tmp_path, released, shapes_dir):
@@ -270,7 +283,7 @@ def test_a_lora_loads_whole_through_chroma_s_loader_and_changes_the_image(tmp_pa
     run = tmp_path / "lora"
     assert main(["train", str(CONFIGS / "chroma-lora.yaml"), f"run_dir={run}", *COMMON,
                  f"model.pretrained={released}", f"data.shards={shapes_dir}", "train.max_steps=2",
-                 "data.resolution=32", "lora.rank=4", "lora.alpha=4"]) == 0
+                 "data.aspect_buckets=false", "lora.rank=4", "lora.alpha=4", "optim.lr=0.01"]) == 0
     out = export_run(run, tmp_path / "out")
     keys = list(load_file(str(out / "pytorch_lora_weights.safetensors")))
     assert keys and all(k.startswith("transformer.") for k in keys)
