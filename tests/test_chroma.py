@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from sdtrain.cli.main import main
+from sdtrain.errors import UserError
 from sdtrain.models import families
 from sdtrain.models.families import chroma
 
@@ -257,6 +258,21 @@ def test_a_single_file_in_the_original_layout_reads_back_weight_for_weight(tmp_p
     assert loaded.config.axes_dims_rope == [4, 6, 6] and loaded.config.approximator_layers == 2
     for key, tensor in transformer.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], tensor), key
+    # ComfyUI's whole checkpoints keep it under model.diffusion_model.
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(out), framework="pt") as file:
+        metadata = file.metadata()  # the tiny model's RoPE axes: a file without them takes the released ones
+    prefixed = tmp_path / "comfyui.safetensors"
+    save_file({"model.diffusion_model." + k: v for k, v in keys.items()}, str(prefixed), metadata=metadata)
+    assert families.detect(prefixed) is family
+    assert torch.equal(chroma.load_transformer_file(prefixed).proj_out.weight, transformer.proj_out.weight)
+    # A file that lacks a weight is one line naming it.
+    broken = tmp_path / "broken.safetensors"
+    save_file({k: v for k, v in keys.items() if k != "single_blocks.1.linear2.bias"}, str(broken), metadata=metadata)
+    with pytest.raises(UserError, match=r"broken.safetensors: .*single_blocks\.1\.linear2\.bias"):
+        chroma.load_transformer_file(broken)
 
 
 def test_textual_inversion_is_refused_in_one_line(tmp_path, released, shapes_dir, capsys):

@@ -29,6 +29,7 @@ import torch
 from diffusers import (
     AutoencoderKL,
     ChromaImg2ImgPipeline,
+    ChromaInpaintPipeline,
     ChromaPipeline,
     ChromaTransformer2DModel,
 )
@@ -63,6 +64,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "chroma": {"vae": FLUX_VAE, "text_encoder": T5_XXL, "transformer": _CHROMA, "scheduler": _SCHEDULER},
 }
 
+_PIPELINES = (ChromaPipeline, ChromaImg2ImgPipeline, ChromaInpaintPipeline)
 MAX_TEXT_LENGTH = 512
 """T5 tokens per caption ChromaPipeline samples with (its default, and the most it takes)."""
 
@@ -202,7 +204,7 @@ class Chroma(ModelFamily):
     objective = "flow_matching"
     pipeline_class = ChromaPipeline
     hub_tags = ("chroma",)
-    pipeline_names = ("ChromaPipeline", "ChromaImg2ImgPipeline", "ChromaInpaintPipeline")
+    pipeline_names = tuple(cls.__name__ for cls in _PIPELINES)
     single_file_keys = tuple(prefix + MARK for prefix in PREFIXES)
     single_file = TransformerAlone(
         load_transformer_file, to_original, lambda config: "chroma", SHAPE_KEYS,
@@ -284,7 +286,7 @@ class Chroma(ModelFamily):
     def prepare_pipeline(self, pipe: Any) -> Any:
         # The transformer's mask as training gives it, boolean (see the module docstring): the pipeline's own
         # floating-point one would be added to the attention scores, masking nothing.
-        if isinstance(pipe, (ChromaPipeline, ChromaImg2ImgPipeline)) and "_get_t5_prompt_embeds" not in vars(pipe):
+        if isinstance(pipe, _PIPELINES) and "_get_t5_prompt_embeds" not in vars(pipe):
             encode = pipe._get_t5_prompt_embeds
 
             def boolean_mask(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
