@@ -17,6 +17,7 @@ from torch import nn
 
 from sdtrain.checkpoint import latest_checkpoint, read_meta
 from sdtrain.errors import UserError
+from sdtrain.models.families.chroma import CHROMA
 from sdtrain.models.families.codec import LatentCodec
 from sdtrain.models.families.flux import FLUX
 from sdtrain.models.families.flux2 import FLUX2, FLUX2_KLEIN
@@ -30,7 +31,7 @@ from sdtrain.models.families.zimage import ZIMAGE
 
 FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (
     SD, SDXL, SD3, FLUX, ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS,
-    FLUX2, FLUX2_KLEIN, KREA2,
+    FLUX2, FLUX2_KLEIN, KREA2, CHROMA,
 )}
 
 

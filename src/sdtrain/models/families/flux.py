@@ -34,7 +34,7 @@ from transformers import CLIPTextModel, T5EncoderModel
 
 from sdtrain.models import single_file
 from sdtrain.models.families.autoencoder import FLUX_CODEC, FLUX_VAE, TINY_FLUX_VAE, vae_blocks
-from sdtrain.models.families.patches import pack, unpack
+from sdtrain.models.families.patches import image_ids, pack, unpack
 from sdtrain.models.families.spec import ControlSpec, ModelFamily, ReferenceSpec, SingleFileLayout
 from sdtrain.models.families.text_towers import (
     CLIP_L,
@@ -98,14 +98,6 @@ def _guidance_embedding(source: str | Path) -> bool | None:
 
 def transformer_blocks(transformer: nn.Module) -> list:
     return [*transformer.transformer_blocks, *getattr(transformer, "single_transformer_blocks", [])]
-
-
-def image_ids(rows: int, columns: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Each image token's RoPE position (0, row, column)."""
-    ids = torch.zeros(rows, columns, 3, device=device, dtype=dtype)
-    ids[..., 1] = torch.arange(rows, device=device, dtype=dtype)[:, None]
-    ids[..., 2] = torch.arange(columns, device=device, dtype=dtype)[None, :]
-    return ids.reshape(rows * columns, 3)
 
 
 def controlnet_from_transformer(transformer: FluxTransformer2DModel, latent_factor: int) -> FluxControlNetModel:
@@ -267,8 +259,9 @@ class Flux(ModelFamily):
 
     def holds_file(self, keys: list[str]) -> bool:
         # Other layouts share the block names: Flux.1's modulates each block with its own layers, never with one
-        # shared by all the double blocks.
-        return super().holds_file(keys) and not any("double_stream_modulation_img." in key for key in keys)
+        # shared by all the double blocks (Flux.2's) or one network for every block (Chroma's approximator).
+        return super().holds_file(keys) and not any(
+            "double_stream_modulation_img." in key or "distilled_guidance_layer." in key for key in keys)
 
     def file_scheduler(self, keys: list[str]) -> dict[str, Any] | None:
         # dev's guidance embedding (guidance_in) marks the guidance-distilled model, sampled with the dynamic shift.

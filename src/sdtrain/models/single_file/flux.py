@@ -1,15 +1,10 @@
 """Flux.1 in Black Forest Labs' original layout (flux1-dev.safetensors, ComfyUI, kohya): the transformer's state dict
 both ways, its settings from tensor shapes, LoRA adapters as kohya's Flux files, and writing one file.
 
-Layout: diffusers keeps apart what BFL fuses along the output rows of one Linear: a double block's
-``img_attn.qkv`` is ``attn.to_q``, ``to_k``, ``to_v`` stacked (``txt_attn.qkv`` the ``add_*_proj``); a single
-block's ``linear1`` is ``attn.to_q``, ``to_k``, ``to_v`` and ``proj_mlp``. The final modulation
-``final_layer.adaLN_modulation.1`` holds (shift, scale) where diffusers' ``norm_out.linear`` holds (scale, shift).
-The norms' ``weight`` is the original's ``scale``. Everything else is a renamed module.
-
-A LoRA on a fused module must give exactly the delta the separate ones give: the parts' downs stacked (rank = the
-sum of their ranks), the block-diagonal of their ups (zero rows for an unadapted part) and the alpha that keeps
-each part's alpha / rank.
+The layout of the double and single blocks is `bfl`'s, which Chroma shares; Flux.1 adds its own modules: each
+block's adaLN modulation, the timestep, pooled-text (vector) and guidance embedders, and the final modulation
+``final_layer.adaLN_modulation.1``, which holds (shift, scale) where diffusers' ``norm_out.linear`` holds (scale,
+shift). Everything else is a renamed module.
 
 Metadata written with a file (`save_original`; all strings): ``sdtrain_format``; ``model_family``: ``flux``;
 `CONFIG_KEY` (``transformer_config``): JSON of the settings shapes cannot tell (``axes_dims_rope``,
@@ -19,8 +14,7 @@ Metadata written with a file (`save_original`; all strings): ``sdtrain_format``;
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +22,7 @@ import torch
 
 from sdtrain.errors import UserError
 from sdtrain.models import frozen
-from sdtrain.models.single_file import kohya
+from sdtrain.models.single_file import bfl, kohya
 from sdtrain.models.single_file.read import FLUX_PREFIXES as _PREFIXES
 from sdtrain.models.single_file.read import _File, _first_line, original_prefix
 from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY, layout_metadata, write_tensors
@@ -40,10 +34,9 @@ DEFAULT_AXES_DIMS_ROPE = (16, 56, 56)
 # Settings read from the tensors; the others are what CONFIG_KEY carries.
 SHAPE_KEYS = frozenset({"in_channels", "out_channels", "num_layers", "num_single_layers", "attention_head_dim",
                         "num_attention_heads", "joint_attention_dim", "pooled_projection_dim", "guidance_embeds"})
-# diffusers' FluxTransformer2DModel builds every MLP (double blocks' and single blocks' proj_mlp) 4 times as wide.
-_MLP_RATIO = 4
 # Its rows are (scale, shift) in diffusers, (shift, scale) originally.
 _SWAPPED = "final_layer.adaLN_modulation.1"
+swap_halves = bfl.swap_halves
 
 
 # --------------------------------------------------------------------------------------------------- the layout
@@ -61,60 +54,11 @@ def _modules(config: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
     if config.get("guidance_embeds"):
         modules["guidance_in.in_layer"] = ("time_text_embed.guidance_embedder.linear_1",)
         modules["guidance_in.out_layer"] = ("time_text_embed.guidance_embedder.linear_2",)
-    for i in range(int(config["num_layers"])):
-        d, o = f"transformer_blocks.{i}", f"double_blocks.{i}"
-        modules.update({
-            f"{o}.img_mod.lin": (f"{d}.norm1.linear",), f"{o}.txt_mod.lin": (f"{d}.norm1_context.linear",),
-            f"{o}.img_attn.qkv": (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"),
-            f"{o}.txt_attn.qkv": (f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj", f"{d}.attn.add_v_proj"),
-            f"{o}.img_attn.proj": (f"{d}.attn.to_out.0",), f"{o}.txt_attn.proj": (f"{d}.attn.to_add_out",),
-            f"{o}.img_mlp.0": (f"{d}.ff.net.0.proj",), f"{o}.img_mlp.2": (f"{d}.ff.net.2",),
-            f"{o}.txt_mlp.0": (f"{d}.ff_context.net.0.proj",), f"{o}.txt_mlp.2": (f"{d}.ff_context.net.2",),
-        })
-    for i in range(int(config["num_single_layers"])):
-        d, o = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
-        modules.update({
-            f"{o}.modulation.lin": (f"{d}.norm.linear",),
-            f"{o}.linear1": (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp"),
-            f"{o}.linear2": (f"{d}.proj_out",),
-        })
-    return modules
+    return {**modules, **bfl.block_modules(config, modulated=True)}
 
 
-def _norms(config: Mapping[str, Any]) -> dict[str, str]:
-    """diffusers key -> original key of the attention's RMSNorm scales (parameters, not Linear modules)."""
-    norms = {}
-    for i in range(int(config["num_layers"])):
-        d, o = f"transformer_blocks.{i}.attn", f"double_blocks.{i}"
-        norms.update({f"{d}.norm_q.weight": f"{o}.img_attn.norm.query_norm.scale",
-                      f"{d}.norm_k.weight": f"{o}.img_attn.norm.key_norm.scale",
-                      f"{d}.norm_added_q.weight": f"{o}.txt_attn.norm.query_norm.scale",
-                      f"{d}.norm_added_k.weight": f"{o}.txt_attn.norm.key_norm.scale"})
-    for i in range(int(config["num_single_layers"])):
-        d, o = f"single_transformer_blocks.{i}.attn", f"single_blocks.{i}"
-        norms.update({f"{d}.norm_q.weight": f"{o}.norm.query_norm.scale",
-                      f"{d}.norm_k.weight": f"{o}.norm.key_norm.scale"})
-    return norms
-
-
-def _inner_dim(config: Mapping[str, Any]) -> int:
-    return int(config["num_attention_heads"]) * int(config["attention_head_dim"])
-
-
-def _part_rows(parts: Sequence[str], config: Mapping[str, Any], total: int | None = None) -> list[int]:
-    """Output rows of each part of a fused module: the attention width for q, k and v, the rest (or the MLP's
-    width) for a single block's proj_mlp."""
-    inner = _inner_dim(config)
-    rows = [inner] * len(parts)
-    if parts[-1].endswith("proj_mlp"):
-        rows[-1] = total - inner * (len(parts) - 1) if total is not None else inner * _MLP_RATIO
-    return rows
-
-
-def swap_halves(tensor: torch.Tensor) -> torch.Tensor:
-    """(scale, shift) <-> (shift, scale) along the rows: its own inverse."""
-    first, second = tensor.chunk(2, dim=0)
-    return torch.cat([second, first], dim=0)
+_LAYOUT = bfl.Layout(title="Flux", model="Flux.1", modules=_modules, norms=bfl.block_norms,
+                     settings="num_layers/num_single_layers/guidance_embeds", swapped=_SWAPPED)
 
 
 def original_rows(path: str, rows: torch.Tensor) -> torch.Tensor:
@@ -138,26 +82,7 @@ def to_original(state: Mapping[str, torch.Tensor], config: Mapping[str, Any]) ->
 
     Every key must find its place and every module of the layout must be there (a file missing one would load
     with a hole): ValueError naming the first key otherwise."""
-    state = dict(state)
-    out: dict[str, torch.Tensor] = {}
-    for original, parts in _modules(config).items():
-        for end in ("weight", "bias"):
-            keys = [f"{part}.{end}" for part in parts]
-            missing = [k for k in keys if k not in state]
-            if missing:
-                raise ValueError(f"Flux transformer: {missing[0]} is missing (needed for {original}.{end})")
-            tensors = [state.pop(k) for k in keys]
-            tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
-            out[f"{original}.{end}"] = swap_halves(tensor) if original == _SWAPPED else tensor
-    for key, original in _norms(config).items():
-        if key not in state:
-            raise ValueError(f"Flux transformer: {key} is missing (needed for {original})")
-        out[original] = state.pop(key)
-    if state:
-        raise ValueError(f"Flux transformer: {len(state)} weights have no place in the original layout "
-                         f"(e.g. {next(iter(state))}); is the config's num_layers/num_single_layers/guidance_embeds "
-                         "this model's?")
-    return out
+    return _LAYOUT.to_original(state, config)
 
 
 def from_original(state: Mapping[str, torch.Tensor], config: Mapping[str, Any] | None = None
@@ -175,44 +100,11 @@ def iter_from_original(keys: Collection[str], read: Callable[[str], torch.Tensor
     """`from_original` a tensor at a time: each of BFL's `keys` (no prefix) is read with `read` when its turn comes
     and its diffusers tensors (the parts of a fused one are views of it) are yielded at once, so a caller that
     stores them (say, in fp8) never holds more than one original tensor in full precision."""
-    remaining = set(keys)
-    for original, parts in _modules(config).items():
-        for end in ("weight", "bias"):
-            key = f"{original}.{end}"
-            if key not in remaining:
-                raise ValueError(f"Flux transformer (original layout): {key} is missing")
-            remaining.discard(key)
-            tensor = read(key)
-            if original == _SWAPPED:
-                tensor = swap_halves(tensor)
-            if len(parts) == 1:
-                yield f"{parts[0]}.{end}", tensor
-                continue
-            rows = _part_rows(parts, config, tensor.shape[0])
-            if sum(rows) != tensor.shape[0] or min(rows) <= 0:
-                raise ValueError(f"Flux transformer (original layout): {key} has {tensor.shape[0]} rows, not "
-                                 f"{' + '.join(map(str, rows))} for {', '.join(parts)}")
-            yield from ((f"{part}.{end}", piece) for part, piece in zip(parts, tensor.split(rows, dim=0)))
-    for key, original in _norms(config).items():
-        if original not in remaining:
-            raise ValueError(f"Flux transformer (original layout): {original} is missing")
-        remaining.discard(original)
-        yield key, read(original)
-    if remaining:
-        raise ValueError(f"Flux transformer (original layout): {len(remaining)} weights are not Flux.1's "
-                         f"(e.g. {sorted(remaining)[0]})")
+    return _LAYOUT.iter_from_original(keys, read, config)
 
 
 def _shape(value: Any) -> tuple[int, ...]:
     return tuple(value.shape) if hasattr(value, "shape") else tuple(value)
-
-
-def _block_count(keys: Sequence[str], name: str) -> int:
-    indices = {int(m.group(1)) for k in keys if (m := re.match(rf"{name}\.(\d+)\.", k))}
-    if indices and indices != set(range(max(indices) + 1)):
-        raise ValueError(f"Flux transformer (original layout): {name} {sorted(set(range(max(indices) + 1)) - indices)}"
-                         " are missing")
-    return len(indices)
 
 
 def transformer_config_from_original(state_or_shapes: Mapping[str, Any],
@@ -228,23 +120,10 @@ def transformer_config_from_original(state_or_shapes: Mapping[str, Any],
         pooled_projection_dim = shapes["vector_in.in_layer.weight"][1]
     except KeyError as exc:
         raise ValueError(f"not a Flux.1 transformer in the original layout: no {exc.args[0]}") from exc
-    num_layers = _block_count(list(shapes), "double_blocks")
-    num_single_layers = _block_count(list(shapes), "single_blocks")
-    norm = ("double_blocks.0.img_attn.norm.query_norm.scale" if num_layers
-            else "single_blocks.0.norm.query_norm.scale")
-    if norm not in shapes:
-        raise ValueError(f"not a Flux.1 transformer in the original layout: no {norm}")
-    head_dim = shapes[norm][0]
-    if hidden % head_dim:
-        raise ValueError(f"Flux transformer: width {hidden} is not a whole number of {head_dim}-wide heads")
-    # diffusers' model has no MLP ratio setting: a file with another one would not load into it.
-    if num_layers:
-        mlp = shapes.get("double_blocks.0.img_mlp.0.weight", (0,))[0]
-    else:
-        mlp = shapes.get("single_blocks.0.linear1.weight", (0,))[0] - 3 * hidden
-    if num_layers + num_single_layers and mlp != _MLP_RATIO * hidden:
-        raise ValueError(f"Flux transformer: MLP width {mlp} is not {_MLP_RATIO} x {hidden}, the only ratio "
-                         "diffusers' FluxTransformer2DModel builds")
+    num_layers = bfl.block_count(list(shapes), "double_blocks", "Flux")
+    num_single_layers = bfl.block_count(list(shapes), "single_blocks", "Flux")
+    head_dim = bfl.head_and_mlp(shapes, hidden, num_layers, num_single_layers, "Flux", "Flux.1",
+                                "FluxTransformer2DModel")
     extra: dict[str, Any] = {}
     if metadata and CONFIG_KEY in metadata:
         try:
@@ -274,29 +153,8 @@ def transformer_config_from_original(state_or_shapes: Mapping[str, Any],
 def kohya_lora(layers: Mapping[str, kohya.LoraFactors], config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """LoRA layers on diffusers' module paths (inside the transformer, as peft names them) -> kohya's Flux keys
     (single_file.kohya's layout). `layers` maps a path to (lora_A weight [r, in], lora_B weight [out, r], alpha).
-    Parts BFL fuses are fused (see the module docstring). A path without an original counterpart: ValueError."""
-    modules = _modules(config)
-    owner = {part: (original, i) for original, parts in modules.items() for i, part in enumerate(parts)}
-    groups: dict[str, dict[int, kohya.LoraFactors]] = {}
-    for path, layer in layers.items():
-        if path not in owner:
-            raise ValueError(f"LoRA {path}: no module of Flux.1's original layout holds it (or it is past the "
-                             "config's blocks)")
-        original, i = owner[path]
-        groups.setdefault(original, {})[i] = kohya.checked(path, layer)
-    out: dict[str, torch.Tensor] = {}
-    for original, present in groups.items():
-        parts = modules[original]
-        down, up, alpha = present[0] if len(parts) == 1 else kohya.fuse(original, parts, present,
-                                                                        _part_rows(parts, config))
-        if original == _SWAPPED:
-            up = swap_halves(up)
-        if original.startswith("final_layer."):
-            # diffusers' kohya reader drops final_layer's alphas (it reads those at scale 1): the scale goes into
-            # up, which every reader then applies alike.
-            up, alpha = up * (alpha / down.shape[0]), float(down.shape[0])
-        out.update(kohya.keys(original, (down, up, alpha)))
-    return out
+    Parts BFL fuses are fused (see `bfl`). A path without an original counterpart: ValueError."""
+    return _LAYOUT.kohya_lora(layers, config)
 
 
 # --------------------------------------------------------------------------------------------------- loading
