@@ -194,7 +194,7 @@ def test_the_turbo_release_samples_its_own_sigmas_without_guidance(tmp_path):
 
 def test_a_lora_loads_whole_through_diffusers_and_changes_the_image(tmp_path, released, shapes_dir):
     run = tmp_path / "lora"
-    assert main(_command("lora", run, released, shapes_dir, 2)) == 0
+    assert main(_command("lora", run, released, shapes_dir, 2, "model.frozen_precision=fp8")) == 0
     out = export_run(run, tmp_path / "out")
     keys = list(load_file(str(out / "pytorch_lora_weights.safetensors")))
     assert keys and all(k.startswith("transformer.") for k in keys)  # diffusers' loader adapts the transformer alone
