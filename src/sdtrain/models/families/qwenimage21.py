@@ -92,9 +92,10 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                        "transformer": _TRANSFORMER, "scheduler": _SCHEDULER},
 }
 
-IMAGE_SETTINGS = dict(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+IMAGE_SETTINGS = dict(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                      size={"shortest_edge": 65536, "longest_edge": 16777216})
 """Qwen3-VL's image processor (its preprocessor_config.json): the processor a pipeline folder holds beside the
-tokenizer, which text-to-image never runs."""
+tokenizer, which text-to-image never runs; a folder sdtrain assembles (a run's export) writes these."""
 
 
 def prefix_length(tokenizer: Any) -> int:
