@@ -54,7 +54,7 @@ def make_objective(family: families.ModelFamily, config: DiffusionConfig, schedu
         if config.flow.dynamic_shift == "sampling":
             def sampling_mu(tokens: int) -> float | None:
                 return family.sampling_mu(tokens, sampling_steps)
-        return FlowMatching(config, scheduler, device, patch_size=family.downsampling(denoiser_config),
+        return FlowMatching(config, scheduler, device, patch_size=family.image_token_side(denoiser_config),
                             sampling_mu=sampling_mu)
     return NoisePrediction(config, scheduler, device)
 

@@ -23,6 +23,7 @@ from sdtrain.models.families.flux import FLUX
 from sdtrain.models.families.flux2 import FLUX2, FLUX2_KLEIN
 from sdtrain.models.families.krea2 import KREA2
 from sdtrain.models.families.qwenimage import QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
+from sdtrain.models.families.qwenimage21 import QWEN_IMAGE_21
 from sdtrain.models.families.sd import SD
 from sdtrain.models.families.sd3 import SD3
 from sdtrain.models.families.sdxl import SDXL
@@ -31,7 +32,7 @@ from sdtrain.models.families.zimage import ZIMAGE
 
 FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (
     SD, SDXL, SD3, FLUX, ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS,
-    FLUX2, FLUX2_KLEIN, KREA2, CHROMA,
+    FLUX2, FLUX2_KLEIN, KREA2, CHROMA, QWEN_IMAGE_21,
 )}
 
 

@@ -386,6 +386,11 @@ class ModelFamily:
         """How much smaller than the latent the denoiser's coarsest level is (bucket sides must survive it)."""
         return 2 ** (len(denoiser_config.block_out_channels) - 1)
 
+    def image_token_side(self, denoiser_config: Any) -> int:
+        """How many latent pixels a side of one image token spans, for the image's token count the dynamic shift
+        reads: by default `downsampling` (the 2x2 patches of Flux.1's and SD3's transformers)."""
+        return self.downsampling(denoiser_config)
+
     # ----------------------------------------------------------------------------- file layouts
 
     def kohya_lora(self, component: str, layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]], config: Any
