@@ -38,7 +38,7 @@ from transformers import T5EncoderModel
 
 from sdtrain.models.families.autoencoder import FLUX_CODEC, FLUX_VAE, TINY_FLUX_VAE, vae_blocks
 from sdtrain.models.families.patches import image_ids, pack, unpack
-from sdtrain.models.families.spec import ModelFamily
+from sdtrain.models.families.spec import ModelFamily, ids_key, mask_key
 from sdtrain.models.families.text_towers import T5_XXL, TINY_T5, t5_blocks, t5_config
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
 from sdtrain.models.single_file import bfl, kohya
@@ -226,7 +226,7 @@ class Chroma(ModelFamily):
     def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
         tokens = tokenizer(captions, padding="max_length", truncation=True, max_length=tokenizer.model_max_length,
                            return_tensors="pt")
-        return {self.ids_key(index): tokens.input_ids, self.mask_key(index): tokens.attention_mask}
+        return {ids_key(index): tokens.input_ids, mask_key(index): tokens.attention_mask}
 
     def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
         return T5EncoderModel(t5_config(settings, tokenizer, key))

@@ -32,7 +32,7 @@ from transformers import AutoTokenizer, MistralConfig, MistralModel, Qwen3Config
 from sdtrain.models.families import causal_lm
 from sdtrain.models.families.autoencoder import TINY_VAE, vae_blocks
 from sdtrain.models.families.codec import LatentCodec
-from sdtrain.models.families.spec import ModelFamily, construct
+from sdtrain.models.families.spec import ModelFamily, construct, ids_key, mask_key
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
 from sdtrain.models.single_file import flux as bfl_layout
 from sdtrain.models.single_file import kohya
@@ -357,7 +357,7 @@ class Flux2(causal_lm.LanguageModelText, ModelFamily):
         tokens = tokenizer.apply_chat_template(conversations, add_generation_prompt=False, tokenize=True,
                                                return_dict=True, return_tensors="pt", padding="max_length",
                                                truncation=True, max_length=tokenizer.model_max_length)
-        return {self.ids_key(index): tokens["input_ids"], self.mask_key(index): tokens["attention_mask"]}
+        return {ids_key(index): tokens["input_ids"], mask_key(index): tokens["attention_mask"]}
 
     def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
         config = construct(self.text_encoder_config, key, {"vocab_size": len(tokenizer),
@@ -477,7 +477,7 @@ class Flux2Klein(Flux2):
 
     def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
         ids, mask = causal_lm.chat_tokens(tokenizer, captions, thinking=False)
-        return {self.ids_key(index): ids, self.mask_key(index): mask}
+        return {ids_key(index): ids, mask_key(index): mask}
 
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
                  distilled: bool = False) -> Any:

@@ -38,7 +38,7 @@ from transformers import Qwen3VLTextConfig, Qwen3VLTextModel
 from sdtrain.errors import UserError
 from sdtrain.models.families import causal_lm
 from sdtrain.models.families.patches import pack, unpack
-from sdtrain.models.families.spec import ModelFamily, construct
+from sdtrain.models.families.spec import ModelFamily, construct, ids_key, mask_key
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
 from sdtrain.models.families.wan_vae import TINY_WAN_VAE, WAN_CODEC, WAN_VAE
 from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY
@@ -273,7 +273,7 @@ class Krea2(causal_lm.LanguageModelText, ModelFamily):
         ids = torch.cat([body.input_ids, suffix.input_ids.expand(rows, -1)], dim=1)
         mask = torch.cat([body.attention_mask, suffix.attention_mask.expand(rows, -1)], dim=1) * KEPT_TOKEN
         mask[:, :prefix] = PREFIX_TOKEN
-        return {self.ids_key(index): ids, self.mask_key(index): mask}
+        return {ids_key(index): ids, mask_key(index): mask}
 
     def train_tokenizer(self, captions: list[str], out_dir: Path, vocab_size: int, max_length: int) -> Any:
         # Learnt from the captions as the language model reads them, in the template (its chat markers apart, which

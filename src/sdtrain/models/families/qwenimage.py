@@ -45,7 +45,7 @@ from transformers import (
 
 from sdtrain.models.families import causal_lm
 from sdtrain.models.families.patches import pack, unpack
-from sdtrain.models.families.spec import ModelFamily, ReferenceSpec, construct
+from sdtrain.models.families.spec import ModelFamily, ReferenceSpec, construct, ids_key, mask_key
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
 from sdtrain.models.families.wan_vae import TINY_WAN_VAE, WAN_CODEC, WAN_VAE
 from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY
@@ -199,7 +199,7 @@ class QwenImage(causal_lm.LanguageModelText, ModelFamily):
                            return_tensors="pt")
         kept = tokens.attention_mask.clone()
         kept[:, :prefix] = 0
-        return {self.ids_key(index): tokens.input_ids, self.mask_key(index): kept}
+        return {ids_key(index): tokens.input_ids, mask_key(index): kept}
 
     def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
         return Qwen2_5_VLTextModel(construct(Qwen2_5_VLTextConfig, key, {

@@ -32,7 +32,7 @@ from transformers import (
 
 from sdtrain.models.families import causal_lm
 from sdtrain.models.families.codec import LatentCodec
-from sdtrain.models.families.spec import ModelFamily, construct
+from sdtrain.models.families.spec import ModelFamily, construct, ids_key, mask_key
 
 SYSTEM = "Comprehend and analyze the provided prompt."
 """QwenImage21Pipeline's system prompt."""
@@ -230,7 +230,7 @@ class QwenImage21(causal_lm.LanguageModelText, ModelFamily):
                            max_length=tokenizer.model_max_length + prefix, return_tensors="pt")
         kept = tokens.attention_mask.clone()
         kept[:, :prefix] = 0
-        return {self.ids_key(index): tokens.input_ids, self.mask_key(index): kept}
+        return {ids_key(index): tokens.input_ids, mask_key(index): kept}
 
     def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
         text = {k: v for k, v in settings.items() if k != "vision_config"}

@@ -33,6 +33,17 @@ def text_model_path(path: str) -> str:
     return path if path.startswith("text_model.") else f"text_model.{path}"
 
 
+def ids_key(index: int) -> str:
+    """The batch key of the token ids for text encoder `index` (diffusers' names: input_ids, input_ids_2): the same
+    for every family, as the loader collates them."""
+    return "input_ids" if index == 0 else f"input_ids_{index + 1}"
+
+
+def mask_key(index: int) -> str:
+    """The batch key of the attention mask for text encoder `index`, for an encoder that reads one."""
+    return "attention_mask" if index == 0 else f"attention_mask_{index + 1}"
+
+
 def construct(cls: Any, key: str, kwargs: dict[str, Any]) -> Any:
     """``cls(**kwargs)``; settings the class refuses are one line naming the config key that gave them."""
     try:
@@ -282,21 +293,13 @@ class ModelFamily:
         `denoiser_source` (a folder or file)."""
         return 256
 
-    def ids_key(self, index: int) -> str:
-        """The batch key of the token ids for text encoder `index` (diffusers' names: input_ids, input_ids_2)."""
-        return "input_ids" if index == 0 else f"input_ids_{index + 1}"
-
-    def mask_key(self, index: int) -> str:
-        """The batch key of the attention mask for text encoder `index`, for an encoder that reads one."""
-        return "attention_mask" if index == 0 else f"attention_mask_{index + 1}"
-
     # ----------------------------------------------------------------------------- tokenizers
 
     def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
         """Text encoder `index`'s batch entries for `captions`, which the loader makes as it collates: the token ids
         (under `ids_key`), padded to the tokenizer's length, and whatever else the encoder reads (an attention
         mask under `mask_key`). The captions as they are: a family whose encoder is a chat model templates them."""
-        return {self.ids_key(index): tokenizer(captions, padding="max_length", truncation=True,
+        return {ids_key(index): tokenizer(captions, padding="max_length", truncation=True,
                                                max_length=tokenizer.model_max_length, return_tensors="pt").input_ids}
 
     def token_inputs(self, batch: dict[str, Any], device: torch.device | None = None
@@ -307,7 +310,7 @@ class ModelFamily:
             return value if value is None or device is None else value.to(device, non_blocking=True)
 
         count = range(len(self.text_encoders))
-        return [moved(batch[self.ids_key(i)]) for i in count], [moved(batch.get(self.mask_key(i))) for i in count]
+        return [moved(batch[ids_key(i)]) for i in count], [moved(batch.get(mask_key(i))) for i in count]
 
     def train_tokenizer(self, captions: list[str], out_dir: Path, vocab_size: int, max_length: int) -> Any:
         """A tokenizer for a model trained from scratch, learnt from the run's captions and saved to `out_dir`

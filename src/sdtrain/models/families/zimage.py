@@ -26,7 +26,7 @@ from transformers import Qwen3Config, Qwen3Model
 from sdtrain.errors import UserError
 from sdtrain.models.families import causal_lm
 from sdtrain.models.families.autoencoder import FLUX_CODEC, FLUX_VAE, TINY_FLUX_VAE, vae_blocks
-from sdtrain.models.families.spec import ModelFamily, SingleFileLayout, construct
+from sdtrain.models.families.spec import ModelFamily, SingleFileLayout, construct, ids_key, mask_key
 from sdtrain.models.families.transformer_file import read_transformer_file
 from sdtrain.models.single_file import kohya
 from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY, layout_metadata, write_tensors
@@ -297,7 +297,7 @@ class ZImage(causal_lm.LanguageModelText, ModelFamily):
 
     def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
         ids, mask = causal_lm.chat_tokens(tokenizer, captions)
-        return {self.ids_key(index): ids, self.mask_key(index): mask}
+        return {ids_key(index): ids, mask_key(index): mask}
 
     def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
         return Qwen3Model(construct(Qwen3Config, key, {"vocab_size": len(tokenizer),
