@@ -15,6 +15,7 @@ SMALL = ["data.resolution=32", "data.batch_size=2"]
 FEW = ["--steps", "2", "--warmup", "1", "--peak-seconds", "0.2"]
 
 
+@pytest.mark.slow  # the default suite's 15 minutes: the benchmarks of runs on data run by default
 def test_benchmark_times_a_config_that_names_no_data_or_vae(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "result.json"

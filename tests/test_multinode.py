@@ -105,6 +105,7 @@ def _tail(path: Path, chars: int = 4000) -> str:
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # the default suite's 15 minutes; the one-node torchrun tests run by default
 def test_two_nodes_in_network_namespaces_train_together(tmp_path, shapes_dir, autoencoder_run, two_nodes):
     run = tmp_path / "run"
     master = two_nodes.nodes[0]

@@ -179,6 +179,7 @@ def test_fine_tune_from_a_pipeline_folder(tmp_path, shapes_dir, diffusion_run):
     assert json.loads((tuned / "scheduler" / "scheduler_config.json").read_text())["prediction_type"] == "v_prediction"
 
 
+@pytest.mark.slow  # the default suite's 15 minutes: tensorboard's logging runs by default
 def test_wandb_offline_logs_without_network_or_key(tmp_path, shapes_dir):
     pytest.importorskip("wandb")
     # Its own process: wandb starts a service that outlives the run, and the test session must not wait on it.
