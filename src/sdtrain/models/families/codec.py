@@ -84,3 +84,20 @@ class AutoencoderKLCodec(LatentCodec):
 
     def fit_normalization(self, vae: nn.Module, channel_mean: torch.Tensor, channel_square: torch.Tensor) -> None:
         vae.register_to_config(scaling_factor=float(1.0 / max(channel_square.mean().sqrt().item(), 1e-6)))
+
+
+class ChannelStatistics:
+    """Latents normalised per channel by the VAE config's ``latents_mean`` and ``latents_std`` (Wan's autoencoders'
+    and those after them), as their pipelines normalise them; a VAE from scratch records the statistics of its
+    posterior means. A mixin of a `LatentCodec` that reads such a VAE."""
+
+    def normalize(self, latents: torch.Tensor, vae: nn.Module) -> torch.Tensor:
+        # Minus each channel's mean, times the inverse of its deviation.
+        shape = (1, -1, *([1] * (latents.dim() - 2)))
+        mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(shape)
+        inverse = 1.0 / torch.tensor(vae.config.latents_std, device=latents.device).view(shape)
+        return (latents.float() - mean) * inverse
+
+    def fit_normalization(self, vae: nn.Module, channel_mean: torch.Tensor, channel_square: torch.Tensor) -> None:
+        deviation = (channel_square - channel_mean.square()).clamp_min(1e-12).sqrt()
+        vae.register_to_config(latents_mean=channel_mean.tolist(), latents_std=deviation.tolist())

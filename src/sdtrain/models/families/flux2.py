@@ -32,7 +32,7 @@ from transformers import AutoTokenizer, MistralConfig, MistralModel, Qwen3Config
 from sdtrain.models.families import causal_lm
 from sdtrain.models.families.autoencoder import TINY_VAE, vae_blocks
 from sdtrain.models.families.codec import LatentCodec
-from sdtrain.models.families.spec import ModelFamily, construct, ids_key, mask_key
+from sdtrain.models.families.spec import ModelFamily, construct, ids_key, index_says, mask_key
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
 from sdtrain.models.single_file import flux as bfl_layout
 from sdtrain.models.single_file import kohya
@@ -488,16 +488,7 @@ class Flux2Klein(Flux2):
     def distilled(self, source: str | Path | None) -> bool:
         # The released folders say it in model_index.json (true for FLUX.2-klein-4B and 9B, false for the -base
         # models); the transformer's config is the same for both. A single file does not say.
-        if source is None or not Path(source).is_dir():
-            return False
-        folder = Path(source)
-        if not (folder / "model_index.json").is_file():
-            folder = folder.parent  # a component folder inside a pipeline folder
-        try:
-            index = json.loads((folder / "model_index.json").read_text())
-        except (OSError, ValueError):
-            return False
-        return isinstance(index, dict) and index.get("is_distilled") is True
+        return index_says(source, "is_distilled")
 
     def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         # The distilled models sample in 4 steps without guidance (Black Forest Labs'), the base models as dev's

@@ -38,7 +38,7 @@ from transformers import Qwen3VLTextConfig, Qwen3VLTextModel
 from sdtrain.errors import UserError
 from sdtrain.models.families import causal_lm
 from sdtrain.models.families.patches import pack, unpack
-from sdtrain.models.families.spec import ModelFamily, construct, ids_key, mask_key
+from sdtrain.models.families.spec import ModelFamily, construct, ids_key, index_says, mask_key
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
 from sdtrain.models.families.wan_vae import TINY_WAN_VAE, WAN_CODEC, WAN_VAE
 from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY
@@ -372,16 +372,7 @@ class Krea2(causal_lm.LanguageModelText, ModelFamily):
     def distilled(self, source: str | Path | None) -> bool:
         # The release's folders say it in model_index.json (is_distilled), as the pipeline reads it; the
         # transformer's config is the same for both. A single file does not say.
-        if source is None or not Path(source).is_dir():
-            return False
-        folder = Path(source)
-        if not (folder / "model_index.json").is_file():
-            folder = folder.parent  # a component folder inside a pipeline folder
-        try:
-            index = json.loads((folder / "model_index.json").read_text())
-        except (OSError, ValueError):
-            return False
-        return isinstance(index, dict) and index.get("is_distilled") is True
+        return index_says(source, "is_distilled")
 
     def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         # The pipeline's: the distilled checkpoint in 8 steps without guidance, the base one in 28 at Krea's 4.5,

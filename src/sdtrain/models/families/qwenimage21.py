@@ -31,7 +31,7 @@ from transformers import (
 )
 
 from sdtrain.models.families import causal_lm
-from sdtrain.models.families.codec import LatentCodec
+from sdtrain.models.families.codec import ChannelStatistics, LatentCodec
 from sdtrain.models.families.spec import ModelFamily, construct, ids_key, mask_key
 
 SYSTEM = "Comprehend and analyze the provided prompt."
@@ -147,7 +147,7 @@ def text_processor(tokenizer: Any, image_processor: Any = None) -> TextProcessor
                          chat_template=tokenizer.chat_template or causal_lm.CHAT_TEMPLATE)
 
 
-class RGBAImageCodec(LatentCodec):
+class RGBAImageCodec(ChannelStatistics, LatentCodec):
     """AutoencoderKLQwenImage21 read as an image autoencoder: each image a one-frame video (its convolutions are 2D,
     the frame axis kept for Wan's interface), opaque (the released model reads and writes RGBA: the images get an
     alpha of one, the decoded colour channels are read back), its latents normalised per channel by the config's
@@ -171,15 +171,6 @@ class RGBAImageCodec(LatentCodec):
     def decode(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
         return vae.decode(latents.unsqueeze(2)).sample.squeeze(2)[:, :3]
 
-    def normalize(self, latents: torch.Tensor, vae: nn.Module) -> torch.Tensor:
-        shape = (1, -1, *([1] * (latents.dim() - 2)))
-        mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(shape)
-        inverse = 1.0 / torch.tensor(vae.config.latents_std, device=latents.device).view(shape)
-        return (latents.float() - mean) * inverse
-
-    def fit_normalization(self, vae: nn.Module, channel_mean: torch.Tensor, channel_square: torch.Tensor) -> None:
-        deviation = (channel_square - channel_mean.square()).clamp_min(1e-12).sqrt()
-        vae.register_to_config(latents_mean=channel_mean.tolist(), latents_std=deviation.tolist())
 
 
 RGBA_CODEC = RGBAImageCodec()

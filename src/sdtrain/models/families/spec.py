@@ -44,6 +44,22 @@ def mask_key(index: int) -> str:
     return "attention_mask" if index == 0 else f"attention_mask_{index + 1}"
 
 
+def index_says(source: str | Path | None, key: str) -> bool:
+    """Whether the model_index.json of the pipeline folder at `source` (or of the one holding the component folder
+    `source`) sets `key` true, as a pipeline reads a flag its components' configs do not carry (Flux.2 klein's and
+    Krea 2's ``is_distilled``). False for a single file, a model from scratch or a folder without one."""
+    if source is None or not Path(source).is_dir():
+        return False
+    folder = Path(source)
+    if not (folder / "model_index.json").is_file():
+        folder = folder.parent  # a component folder inside a pipeline folder
+    try:
+        index = json.loads((folder / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(index, dict) and index.get(key) is True
+
+
 def construct(cls: Any, key: str, kwargs: dict[str, Any]) -> Any:
     """``cls(**kwargs)``; settings the class refuses are one line naming the config key that gave them."""
     try:

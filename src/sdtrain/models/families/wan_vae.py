@@ -10,7 +10,7 @@ import torch
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from torch import nn
 
-from sdtrain.models.families.codec import LatentCodec
+from sdtrain.models.families.codec import ChannelStatistics, LatentCodec
 
 WAN_VAE: dict[str, Any] = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
                                temperal_downsample=[False, True, True])
@@ -22,7 +22,7 @@ TINY_WAN_VAE: dict[str, Any] = dict(base_dim=16, z_dim=16, dim_mult=[1, 2, 2], n
 scaled until an autoencoder run measures them."""
 
 
-class WanImageCodec(LatentCodec):
+class WanImageCodec(ChannelStatistics, LatentCodec):
     """Wan's 3D autoencoder (AutoencoderKLQwenImage) read as an image one: each image a one-frame video, its latents
     normalised per channel by the config's ``latents_mean`` and ``latents_std``, as the pipelines normalise them."""
 
@@ -42,16 +42,6 @@ class WanImageCodec(LatentCodec):
     def decode(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
         return vae.decode(latents.unsqueeze(2)).sample.squeeze(2)
 
-    def normalize(self, latents: torch.Tensor, vae: nn.Module) -> torch.Tensor:
-        # Minus each channel's mean, times the inverse of its deviation.
-        shape = (1, -1, *([1] * (latents.dim() - 2)))
-        mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(shape)
-        inverse = 1.0 / torch.tensor(vae.config.latents_std, device=latents.device).view(shape)
-        return (latents.float() - mean) * inverse
-
-    def fit_normalization(self, vae: nn.Module, channel_mean: torch.Tensor, channel_square: torch.Tensor) -> None:
-        deviation = (channel_square - channel_mean.square()).clamp_min(1e-12).sqrt()
-        vae.register_to_config(latents_mean=channel_mean.tolist(), latents_std=deviation.tolist())
 
 
 WAN_CODEC = WanImageCodec()
