@@ -130,3 +130,18 @@ def train_chat_tokenizer(captions: Iterable[str], out_dir: str | Path, vocab_siz
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return tokenizer
+
+
+class WithoutVideo:
+    """A mixin for a vision-language processor class (transformers' Qwen2VLProcessor, Qwen3VLProcessor) made of an
+    image processor and a tokenizer alone: a text-to-image pipeline reads no video, and transformers cannot build
+    (nor save) the processor with its video processor without torchvision. Saved, the image settings are written
+    beside the tokenizer (preprocessor_config.json), where the processor class loads them."""
+
+    @classmethod
+    def get_attributes(cls) -> list[str]:
+        return ["image_processor", "tokenizer"]
+
+    def save_pretrained(self, save_directory: str | Path, **kwargs: Any) -> list[str]:
+        written = super().save_pretrained(save_directory, **kwargs)
+        return [*written, *self.image_processor.save_pretrained(save_directory)]

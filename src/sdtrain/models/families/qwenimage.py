@@ -326,19 +326,11 @@ EDIT_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-class VisionTextProcessor(Qwen2VLProcessor):
+class VisionTextProcessor(causal_lm.WithoutVideo, Qwen2VLProcessor):
     """Qwen2VLProcessor of an image processor and a tokenizer alone: the pipeline reads no video, and transformers
     cannot build (nor save) one without its video processor, which needs torchvision. Saved, it is the processor
     folder Qwen2VLProcessor loads: the image settings are also written where earlier releases kept them
     (preprocessor_config.json), which transformers makes the video processor of where the folder has none."""
-
-    @classmethod
-    def get_attributes(cls) -> list[str]:
-        return ["image_processor", "tokenizer"]
-
-    def save_pretrained(self, save_directory: str | Path, **kwargs: Any) -> list[str]:
-        written = super().save_pretrained(save_directory, **kwargs)
-        return [*written, *self.image_processor.save_pretrained(save_directory)]
 
 
 @functools.cache

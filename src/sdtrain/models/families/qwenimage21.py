@@ -124,19 +124,11 @@ def last_layer_states(model: Qwen3VLForConditionalGeneration, ids: torch.Tensor,
         handle.remove()
 
 
-class TextProcessor(Qwen3VLProcessor):
+class TextProcessor(causal_lm.WithoutVideo, Qwen3VLProcessor):
     """Qwen3VLProcessor of an image processor and a tokenizer alone: the pipeline reads no video, and transformers
     cannot build (nor save) one with its video processor without torchvision. Saved, it is the processor folder
     Qwen3VLProcessor loads (the image settings in preprocessor_config.json, the tokenizer and chat template beside
     them)."""
-
-    @classmethod
-    def get_attributes(cls) -> list[str]:
-        return ["image_processor", "tokenizer"]
-
-    def save_pretrained(self, save_directory: str | Path, **kwargs: Any) -> list[str]:
-        written = super().save_pretrained(save_directory, **kwargs)
-        return [*written, *self.image_processor.save_pretrained(save_directory)]
 
 
 def text_processor(tokenizer: Any, image_processor: Any = None) -> TextProcessor:
