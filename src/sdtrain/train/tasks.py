@@ -123,10 +123,10 @@ def _pretrained_config(model: Any, name: str) -> FrozenDict | None:
     """Component `name`'s config.json in the folder it loads from (its own, or the pipeline's subfolder); None when
     it builds from the preset or loads from a single file or a run."""
     source = build.component_source(model, name)
-    if source is None:
+    if source is None or (Path(source) / "meta.json").is_file():
         return None
     for candidate in (Path(source) / "config.json", Path(source) / name / "config.json"):
-        if candidate.is_file() and not (Path(source) / "meta.json").is_file():
+        if candidate.is_file():
             try:
                 return FrozenDict(json.loads(candidate.read_text()))
             except (OSError, ValueError):
