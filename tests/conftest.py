@@ -151,7 +151,7 @@ def tiny_autoencoder(tmp_path_factory, shapes_dir) -> Iterator[Callable[[str], P
 
     def build(name: str) -> tuple[str, str]:
         spec = families.get(name)
-        return spec.components["vae"].__name__, json.dumps(spec.preset("tiny", "vae"), sort_keys=True)
+        return spec.components.classes["vae"].__name__, json.dumps(spec.preset("tiny", "vae"), sort_keys=True)
 
     runs: dict[tuple[str, str], tuple[Path, dict[str, str]]] = {}
 

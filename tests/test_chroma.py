@@ -121,7 +121,7 @@ def test_training_conditions_and_predicts_as_the_pipeline_samples(released, monk
     from sdtrain.models.tokenizer import CaptionTokenizer
 
     family = families.get("chroma")
-    pipe = family.prepare_pipeline(_pipeline(released))
+    pipe = family.sampling.prepare(_pipeline(released))
     calls = _transformer_calls(pipe, monkeypatch)
     captions = ["a red circle", ""]
     latents = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(1))  # 32 px: the VAE's 4x
@@ -130,15 +130,15 @@ def test_training_conditions_and_predicts_as_the_pipeline_samples(released, monk
     (call,) = calls
     ids, masks = family.token_inputs(CaptionTokenizer([pipe.tokenizer], family)(captions))
     with torch.no_grad():
-        text = family.encode_text([pipe.text_encoder], ids, captions, masks)
-        condition = family.condition(text, {}, torch.device("cpu"))
+        text = family.conditioner.encode_text([pipe.text_encoder], ids, captions, masks)
+        condition = family.denoising.condition(text, {}, torch.device("cpu"))
         torch.testing.assert_close(text["text_emb"], call["encoder_hidden_states"])
         lengths = [len(pipe.tokenizer(c).input_ids) for c in captions]
         assert condition["text_attended"].sum(dim=1).tolist() == [n + 1 for n in lengths]
         mask = call["attention_mask"]
         assert mask.dtype == torch.bool and torch.equal(mask[:, :TEXT_LENGTH], condition["text_attended"])
         assert mask[:, TEXT_LENGTH:].all() and mask.shape[1] == TEXT_LENGTH + 16
-        predicted = family.denoise(pipe.transformer, latents, call["timestep"] * 1000, condition)
+        predicted = family.denoising.denoise(pipe.transformer, latents, call["timestep"] * 1000, condition)
         sampled = pipe.transformer(**call)[0]
     torch.testing.assert_close(predicted, pipe._unpack_latents(sampled, 32, 32, pipe.vae_scale_factor))
 
@@ -150,7 +150,7 @@ def test_plain_diffusers_adds_its_float_mask_where_sdtrain_masks(released, monke
     calls = _transformer_calls(plain, monkeypatch)
     before = _image(plain)
     assert calls[0]["attention_mask"].is_floating_point()
-    prepared = families.get("chroma").prepare_pipeline(_pipeline(released))
+    prepared = families.get("chroma").sampling.prepare(_pipeline(released))
     calls.clear()
     after = _image(prepared)
     assert calls[0]["attention_mask"].dtype == torch.bool
@@ -161,8 +161,8 @@ def test_sampling_runs_true_guidance_against_the_empty_prompt_by_default(release
     from sdtrain.models.pipeline import sample_images
 
     family = families.get("chroma")
-    assert family.sampling_defaults(None) == {"guidance": 5.0}
-    pipe = family.prepare_pipeline(_pipeline(released))
+    assert family.sampling.defaults(None) == {"guidance": 5.0}
+    pipe = family.sampling.prepare(_pipeline(released))
     calls = _transformer_calls(pipe, monkeypatch)
     sample_images(pipe, ["a red circle"], steps=2, size=32)
     assert len(calls) == 4  # two steps, each the prompt's call and the negative's
@@ -225,7 +225,7 @@ def test_the_kohya_lora_names_every_adapter_by_a_weight_of_the_original_layout(r
     for name, module in transformer.named_modules():
         if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in config):
             layers[name] = (torch.randn(4, module.in_features), torch.randn(module.out_features, 4), 4.0)
-    kohya = families.get("chroma").kohya_lora("transformer", layers, transformer.config)
+    kohya = families.get("chroma").files.kohya_lora("transformer", layers, transformer.config)
     original = chroma.to_original(transformer.state_dict())
     names = {key.rsplit(".", 2)[0] for key in kohya}
     by_weight = {"lora_unet_" + key[:-len(".weight")].replace(".", "_") for key in original if key.endswith(".weight")}
@@ -249,7 +249,7 @@ def test_a_single_file_in_the_original_layout_reads_back_weight_for_weight(tmp_p
     transformer = ChromaTransformer2DModel.from_pretrained(released / "transformer")
     out = tmp_path / "chroma.safetensors"
     family = families.get("chroma")
-    family.single_file.write(out, {"transformer": transformer}, half=False, scheduler=None, text_layout="auto",
+    family.files.single_file.write(out, {"transformer": transformer}, half=False, scheduler=None, text_layout="auto",
                              text_source=None)
     assert families.detect(out) is family
     keys = load_file(str(out))

@@ -35,7 +35,7 @@ def sd_components() -> dict[str, nn.Module]:
 
 def sdxl_components() -> dict[str, nn.Module]:
     config = ModelConfig(family="sdxl", preset="tiny")
-    text = {name: build.build_text_encoder(config, _Tokenizer(), name) for name in SDXL.text_encoders}
+    text = {name: build.build_text_encoder(config, _Tokenizer(), name) for name in SDXL.components.text_encoders}
     return {"vae": build.build_vae(config), **text,
             "unet": build.build_denoiser(config, latent_channels=4, latent_size=8, text_encoders=text)}
 
@@ -43,7 +43,7 @@ def sdxl_components() -> dict[str, nn.Module]:
 def test_sd_lists_every_block_of_its_components():
     parts = sd_components()
     assert set(parts) == set(SD.components)
-    assert all(isinstance(module, SD.components[name]) for name, module in parts.items())
+    assert all(isinstance(module, SD.components.classes[name]) for name, module in parts.items())
     unet, vae, text = parts["unet"], parts["vae"], parts["text_encoder"]
     assert len(SD.blocks(unet)) == len(unet.down_blocks) + 1 + len(unet.up_blocks) == 7
     assert len(SD.blocks(vae)) == len(vae.encoder.down_blocks) + 2 + len(vae.decoder.up_blocks) == 8
@@ -56,10 +56,10 @@ def test_sd_lists_every_block_of_its_components():
 def test_sdxl_lists_every_block_of_its_components_and_conditions_as_sdxl_does():
     parts = sdxl_components()
     assert set(parts) == set(SDXL.components)
-    assert all(isinstance(module, SDXL.components[name]) for name, module in parts.items())
+    assert all(isinstance(module, SDXL.components.classes[name]) for name, module in parts.items())
     unet = parts["unet"]
     assert len(SDXL.blocks(unet)) == len(unet.down_blocks) + 1 + len(unet.up_blocks) == 7
-    for name in SDXL.text_encoders:
+    for name in SDXL.components.text_encoders:
         assert len(SDXL.blocks(parts[name])) == parts[name].config.num_hidden_layers == 2
     # Cross-attention reads both encoders' states side by side; the added embedding the second's pooled
     # projection and six size ids.
@@ -68,14 +68,14 @@ def test_sdxl_lists_every_block_of_its_components_and_conditions_as_sdxl_does():
     assert unet.config.addition_embed_type == "text_time"
     assert unet.add_embedding.linear_1.in_features == 6 * unet.config.addition_time_embed_dim + second.projection_dim
     ids = [torch.tensor([[98, 5, 6, 99] + [99] * 12])] * 2
-    text = SDXL.encode_text([parts["text_encoder"], parts["text_encoder_2"]], ids, ["a circle"])
+    text = SDXL.conditioner.encode_text([parts["text_encoder"], parts["text_encoder_2"]], ids, ["a circle"])
     assert text["text_emb"].shape == (1, 16, first.hidden_size + second.hidden_size)
     assert text["text_pooled"].shape == (1, second.projection_dim)
     # The penultimate layer's states, as SDXL and its pipeline read them.
     hidden = parts["text_encoder"](ids[0], output_hidden_states=True).hidden_states[-2]
     torch.testing.assert_close(text["text_emb"][..., :first.hidden_size], hidden)
     # An empty caption (caption dropout) conditions on zeros, as the pipeline's unconditional half does.
-    empty = SDXL.encode_text([parts["text_encoder"], parts["text_encoder_2"]], ids, [""])
+    empty = SDXL.conditioner.encode_text([parts["text_encoder"], parts["text_encoder_2"]], ids, [""])
     assert not empty["text_emb"].any() and not empty["text_pooled"].any()
 
 
@@ -87,8 +87,9 @@ def flow_components(family: str) -> dict[str, nn.Module]:
     """A tiny SD3 or Flux.1: its VAE, its CLIP and T5 encoders, and the transformer they shape."""
     config = ModelConfig(family=family, preset="tiny")
     spec = families.get(family)
-    text = {name: build.build_text_encoder(config, _Tokenizer() if i < len(spec.text_encoders) - 1 else _T5Tokenizer(),
-                                           name) for i, name in enumerate(spec.text_encoders)}
+    names = spec.components.text_encoders
+    text = {name: build.build_text_encoder(config, _Tokenizer() if i < len(names) - 1 else _T5Tokenizer(), name)
+            for i, name in enumerate(names)}
     return {"vae": build.build_vae(config), **text,
             "transformer": build.build_denoiser(config, latent_channels=16, latent_size=8, text_encoders=text)}
 
@@ -101,10 +102,10 @@ def test_flow_families_list_every_block_of_their_components():
     for family, transformer_blocks in (("sd3", 2), ("flux", 1 + 2)):
         parts, spec = flow_components(family), families.get(family)
         assert set(parts) == set(spec.components)
-        assert all(isinstance(module, spec.components[name]) for name, module in parts.items())
+        assert all(isinstance(module, spec.components.classes[name]) for name, module in parts.items())
         # SD3's joint blocks; Flux's double-stream blocks, then its single-stream ones.
         assert len(spec.blocks(parts["transformer"])) == transformer_blocks
-        t5 = parts[spec.text_encoders[-1]]
+        t5 = parts[spec.components.text_encoders[-1]]
         assert len(spec.blocks(t5)) == t5.config.num_layers == 2
         assert len(families.blocks(nn.ModuleDict(parts))) == sum(len(spec.blocks(m)) for m in parts.values())
 

@@ -34,30 +34,30 @@ class Tiny:
     def __init__(self, name: str, folder: Path):
         torch.manual_seed(0)
         self.family = families.get(name)
-        self.family.train_tokenizer(CAPTIONS, folder / "tokenizer", 600, TEXT_LENGTH)
+        self.family.conditioner.train_tokenizer(CAPTIONS, folder / "tokenizer", 600, TEXT_LENGTH)
         self.config = ModelConfig(family=name, preset="tiny", tokenizer=str(folder / "tokenizer"),
                                   t5_text_length=TEXT_LENGTH)
         self.tokenizers = build.load_text_tokenizers(self.config)
         self.captions = CaptionTokenizer(self.tokenizers, self.family)
         self.vae = build.build_vae(self.config)
         self.text_encoders = {encoder: build.build_text_encoder(self.config, tokenizer, encoder)
-                              for encoder, tokenizer in zip(self.family.text_encoders, self.tokenizers)}
+                              for encoder, tokenizer in zip(self.family.components.text_encoders, self.tokenizers)}
         self.denoiser = build.build_denoiser(self.config, self.family.codec.channels(self.vae.config), LATENT_SIDE,
                                              self.text_encoders)
 
     @property
     def components(self) -> dict[str, torch.nn.Module]:
-        return {"vae": self.vae, **self.text_encoders, self.family.denoiser: self.denoiser}
+        return {"vae": self.vae, **self.text_encoders, self.family.components.denoiser: self.denoiser}
 
     def text(self, captions: list[str]) -> dict[str, torch.Tensor]:
         """As training conditions a batch: the loader's tokens, then the family's conditioner (given each caption's
         source image, for a family whose text encoder reads it)."""
-        encoders = [self.text_encoders[name] for name in self.family.text_encoders]
+        encoders = [self.text_encoders[name] for name in self.family.components.text_encoders]
         ids, masks = self.family.token_inputs(self.captions(captions))
         if not self.family.text_reads_source:
-            return self.family.encode_text(encoders, ids, captions, masks)
+            return self.family.conditioner.encode_text(encoders, ids, captions, masks)
         sources = torch.rand(len(captions), 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
-        return self.family.encode_text(encoders, ids, captions, masks, sources=sources)
+        return self.family.conditioner.encode_text(encoders, ids, captions, masks, sources=sources)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -68,13 +68,13 @@ def tiny(request, tmp_path_factory) -> Tiny:
 def test_every_component_the_family_lists_is_built_of_its_class(tiny):
     assert set(tiny.family.components) == set(tiny.components)
     for name, module in tiny.components.items():
-        assert isinstance(module, tiny.family.components[name]), name
+        assert isinstance(module, tiny.family.components.classes[name]), name
 
 
 def test_the_denoiser_and_each_text_encoder_list_their_repeated_blocks(tiny):
     """The units of activation checkpointing, compilation and FSDP: in forward order, each a module of its
     component, and the registry-wide lookup finds the same."""
-    for name in (tiny.family.denoiser, *tiny.family.text_encoders):
+    for name in (tiny.family.components.denoiser, *tiny.family.components.text_encoders):
         module = tiny.components[name]
         blocks = tiny.family.blocks(module)
         assert blocks, f"{tiny.family.name}: no blocks listed for the {name}"
@@ -95,7 +95,7 @@ def test_the_loader_tokens_are_picklable_and_the_conditioner_gives_the_shapes_it
     text = tiny.text(captions)
     configs = {name: encoder.config for name, encoder in tiny.text_encoders.items()}
     lengths = [tokenizer.model_max_length for tokenizer in tiny.tokenizers]
-    declared = tiny.family.text_shapes(configs, lengths)
+    declared = tiny.family.conditioner.text_shapes(configs, lengths)
     assert set(text) == set(declared) and "text_emb" in text
     for key, tensor in text.items():
         if tiny.family.text_reads_source:  # the sources' vision tokens lengthen the sequence by their count
@@ -130,17 +130,18 @@ def test_a_denoiser_step_predicts_the_latents_shape_and_trains_every_weight(tiny
     with torch.no_grad():
         text = tiny.text(["a red circle", "a blue square"])
     batch = {"size_ids": torch.tensor([[64, 64, 0, 0, 64, 64]] * 2)}
-    condition = tiny.family.condition(text, batch, torch.device("cpu"))
-    if tiny.family.takes_guidance(tiny.denoiser.config):
+    condition = tiny.family.denoising.condition(text, batch, torch.device("cpu"))
+    if tiny.family.denoising.takes_guidance(tiny.denoiser.config):
         condition["guidance"] = torch.full((2,), 3.5)
     timesteps = torch.tensor([100.0, 900.0])
-    output = tiny.family.denoise(tiny.denoiser, latents, timesteps, condition)
+    output = tiny.family.denoising.denoise(tiny.denoiser, latents, timesteps, condition)
     assert output.shape == latents.shape and torch.isfinite(output).all()
     tiny.denoiser.zero_grad()
     output.square().mean().backward()
     # What a data-parallel step waits for: a gradient for every parameter the family does not declare unused.
     untouched = [n for n, p in tiny.denoiser.named_parameters()
-                 if p.grad is None and not _declared_unused(tiny.family, tiny.family.denoiser, tiny.denoiser, n)]
+                 if p.grad is None
+                 and not _declared_unused(tiny.family, tiny.family.components.denoiser, tiny.denoiser, n)]
     assert not untouched, f"{tiny.family.name}: no gradient reaches {untouched[:3]}"
 
 
@@ -167,21 +168,21 @@ def test_its_controlnet_starts_at_the_base_model_and_then_steers_it(tiny):
             images = spec.control_input(tiny.vae, images)
     with torch.no_grad():
         text = tiny.text(["a red circle", "a blue square"])
-    condition = tiny.family.condition(text, {"size_ids": torch.tensor([[64, 64, 0, 0, 64, 64]] * 2)},
+    condition = tiny.family.denoising.condition(text, {"size_ids": torch.tensor([[64, 64, 0, 0, 64, 64]] * 2)},
                                       torch.device("cpu"))
-    if tiny.family.takes_guidance(tiny.denoiser.config):
+    if tiny.family.denoising.takes_guidance(tiny.denoiser.config):
         condition["guidance"] = torch.full((2,), 3.5)
     timesteps = torch.tensor([100.0, 900.0])
     with torch.no_grad():
-        plain = tiny.family.denoise(denoiser, latents, timesteps, condition)
-        controlled = tiny.family.denoise(denoiser, latents, timesteps,
+        plain = tiny.family.denoising.denoise(denoiser, latents, timesteps, condition)
+        controlled = tiny.family.denoising.denoise(denoiser, latents, timesteps,
                                          {**condition, **spec.residuals(controlnet, latents, timesteps, condition,
                                                                         images)})
     torch.testing.assert_close(controlled, plain, rtol=0, atol=0)
     with torch.no_grad():
         for parameter in controlnet.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.01)
-    output = tiny.family.denoise(denoiser, latents, timesteps,
+    output = tiny.family.denoising.denoise(denoiser, latents, timesteps,
                                  {**condition, **spec.residuals(controlnet, latents, timesteps, condition, images)})
     assert not torch.equal(output, plain)
     output.square().mean().backward()
@@ -215,21 +216,24 @@ def test_its_lycoris_adapters_load_in_diffusers_as_they_trained(tiny, kind, tmp_
         for name, parameter in trained.named_parameters():
             if "lora_" in name or "lokr_" in name:
                 parameter.add_(torch.randn_like(parameter) * 0.1)
-    save_lora({family.denoiser: trained}, {family.denoiser: trained.state_dict()}, tmp_path, family)
+    denoiser = family.components.denoiser
+    save_lora({denoiser: trained}, {denoiser: trained.state_dict()}, tmp_path, family)
     noise = build.build_noise_scheduler(DiffusionConfig(), tiny.config)
-    pipe = family.assemble({**tiny.components, family.denoiser: copy.deepcopy(base)}, tiny.tokenizers,
+    pipe = family.sampling.assemble({**tiny.components, family.components.denoiser: copy.deepcopy(base)},
+                                    tiny.tokenizers,
                            sampler_from(noise, "euler"))
     load_adapters(pipe, tmp_path, None, "trained")
     latents = torch.randn(1, family.codec.channels(tiny.vae.config), LATENT_SIDE, LATENT_SIDE)
     with torch.no_grad():
-        condition = family.condition(tiny.text(["a red circle"]), {"size_ids": torch.tensor([[64, 64, 0, 0, 64, 64]])},
+        condition = family.denoising.condition(tiny.text(["a red circle"]),
+                                               {"size_ids": torch.tensor([[64, 64, 0, 0, 64, 64]])},
                                      torch.device("cpu"))
-        if family.takes_guidance(tiny.denoiser.config):
+        if family.denoising.takes_guidance(tiny.denoiser.config):
             condition["guidance"] = torch.full((1,), 3.5)
         timesteps = torch.tensor([500.0])
-        expected = family.denoise(trained, latents, timesteps, condition)
-        loaded = family.denoise(getattr(pipe, family.denoiser), latents, timesteps, condition)
-        plain = family.denoise(base, latents, timesteps, condition)
+        expected = family.denoising.denoise(trained, latents, timesteps, condition)
+        loaded = family.denoising.denoise(getattr(pipe, family.components.denoiser), latents, timesteps, condition)
+        plain = family.denoising.denoise(base, latents, timesteps, condition)
     assert not torch.allclose(expected, plain)
     torch.testing.assert_close(loaded, expected, rtol=1e-4, atol=1e-5)
 
@@ -244,21 +248,22 @@ def test_its_instruct_pix2pix_denoiser_starts_at_the_base_model(tiny):
     latents = torch.randn(2, channels, LATENT_SIDE, LATENT_SIDE)
     with torch.no_grad():
         text = tiny.text(["make it red", "make it blue"])
-    condition = tiny.family.condition(text, {"size_ids": torch.tensor([[64, 64, 0, 0, 64, 64]] * 2)},
+    condition = tiny.family.denoising.condition(text, {"size_ids": torch.tensor([[64, 64, 0, 0, 64, 64]] * 2)},
                                       torch.device("cpu"))
     timesteps = torch.tensor([100.0, 900.0])
     widened = copy.deepcopy(tiny.denoiser)
     spec.widen(widened)
     assert widened.config.in_channels == 2 * channels
     with torch.no_grad():
-        plain = tiny.family.denoise(tiny.denoiser, latents, timesteps, condition)
-        given = tiny.family.denoise(widened, torch.cat([latents, torch.randn_like(latents)], dim=1), timesteps,
+        plain = tiny.family.denoising.denoise(tiny.denoiser, latents, timesteps, condition)
+        given = tiny.family.denoising.denoise(widened, torch.cat([latents, torch.randn_like(latents)], dim=1),
+                                              timesteps,
                                     condition)
     torch.testing.assert_close(given, plain, rtol=0, atol=0)
 
 
 def _declared_unused(family, name: str, module: torch.nn.Module, parameter: str) -> bool:
-    return any(parameter.startswith(path + ".") for path in family.unused_modules(name, module))
+    return any(parameter.startswith(path + ".") for path in family.conditioner.unused_modules(name, module))
 
 
 def test_each_text_encoder_that_trains_gives_every_weight_a_gradient(tiny):
@@ -274,27 +279,27 @@ def test_each_text_encoder_that_trains_gives_every_weight_a_gradient(tiny):
 
 def test_the_latents_side_survives_the_denoiser(tiny):
     """Aspect buckets are multiples of what the denoiser downsamples by; the position table (if any) covers them."""
-    step = tiny.family.downsampling(tiny.denoiser.config)
+    step = tiny.family.denoising.downsampling(tiny.denoiser.config)
     assert step >= 1 and LATENT_SIDE % step == 0
-    longest = tiny.family.max_latent_side(tiny.denoiser.config)
+    longest = tiny.family.denoising.max_latent_side(tiny.denoiser.config)
     assert longest is None or longest >= LATENT_SIDE
 
 
 def test_the_pipeline_it_assembles_loads_in_diffusers_and_is_recognised(tiny, tmp_path):
     noise = build.build_noise_scheduler(DiffusionConfig(), tiny.config)
-    pipe = tiny.family.assemble(tiny.components, tiny.tokenizers, sampler_from(noise, "euler"))
-    assert isinstance(pipe, tiny.family.pipeline_class)
+    pipe = tiny.family.sampling.assemble(tiny.components, tiny.tokenizers, sampler_from(noise, "euler"))
+    assert isinstance(pipe, tiny.family.sampling.pipeline_class)
     pipe.save_pretrained(tmp_path)
     assert families.detect(tmp_path) is tiny.family
-    loaded = tiny.family.pipeline_from_folder(tmp_path, local_files_only=True)
-    assert type(loaded) is tiny.family.pipeline_class
-    state = getattr(loaded, tiny.family.denoiser).state_dict()
+    loaded = tiny.family.sampling.pipeline_from_folder(tmp_path, local_files_only=True)
+    assert type(loaded) is tiny.family.sampling.pipeline_class
+    state = getattr(loaded, tiny.family.components.denoiser).state_dict()
     for key, value in tiny.denoiser.state_dict().items():
         assert torch.equal(state[key], value), key
 
 
 def test_the_sampling_defaults_are_what_the_pipeline_takes(tiny):
-    defaults = tiny.family.sampling_defaults(tiny.denoiser.config)
+    defaults = tiny.family.sampling.defaults(tiny.denoiser.config)
     assert defaults["guidance"] > 0 and set(defaults) <= {"guidance", "steps"}
 
 
@@ -309,12 +314,12 @@ def test_every_preset_sets_every_component(name):
 
 def test_families_are_told_apart_by_their_files():
     """No two families claim the same pipeline class name or single-file key prefix, and each name is its own."""
-    names = [f.pipeline_names for f in families.FAMILIES.values()]
+    names = [f.sampling.pipeline_names for f in families.FAMILIES.values()]
     flat = [n for group in names for n in group]
     assert len(flat) == len(set(flat))
     for name, family in families.FAMILIES.items():
         assert family.name == name and families.get(name) is family
-        assert family.pipeline_class.__name__ in family.pipeline_names
+        assert family.sampling.pipeline_class.__name__ in family.sampling.pipeline_names
 
 
 def test_its_single_file_layout_reads_back_what_it_writes(tiny, tmp_path):
@@ -323,7 +328,7 @@ def test_its_single_file_layout_reads_back_what_it_writes(tiny, tmp_path):
     `generate` read files by (`loaders.components.load_component`)."""
     from sdtrain.loaders.components import load_component
 
-    layout = tiny.family.single_file
+    layout = tiny.family.files.single_file
     if layout is None:
         pytest.skip(f"{tiny.family.title} has no single-file layout")
     held = layout.holds or tuple(tiny.components)
@@ -331,10 +336,10 @@ def test_its_single_file_layout_reads_back_what_it_writes(tiny, tmp_path):
     layout.write(out, {name: tiny.components[name] for name in held}, half=False,
                  scheduler=build.build_noise_scheduler(DiffusionConfig(), tiny.config), text_layout="auto",
                  text_source=None)
-    assert families.detect(out).single_file is layout  # a layout two families share is told by the family set
+    assert families.detect(out).files.single_file is layout  # a layout two families share is told by the family set
     for name in held:
         loaded = load_component(name, out, family=tiny.family, served=tiny.config)
-        assert isinstance(loaded, tiny.family.components[name])
+        assert isinstance(loaded, tiny.family.components.classes[name])
         expected = tiny.components[name].state_dict()
         got = loaded.state_dict()
         assert set(expected) <= set(got), name
@@ -350,21 +355,22 @@ def test_its_lora_file_loads_whole_through_the_pipelines_own_loader(tiny, tmp_pa
     from sdtrain.loaders.writers import save_lora
 
     noise = build.build_noise_scheduler(DiffusionConfig(), tiny.config)
-    tiny.family.assemble(tiny.components, tiny.tokenizers, sampler_from(noise, "euler")).save_pretrained(
+    tiny.family.sampling.assemble(tiny.components, tiny.tokenizers, sampler_from(noise, "euler")).save_pretrained(
         tmp_path / "pipeline")
     adapted = copy.deepcopy(tiny.denoiser)
     torch.manual_seed(1)
     # Random ups as well as downs (peft starts the ups at zero), so every adapter changes its layer.
     add_lora(adapted, {"r": 2, "lora_alpha": 4, "target_modules": LoraConfig().target_modules,
                        "init_lora_weights": False}, "lora.target_modules")
-    save_lora({tiny.family.denoiser: adapted}, {tiny.family.denoiser: adapted.state_dict()}, tmp_path / "lora",
+    denoiser = tiny.family.components.denoiser
+    save_lora({denoiser: adapted}, {denoiser: adapted.state_dict()}, tmp_path / "lora",
               tiny.family)
-    pipe = tiny.family.pipeline_from_folder(tmp_path / "pipeline", local_files_only=True)
+    pipe = tiny.family.sampling.pipeline_from_folder(tmp_path / "pipeline", local_files_only=True)
     pipe.load_lora_weights(tmp_path / "lora")
     pipe.fuse_lora()
     expected = merge_lora(adapted).state_dict()
     got = {key.replace(".base_layer.", "."): value
-           for key, value in getattr(pipe, tiny.family.denoiser).state_dict().items() if "lora_" not in key}
+           for key, value in getattr(pipe, tiny.family.components.denoiser).state_dict().items() if "lora_" not in key}
     changed = [key for key, value in expected.items() if not torch.equal(value, tiny.denoiser.state_dict()[key])]
     assert changed  # the adapters do change the weights they sit on
     for key in changed:

@@ -376,7 +376,7 @@ def test_dreambooth_encodes_its_prompts_once_and_releases_the_text_encoder(tmp_p
     batch = trainer.data.next()
     assert sorted(set(batch["captions"])) == sorted(prompts)
     encoder = task.frozen("text_encoder")
-    expected = task.family.encode_text([encoder], [batch["input_ids"]], batch["captions"])["text_emb"]
+    expected = task.family.conditioner.encode_text([encoder], [batch["input_ids"]], batch["captions"])["text_emb"]
     torch.testing.assert_close(task.conditioning(batch)["encoder_hidden_states"], expected, atol=1e-5, rtol=1e-5)
     trainer.train()
     assert (tmp_path / "run" / "samples" / "step_00000001.png").is_file()

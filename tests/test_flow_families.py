@@ -313,7 +313,7 @@ def _edits_as_the_pipeline_does(pipe, source) -> None:
         condition = {"encoder_hidden_states": kwargs["encoder_hidden_states"],
                      "pooled_projections": kwargs["pooled_projections"], "guidance": kwargs["guidance"],
                      "reference_latents": reference}
-        output = families.get("flux").denoise(pipe.transformer, noisy, kwargs["timestep"] * 1000, condition)
+        output = families.get("flux").denoising.denoise(pipe.transformer, noisy, kwargs["timestep"] * 1000, condition)
     torch.testing.assert_close(pack(output), expected[:, :tokens], rtol=1e-4, atol=1e-5)
 
 
@@ -352,7 +352,7 @@ def _steers_as_the_pipeline_does(family: str, pipe, layout) -> None:
         else:
             noisy, timesteps = kwargs["hidden_states"], kwargs["timestep"]
         residuals = spec.residuals(pipe.controlnet, noisy, timesteps, condition, control)
-        output = families.get(family).denoise(pipe.transformer, noisy, timesteps, {**condition, **residuals})
+        output = families.get(family).denoising.denoise(pipe.transformer, noisy, timesteps, {**condition, **residuals})
     if family == "flux":
         output = pack(output)
     torch.testing.assert_close(output, expected, rtol=1e-4, atol=1e-5)
@@ -432,7 +432,7 @@ def test_t5_reads_what_the_model_samples_with_not_the_512_a_released_tokenizer_s
         folder = tmp_path / f"{family}-{guidance}"
         shutil.copytree(pretrained[family], folder)
         spec = families.get(family)
-        t5 = folder / spec.long_text_tokenizers[0] / "tokenizer_config.json"
+        t5 = folder / spec.components.long_text_tokenizers[0] / "tokenizer_config.json"
         t5.write_text(json.dumps({**json.loads(t5.read_text()), "model_max_length": 512}))
         if guidance is not None:
             config = folder / "transformer" / "config.json"
@@ -442,7 +442,8 @@ def test_t5_reads_what_the_model_samples_with_not_the_512_a_released_tokenizer_s
     def t5_length(folder: Path, **model) -> int:
         family = families.detect(folder)
         tokenizers = build.load_text_tokenizers(ModelConfig(pretrained=str(folder), **model))
-        return tokenizers[family.tokenizers.index(family.long_text_tokenizers[0])].model_max_length
+        folders = family.components
+        return tokenizers[folders.tokenizers.index(folders.long_text_tokenizers[0])].model_max_length
 
     schnell = released("flux", guidance=False)
     assert t5_length(schnell) == 256
@@ -643,7 +644,7 @@ def test_flux_clip_pools_at_end_of_text_after_an_embedding_is_loaded(tmp_path):
     pipe = FluxPipeline(scheduler=None, vae=None, text_encoder=clip, tokenizer=tokenizer, text_encoder_2=None,
                         tokenizer_2=None, transformer=None)
     save_file({"<shp>": torch.randn(1, clip.config.hidden_size)}, str(tmp_path / "learned_embeds.safetensors"))
-    families.get("flux").load_embedding(pipe, str(tmp_path / "learned_embeds.safetensors"))
+    families.get("flux").files.load_embedding(pipe, str(tmp_path / "learned_embeds.safetensors"))
     ids = tokenizer(["a <shp> circle"], padding="max_length", max_length=tokenizer.model_max_length,
                     return_tensors="pt").input_ids[0].tolist()
     placeholder, end = ids.index(len(tokenizer) - 1), ids.index(tokenizer.eos_token_id)

@@ -106,7 +106,7 @@ def distilled_klein(tmp_path_factory, released_klein) -> Path:
 
 
 def _pipeline(family, folder: Path):
-    pipe = family.pipeline_from_folder(folder, local_files_only=True)
+    pipe = family.sampling.pipeline_from_folder(folder, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -151,8 +151,8 @@ def test_the_conditioning_is_the_pipelines_own_and_the_language_tower_loads_alon
         expected = pipe.encode_prompt(captions, max_sequence_length=TEXT_LENGTH, text_encoder_out_layers=LAYERS)[0]
         for precision, tolerance in (("fp32", 1e-5), ("fp8", 0.2)):
             tower = load_component("text_encoder", folder, family=family, frozen_precision=precision)
-            assert type(tower) is family.components["text_encoder"]
-            got = family.encode_text([tower], ids, captions, masks)["text_emb"]
+            assert type(tower) is family.components.classes["text_encoder"]
+            got = family.conditioner.encode_text([tower], ids, captions, masks)["text_emb"]
             assert got.shape == expected.shape == (3, TEXT_LENGTH, 96)
             assert (got - expected).abs().max() <= tolerance * expected.abs().max(), precision
 
@@ -213,7 +213,7 @@ def test_a_distilled_klein_samples_in_4_steps_without_guidance_and_its_merged_ex
     assert main(["generate", "--model", str(out / "pipeline"), "--prompt", "a red circle", "--out",
                  str(tmp_path / "images")]) == 0
     assert len(calls) == 4
-    assert not KLEIN.distilled(released_klein)  # the base models sample with guidance, as before
+    assert not KLEIN.sampling.distilled(released_klein)  # the base models sample with guidance, as before
 
 
 @pytest.mark.parametrize("which", ["dev", "distilled klein"])

@@ -122,7 +122,7 @@ def test_the_reference_initialised_transformer_trains():
     optimizer = torch.optim.SGD(transformer.parameters(), lr=0.1)
     zeroed = {name: layer for name, layer in _linears(transformer).items() if _zeroed(name)}
 
-    output = FLUX.denoise(transformer, noisy, timesteps, condition)
+    output = FLUX.denoising.denoise(transformer, noisy, timesteps, condition)
     assert torch.isfinite(output).all() and not output.any()  # the output starts at zero
     torch.nn.functional.mse_loss(output, target).backward()
     # Gradients reach the output projection first (the layers behind it see a zero weight).
@@ -133,7 +133,7 @@ def test_the_reference_initialised_transformer_trains():
     for _ in range(2):
         optimizer.step()
         optimizer.zero_grad()
-        output = FLUX.denoise(transformer, noisy, timesteps, condition)
+        output = FLUX.denoising.denoise(transformer, noisy, timesteps, condition)
         assert torch.isfinite(output).all() and output.any()
         torch.nn.functional.mse_loss(output, target).backward()
         reached |= {name for name, layer in zeroed.items() if layer.weight.grad.abs().sum() > 0}

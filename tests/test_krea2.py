@@ -48,7 +48,7 @@ def released(tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("krea2") / "pipeline"
     torch.manual_seed(0)
-    tokenizer = KREA.train_tokenizer(CAPTIONS * 4, folder.parent / "tokenizer", 600, TEXT_LENGTH)
+    tokenizer = KREA.conditioner.train_tokenizer(CAPTIONS * 4, folder.parent / "tokenizer", 600, TEXT_LENGTH)
     text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, pad_token_id=tokenizer.pad_token_id,
                 rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
@@ -82,7 +82,7 @@ def distilled(tmp_path_factory, released) -> Path:
 
 
 def _pipeline(folder: Path):
-    pipe = KREA.pipeline_from_folder(folder, local_files_only=True)
+    pipe = KREA.sampling.pipeline_from_folder(folder, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -105,7 +105,7 @@ def _text(pipe, captions: list[str]) -> dict[str, torch.Tensor]:
 
     ids, masks = KREA.token_inputs(CaptionTokenizer([pipe.tokenizer], KREA)(captions))
     with torch.no_grad():
-        return KREA.encode_text([pipe.text_encoder], ids, captions, masks)
+        return KREA.conditioner.encode_text([pipe.text_encoder], ids, captions, masks)
 
 
 def test_the_released_taps_and_template_are_the_pipelines():
@@ -168,13 +168,13 @@ def test_the_conditioning_and_the_transformers_call_are_the_pipelines_own(releas
     stacked = text["text_emb"].unflatten(-1, (len(LAYERS), 32))
     torch.testing.assert_close(stacked, embeds * mask[..., None, None], rtol=1e-5, atol=1e-6)
     with pytest.raises(UserError, match="model.t5_text_length: 5 tokens leave no room"):
-        KREA.tokenize(build.load_tokenizer(str(released / "tokenizer"), 5), 0, captions)
+        KREA.conditioner.tokenize(build.load_tokenizer(str(released / "tokenizer"), 5), 0, captions)
 
     latents = torch.randn(3, 16, 8, 8, generator=torch.Generator().manual_seed(0))
     sigma = torch.tensor([0.2, 0.5, 0.9])
-    condition = KREA.condition(text, {}, torch.device("cpu"))
+    condition = KREA.denoising.condition(text, {}, torch.device("cpu"))
     with torch.no_grad():
-        ours = KREA.denoise(pipe.transformer, latents, sigma * 1000, condition)
+        ours = KREA.denoising.denoise(pipe.transformer, latents, sigma * 1000, condition)
         theirs = pipe.transformer(
             hidden_states=pipe._pack_latents(latents, 3, 16, 8, 8), encoder_hidden_states=embeds, timestep=sigma,
             position_ids=pipe.prepare_position_ids(TEXT_LENGTH, 4, 4, torch.device("cpu")),
@@ -196,9 +196,9 @@ def test_the_kept_length_changes_nothing_but_truncation(released):
         tokenizer = build.load_tokenizer(str(released / "tokenizer"), length)
         ids, masks = KREA.token_inputs(CaptionTokenizer([tokenizer], KREA)(["a red circle", ""]))
         with torch.no_grad():
-            text = KREA.encode_text([pipe.text_encoder], ids, None, masks)
-            condition = KREA.condition(text, {}, torch.device("cpu"))
-            outputs.append(KREA.denoise(pipe.transformer, latents, torch.tensor([300.0, 700.0]), condition))
+            text = KREA.conditioner.encode_text([pipe.text_encoder], ids, None, masks)
+            condition = KREA.denoising.condition(text, {}, torch.device("cpu"))
+            outputs.append(KREA.denoising.denoise(pipe.transformer, latents, torch.tensor([300.0, 700.0]), condition))
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
 
 
@@ -233,11 +233,12 @@ def test_a_distilled_folder_samples_in_8_steps_without_guidance(distilled, relea
     sdtrain's 5.5."""
     from diffusers import Krea2Transformer2DModel
 
-    assert KREA.distilled(distilled) and KREA.distilled(distilled / "transformer") and not KREA.distilled(released)
-    assert KREA.sampling_defaults(None, distilled=False) == {"guidance": 5.5, "steps": 28}
+    assert KREA.sampling.distilled(distilled) and KREA.sampling.distilled(distilled / "transformer")
+    assert not KREA.sampling.distilled(released)
+    assert KREA.sampling.defaults(None, distilled=False) == {"guidance": 5.5, "steps": 28}
     pipe = _pipeline(released)
-    assert KREA.sampling_arguments(pipe, 5.5, None)["guidance_scale"] == 4.5
-    assert KREA.sampling_arguments(pipe, 1.0, None)["guidance_scale"] == 0.0
+    assert KREA.sampling.arguments(pipe, 5.5, None)["guidance_scale"] == 4.5
+    assert KREA.sampling.arguments(pipe, 1.0, None)["guidance_scale"] == 0.0
     calls = []
     forward = Krea2Transformer2DModel.forward
 
@@ -263,8 +264,9 @@ def test_a_distilled_folder_samples_in_8_steps_without_guidance(distilled, relea
     torch.testing.assert_close(sampled[0][:-1].float(), pipe.scheduler.time_shift(krea2.DISTILLED_MU, 1.0, grid),
                                rtol=1e-5, atol=1e-6)
     # What an export of a run on it writes: its model_index.json keeps is_distilled, and the taps.
-    assembled = KREA.assemble({"vae": pipe.vae, "text_encoder": pipe.text_encoder, "transformer": pipe.transformer},
-                              [pipe.tokenizer], pipe.scheduler, distilled=True)
+    assembled = KREA.sampling.assemble(
+        {"vae": pipe.vae, "text_encoder": pipe.text_encoder, "transformer": pipe.transformer},
+        [pipe.tokenizer], pipe.scheduler, distilled=True)
     assert assembled.config.is_distilled is True and tuple(assembled.config.text_encoder_select_layers) == LAYERS
 
 
@@ -277,17 +279,17 @@ def test_krea_module_names_are_diffusers_converters_own(released, tmp_path):
 
     transformer = _pipeline(released).transformer
     linears = [name for name, module in transformer.named_modules() if isinstance(module, torch.nn.Linear)]
-    original = {name: KREA.original_module_path("transformer", name, transformer.config) for name in linears}
+    original = {name: KREA.files.original_module_path("transformer", name, transformer.config) for name in linears}
     state = {f"diffusion_model.{path}.lora_A.weight": torch.zeros(1) for path in original.values()}
     assert set(_convert_non_diffusers_krea2_lora_to_diffusers(state)) == {f"transformer.{n}.lora_A.weight"
                                                                           for n in linears}
     held = set(krea2.to_original(transformer.state_dict()))
     assert all(f"{path}.weight" in held for path in original.values())
-    assert KREA.kohya_lora_name("transformer", "transformer_blocks.1.attn.to_out.0", transformer.config) == \
+    assert KREA.files.kohya_lora_name("transformer", "transformer_blocks.1.attn.to_out.0", transformer.config) == \
         "lora_unet_blocks_1_attn_wo"
 
     single = tmp_path / "krea2.safetensors"
-    KREA.single_file.write(single, {"transformer": transformer}, half=False, scheduler=None, text_layout="auto",
+    KREA.files.single_file.write(single, {"transformer": transformer}, half=False, scheduler=None, text_layout="auto",
                            text_source=None)
     assert families.detect(single) is KREA
     loaded = Krea2Transformer2DModel.from_single_file(str(single), config=str(released / "transformer"),
@@ -305,7 +307,8 @@ def test_a_lora_over_a_low_precision_base_loads_whole_through_diffusers(tmp_path
     kohya = load_file(str(out / "lora_kohya.safetensors"))
     in_file = {k.removeprefix("transformer.").rsplit(".lora", 1)[0] for k in keys}
     config = _pipeline(released).transformer.config
-    assert {k.split(".")[0] for k in kohya} == {KREA.kohya_lora_name("transformer", path, config) for path in in_file}
+    named = {KREA.files.kohya_lora_name("transformer", path, config) for path in in_file}
+    assert {k.split(".")[0] for k in kohya} == named
     assert any(k.startswith("lora_unet_txtfusion_") for k in kohya) and any("_attn_wq." in k for k in kohya)
     before = _image(_pipeline(released))
     pipe = _pipeline(released)

@@ -151,7 +151,7 @@ def test_each_kohya_dora_file_gives_its_readers_the_merged_weights(tmp_path, pre
     """Each reader's rule applied to the kohya DoRA file made for it gives peft's merged weight; diffusers, which
     reads neither file's magnitudes, is pointed to its own file."""
     trained, family = _adapted_unet(pretrained, "dora", tmp_path), families.get("sd")
-    layers = {family.kohya_lora_name("unet", path, trained.config): path
+    layers = {family.files.kohya_lora_name("unet", path, trained.config): path
               for path, module in trained.named_modules() if hasattr(module, "lora_magnitude_vector")}
     base = {key: trained.get_submodule(path).get_base_layer().weight.detach().clone() for key, path in layers.items()}
     merged = merge_lora(trained)

@@ -58,7 +58,7 @@ def test_comfyui_applies_the_kohya_file_as_peft_merges_it(kind, tmp_path):
     state = kohya_state({"unet": unet}, weights, family)
     save_file(state, str(tmp_path / "kohya.safetensors"))
     # Each adapted layer's base and merged weight under its kohya name.
-    layers = {path: family.kohya_lora_name("unet", path, unet.config)
+    layers = {path: family.files.kohya_lora_name("unet", path, unet.config)
               for path, module in unet.named_modules() if hasattr(module, "get_base_layer") and "." in path}
     layers = {path: name for path, name in layers.items() if any(k.startswith(name + ".") for k in state)}
     base = {name: unet.get_submodule(path).get_base_layer().weight.detach().clone().contiguous()

@@ -74,7 +74,7 @@ def released_parts(**transformer_settings: Any) -> dict[str, Any]:
 def _pipeline(folder: Path):
     from diffusers import QwenImagePipeline
 
-    pipe = QWEN.prepare_pipeline(QwenImagePipeline.from_pretrained(folder, local_files_only=True))
+    pipe = QWEN.sampling.prepare(QwenImagePipeline.from_pretrained(folder, local_files_only=True))
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -121,7 +121,7 @@ def test_the_conditioning_is_the_pipelines_own(released):
     batch = CaptionTokenizer([tokenizer], QWEN)(captions)
     ids, masks = QWEN.token_inputs(batch)
     with torch.no_grad():
-        text = QWEN.encode_text([pipe.text_encoder], ids, captions, masks)
+        text = QWEN.conditioner.encode_text([pipe.text_encoder], ids, captions, masks)
         embeds, mask = pipe.encode_prompt(captions, max_sequence_length=TEXT_LENGTH)
     assert text["text_emb"].shape == (3, TEXT_LENGTH, 32) and text["text_mask"].shape == (3, TEXT_LENGTH)
     width = embeds.shape[1]
@@ -148,7 +148,7 @@ def test_a_tokenizer_that_pads_left_conditions_as_the_pipeline_does(tmp_path, re
     captions = ["a red circle", "a green square beside a yellow triangle"]
     ids, masks = QWEN.token_inputs(CaptionTokenizer([tokenizer], QWEN)(captions))
     with torch.no_grad():
-        text = QWEN.encode_text([pipe.text_encoder], ids, captions, masks)
+        text = QWEN.conditioner.encode_text([pipe.text_encoder], ids, captions, masks)
         for row, caption in enumerate(captions):
             embeds, mask = pipe.encode_prompt([caption], max_sequence_length=TEXT_LENGTH)
             width = embeds.shape[1]  # a caption alone is not padded: the pipeline gives no mask

@@ -80,7 +80,7 @@ def released(tmp_path_factory) -> Path:
 
 
 def _pipeline(folder: Path):
-    pipe = QWEN21.pipeline_from_folder(folder, local_files_only=True)
+    pipe = QWEN21.sampling.pipeline_from_folder(folder, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -100,7 +100,7 @@ def _command(mode: str, run: Path, pretrained: Path, shapes_dir: Path, steps: in
 def _conditioning(pipe, captions: list[str]) -> dict[str, torch.Tensor]:
     tokenizer = build.load_tokenizer(str(pipe.name_or_path), TEXT_LENGTH, "processor")
     ids, masks = QWEN21.token_inputs(CaptionTokenizer([tokenizer], QWEN21)(captions))
-    return QWEN21.encode_text([pipe.text_encoder], ids, captions, masks)
+    return QWEN21.conditioner.encode_text([pipe.text_encoder], ids, captions, masks)
 
 
 def test_a_released_folder_is_recognised_and_read_through_its_processor(released):
@@ -151,8 +151,8 @@ def test_the_denoiser_call_is_the_pipelines(released):
     latents = torch.randn(2, 64, 4, 2, generator=torch.Generator().manual_seed(0))
     timesteps = torch.tensor([700.0, 700.0])
     with torch.no_grad():
-        condition = QWEN21.condition(_conditioning(pipe, captions), {}, torch.device("cpu"))
-        got = QWEN21.denoise(pipe.transformer, latents, timesteps, condition)
+        condition = QWEN21.denoising.condition(_conditioning(pipe, captions), {}, torch.device("cpu"))
+        got = QWEN21.denoising.denoise(pipe.transformer, latents, timesteps, condition)
         embeds, mask, slots = pipe.encode_prompt(captions)
         packed = QwenImage21Pipeline._pack_latents(latents, 2, 64, 4, 2)
         slots = torch.cat([slots, slots.new_ones(2, packed.shape[1] // 4)], dim=1)
@@ -174,7 +174,7 @@ def test_training_shifts_sigmas_as_the_pipeline_samples_them(released):
     pipe = _pipeline(released)
     objective = make_objective(QWEN21, DiffusionConfig(), pipe.scheduler, torch.device("cpu"),
                                pipe.transformer.config)
-    assert objective.patch_size == 1 and QWEN21.downsampling(pipe.transformer.config) == 2
+    assert objective.patch_size == 1 and QWEN21.denoising.downsampling(pipe.transformer.config) == 2
     config = pipe.scheduler.config
     tokens = 32 * 48  # the latents of a 512 x 768 image
     mu = calculate_shift(tokens, config.base_image_seq_len, config.max_image_seq_len, config.base_shift,
@@ -186,10 +186,10 @@ def test_training_shifts_sigmas_as_the_pipeline_samples_them(released):
 
 def test_the_turbo_release_samples_its_own_sigmas_without_guidance(tmp_path):
     turbo = _release(tmp_path / "turbo" / "pipeline", sample_sigmas=[1.0, 0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05])
-    assert QWEN21.distilled(turbo) and not QWEN21.distilled(tmp_path / "none")
-    assert QWEN21.sampling_defaults(None, distilled=True) == {"guidance": 1.0, "steps": 8}
-    assert QWEN21.sampling_arguments(None, 1.0, None) == {"true_cfg_scale": 1.0, "negative_prompt": None}
-    assert QWEN21.sampling_arguments(None, 4.0, None) == {"true_cfg_scale": 4.0, "negative_prompt": ""}
+    assert QWEN21.sampling.distilled(turbo) and not QWEN21.sampling.distilled(tmp_path / "none")
+    assert QWEN21.sampling.defaults(None, distilled=True) == {"guidance": 1.0, "steps": 8}
+    assert QWEN21.sampling.arguments(None, 1.0, None) == {"true_cfg_scale": 1.0, "negative_prompt": None}
+    assert QWEN21.sampling.arguments(None, 4.0, None) == {"true_cfg_scale": 4.0, "negative_prompt": ""}
 
 
 def test_a_lora_loads_whole_through_diffusers_and_changes_the_image(tmp_path, released, shapes_dir):

@@ -66,7 +66,7 @@ def _release(folder: Path, family) -> Path:
     encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
         text_config=text, vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2,
                                              out_hidden_size=32, fullatt_block_indexes=[1]), **markers))
-    pipe = family.pipeline_class(text_encoder=encoder, tokenizer=tokenizer,
+    pipe = family.sampling.pipeline_class(text_encoder=encoder, tokenizer=tokenizer,
                                  processor=VisionTextProcessor(image_processor(14, 2, 2), tokenizer),
                                  **released_parts(zero_cond_t=family is PLUS))
     # The release's model_index names transformers' processor, whose folder holds the image processor's
@@ -81,7 +81,7 @@ def _release(folder: Path, family) -> Path:
 
 
 def _pipeline(folder: Path, family=EDIT):
-    pipe = family.pipeline_from_folder(folder, local_files_only=True)
+    pipe = family.sampling.pipeline_from_folder(folder, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -163,7 +163,7 @@ def test_the_conditioning_and_the_denoiser_with_the_source_are_the_pipelines_own
     sources = sources.permute(0, 3, 1, 2).float() / 127.5 - 1
     ids, masks = family.token_inputs(CaptionTokenizer([tokenizer], family)(captions))
     with torch.no_grad():
-        text = family.encode_text([pipe.text_encoder], ids, captions, masks, sources=sources)
+        text = family.conditioner.encode_text([pipe.text_encoder], ids, captions, masks, sources=sources)
         reference = family.reference.latents(pipe.vae, sources)
     height, width = 32 // 4, 48 // 4  # the tiny autoencoder's latents
     tokens = height * width // 4
@@ -190,9 +190,10 @@ def test_the_conditioning_and_the_denoiser_with_the_source_are_the_pipelines_own
         # The source's latents, not resized, after the noisy ones.
         torch.testing.assert_close(pack(reference[i:i + 1]), kwargs["hidden_states"][:, tokens:])
         with torch.no_grad():
-            condition = family.condition({key: value[i:i + 1] for key, value in text.items()}, {},
+            condition = family.denoising.condition({key: value[i:i + 1] for key, value in text.items()}, {},
                                          torch.device("cpu"))
-            output = family.denoise(pipe.transformer, unpack(kwargs["hidden_states"][:, :tokens], height, width),
+            output = family.denoising.denoise(pipe.transformer,
+                                              unpack(kwargs["hidden_states"][:, :tokens], height, width),
                                     kwargs["timestep"] * 1000, {**condition, "reference_latents": reference[i:i + 1]})
         torch.testing.assert_close(pack(output), expected[:, :tokens], rtol=1e-4, atol=1e-5)
 
@@ -208,7 +209,8 @@ def _lora_edits(folder: Path, family, tmp_path: Path, edits: Path) -> None:
     assert (run / "samples" / "step_00000002.png").is_file()
     out = export_run(run, tmp_path / "out")
     card = (out / "README.md").read_text()
-    assert f"{family.pipeline_class.__name__}.from_pretrained" in card and 'image=load_image("before.png")' in card
+    assert f"{family.sampling.pipeline_class.__name__}.from_pretrained" in card
+    assert 'image=load_image("before.png")' in card
     source = _source((32, 32))
     pipe = _pipeline(folder, family)
     before = _edit(pipe, source, family)

@@ -273,20 +273,21 @@ def test_textual_inversion_pools_clip_g_at_end_of_text_not_at_the_placeholder(tm
                   return_tensors="pt").input_ids for t in tokenizers]
 
     with torch.no_grad():
-        plain_before = SDXL.encode_text(list(encoders.values()), ids("a red circle"), None)["text_pooled"]
+        plain_before = SDXL.conditioner.encode_text(list(encoders.values()), ids("a red circle"), None)["text_pooled"]
     config = SimpleNamespace(textual_inversion=TextualInversionConfig(placeholder_token="<shp>",
                                                                       initializer_token="circle"))
     NewTokens(config, SDXL).make_trainable(torch.nn.Linear(1, 1), encoders, tokenizers)
     second = encoders["text_encoder_2"]
     with torch.no_grad():
         torch.nn.init.normal_(second.get_input_embeddings().added)  # a trained vector, unlike the initializer's
-        assert torch.equal(SDXL.encode_text(list(encoders.values()), ids("a red circle"), None)["text_pooled"],
+        encode = SDXL.conditioner.encode_text
+        assert torch.equal(encode(list(encoders.values()), ids("a red circle"), None)["text_pooled"],
                            plain_before)
         tokens = ids("a <shp> circle")
         placeholder = tokens[1][0].tolist().index(len(tokenizers[1]) - 1)
         end = tokens[1][0].tolist().index(eos)
         assert placeholder < end and int(tokens[1][0].argmax()) == placeholder
-        pooled = SDXL.encode_text(list(encoders.values()), tokens, None)["text_pooled"]
+        pooled = SDXL.conditioner.encode_text(list(encoders.values()), tokens, None)["text_pooled"]
         states = second(tokens[1]).last_hidden_state[0]  # after the final layer norm
         torch.testing.assert_close(pooled[0], second.text_projection(states[end]), rtol=0, atol=0)
         assert not torch.allclose(pooled[0], second.text_projection(states[placeholder]))

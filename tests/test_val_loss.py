@@ -49,13 +49,14 @@ def _tiny_pipeline(folder: Path, shapes_dir: Path, family: str) -> Path:
     # Flux's T5 tokenizer reads as many tokens as TINY_FLUX's (and `prepare encode` then writes as many).
     t5 = copy.deepcopy(tokenizer)
     t5.model_max_length = 32
-    tokenizers = [tokenizer, t5][: len(spec.text_encoders)]
-    text_encoders = {name: build.build_text_encoder(model, tok, name) for name, tok in zip(spec.text_encoders,
-                                                                                            tokenizers)}
+    tokenizers = [tokenizer, t5][: len(spec.components.text_encoders)]
+    text_encoders = {name: build.build_text_encoder(model, tok, name)
+                     for name, tok in zip(spec.components.text_encoders, tokenizers)}
     denoiser = build.build_denoiser(model, vae.config.latent_channels, 8, text_encoders=text_encoders)
     diffusion = DiffusionConfig(flow=FlowConfig(shift=1.0)) if family == "flux" else DiffusionConfig()
     scheduler = build.build_noise_scheduler(diffusion, model)
-    pipe = spec.assemble({"vae": vae, **text_encoders, spec.denoiser: denoiser}, tokenizers, scheduler)
+    pipe = spec.sampling.assemble({"vae": vae, **text_encoders, spec.components.denoiser: denoiser}, tokenizers,
+                                  scheduler)
     pipe.save_pretrained(folder / "pipeline")
     return folder / "pipeline"
 
@@ -136,9 +137,9 @@ def loss_by_hand(task, shards: Path, count: int, seed: int = 0, timesteps: int =
         noise = sample_noise(seed, index, tuple(x0.shape[1:]))[None]
         k = index % timesteps
         ids = task.caption_tokenizer([caption])
-        text = family.encode_text(list(task.text_encoders.values()), list(ids.values()), [caption])
-        condition = family.condition(text, {"size_ids": torch.tensor([[32, 32, 0, 0, 32, 32]])}, CPU)
-        if family.objective == "flow_matching":
+        text = family.conditioner.encode_text(list(task.text_encoders.values()), list(ids.values()), [caption])
+        condition = family.denoising.condition(text, {"size_ids": torch.tensor([[32, 32, 0, 0, 32, 32]])}, CPU)
+        if family.denoising.objective == "flow_matching":
             sigma = k / timesteps
             noisy, t, target = (1 - sigma) * x0 + sigma * noise, torch.tensor([sigma * 1000]), noise - x0
         else:  # v-prediction on the DDPM schedule, at timestep k/8 of its 1000
@@ -146,7 +147,7 @@ def loss_by_hand(task, shards: Path, count: int, seed: int = 0, timesteps: int =
             alpha = task.noise_scheduler.alphas_cumprod[t].float()
             noisy = alpha.sqrt() * x0 + (1 - alpha).sqrt() * noise
             target = alpha.sqrt() * noise - (1 - alpha).sqrt() * x0
-        output = family.denoise(task.denoiser, noisy, t, condition).float()
+        output = family.denoising.denoise(task.denoiser, noisy, t, condition).float()
         per_timestep.setdefault(k, []).append(float(((output - target) ** 2).mean()))
     return float(np.mean([np.mean(losses) for losses in per_timestep.values()]))
 

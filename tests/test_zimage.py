@@ -130,10 +130,10 @@ def test_turbo_samples_in_8_steps_without_guidance_and_the_base_model_with_it(tm
     (base / "scheduler" / "scheduler_config.json").write_text(json.dumps({**settings, "shift": 6.0}))
     calls.clear()
     sample_images(_pipeline(base), ["a red circle"], steps=2, size=32)
-    assert calls == [2, 2] and not zimage.distilled(base)
+    assert calls == [2, 2] and not zimage.sampling.distilled(base)
     snapshot = tmp_path / "models--Tongyi-MAI--Z-Image-Turbo" / "snapshots" / "0123abc"
     shutil.copytree(base, snapshot)
-    assert zimage.distilled(snapshot) and zimage.distilled(snapshot / "transformer")
+    assert zimage.sampling.distilled(snapshot) and zimage.sampling.distilled(snapshot / "transformer")
 
 
 @pytest.mark.parametrize("mode", ["full", "dreambooth"])

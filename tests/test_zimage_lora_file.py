@@ -199,7 +199,7 @@ def test_comfyui_loads_every_key_of_the_kohya_file_onto_its_z_image_model(tmp_pa
     layers = {name: (m.lora_A["default"].weight.detach(), m.lora_B["default"].weight.detach(),
                      float(m.lora_alpha["default"]))
               for name, m in adapted.named_modules() if isinstance(m, LoraLayer)}
-    lora = ZIMAGE.kohya_lora("transformer", layers, adapted.config)
+    lora = ZIMAGE.files.kohya_lora("transformer", layers, adapted.config)
     save_file(lora, str(tmp_path / "lora.safetensors"))
     config = dict(base.config)
     expected = {f"merged.{k}": v for k, v in to_original(merge_lora(adapted).state_dict(), config).items()}

@@ -77,9 +77,9 @@ class Benchmark(Trainer):
             # No captions to learn from: a tokenizer of the configured size on generic text will do,
             # since only its length and vocabulary size shape the step.
             words = [f"token{i} word{i % 97} thing{i % 13}" for i in range(self.config.model.tokenizer_vocab_size)]
-            tokenizer = families.for_model(model).train_tokenizer(words, self.run_dir / "tokenizer",
+            tokenizer = families.for_model(model).conditioner.train_tokenizer(words, self.run_dir / "tokenizer",
                                                                   model.tokenizer_vocab_size, build.text_length(model))
-            for name in families.for_model(model).text_encoders:
+            for name in families.for_model(model).components.text_encoders:
                 if getattr(model, name) == str(self.run_dir / random_text_encoder(name)):
                     # Its config first: weights only if the step reads them (a 24B language model would not fit
                     # in memory in fp32).
@@ -100,7 +100,7 @@ class Benchmark(Trainer):
             return []
         family = families.for_model(self.config.model)
         planner = ComponentPlanner(self.config, family, {})
-        encoding = {name: planner.source(name) for name in ("vae", *family.text_encoders)}
+        encoding = {name: planner.source(name) for name in ("vae", *family.components.text_encoders)}
         synthetic.mkdir(parents=True, exist_ok=True)
         write_manifest(synthetic, [], extra={"encoding": encoding})
         text_runs = (make_part(self.config, family).text_encoder_trains()

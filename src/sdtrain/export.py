@@ -177,12 +177,12 @@ def _write_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: P
         return out
     # The family the run trained, as its checkpoint records it (the config's sources may have moved since).
     family = families.detect(checkpoint)
-    layout = family.single_file
+    layout = family.files.single_file
     if layout is None:
         raise UserError(f"{run_dir}: a {family.title} run; {family.title} has no single-file layout sdtrain writes: "
                         "export the diffusers folder (sdtrain export RUN OUT)")
     if text_layout != "auto" and not layout.text_layouts:
-        holds_text = layout.holds is None or any(name in family.text_encoders for name in layout.holds)
+        holds_text = layout.holds is None or any(name in family.components.text_encoders for name in layout.holds)
         what = "keeps its text encoders in one layout" if holds_text else \
             f"holds the {' and '.join(layout.holds or ())} alone, no text encoder"
         raise UserError(f"--text-layout: a {family.title} single file {what}; drop the option")
@@ -194,7 +194,7 @@ def _write_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: P
         pipe = pipeline_from_run(run_dir, ema=ema, checkpoint=checkpoint)
         components = {name: getattr(pipe, name) for name in family.components}
         # Beside the file, as OUT.tokenizer/, OUT.tokenizer_2/...: a single file holds none.
-        _write_tokenizers(out, [getattr(pipe, name) for name in family.tokenizers])
+        _write_tokenizers(out, [getattr(pipe, name) for name in family.components.tokenizers])
     # The training noise schedule (not the pipeline's sampler): a DDPM file keeps its prediction type and betas.
     noise = build.build_noise_scheduler(config.diffusion, model)
     text_source = pinned_sources(checkpoint).get("text_encoder") or build.component_source(model, "text_encoder")

@@ -38,7 +38,8 @@ def load_pipeline(model: str | Path, ema: bool = True, device: str = "auto",
         trusted = trust_pickle_from_env()
         try:
             family = families.detect(model)
-            pipe = family.pipeline_from_folder(model, local_files_only=True, use_safetensors=not trusted or None)
+            pipe = family.sampling.pipeline_from_folder(model, local_files_only=True,
+                                                        use_safetensors=not trusted or None)
         except (OSError, ValueError) as exc:
             hint = "" if trusted else (f"; a pipeline with pickled .bin weights loads with {TRUST_PICKLE_ENV}=1 "
                                        "if you trust it")
@@ -102,7 +103,7 @@ def apply_additions(pipe: Any, loras: Sequence[str | Path] = (), lora_scale: flo
         if path.suffix != ".safetensors":
             raise UserError(f"--embedding: {path}: only .safetensors embeddings are read (pickle files can run code)")
         try:
-            families.of_pipeline(pipe).load_embedding(pipe, str(path))
+            families.of_pipeline(pipe).files.load_embedding(pipe, str(path))
         except (OSError, ValueError, KeyError) as exc:
             raise UserError(f"--embedding: {path}: cannot load ({first_line(exc)})") from exc
 

@@ -123,7 +123,7 @@ class _Base:
 
 def _base(config: RunConfig, family: ModelFamily | None) -> _Base:
     """The model the run started from: its denoiser's source for diffusion runs (the autoencoder's otherwise)."""
-    component = family.denoiser if family is not None else "vae"
+    component = family.components.denoiser if family is not None else "vae"
     source = build.component_source(config.model, component)
     return _Base(str(source) if source else None, hub_model_id(source))
 
@@ -319,7 +319,7 @@ def _summary(export: _Export) -> str:
         how += ", to edit an image as its prompt instructs"
     if export.kind != "file":
         return f"A {family.title} pipeline for diffusers, {how}."
-    layout = family.single_file
+    layout = family.files.single_file
     assert layout is not None  # a file is exported only in a family's layout
     return f"{layout.description.format(title=family.title)}, {how}."
 
@@ -349,7 +349,7 @@ def _usage(export: _Export) -> list[str]:
             out += ["ComfyUI: put the file in `ComfyUI/models/vae/` and pick it in a Load VAE node.", ""]
         return out
     editor = export.editor
-    pipeline = (editor.pipeline_class if editor is not None else family.pipeline_class).__name__
+    pipeline = (editor.pipeline_class if editor is not None else family.sampling.pipeline_class).__name__
     head = [f"from diffusers import {pipeline}", ""]
     call = f"image = pipe({prompt}).images[0]"
     if editor is not None:
@@ -370,31 +370,33 @@ def _usage(export: _Export) -> list[str]:
         lines = [*head, f"pipe = {pipeline}.from_pretrained({here}){comment}"]
     elif export.kind == "lora" and export.lokr:
         lines = [*head, f"pipe = {pipeline}.from_pretrained({base})",
-                 f"pipe.{family.denoiser}.load_lora_adapter({here}, prefix={json.dumps(family.denoiser)}, "
+                 f"pipe.{family.components.denoiser}.load_lora_adapter({here}, "
+                 f"prefix={json.dumps(family.components.denoiser)}, "
                  f"weight_name={json.dumps(LORA_WEIGHTS)}){comment}"]
     elif export.kind == "lora":
         lines = [*head, f"pipe = {pipeline}.from_pretrained({base})", f"pipe.load_lora_weights({here}){comment}"]
     elif export.kind == "embedding":
         lines = [*head, f"pipe = {pipeline}.from_pretrained({base})"]
         token = json.dumps(_instance_prompt(export), ensure_ascii=False)
-        if family.embedding_keys:
+        if family.files.embedding_keys:
             lines[1:1] = ["from safetensors.torch import load_file"]
             lines.append(f"state = load_file({json.dumps(f'{name}/{LEARNED_EMBEDS}')})")
             lines += [f"pipe.load_textual_inversion(state[{json.dumps(key)}], token={token}, "
                       f"text_encoder=pipe.{encoder}, tokenizer=pipe.{tokenizer})"
-                      for key, encoder, tokenizer in zip(family.embedding_keys, family.text_encoders,
-                                                         family.tokenizers)]
+                      for key, encoder, tokenizer in zip(family.files.embedding_keys, family.components.text_encoders,
+                                                         family.components.tokenizers)]
         else:
             lines.append(f"pipe.load_textual_inversion({here}, weight_name={json.dumps(LEARNED_EMBEDS)}){comment}")
     else:
-        lines = family.single_file.diffusers_code(pipeline, here, base, family.components)
+        lines = family.files.single_file.diffusers_code(pipeline, here, base, family.components.classes)
     lines.append(call)
     out += [_code(lines), ""]
     if export.kind == "file" and not export.base.hub_id:
         out += ["`config` is a pipeline folder of the same architecture: the one `sdtrain export RUN OUT` writes "
                 "from this run will do.", ""]
-    if export.kind == "file" and family.single_file.holds is None:
-        tokenizers = ", ".join(f"`{tokenizer_folder(name, i).name}/`" for i in range(1, len(family.tokenizers) + 1))
+    if export.kind == "file" and family.files.single_file.holds is None:
+        tokenizers = ", ".join(f"`{tokenizer_folder(name, i).name}/`"
+                               for i in range(1, len(family.components.tokenizers) + 1))
         out += [f"Tokenizer folders beside it: {tokenizers}. sdtrain reads the file as `model.pretrained` or "
                 "`generate --model`.", ""]
     if export.merged:
@@ -426,10 +428,10 @@ def _dora_readers(export: _Export) -> str:
 def _comfyui(export: _Export) -> str | None:
     family, name = export.family, export.name
     if export.kind == "file":
-        layout = family.single_file if family is not None else None
+        layout = family.files.single_file if family is not None else None
         return layout.comfyui.format(name=name) if layout else \
             f"put `{name}` in `ComfyUI/models/vae/` and load it with Load VAE."
-    if export.kind == "lora" and (export.kohya or family.comfyui_reads_diffusers_lora):
+    if export.kind == "lora" and (export.kohya or family.files.comfyui_reads_diffusers_lora):
         weights = KOHYA_WEIGHTS if export.kohya else LORA_WEIGHTS
         return (f"put `{weights}` (renamed as you like) in `ComfyUI/models/loras/` and apply it to the base model "
                 "with a Load LoRA node.")
@@ -490,7 +492,7 @@ def training_settings(export: _Export) -> list[tuple[str, str]]:
         rows.append(("KL weight", f"{config.autoencoder.kl_weight:g}"))
     rows.append(("Seed", f"{config.seed}"))
     if export.kind == "file":
-        layout = export.family.single_file if export.family is not None else None
+        layout = export.family.files.single_file if export.family is not None else None
         stored = (layout.half_dtype if layout else "fp16") if export.half else "fp32"
         rows.append(("Stored as", stored))
     rows.append(("Checkpoint", export.checkpoint.name))

@@ -59,14 +59,14 @@ def _component(config: RunConfig, family: ModelFamily, name: str, built: dict[st
     with torch.device("meta"):
         if name == "vae":
             module = build.build_vae(model)
-        elif name in family.text_encoders:
+        elif name in family.components.text_encoders:
             shape = _TokenizerShape(_vocab_size(config), build.text_length(model))
             module = build.build_text_encoder(model, shape, name)
         else:
             vae = built["vae"]
             side = config.data.resolution // family.codec.downsampling(vae.config)
             module = build.build_denoiser(model, family.codec.channels(vae.config), side,
-                                          text_encoders={te: built[te] for te in family.text_encoders})
+                                          text_encoders={te: built[te] for te in family.components.text_encoders})
     return module, f"preset {model.preset}"
 
 
@@ -76,15 +76,15 @@ def count(config: RunConfig) -> list[ComponentCount]:
         names, trained = ["vae"], {"vae"}
     else:
         # The denoiser's shape depends on the others, so it is built last and listed first.
-        names, trained = list(family.components), {family.denoiser}
+        names, trained = list(family.components), {family.components.denoiser}
         if config.diffusion.train_text_encoder:
-            trained.update(family.text_encoders)
+            trained.update(family.components.text_encoders)
     built: dict[str, Any] = {}
     sources = {}
     for name in names:
         built[name], sources[name] = _component(config, family, name, built)
     rows = []
-    for name in sorted(names, key=lambda n: n != family.denoiser):
+    for name in sorted(names, key=lambda n: n != family.components.denoiser):
         total = build.count_parameters(built[name])
         rows.append(ComponentCount(name, type(built[name]).__name__, total, total if name in trained else 0,
                                    sources[name]))

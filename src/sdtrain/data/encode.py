@@ -100,10 +100,10 @@ class Encoder:
             # The model the embeddings are for: --model's, else the text encoder's own folder.
             model = ModelConfig(pretrained=served.pretrained if served and served.pretrained else self.text_source,
                                 t5_text_length=long_text_length)
-            for name, folder in zip(self.family.text_encoders, self.family.tokenizers):
+            for name, folder in zip(self.family.components.text_encoders, self.family.components.tokenizers):
                 module = load_component(name, self.text_source, family=self.family)
                 self.text_encoders.append(module.to(device).eval())
-                t5 = folder in self.family.long_text_tokenizers
+                t5 = folder in self.family.components.long_text_tokenizers
                 length = build.long_text_length(model, self.family, self.text_source, folder) if t5 else None
                 tokenizers.append(build.load_tokenizer(self.text_source, length, folder=folder))
                 if t5:
@@ -124,11 +124,11 @@ class Encoder:
     def text(self, captions: list[str]) -> dict[str, np.ndarray]:
         """The captions' text conditioning as the family's conditioner makes it, field -> array."""
         ids, masks = self.family.token_inputs(self.captions(captions), self.device)
-        encoded = self.family.encode_text(self.text_encoders, ids, captions, masks)
+        encoded = self.family.conditioner.encode_text(self.text_encoders, ids, captions, masks)
         return {field: value.float().cpu().numpy() for field, value in encoded.items()}
 
     def description(self) -> dict[str, Any]:
-        sources = {name: self.text_source for name in self.family.text_encoders} if self.family else {}
+        sources = {name: self.text_source for name in self.family.components.text_encoders} if self.family else {}
         return describe_encoding(self.vae_source, sources, self.resolution, self.codec, self.vae.config, self.tokenizer,
                                  np.dtype(self.dtype).name, self.long_text_length)
 

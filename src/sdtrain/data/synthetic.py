@@ -116,7 +116,7 @@ def _image_bytes(image: Any, image_format: str, **settings: Any) -> bytes:
 
 def _encoding(config: DataConfig, task: Any) -> dict[str, Any]:
     text_encoders = {} if task.text_encoder_runs() else {name: task.sources.get(name)
-                                                           for name in task.family.text_encoders}
+                                                           for name in task.family.components.text_encoders}
     return describe_encoding(task.sources.get("vae"), text_encoders, config.resolution, task.family.codec,
                              task.vae.config, task.tokenizer, "float16", task.long_text_length)
 
@@ -124,7 +124,7 @@ def _encoding(config: DataConfig, task: Any) -> dict[str, Any]:
 def text_shapes(task: Any) -> dict[str, tuple[int, ...]]:
     """The shape of one sample's text conditioning, each field the task's family encodes."""
     configs = {name: module.config for name, module in task.text_encoders.items()}
-    return task.family.text_shapes(configs, [tokenizer.model_max_length for tokenizer in task.tokenizers])
+    return task.family.conditioner.text_shapes(configs, [tokenizer.model_max_length for tokenizer in task.tokenizers])
 
 
 def _encoded_fields(encoding: dict[str, Any], task: Any, rng: np.random.Generator) -> dict[str, bytes]:

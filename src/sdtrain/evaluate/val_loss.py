@@ -115,7 +115,7 @@ class ValLoss:
                             f"px but data.resolution is {base.resolution}; encode them at {base.resolution}")
         # As for training: embeddings stand in only for the frozen encoders that made them, from plain captions.
         unread = task.components.stood_in_for(encoding, base, task.text_encoder_runs())
-        return True, any(name in unread for name in task.family.text_encoders)
+        return True, any(name in unread for name in task.family.components.text_encoders)
 
     def __call__(self, modules: dict[str, nn.Module]) -> dict[str, Any]:
         """Every rank calls this together (the losses are gathered); `modules` are the trained modules to score,

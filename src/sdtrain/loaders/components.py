@@ -93,9 +93,9 @@ def _from_single_file(name: str, path: Path, trust_pickle: bool | None, family: 
         # once, by its layout.
         keys = single_file.tensor_names(path, trust_pickle)
     found = families.family_of_keys(keys) or families.SD
-    layout = found.single_file
+    layout = found.files.single_file
     assert layout is not None  # a family is recognised from a single file only by its layout's keys
-    if family is not None and layout is not family.single_file and layout.family_bound:
+    if family is not None and layout is not family.files.single_file and layout.family_bound:
         raise UserError(f"{path}: a {found.title} file, but the model is {family.title}; set "
                         f"model.family={found.name}, or point model.{name} at a {family.title} source")
     if name not in found.components or (layout.holds is not None and name not in layout.holds):

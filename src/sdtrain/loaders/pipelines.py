@@ -24,7 +24,8 @@ def base_distilled(config: RunConfig, pinned: dict[str, str]) -> bool:
     """Whether the base a run's denoiser came from (its pinned source, else the config's) is step-distilled
     (models.pipeline.is_distilled): the run's model samples as it does."""
     family = families.for_model(config.model)
-    return is_distilled(family, pinned.get(family.denoiser) or build.component_source(config.model, family.denoiser))
+    denoiser = family.components.denoiser
+    return is_distilled(family, pinned.get(denoiser) or build.component_source(config.model, denoiser))
 
 
 def run_distilled(run_dir: Path) -> bool:
@@ -64,7 +65,7 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
         for tokenizer in tokenizers:
             tokenizer.add_tokens(added_tokens)
     noise = build.build_noise_scheduler(config.diffusion, model)
-    pipe = family.assemble({name: component(name) for name in family.components}, tokenizers,
+    pipe = family.sampling.assemble({name: component(name) for name in family.components}, tokenizers,
                            sampler_from(noise, "euler"), distilled=base_distilled(config, pinned))
     task = read_meta(checkpoint).get("task", {})
     if task.get(INSTRUCT_PIX2PIX):  # a denoiser that edits: its own pipeline
@@ -80,7 +81,7 @@ def pipeline_from_file(path: str | Path, tokenizer: str | Path | None = None) ->
     beside it (OUT.tokenizer/, OUT.tokenizer_2/...), the sampler of the noise schedule the file says or its family
     was released with. A file of part of a model (Flux.1's transformer alone) is one line saying what to use."""
     family = families.detect(path)
-    layout = family.single_file
+    layout = family.files.single_file
     if layout is None or layout.holds is not None:
         held = f"{family.title}'s {' and '.join(layout.holds)} alone" if layout else f"a {family.title} file"
         raise UserError(f"--model: {path} holds {held}, not a whole pipeline; pass a {family.title} pipeline folder "
@@ -90,8 +91,8 @@ def pipeline_from_file(path: str | Path, tokenizer: str | Path | None = None) ->
     tokenizers = build.load_text_tokenizers(model)
     components = {name: load_component(name, path, family=family, served=model) for name in family.components}
     noise = build.build_noise_scheduler(DiffusionConfig(), model)
-    pipe = family.assemble(components, tokenizers, sampler_from(noise, "euler"))
-    denoiser = components[family.denoiser]
+    pipe = family.sampling.assemble(components, tokenizers, sampler_from(noise, "euler"))
+    denoiser = components[family.components.denoiser]
     if family.instruct is not None and denoiser.config.in_channels > family.codec.channels(components["vae"].config):
         # A denoiser that reads more than its latents was widened to edit (an InstructPix2Pix file).
         pipe = family.instruct.pipeline_class.from_pipe(pipe)

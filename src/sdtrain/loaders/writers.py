@@ -78,9 +78,9 @@ def kohya_state(modules: dict[str, nn.Module], weights: dict[str, dict[str, torc
                          _whole(tensors, f"{path}.lora_B.default.weight"), float(layer.lora_alpha["default"]))
                   for path, layer in module.named_modules()
                   if isinstance(layer, LoraLayer) and "default" in layer.lora_A}
-        state.update(family.kohya_lora(name, layers, module.config))
+        state.update(family.files.kohya_lora(name, layers, module.config))
         state.update(kohya_lycoris(module, tensors, lambda path, name=name, module=module:
-                                   family.kohya_lora_name(name, path, module.config), dora_reader))
+                                   family.files.kohya_lora_name(name, path, module.config), dora_reader))
     return state
 
 
@@ -96,7 +96,7 @@ def comfyui_dora_state(modules: dict[str, nn.Module], weights: dict[str, dict[st
         tensors = weights[name]
 
         def key_of(path: str, name: str = name) -> str:
-            return f"{name}.{text_model_path(path) if name in family.text_encoders else path}"
+            return f"{name}.{text_model_path(path) if name in family.components.text_encoders else path}"
 
         for path, layer in module.named_modules():
             if isinstance(layer, LoraLayer) and "default" in layer.lora_A:
@@ -104,7 +104,7 @@ def comfyui_dora_state(modules: dict[str, nn.Module], weights: dict[str, dict[st
                               f"{key_of(path)}.lora_up.weight": _whole(tensors, f"{path}.lora_B.default.weight"),
                               f"{key_of(path)}.alpha": torch.tensor(float(layer.lora_alpha["default"]))})
                 if layer.use_dora.get("default"):
-                    state[f"{key_of(path)}.dora_scale"] = family.original_rows(name, path,
+                    state[f"{key_of(path)}.dora_scale"] = family.files.original_rows(name, path,
                                                                                _dora_scale(layer, tensors, path))
     return state
 
@@ -176,28 +176,29 @@ def save_lora(modules: dict[str, nn.Module], weights: dict[str, dict[str, torch.
                                              for key, value in state.items()}
             metadata[f"{name}_lora_adapter_metadata"] = {**settings.to_dict(), "alpha": settings.r}
             continue
-        state = lora_state(module, weights[name], name in family.text_encoders,
-                           peft_names=name == family.denoiser and family.denoiser_lora_peft_names)
+        state = lora_state(module, weights[name], name in family.components.text_encoders,
+                           peft_names=name == family.components.denoiser and family.files.denoiser_lora_peft_names)
         # The scale alpha / rank goes into the up weights, and the file says alpha = rank: readers that ignore the
         # metadata's alpha (ComfyUI reads only .alpha keys, which this layout has none of) apply the same delta.
         # DoRA's magnitudes are the same for the folded update.
         scale = settings.lora_alpha / settings.r
         layers[f"{name}_lora_layers"] = {key: value * scale if _is_up(key) else value for key, value in state.items()}
         metadata[f"{name}_lora_adapter_metadata"] = {**settings.to_dict(), "lora_alpha": settings.r}
-    family.pipeline_class.save_lora_weights(folder, safe_serialization=True, weight_name=LORA_WEIGHTS, **layers,
+    family.sampling.pipeline_class.save_lora_weights(folder, safe_serialization=True, weight_name=LORA_WEIGHTS,
+                                                     **layers,
                                             **metadata)
     dora = any(getattr(m.peft_config["default"], "use_dora", False) for m in adapted.values())
-    kohya = all(name in family.kohya_prefixes for name in adapted)
-    if kohya and (family.kohya_names_each_layer or not (lokr or dora)):
+    kohya = all(name in family.components.kohya_prefixes for name in adapted)
+    if kohya and (family.files.kohya_names_each_layer or not (lokr or dora)):
         state = kohya_state(adapted, weights, family)
-    elif dora and (kohya or family.comfyui_reads_diffusers_lora):
+    elif dora and (kohya or family.files.comfyui_reads_diffusers_lora):
         # ComfyUI reads diffusers' module names but DoRA's magnitudes only as dora_scale (SD3's, Flux.1's).
         state = comfyui_dora_state(adapted, weights, family)
     else:
         # ComfyUI reads diffusers' file as it is (LoKr's: peft's names, the scale in the first factor), or nothing.
         return folder / LORA_WEIGHTS
     _save_kohya(state, folder / KOHYA_WEIGHTS, {"ss_network_module": "lycoris.kohya" if lokr else "networks.lora"})
-    if dora and kohya and family.kohya_names_each_layer:
+    if dora and kohya and family.files.kohya_names_each_layer:
         # ComfyUI's dora_scale is not the magnitude LyCORIS's own loader reads; each reader gets a file of its own.
         _save_kohya(kohya_state(adapted, weights, family, dora_reader="lycoris"), folder / KOHYA_LYCORIS_WEIGHTS,
                     {"ss_network_module": "lycoris.kohya",
@@ -228,9 +229,9 @@ def learned_embeds(modules: dict[str, nn.Module], weights: dict[str, dict[str, t
         path = next(path for path, layer in modules[name].named_modules() if layer is table)
         return weights[name][f"{path}.added"].detach().float().cpu().contiguous()
 
-    if not family.embedding_keys:
-        return {placeholder: vectors(family.text_encoders[0])}
-    return {key: vectors(name) for key, name in zip(family.embedding_keys, family.text_encoders)}
+    if not family.files.embedding_keys:
+        return {placeholder: vectors(family.components.text_encoders[0])}
+    return {key: vectors(name) for key, name in zip(family.files.embedding_keys, family.components.text_encoders)}
 
 
 def save_learned_embeds(modules: dict[str, nn.Module], weights: dict[str, dict[str, torch.Tensor]],

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 def build_vae(config: ModelConfig) -> nn.Module:
     family = families.for_model(config)
     kwargs = {**family.preset(config.preset, "vae"), **config.vae_overrides}
-    return construct(family.components["vae"], "vae_overrides", kwargs)
+    return construct(family.components.classes["vae"], "vae_overrides", kwargs)
 
 
 def build_text_encoder(config: ModelConfig, tokenizer: Any, name: str = "text_encoder") -> nn.Module:
@@ -40,7 +40,7 @@ def build_text_encoder(config: ModelConfig, tokenizer: Any, name: str = "text_en
     family = families.for_model(config)
     key = f"{name}_overrides"
     settings = {**family.preset(config.preset, name), **getattr(config, key)}
-    return family.build_text_encoder(name, settings, tokenizer, key)
+    return family.conditioner.build_text_encoder(name, settings, tokenizer, key)
 
 
 def build_denoiser(config: ModelConfig, latent_channels: int, latent_size: int,
@@ -52,24 +52,24 @@ def build_denoiser(config: ModelConfig, latent_channels: int, latent_size: int,
     weights stored low (`frozen.materialize`): a 12B transformer never exists in fp32. A trainable one (fp32) is
     initialised as ``model.denoiser_init`` says."""
     family = families.for_model(config)
-    name = family.denoiser
+    name = family.components.denoiser
     overrides = getattr(config, f"{name}_overrides")
-    kwargs = {**family.preset(config.preset, name), **family.denoiser_shape(latent_channels, latent_size)}
+    kwargs = {**family.preset(config.preset, name), **family.denoising.shape(latent_channels, latent_size)}
     if derived is None:
-        derived = family.denoiser_settings({**kwargs, **overrides}, text_encoders)
+        derived = family.denoising.settings({**kwargs, **overrides}, text_encoders)
     settings = {**kwargs, **derived, **overrides}
     if frozen_precision == "fp32":
-        module = construct(family.components[name], f"{name}_overrides", settings)
+        module = construct(family.components.classes[name], f"{name}_overrides", settings)
         # A trainable denoiser from scratch: ``model.denoiser_init`` picks diffusers' layer defaults (drawn as it
         # was constructed) or, on top of them, the family's reference initialisation (Flux.1's, from the same
         # generator, seeded by the run's seed). A family without one draws nothing more.
-        applied = config.denoiser_init != "library" and family.init_denoiser(module)
+        applied = config.denoiser_init != "library" and family.denoising.initialise(module)
         if not applied and config.denoiser_init == "reference":
             log.warning("model.denoiser_init=reference: %s has no reference initialisation; its %s keeps "
                         "diffusers' defaults", family.title, name)
         return module
     with frozen.parameters_on_meta():
-        module = construct(family.components[name], f"{name}_overrides", settings)
+        module = construct(family.components.classes[name], f"{name}_overrides", settings)
     return frozen.materialize(module, frozen_precision)
 
 
@@ -85,7 +85,7 @@ def build_noise_scheduler(config: DiffusionConfig, model: ModelConfig | None = N
     for flow matching ``diffusion.flow.shift`` and ``dynamic_shift``) override either."""
     model = model or ModelConfig()
     family = families.for_model(model)
-    if family.objective == "flow_matching":
+    if family.denoising.objective == "flow_matching":
         return _flow_scheduler(config, model, family)
     pretrained, trust_pickle = model.pretrained, trusts_pickle(model)
     ddpm = config.ddpm
@@ -118,7 +118,7 @@ def _flow_scheduler(config: DiffusionConfig, model: ModelConfig, family: familie
         settings = dict(FlowMatchEulerDiscreteScheduler.load_config(folder))
     elif model.pretrained and single_file.looks_like_single_file(model.pretrained):
         # A single file holds no scheduler: the one its model was released with, which its keys tell.
-        settings = family.file_scheduler(single_file.tensor_names(model.pretrained, trusts_pickle(model))) or \
+        settings = family.files.file_scheduler(single_file.tensor_names(model.pretrained, trusts_pickle(model))) or \
             family.preset(model.preset, "scheduler")
     else:
         settings = family.preset(model.preset, "scheduler")
@@ -160,7 +160,7 @@ def _tokenizer_folder(source: str | Path, folder: str = "tokenizer") -> Path:
         if beside.is_dir():
             return beside
         # SDXL's second CLIP tokenizer may stand in for the first; a T5's (Flux's second, SD3's third) never does.
-        if folder in families.detect(path).long_text_tokenizers:
+        if folder in families.detect(path).components.long_text_tokenizers:
             return Path(single_file.tokenizer_for(path, int(folder.rpartition("_")[2])))
         return Path(single_file.tokenizer_for(path))
     for name in dict.fromkeys((folder, "tokenizer")):
@@ -255,9 +255,9 @@ def load_text_tokenizers(config: ModelConfig, fallback: str | Path | None = None
     length = text_length(config, fallback, text_encoder)
     family = families.for_model(config)
     tokenizers = []
-    for folder in family.tokenizers:
+    for folder in family.components.tokenizers:
         named = getattr(config, folder, None) if folder != "tokenizer" else None
-        if folder in family.long_text_tokenizers:
+        if folder in family.components.long_text_tokenizers:
             tokenizers.append(load_tokenizer(named or source, long_text_length(config, family, named or source, folder),
                                              folder))
         else:
@@ -274,7 +274,7 @@ def long_text_length(config: ModelConfig, family: families.ModelFamily, tokenize
     length never wins."""
     if config.t5_text_length:
         return config.t5_text_length
-    default = family.long_text_length(config.preset, component_source(config, family.denoiser))
+    default = family.conditioner.long_text_length(config.preset, component_source(config, family.components.denoiser))
     found = _tokenizer_folder(tokenizer_source, folder) if tokenizer_source else None
     # Not the first tokenizer's, where a run from scratch keeps the one it trained for every encoder.
     saved = _saved_length(found / "tokenizer_config.json") if found and found.name != "tokenizer" else None

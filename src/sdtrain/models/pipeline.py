@@ -36,7 +36,7 @@ def assemble_pipeline(
     vae: Any, text_encoder: Any, tokenizer: Any, unet: Any, scheduler: Any
 ) -> StableDiffusionPipeline:
     """A Stable Diffusion 1/2 pipeline of these components (other families: their spec's ``assemble``)."""
-    return SD.assemble({"vae": vae, "text_encoder": text_encoder, "unet": unet}, [tokenizer], scheduler)
+    return SD.sampling.assemble({"vae": vae, "text_encoder": text_encoder, "unet": unet}, [tokenizer], scheduler)
 
 
 def sampler_from(scheduler: Any, name: str) -> Any:
@@ -82,7 +82,7 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
     family = families.of_pipeline(pipe)
     if distilled is None:
         distilled = is_distilled(family, pipe.name_or_path)
-    defaults = family.sampling_defaults(getattr(pipe, family.denoiser).config, distilled)
+    defaults = family.sampling.defaults(getattr(pipe, family.components.denoiser).config, distilled)
     steps = steps or defaults.get("steps", default_steps)
     guidance = defaults["guidance"] if guidance is None else guidance
     # An editing pipeline (InstructPix2Pix's) draws at its source image's size and takes none.
@@ -97,7 +97,7 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
     for start in range(0, len(prompts), batch):
         chunk = list(prompts[start:start + batch])
         generators = [torch.Generator(pipe.device).manual_seed(s) for s in seeds[start:start + batch]]
-        arguments = family.sampling_arguments(pipe, guidance, negative_prompt)
+        arguments = family.sampling.arguments(pipe, guidance, negative_prompt)
         if arguments.get("negative_prompt") is not None:
             arguments["negative_prompt"] = [arguments["negative_prompt"]] * len(chunk)
         # By name: Flux.2's pipelines take reference images first.
@@ -140,7 +140,7 @@ def run_sampling(config: RunConfig, distilled: bool = False) -> dict[str, Any]:
 
 def sampling_steps(family: families.ModelFamily, denoiser_config: Any, settings: dict[str, Any]) -> int:
     """The step count `sample_images` samples with under `settings` (`run_sampling`'s)."""
-    defaults = family.sampling_defaults(denoiser_config, bool(settings.get("distilled")))
+    defaults = family.sampling.defaults(denoiser_config, bool(settings.get("distilled")))
     return settings.get("steps") or defaults.get("steps", settings.get("default_steps", DEFAULT_STEPS))
 
 
@@ -150,7 +150,7 @@ def is_distilled(family: families.ModelFamily, source: str | Path | None) -> boo
     if source is None:
         return False
     recorded = read_sampling(Path(source)) if Path(source).is_dir() else {}
-    return recorded["distilled"] if "distilled" in recorded else family.distilled(source)
+    return recorded["distilled"] if "distilled" in recorded else family.sampling.distilled(source)
 
 
 def write_sampling(folder: Path, config: RunConfig, distilled: bool = False) -> Path:

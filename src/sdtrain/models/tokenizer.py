@@ -160,7 +160,7 @@ def load_tokenizer_folder(path: str | Path, max_length: int | None = None) -> An
 class CaptionTokenizer:
     """A family's tokenizers as one callable, which the loader runs when it collates a batch: captions -> the
     token ids of each text encoder (and an attention mask, for an encoder that reads one), under the batch keys
-    the family reads them by (input_ids, input_ids_2), as `family.tokenize` makes them. Picklable, so loader
+    the family reads them by (input_ids, input_ids_2), as `family.conditioner.tokenize` makes them. Picklable, so loader
     workers receive it (the family by reference to its module)."""
 
     def __init__(self, tokenizers: list[Any], family: Any):
@@ -176,5 +176,5 @@ class CaptionTokenizer:
     def __call__(self, captions: list[str]) -> dict[str, torch.Tensor]:
         batch: dict[str, torch.Tensor] = {}
         for index, tokenizer in enumerate(self.tokenizers):
-            batch |= self.family.tokenize(tokenizer, index, captions)
+            batch |= self.family.conditioner.tokenize(tokenizer, index, captions)
         return batch

@@ -60,7 +60,7 @@ class ComponentPlanner:
         replace and tag shuffling would reorder)."""
         if encoding.get("vae") != self.source("vae"):
             return []
-        text = list(self.family.text_encoders)
+        text = list(self.family.components.text_encoders)
         embeddings = (not text_runs and not data.prompt_templates and not data.shuffle_tags
                       and all(encoding.get(name) == self.source(name) for name in text))
         vae = [] if self.family.codec.reads_vae_weights or encodes_images else ["vae"]
@@ -74,7 +74,7 @@ class ComponentPlanner:
         model = self.config.model
         built: dict[str, nn.Module] = {}
         meta = contextlib.nullcontext() if weights else torch.device("meta")
-        for name, tokenizer in zip(self.family.text_encoders, tokenizers):
+        for name, tokenizer in zip(self.family.components.text_encoders, tokenizers):
             module = self.load(name, stored_as(name), weights=weights and name not in unread)
             if module is None:
                 if not self.config.diffusion.train_text_encoder:
@@ -85,7 +85,7 @@ class ComponentPlanner:
                 with meta:
                     module = build.build_text_encoder(model, tokenizer, name)
             built[name] = module
-        name = self.family.denoiser
+        name = self.family.components.denoiser
         module = self.load(name, stored_as(name), weights=weights)
         if module is None:
             with meta:

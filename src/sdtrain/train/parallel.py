@@ -57,7 +57,7 @@ class DataParallel:
             # low-precision frozen base would move the whole base each step.
             # Parameters that train but that no output reads (the family says which) get no gradient: DDP must look
             # for them each step, or it waits for them forever.
-            unused = any(parameter.requires_grad for path in task.family.unused_modules(name, module)
+            unused = any(parameter.requires_grad for path in task.family.conditioner.unused_modules(name, module)
                          for parameter in module.get_submodule(path).parameters())
             wrapped = DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False,
                                               find_unused_parameters=unused)

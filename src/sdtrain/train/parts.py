@@ -59,7 +59,7 @@ class TrainedPart:
 
     def keeps_frozen(self, name: str) -> bool:
         """Whether this part trains none of component `name`'s linear weights (their storage may then be low)."""
-        return name in self.family.text_encoders and not self.config.diffusion.train_text_encoder
+        return name in self.family.components.text_encoders and not self.config.diffusion.train_text_encoder
 
     def text_encoder_trains(self) -> bool:
         """Whether any text encoder weight trains, so the text conditioning cannot be computed once ahead."""
@@ -74,10 +74,10 @@ class TrainedPart:
         if not self.config.diffusion.train_text_encoder:
             for text_encoder in text_encoders.values():
                 text_encoder.eval().requires_grad_(False)
-            return {self.family.denoiser: denoiser}
+            return {self.family.components.denoiser: denoiser}
         for text_encoder in text_encoders.values():
             text_encoder.train()
-        return {self.family.denoiser: denoiser, **text_encoders}
+        return {self.family.components.denoiser: denoiser, **text_encoders}
 
     def checkpoint_meta(self) -> dict[str, Any]:
         """What a checkpoint's reader needs to rebuild partly trained modules on their base (meta.json's task)."""

@@ -84,7 +84,8 @@ class FrozenStorage:
         """How component `name`'s linear weights are stored as it loads: the run's precision for the denoiser and
         text encoders the trained part keeps frozen, so their full-precision weights never all exist; fp32 for the
         rest (the VAE's few linear layers, in its attention, decode validation images)."""
-        if name not in (self.family.denoiser, *self.family.text_encoders) or not self.keeps_frozen(name):
+        trained = (self.family.components.denoiser, *self.family.components.text_encoders)
+        if name not in trained or not self.keeps_frozen(name):
             return "fp32"
         return self.precision
 
@@ -92,7 +93,7 @@ class FrozenStorage:
         """Whether component `name` waits in host memory for FSDP, which moves each block's shard to the GPU as it
         shards it: the denoiser FSDP shards, so a base larger than one GPU never has to fit on one (each rank's
         host memory holds it once, in its storage)."""
-        return self.sharded and self.device.type != "cpu" and name == self.family.denoiser
+        return self.sharded and self.device.type != "cpu" and name == self.family.components.denoiser
 
     def offload(self, module: nn.Module) -> None:
         """``model.offload_frozen``: the frozen linear weights stored low in `module`'s blocks kept in host memory

@@ -49,12 +49,12 @@ def make_objective(family: families.ModelFamily, config: DiffusionConfig, schedu
     """The family's training objective, on `scheduler` (the training noise schedule build_noise_scheduler gives);
     `sampling_steps`: the step count the run's images sample with, whose shift ``diffusion.flow.dynamic_shift:
     sampling`` trains at."""
-    if family.objective == "flow_matching":
+    if family.denoising.objective == "flow_matching":
         sampling_mu = None
         if config.flow.dynamic_shift == "sampling":
             def sampling_mu(tokens: int) -> float | None:
-                return family.sampling_mu(tokens, sampling_steps)
-        return FlowMatching(config, scheduler, device, patch_size=family.image_token_side(denoiser_config),
+                return family.sampling.mu(tokens, sampling_steps)
+        return FlowMatching(config, scheduler, device, patch_size=family.denoising.image_token_side(denoiser_config),
                             sampling_mu=sampling_mu)
     return NoisePrediction(config, scheduler, device)
 
@@ -74,14 +74,14 @@ def capability_problems(config: RunConfig, family: families.ModelFamily, parts: 
     if family.edits_only and not config.edit.reference:
         found.append(f"edit.reference: {family.title} edits images by reference and draws none from text alone; set "
                      "edit.reference=true, with each image's source beside it (KEY.src.png)")
-    found += option_problems(family.objective, config.diffusion)
-    denoiser_config = _pretrained_config(model, family.denoiser)
+    found += option_problems(family.denoising.objective, config.diffusion)
+    denoiser_config = _pretrained_config(model, family.components.denoiser)
     vae_config = _pretrained_config(model, "vae")
     if vae_config is not None:
         found += shape_problems(config, family, vae_config, denoiser_config,
-                                str(build.component_source(model, family.denoiser)))
+                                str(build.component_source(model, family.components.denoiser)))
     if config.diffusion.flow.guidance_range and denoiser_config is not None \
-            and not family.takes_guidance(denoiser_config):
+            and not family.denoising.takes_guidance(denoiser_config):
         found.append(GUIDANCE_RANGE_UNREAD)
     for part in parts:
         found += part.problems(config, family)
@@ -101,11 +101,11 @@ def shape_problems(config: RunConfig, family: families.ModelFamily, vae_config: 
     if denoiser_config is None:
         return []
     found = []
-    factor = scale * family.downsampling(denoiser_config)
+    factor = scale * family.denoising.downsampling(denoiser_config)
     if data.aspect_buckets and data.bucket_step % factor:
         found.append(f"data.bucket_step: {data.bucket_step} is not a multiple of {factor}, the VAE and UNet's "
                      f"combined downsampling; use {factor} or a multiple of it")
-    longest = family.max_latent_side(denoiser_config)
+    longest = family.denoising.max_latent_side(denoiser_config)
     side = max(max(bucket) for bucket in make_buckets(data)) if data.aspect_buckets else data.resolution
     if longest is not None and side > longest * scale:
         # A traceback in the first step otherwise.
@@ -397,22 +397,23 @@ class DiffusionTask(Task):
             setattr(self, name, module if self.storage.stages(name) else _placed(module, device))
         denoiser = self.denoiser
         problems = shape_problems(config, family, self.vae.config, denoiser.config,
-                                  self.components.source(family.denoiser) or "the denoiser")
+                                  self.components.source(family.components.denoiser) or "the denoiser")
         if problems:
             raise UserError("\n".join(problems))
         # Read before the trainer wraps the denoiser (DDP, FSDP), whose wrapper has no config.
-        self.takes_guidance = family.takes_guidance(denoiser.config)
+        self.takes_guidance = family.denoising.takes_guidance(denoiser.config)
         if config.diffusion.flow.guidance_range and not self.takes_guidance:  # a denoiser from a file or a run
             raise UserError(GUIDANCE_RANGE_UNREAD)
         # The run's model samples as its base does: a step-distilled one in its few steps without guidance.
-        self.distilled = is_distilled(family, self.components.source(family.denoiser))
+        self.distilled = is_distilled(family, self.components.source(family.components.denoiser))
         self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model)
         self.objective = make_objective(family, config.diffusion, self.noise_scheduler, device, denoiser.config,
                                         sampling_steps(family, denoiser.config, run_sampling(config, self.distilled)))
         self.caption_tokenizer = CaptionTokenizer(self.tokenizers, family)
         if family.instruct is not None and denoiser.config.in_channels > latent[0] and not self.part.gives_source:
             # An InstructPix2Pix (or inpainting) UNet: fed the latents alone, its first step is a shape traceback.
-            raise UserError(f"mode {config.mode_name}: this {family.denoiser} reads {denoiser.config.in_channels} "
+            raise UserError(f"mode {config.mode_name}: this {family.components.denoiser} reads "
+                            f"{denoiser.config.in_channels} "
                             f"input channels, more than the {latent[0]} of its latents: it edits, reading an image "
                             "beside them; fine-tune an InstructPix2Pix model with mode instruct_pix2pix "
                             "(configs/instruct-pix2pix.yaml; adapters on it: mode [instruct_pix2pix, lora]), or start "
@@ -425,7 +426,7 @@ class DiffusionTask(Task):
         self.storage.store([self.denoiser, *self.text_encoders.values()])
 
     def staged_on_host(self) -> bool:
-        return self.storage.stages(self.family.denoiser)
+        return self.storage.stages(self.family.components.denoiser)
 
     @property
     def frozen_precision(self) -> str:
@@ -442,19 +443,20 @@ class DiffusionTask(Task):
     @property
     def denoiser(self) -> nn.Module:
         """The family's denoiser (its UNet or transformer), as the loss calls it (wrapped when it trains)."""
-        return getattr(self, self.family.denoiser)
+        return getattr(self, self.family.components.denoiser)
 
     @property
     def long_text_length(self) -> int | None:
         """The long-context encoder's tokens per caption (T5's, a language model's), None for families without one."""
-        lengths = [tokenizer.model_max_length for folder, tokenizer in zip(self.family.tokenizers, self.tokenizers)
-                   if folder in self.family.long_text_tokenizers]
+        lengths = [tokenizer.model_max_length
+                   for folder, tokenizer in zip(self.family.components.tokenizers, self.tokenizers)
+                   if folder in self.family.components.long_text_tokenizers]
         return lengths[0] if lengths else None
 
     @property
     def text_encoders(self) -> dict[str, nn.Module]:
         """The family's text encoders, by component name, as the loss calls them (wrapped when they train)."""
-        return {name: getattr(self, name) for name in self.family.text_encoders}
+        return {name: getattr(self, name) for name in self.family.components.text_encoders}
 
     def _tokenizers(self) -> list[Any]:
         return build.load_text_tokenizers(self.config.model, self.run_dir, self.pinned.get("text_encoder"))
@@ -475,20 +477,22 @@ class DiffusionTask(Task):
         else:
             captions = read_captions(config.data.shards, config.data.caption_key)
         log.info("training a %d-token BPE tokenizer on %d captions", model.tokenizer_vocab_size, len(captions))
-        families.for_model(model).train_tokenizer(captions, saved, model.tokenizer_vocab_size, build.text_length(model))
+        families.for_model(model).conditioner.train_tokenizer(captions, saved, model.tokenizer_vocab_size,
+                                                              build.text_length(model))
 
     def encode_text(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The batch's text conditioning from its token ids, through the family's conditioner."""
         encoders = []
-        for name in self.family.text_encoders:
+        for name in self.family.components.text_encoders:
             if next(getattr(self, name).parameters()).is_meta:
                 log.warning("a batch without text embeddings: loading the released %s back", name)
                 setattr(self, name, self.frozen(name))
             encoders.append(getattr(self, name))
         ids, masks = self.family.token_inputs(batch, self.device)
         if not text_reads_sources(self.config, self.family):
-            return self.family.encode_text(encoders, ids, batch.get("captions"), masks)
-        return self.family.encode_text(encoders, ids, batch.get("captions"), masks, sources=sources_of(batch))
+            return self.family.conditioner.encode_text(encoders, ids, batch.get("captions"), masks)
+        return self.family.conditioner.encode_text(encoders, ids, batch.get("captions"), masks,
+                                                   sources=sources_of(batch))
 
     def use_encoded(self, encoding: dict[str, Any] | None) -> None:
         """Check pre-encoded shards against this task's frozen weights; text embeddings are used only
@@ -502,7 +506,7 @@ class DiffusionTask(Task):
                 )
             unread = self.components.stood_in_for(encoding, self.data_config(), self.text_encoder_runs(),
                                                   self.encodes_images())
-        self.text_embeddings = any(name in unread for name in self.family.text_encoders)
+        self.text_embeddings = any(name in unread for name in self.family.components.text_encoders)
         encoded_t5 = (encoding or {}).get("t5_text_length")
         if self.text_embeddings and encoded_t5 and encoded_t5 != self.long_text_length:
             raise UserError(
@@ -517,7 +521,7 @@ class DiffusionTask(Task):
         if prompts and not self.text_embeddings and not self.text_encoder_runs():
             self.prompt_embeddings = self._encode_prompts(prompts)
             self.text_embeddings = True
-            unread = [*unread, *self.family.text_encoders]
+            unread = [*unread, *self.family.components.text_encoders]
             log.info("%d fixed prompt(s) encoded once: the text encoders stay unloaded until validation", len(prompts))
         self._hold_read(unread)
 
@@ -552,7 +556,7 @@ class DiffusionTask(Task):
         shards' manifest said so before loading) serve validation only, which loads them again from their pinned
         sources: moved to the meta device, keeping module and config, they free SD2's 1.7 GB wherever they were
         read into memory (from a run's checkpoint, say). The other frozen ones are loaded if they were skipped."""
-        for name in ("vae", *self.family.text_encoders):
+        for name in ("vae", *self.family.components.text_encoders):
             if name in self.trainable:
                 continue
             if name in unread:
@@ -611,7 +615,7 @@ class DiffusionTask(Task):
         `mask` (Bx1xhxw on the latents' grid), the mean of the squared error over what the mask counts; `extra`:
         latents the denoiser reads beside the noisy ones (the trained part's `denoiser_extra`)."""
         given = noisy if extra is None else torch.cat([noisy, extra.to(noisy.dtype)], dim=1)
-        output = self.family.denoise(self.denoiser, given, timesteps, condition)
+        output = self.family.denoising.denoise(self.denoiser, given, timesteps, condition)
         prediction = self.objective.prediction(output.float(), noisy, timesteps)
         error = F.mse_loss(prediction, target.float(), reduction="none")
         if mask is None:
@@ -635,7 +639,7 @@ class DiffusionTask(Task):
         else:
             with torch.set_grad_enabled(self.text_encoder_trains()):
                 text = self.encode_text(batch)
-        condition = self.family.condition(text, batch, self.device)
+        condition = self.family.denoising.condition(text, batch, self.device)
         if self.takes_guidance:
             condition["guidance"] = self.guidance(len(text["text_emb"]), generator)
         return condition
@@ -664,7 +668,7 @@ class DiffusionTask(Task):
     def backward_modules(self) -> dict[str, nn.Module]:
         if not self.part.through_frozen_denoiser:
             return super().backward_modules()
-        return {self.family.denoiser: self.denoiser, **self.trainable}
+        return {self.family.components.denoiser: self.denoiser, **self.trainable}
 
     def checkpoint_meta(self) -> dict[str, Any]:
         return {**super().checkpoint_meta(), **self.part.checkpoint_meta()}
@@ -684,9 +688,9 @@ class DiffusionTask(Task):
     def pipeline(self, modules: dict[str, nn.Module]) -> Any:
         """A pipeline of the given trained modules and this task's frozen ones."""
         components = {name: modules[name] if name in modules else self.frozen(name)
-                      for name in ("vae", *self.family.text_encoders)}
-        components[self.family.denoiser] = modules.get(self.family.denoiser, self.denoiser)
-        pipe = self.family.assemble(components, self.tokenizers, sampler_from(self.noise_scheduler, "euler"),
+                      for name in ("vae", *self.family.components.text_encoders)}
+        components[self.family.components.denoiser] = modules.get(self.family.components.denoiser, self.denoiser)
+        pipe = self.family.sampling.assemble(components, self.tokenizers, sampler_from(self.noise_scheduler, "euler"),
                                     distilled=self.distilled)
         return self.part.pipeline(pipe, modules)
 
@@ -701,7 +705,8 @@ class DiffusionTask(Task):
         own size), by pipeline argument."""
         pipe = self.pipeline(modules)
         val = self.config.validation
-        stored_low = sorted(name for name in ("vae", *self.family.text_encoders, self.family.denoiser)
+        stored_low = sorted(name for name in ("vae", *self.family.components.text_encoders,
+                                              self.family.components.denoiser)
                             if self.stored_as(name) != "fp32")
         if stored_low and not self._told_stored_low:
             self._told_stored_low = True

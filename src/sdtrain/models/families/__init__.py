@@ -76,7 +76,7 @@ def latent_constants(config: Any) -> tuple[dict[str, float | None], str] | None:
             except (OSError, ValueError) as exc:
                 raise UserError(f"{vae_config}: cannot read it ({exc}); fix or replace the pipeline's VAE config") \
                     from exc
-            vae_class = (named(config) or SD).components["vae"]
+            vae_class = (named(config) or SD).components.classes["vae"]
             constants = {key: settings.get(key, _init_default(vae_class, key))
                          for key in ("scaling_factor", "shift_factor")}
             return constants, str(vae_config)
@@ -119,11 +119,11 @@ def codec_of(vae: nn.Module, served: Any = None) -> LatentCodec:
     """The latent codec that reads `vae`: that of the model it serves (a ModelConfig) when its VAE is of that class,
     else that of the first family whose VAE class it is."""
     family = named(served) if served is not None else None
-    if family is None or not isinstance(vae, family.components["vae"]):
-        family = next((f for f in FAMILIES.values() if isinstance(vae, f.components["vae"])), None)
+    if family is None or not isinstance(vae, family.components.classes["vae"]):
+        family = next((f for f in FAMILIES.values() if isinstance(vae, f.components.classes["vae"])), None)
     if family is None:
         raise UserError(f"a {type(vae).__name__} autoencoder is no model family's; sdtrain reads "
-                        f"{', '.join(sorted({f.components['vae'].__name__ for f in FAMILIES.values()}))}")
+                        f"{', '.join(sorted({f.components.classes['vae'].__name__ for f in FAMILIES.values()}))}")
     return family.codec
 
 
@@ -131,7 +131,7 @@ def component_class(name: str, family: ModelFamily | None = None) -> type[nn.Mod
     """The class of component `name` in `family`, or in whichever family has it."""
     for candidate in [family] if family else FAMILIES.values():
         if name in candidate.components:
-            return candidate.components[name]
+            return candidate.components[name].cls
     raise UserError(f"no model family has a component named {name}")
 
 
@@ -145,9 +145,9 @@ def family_of_keys(keys: list[str]) -> ModelFamily | None:
     """The family whose single-file layout a file's tensor `keys` are in; None: no family's."""
     # SDXL and SD3 files hold SD's VAE (and SDXL its UNet) prefixes too: the most specific keys decide.
     for candidate in FAMILIES.values():
-        if candidate is not SD and candidate.holds_file(keys):
+        if candidate is not SD and candidate.files.holds_file(keys):
             return candidate
-    return SD if SD.holds_file(keys) else None
+    return SD if SD.files.holds_file(keys) else None
 
 
 def detect(source: str | Path) -> ModelFamily:
@@ -164,8 +164,8 @@ def detect(source: str | Path) -> ModelFamily:
             found = json.loads((path / "model_index.json").read_text()).get("_class_name")
         except (OSError, ValueError, AttributeError):
             return SD  # the pipeline loader reports what is wrong with the file
-        known = next((f for f in FAMILIES.values()
-                      if found in f.pipeline_names or found in (c.__name__ for c in f.pipeline_classes())), None)
+        known = next((f for f in FAMILIES.values() if found in f.sampling.pipeline_names
+                      or found in (c.__name__ for c in f.pipeline_classes())), None)
         if known is not None:
             return known
     elif path.is_file() and path.suffix == ".safetensors":

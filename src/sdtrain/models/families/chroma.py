@@ -37,8 +37,9 @@ from torch import nn
 from transformers import T5EncoderModel
 
 from sdtrain.models.families.autoencoder import FLUX_CODEC, FLUX_VAE, TINY_FLUX_VAE, vae_blocks
+from sdtrain.models.families.legacy import LegacyFamily, adapt
 from sdtrain.models.families.patches import image_ids, pack, unpack
-from sdtrain.models.families.spec import ModelFamily, ids_key, mask_key
+from sdtrain.models.families.spec import ids_key, mask_key
 from sdtrain.models.families.text_towers import T5_XXL, TINY_T5, t5_blocks, t5_config
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
 from sdtrain.models.single_file import bfl, kohya
@@ -191,7 +192,7 @@ def load_transformer_file(path: str | Path, trust_pickle: bool | None = None, fr
             "run) or a diffusers transformer folder")
 
 
-class Chroma(ModelFamily):
+class Chroma(LegacyFamily):
     name = "chroma"
     title = "Chroma"
     codec = FLUX_CODEC
@@ -308,4 +309,4 @@ class Chroma(ModelFamily):
                 "max_sequence_length": min(pipe.tokenizer.model_max_length, MAX_TEXT_LENGTH)}
 
 
-CHROMA = Chroma()
+CHROMA = adapt(Chroma())

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from torch import nn
+
+from sdtrain.models.tokenizer import train_clip_tokenizer
 
 LEGACY_EOS_ID = 2
 """The ``eos_token_id`` of the released CLIP text configs (SD, SDXL, SD3, Flux.1), which transformers reads as
@@ -31,3 +36,11 @@ def pool_at_eos(text_encoder: nn.Module, eos_token_id: int | None = None) -> Non
             module.eos_token_id = eos_token_id
         if getattr(module, "config", None) is not None:
             module.config.eos_token_id = eos_token_id
+
+
+class ClipTokenizerFromScratch:
+    """Mixed in before `spec.Conditioner` by a family whose text encoders all read CLIP's ids: a model trained
+    from scratch learns CLIP's byte-level BPE layout from the run's captions."""
+
+    def train_tokenizer(self, captions: list[str], out_dir: Path, vocab_size: int, max_length: int) -> Any:
+        return train_clip_tokenizer(captions, out_dir, vocab_size, max_length)

@@ -34,8 +34,9 @@ from transformers import CLIPTextModel, T5EncoderModel
 
 from sdtrain.models import single_file
 from sdtrain.models.families.autoencoder import FLUX_CODEC, FLUX_VAE, TINY_FLUX_VAE, vae_blocks
+from sdtrain.models.families.legacy import LegacyFamily, adapt
 from sdtrain.models.families.patches import image_ids, pack, unpack
-from sdtrain.models.families.spec import ControlSpec, ModelFamily, ReferenceSpec, SingleFileLayout
+from sdtrain.models.families.spec import ControlSpec, ReferenceSpec, SingleFileLayout
 from sdtrain.models.families.text_towers import (
     CLIP_L,
     T5_XXL,
@@ -225,7 +226,7 @@ class TransformerFile(SingleFileLayout):
         original_layout.save_original(out, components["transformer"], half=half)
 
 
-class Flux(ModelFamily):
+class Flux(LegacyFamily):
     name = "flux"
     title = "Flux.1"
     codec = FLUX_CODEC
@@ -377,4 +378,4 @@ class Flux(ModelFamily):
         return {**arguments, "true_cfg_scale": guidance, "negative_prompt": negative_prompt or ""}
 
 
-FLUX = Flux()
+FLUX = adapt(Flux())

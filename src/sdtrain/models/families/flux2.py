@@ -32,7 +32,8 @@ from transformers import AutoTokenizer, MistralConfig, MistralModel, Qwen3Config
 from sdtrain.models.families import causal_lm
 from sdtrain.models.families.autoencoder import TINY_VAE, vae_blocks
 from sdtrain.models.families.codec import LatentCodec
-from sdtrain.models.families.spec import ModelFamily, construct, ids_key, index_says, mask_key
+from sdtrain.models.families.legacy import LegacyFamily, adapt
+from sdtrain.models.families.spec import construct, ids_key, index_says, mask_key
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
 from sdtrain.models.single_file import flux as bfl_layout
 from sdtrain.models.single_file import kohya
@@ -310,7 +311,7 @@ class Flux2Codec(LatentCodec):
 FLUX2_CODEC = Flux2Codec()
 
 
-class Flux2(causal_lm.LanguageModelText, ModelFamily):
+class Flux2(causal_lm.LanguageModelText, LegacyFamily):
     """Flux.2-dev."""
 
     name = "flux2"
@@ -502,5 +503,5 @@ class Flux2Klein(Flux2):
         return {**self._text_arguments(pipe), "guidance_scale": guidance}
 
 
-FLUX2 = Flux2()
-FLUX2_KLEIN = Flux2Klein()
+FLUX2 = adapt(Flux2())
+FLUX2_KLEIN = adapt(Flux2Klein())

@@ -37,8 +37,9 @@ from transformers import Qwen3VLTextConfig, Qwen3VLTextModel
 
 from sdtrain.errors import UserError
 from sdtrain.models.families import causal_lm
+from sdtrain.models.families.legacy import LegacyFamily, adapt
 from sdtrain.models.families.patches import pack, unpack
-from sdtrain.models.families.spec import ModelFamily, construct, ids_key, index_says, mask_key
+from sdtrain.models.families.spec import construct, ids_key, index_says, mask_key
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
 from sdtrain.models.families.wan_vae import TINY_WAN_VAE, WAN_CODEC, WAN_VAE
 from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY
@@ -225,7 +226,7 @@ def load_transformer_file(path: str | Path, trust_pickle: bool | None = None, fr
             "a Krea 2 run) or a diffusers transformer folder")
 
 
-class Krea2(causal_lm.LanguageModelText, ModelFamily):
+class Krea2(causal_lm.LanguageModelText, LegacyFamily):
     name = "krea2"
     title = "Krea 2"
     components = {"vae": AutoencoderKLQwenImage, "text_encoder": Qwen3VLTextModel,
@@ -386,4 +387,4 @@ class Krea2(causal_lm.LanguageModelText, ModelFamily):
                 "max_sequence_length": pipe.tokenizer.model_max_length}
 
 
-KREA2 = Krea2()
+KREA2 = adapt(Krea2())

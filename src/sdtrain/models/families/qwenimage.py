@@ -44,8 +44,9 @@ from transformers import (
 )
 
 from sdtrain.models.families import causal_lm
+from sdtrain.models.families.legacy import LegacyFamily, adapt
 from sdtrain.models.families.patches import pack, unpack
-from sdtrain.models.families.spec import ModelFamily, ReferenceSpec, construct, ids_key, mask_key
+from sdtrain.models.families.spec import ReferenceSpec, construct, ids_key, mask_key
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
 from sdtrain.models.families.wan_vae import TINY_WAN_VAE, WAN_CODEC, WAN_VAE
 from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY
@@ -149,7 +150,7 @@ def load_transformer_file(path: str | Path, trust_pickle: bool | None = None, fr
 
 
 
-class QwenImage(causal_lm.LanguageModelText, ModelFamily):
+class QwenImage(causal_lm.LanguageModelText, LegacyFamily):
     name = "qwen-image"
     title = "Qwen-Image"
     components = {"vae": AutoencoderKLQwenImage, "text_encoder": Qwen2_5_VLTextModel,
@@ -287,7 +288,7 @@ class QwenImage(causal_lm.LanguageModelText, ModelFamily):
         return {**arguments, "true_cfg_scale": guidance, "negative_prompt": negative_prompt or ""}
 
 
-QWEN_IMAGE = QwenImage()
+QWEN_IMAGE = adapt(QwenImage())
 
 
 # ------------------------------------------------------------------------------------------ Qwen-Image-Edit
@@ -490,7 +491,7 @@ class QwenImageEdit(QwenImage):
         return super().pipeline_from_folder(folder, processor=processor, **kwargs)
 
 
-QWEN_IMAGE_EDIT = QwenImageEdit()
+QWEN_IMAGE_EDIT = adapt(QwenImageEdit())
 
 
 # ------------------------------------------------------------------------------------------ Qwen-Image-Edit-2509/2511
@@ -529,4 +530,4 @@ class QwenImageEditPlus(QwenImageEdit):
         return images
 
 
-QWEN_IMAGE_EDIT_PLUS = QwenImageEditPlus()
+QWEN_IMAGE_EDIT_PLUS = adapt(QwenImageEditPlus())

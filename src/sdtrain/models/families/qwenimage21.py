@@ -32,7 +32,8 @@ from transformers import (
 
 from sdtrain.models.families import causal_lm
 from sdtrain.models.families.codec import ChannelStatistics, LatentCodec
-from sdtrain.models.families.spec import ModelFamily, construct, ids_key, mask_key
+from sdtrain.models.families.legacy import LegacyFamily, adapt
+from sdtrain.models.families.spec import construct, ids_key, mask_key
 
 SYSTEM = "Comprehend and analyze the provided prompt."
 """QwenImage21Pipeline's system prompt."""
@@ -168,7 +169,7 @@ class RGBAImageCodec(ChannelStatistics, LatentCodec):
 RGBA_CODEC = RGBAImageCodec()
 
 
-class QwenImage21(causal_lm.LanguageModelText, ModelFamily):
+class QwenImage21(causal_lm.LanguageModelText, LegacyFamily):
     name = "qwen-image-2.1"
     title = "Qwen-Image 2.1"
     components = {"vae": AutoencoderKLQwenImage21, "text_encoder": Qwen3VLForConditionalGeneration,
@@ -334,4 +335,4 @@ class QwenImage21(causal_lm.LanguageModelText, ModelFamily):
         return {"true_cfg_scale": guidance, "negative_prompt": negative_prompt or ""}
 
 
-QWEN_IMAGE_21 = QwenImage21()
+QWEN_IMAGE_21 = adapt(QwenImage21())

@@ -19,7 +19,7 @@ from transformers import CLIPTextModel
 
 from sdtrain.models.families.autoencoder import SD_VAE, TINY_VAE, vae_blocks
 from sdtrain.models.families.codec import AutoencoderKLCodec
-from sdtrain.models.families.spec import ModelFamily
+from sdtrain.models.families.legacy import LegacyFamily, adapt
 from sdtrain.models.families.text_towers import clip_text_config, text_blocks
 from sdtrain.models.families.unet import (
     ORIGINAL_CHECKPOINT,
@@ -62,7 +62,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-class StableDiffusion(ModelFamily):
+class StableDiffusion(LegacyFamily):
     name = "sd"
     title = "Stable Diffusion 1.x/2.x"
     components = {"vae": AutoencoderKL, "text_encoder": CLIPTextModel, "unet": UNet2DConditionModel}
@@ -104,4 +104,4 @@ class StableDiffusion(ModelFamily):
             requires_safety_checker=False)
 
 
-SD = StableDiffusion()
+SD = adapt(StableDiffusion())

@@ -34,7 +34,8 @@ from sdtrain.errors import UserError
 from sdtrain.models import single_file
 from sdtrain.models.families.autoencoder import FLUX_VAE, TINY_FLUX_VAE, vae_blocks
 from sdtrain.models.families.codec import AutoencoderKLCodec
-from sdtrain.models.families.spec import ControlSpec, ModelFamily, SingleFileLayout
+from sdtrain.models.families.legacy import LegacyFamily, adapt
+from sdtrain.models.families.spec import ControlSpec, SingleFileLayout
 from sdtrain.models.families.text_towers import (
     CLIP_L,
     OPENCLIP_BIGG,
@@ -133,7 +134,7 @@ class StabilityCheckpoint(SingleFileLayout):
         stability_layout.save_original(out, components, half=half)
 
 
-class StableDiffusion3(ModelFamily):
+class StableDiffusion3(LegacyFamily):
     name = "sd3"
     title = "SD3"
     codec = AutoencoderKLCodec(**{key: _SD3_VAE[key] for key in ("scaling_factor", "shift_factor")})
@@ -252,4 +253,4 @@ class StableDiffusion3(ModelFamily):
         return {"guidance_scale": guidance, "negative_prompt": negative_prompt, "max_sequence_length": length}
 
 
-SD3 = StableDiffusion3()
+SD3 = adapt(StableDiffusion3())

@@ -28,7 +28,7 @@ from transformers import CLIPTextModel, CLIPTextModelWithProjection
 from sdtrain.models import single_file
 from sdtrain.models.families.autoencoder import SD_VAE, TINY_VAE, vae_blocks
 from sdtrain.models.families.codec import AutoencoderKLCodec
-from sdtrain.models.families.spec import ModelFamily
+from sdtrain.models.families.legacy import LegacyFamily, adapt
 from sdtrain.models.families.text_towers import (
     CLIP_L,
     OPENCLIP_BIGG,
@@ -75,7 +75,7 @@ SIZE_IDS = 6
 """Original height and width, crop top and left, target height and width."""
 
 
-class StableDiffusionXL(ModelFamily):
+class StableDiffusionXL(LegacyFamily):
     name = "sdxl"
     title = "SDXL"
     codec = AutoencoderKLCodec(scaling_factor=_SDXL_VAE["scaling_factor"])
@@ -145,4 +145,4 @@ class StableDiffusionXL(ModelFamily):
             unet=components["unet"], scheduler=scheduler, force_zeros_for_empty_prompt=True, add_watermarker=False)
 
 
-SDXL = StableDiffusionXL()
+SDXL = adapt(StableDiffusionXL())

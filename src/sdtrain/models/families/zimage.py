@@ -26,7 +26,8 @@ from transformers import Qwen3Config, Qwen3Model
 from sdtrain.errors import UserError
 from sdtrain.models.families import causal_lm
 from sdtrain.models.families.autoencoder import FLUX_CODEC, FLUX_VAE, TINY_FLUX_VAE, vae_blocks
-from sdtrain.models.families.spec import ModelFamily, SingleFileLayout, construct, ids_key, mask_key
+from sdtrain.models.families.legacy import LegacyFamily, adapt
+from sdtrain.models.families.spec import SingleFileLayout, construct, ids_key, mask_key
 from sdtrain.models.families.transformer_file import read_transformer_file
 from sdtrain.models.single_file import kohya
 from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY, layout_metadata, write_tensors
@@ -271,7 +272,7 @@ class TransformerFile(SingleFileLayout):
         save_original(out, components["transformer"], half=half)
 
 
-class ZImage(causal_lm.LanguageModelText, ModelFamily):
+class ZImage(causal_lm.LanguageModelText, LegacyFamily):
     name = "z-image"
     title = "Z-Image"
     codec = FLUX_CODEC
@@ -387,4 +388,4 @@ class ZImage(causal_lm.LanguageModelText, ModelFamily):
                 "max_sequence_length": pipe.tokenizer.model_max_length}
 
 
-ZIMAGE = ZImage()
+ZIMAGE = adapt(ZImage())

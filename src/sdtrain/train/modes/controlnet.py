@@ -31,7 +31,7 @@ class ControlNetPart(TrainedPart):
 
     def keeps_frozen(self, name: str) -> bool:
         # The denoiser loads in full precision: the ControlNet copies its weights first; stored low afterwards.
-        return name != self.family.denoiser
+        return name != self.family.components.denoiser
 
     def text_encoder_trains(self) -> bool:
         return False

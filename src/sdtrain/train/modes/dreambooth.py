@@ -86,7 +86,7 @@ def _base_pipeline(config: RunConfig) -> Any:
                             "has no source; set model.pretrained, or fill dreambooth.class_data with images")
         components[name] = load_component(name, source, trust_pickle=trust, family=family, served=model)
     scheduler = build.build_noise_scheduler(config.diffusion, model)
-    return family.assemble(components, build.load_text_tokenizers(model), sampler_from(scheduler, "euler"))
+    return family.sampling.assemble(components, build.load_text_tokenizers(model), sampler_from(scheduler, "euler"))
 
 
 def ensure_class_images(config: RunConfig, folder: Path) -> int:

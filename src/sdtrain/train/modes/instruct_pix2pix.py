@@ -44,7 +44,8 @@ class InstructPix2PixPart(TrainedPart):
         self.spec.widen(denoiser)  # a released editor, or this mode's export, reads the source already
         if denoiser.config.in_channels != reads and len(self.config.modes) > 1:
             # The new input weights start at zero and must train, which parts beside this one (adapters) freeze.
-            raise UserError(f"mode {self.config.mode_name}: this {self.family.denoiser} reads its latents alone, and "
+            raise UserError(f"mode {self.config.mode_name}: this {self.family.components.denoiser} reads its latents "
+                            "alone, and "
                             "only mode instruct_pix2pix by itself trains the inputs it gains for the source image: "
                             "train that first, then the other parts on its export")
         return super().make_trainable(denoiser, text_encoders, tokenizers, latent_factor)

@@ -52,12 +52,12 @@ class Adapters(TrainedPart):
     def make_trainable(self, denoiser: nn.Module, text_encoders: dict[str, nn.Module],
                        tokenizers: list[Any], latent_factor: int = 8) -> dict[str, nn.Module]:
         cfg = self.config.lora
-        name = self.family.denoiser
+        name = self.family.components.denoiser
         self.adapters = {name: lora_settings(cfg)}
         denoiser.requires_grad_(False)
         add_lora(denoiser, self.adapters[name], "lora.target_modules")
         trainable = {name: denoiser.train()}
-        adapted = self.family.lora_text_encoders or self.family.text_encoders
+        adapted = self.family.components.lora_text_encoders or self.family.components.text_encoders
         for name, text_encoder in text_encoders.items():
             text_encoder.requires_grad_(False)
             if not cfg.text_encoder or name not in adapted:

@@ -75,7 +75,7 @@ class NewTokens(TrainedPart):
 
     @classmethod
     def problems(cls, config: RunConfig, family: ModelFamily) -> list[str]:
-        if not family.long_text_tokenizers:
+        if not family.components.long_text_tokenizers:
             return []
         return [f"mode: textual_inversion learns CLIP token vectors (SD 1/2, SDXL); {family.title} conditions mostly "
                 "on a T5 or language-model encoder: train a LoRA instead (mode: lora)"]
