@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from diffusers import (
     AutoencoderKL,
-    ControlNetModel,
     StableDiffusionControlNetPipeline,
     StableDiffusionInstructPix2PixPipeline,
     StableDiffusionPipeline,
@@ -17,13 +16,14 @@ from diffusers import (
 from torch import nn
 from transformers import CLIPTextModel
 
+from sdtrain.models.families import spec
 from sdtrain.models.families.autoencoder import SD_VAE, TINY_VAE, vae_blocks
+from sdtrain.models.families.clip import ClipTokenizerFromScratch
 from sdtrain.models.families.codec import AutoencoderKLCodec
-from sdtrain.models.families.legacy import LegacyFamily, adapt
 from sdtrain.models.families.text_towers import clip_text_config, text_blocks
 from sdtrain.models.families.unet import (
     ORIGINAL_CHECKPOINT,
-    controlnet_blocks,
+    UNetCall,
     unet_blocks,
     unet_control,
     unet_instruct,
@@ -62,38 +62,37 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-class StableDiffusion(LegacyFamily):
-    name = "sd"
-    title = "Stable Diffusion 1.x/2.x"
-    components = {"vae": AutoencoderKL, "text_encoder": CLIPTextModel, "unet": UNet2DConditionModel}
-    pipeline_class = StableDiffusionPipeline
-    hub_tags = ("stable-diffusion", "stable-diffusion-diffusers")
-    # A released SD folder's safety checker is not part of a trained model.
-    pipeline_loading = {"safety_checker": None, "requires_safety_checker": False}
-    pipeline_names = ("StableDiffusionPipeline",)
-    single_file_keys = ("model.diffusion_model.input_blocks.", "cond_stage_model.", "first_stage_model.")
-    single_file = ORIGINAL_CHECKPOINT
-    block_lists = {UNet2DConditionModel: unet_blocks, AutoencoderKL: vae_blocks, CLIPTextModel: text_blocks,
-                   ControlNetModel: controlnet_blocks}
-    presets = PRESETS
-    controlnet = unet_control(StableDiffusionControlNetPipeline)
-    instruct = unet_instruct(StableDiffusionInstructPix2PixPipeline)
-    kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
-    codec = AutoencoderKLCodec(scaling_factor=0.18215)
-
+class Conditioner(ClipTokenizerFromScratch, spec.Conditioner):
     def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
         return CLIPTextModel(clip_text_config(settings, tokenizer, key))
 
-    def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
-        return {"cross_attention_dim": text_encoders["text_encoder"].config.hidden_size}
-
     def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
-                    masks: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
+                    masks: list[torch.Tensor | None] | None = None, sources: torch.Tensor | None = None
+                    ) -> dict[str, torch.Tensor]:
         # The last layer's states: SD 2's tower already ends at its penultimate layer (23 of 24 kept).
         return {"text_emb": encoders[0](ids[0])[0]}
 
     def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
         return {"text_emb": (lengths[0], text_encoders["text_encoder"].hidden_size)}
+
+
+class Call(UNetCall):
+    objective = "noise_prediction"
+
+    def settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
+        return {"cross_attention_dim": text_encoders["text_encoder"].config.hidden_size}
+
+
+class Files(spec.FileInterchange):
+    single_file_keys = ("model.diffusion_model.input_blocks.", "cond_stage_model.", "first_stage_model.")
+    single_file = ORIGINAL_CHECKPOINT
+
+
+class Sampling(spec.Sampling):
+    pipeline_class = StableDiffusionPipeline
+    # A released SD folder's safety checker is not part of a trained model.
+    pipeline_loading = {"safety_checker": None, "requires_safety_checker": False}
+    pipeline_names = ("StableDiffusionPipeline",)
 
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
                  distilled: bool = False) -> Any:
@@ -103,5 +102,20 @@ class StableDiffusion(LegacyFamily):
             unet=components["unet"], scheduler=scheduler, safety_checker=None, feature_extractor=None,
             requires_safety_checker=False)
 
+    def defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
+        return {"guidance": 5.0}
 
-SD = adapt(StableDiffusion())
+
+SD = spec.ModelFamily(
+    name="sd", title="Stable Diffusion 1.x/2.x", hub_tags=("stable-diffusion", "stable-diffusion-diffusers"),
+    components=spec.Components(
+        vae=spec.Component(AutoencoderKL, "vae", blocks=vae_blocks),
+        text_encoder=spec.Component(CLIPTextModel, "text_encoder", tokenizer="tokenizer", lora=True,
+                                    kohya_prefix="lora_te_", blocks=text_blocks),
+        unet=spec.Component(UNet2DConditionModel, "denoiser", kohya_prefix="lora_unet_", blocks=unet_blocks),
+    ),
+    presets=PRESETS, codec=AutoencoderKLCodec(scaling_factor=0.18215), conditioner=Conditioner(), denoising=Call(),
+    files=Files(), sampling=Sampling(),
+    controlnet=unet_control(StableDiffusionControlNetPipeline),
+    instruct=unet_instruct(StableDiffusionInstructPix2PixPipeline),
+)

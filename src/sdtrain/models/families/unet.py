@@ -14,7 +14,7 @@ from torch import nn
 
 from sdtrain.errors import UserError
 from sdtrain.models import single_file
-from sdtrain.models.families.spec import ControlSpec, InstructSpec, SingleFileLayout
+from sdtrain.models.families.spec import ControlSpec, DenoiserCall, InstructSpec, SingleFileLayout
 
 
 def unet_blocks(unet: UNet2DConditionModel) -> list:
@@ -84,7 +84,22 @@ def unet_instruct(pipeline_class: type) -> InstructSpec:
 def unet_control(pipeline_class: type) -> ControlSpec:
     """The ControlNet of a UNet family whose ControlNet pipeline is `pipeline_class`: diffusers' ControlNetModel,
     made from the UNet."""
-    return ControlSpec(ControlNetModel, pipeline_class, controlnet_from_unet, unet_residuals)
+    return ControlSpec(ControlNetModel, pipeline_class, controlnet_from_unet, unet_residuals, blocks=controlnet_blocks)
+
+
+class UNetCall(DenoiserCall):
+    """A UNet2DConditionModel's call, for a family to build on: conditioned on its text encoders' states by
+    cross-attention, sized by the latents, a level coarser per block after the first."""
+
+    def shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
+        return {"in_channels": latent_channels, "out_channels": latent_channels, "sample_size": latent_size}
+
+    def downsampling(self, denoiser_config: Any) -> int:
+        return 2 ** (len(denoiser_config.block_out_channels) - 1)
+
+    def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
+                  ) -> dict[str, Any]:
+        return {"encoder_hidden_states": text["text_emb"]}
 
 
 class OriginalCheckpoint(SingleFileLayout):
