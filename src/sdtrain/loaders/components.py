@@ -66,12 +66,12 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
     folder = Path(source) / name if kind == "pipeline" else Path(source)
     _require_config(folder, name)
     if frozen_precision != "fp32":
-        return load_frozen(cls, name, folder, frozen_precision, family.weight_prefixes.get(name, ()) if family else ())
+        return load_frozen(cls, name, folder, frozen_precision, _prefixes(family, name))
     trusted = trust_pickle or single_file.trust_pickle_from_env()
     try:
         # Safetensors only, unless the user trusts this folder's pickles (.bin): those load with
         # weights_only in today's diffusers and transformers, but a pickle is still code to be trusted.
-        prefixes = family.weight_prefixes.get(name, ()) if family else ()
+        prefixes = _prefixes(family, name)
         # transformers reads a language model's tower from the whole model's folder under a key mapping.
         mapping = {"key_mapping": {f"^{re.escape(found)}": read for found, read in prefixes}} if prefixes else {}
         return cls.from_pretrained(folder, local_files_only=True, use_safetensors=not trusted or None, **mapping)
@@ -139,7 +139,7 @@ def load_frozen(cls: type[nn.Module], name: str, folder: Path, precision: str,
                 prefixes: tuple[tuple[str, str], ...] = ()) -> nn.Module:
     """A component folder's module built with its parameters on the meta device, then filled from its safetensors
     files a tensor at a time, linear weights stored in `precision` (see sdtrain.models.frozen), each key's prefix
-    read as `prefixes` say (`ModelFamily.weight_prefixes`)."""
+    read as `prefixes` say (`Component.weight_prefixes`)."""
     files = sorted(str(p) for p in folder.glob("*.safetensors") if _WEIGHT_FILE.fullmatch(p.name))
     if not files:
         raise UserError(f"{folder}: no safetensors weights for the {name}, which model.frozen_precision loads a tensor "
@@ -260,3 +260,8 @@ def load_run_modules(
         module.eval()
         modules[name] = module
     return modules
+
+
+def _prefixes(family: ModelFamily | None, name: str) -> tuple[tuple[str, str], ...]:
+    """How component `name`'s weights are named in `family`'s released folders (`Component.weight_prefixes`)."""
+    return family.components[name].weight_prefixes if family is not None and name in family.components else ()
