@@ -234,3 +234,31 @@ def test_training_on_a_model_of_another_family_is_one_line(tmp_path, shapes_dir,
     error = capsys.readouterr().err
     assert "is of no model family this release knows (KandinskyV22Pipeline)" in error
     assert "sdtrain trains Stable Diffusion 1.x/2.x, SDXL, SD3, Flux.1" in error
+
+
+def test_a_part_a_family_leaves_undeclared_is_one_line_naming_the_family_never_another_familys_value():
+    """A family is composed of parts with no defaults from another family: what it leaves out is a line naming it."""
+    from sdtrain.models.families import spec
+
+    sd = families.get("sd")
+
+    class Call(spec.DenoiserCall):
+        objective = "flow_matching"
+
+    class Sampling(spec.Sampling):
+        pipeline_class = sd.sampling.pipeline_class
+
+    made = spec.ModelFamily(name="made", title="Made", components=sd.components, presets=sd.presets, codec=sd.codec,
+                            conditioner=spec.Conditioner(), denoising=Call(), files=spec.FileInterchange(),
+                            sampling=Sampling())
+    with pytest.raises(UserError, match="model family Made: its conditioner trains no tokenizer"):
+        made.conditioner.train_tokenizer(["a"], None, 10, 4)
+    with pytest.raises(UserError, match="model family Made: its denoiser call says not how much"):
+        made.denoising.downsampling(None)
+    with pytest.raises(UserError, match="model family Made: its sampling says not what its models sample with"):
+        made.sampling.defaults(None)
+    with pytest.raises(TypeError, match="model family made: declares no conditioner"):
+        spec.ModelFamily(name="made", title="Made", components=sd.components, presets=sd.presets, codec=sd.codec,
+                         conditioner=None, denoising=Call(), files=spec.FileInterchange(), sampling=Sampling())
+    with pytest.raises(TypeError, match="one denoiser"):
+        spec.Components(vae=sd.components["vae"])

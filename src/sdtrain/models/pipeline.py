@@ -72,7 +72,7 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
     images. ``batch`` prompts run through the model together, each from the noise of its own seed: the same
     images up to floating-point rounding, several times faster for small models on a CPU. `size`: the side in
     pixels (None: the pipeline's default, which for Flux.1 is 1024 px whatever the model trained on). `steps` and
-    `guidance` None: the model's own (its family's `sampling_defaults`, a step-distilled model's where `distilled`,
+    `guidance` None: the model's own (its family's `Sampling.defaults`, a step-distilled model's where `distilled`,
     None: as the folder the pipeline loaded from says, `is_distilled`), else `default_steps` and SD's 5.
     `inputs`: a list per pipeline argument, one entry per prompt (a ControlNet pipeline's ``image``); `fixed`:
     arguments every call takes as they are (``controlnet_conditioning_scale``). `edits_at_own_size`: a pipeline that

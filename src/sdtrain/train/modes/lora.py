@@ -10,6 +10,7 @@ from torch import nn
 
 from sdtrain.config import LoraConfig
 from sdtrain.loaders.adapters import ADAPTER_TYPE, add_lora
+from sdtrain.models.families.spec import ModelFamily
 from sdtrain.train.parts import TrainedPart
 
 
@@ -42,6 +43,13 @@ class Adapters(TrainedPart):
     adapters: dict[str, dict[str, Any]]
     """The peft settings of each adapted component, by name: what a checkpoint's reader rebuilds them with."""
 
+    @classmethod
+    def problems(cls, config: Any, family: ModelFamily) -> list[str]:
+        if config.lora.text_encoder and not family.components.lora_text_encoders:
+            return [f"lora.text_encoder: {family.title}'s text encoders take no LoRA here (kohya's and diffusers' "
+                    "scripts leave them frozen); set lora.text_encoder=false"]
+        return []
+
     def keeps_frozen(self, name: str) -> bool:
         # Every base stays frozen: adapters train beside its linear layers.
         return True
@@ -57,7 +65,7 @@ class Adapters(TrainedPart):
         denoiser.requires_grad_(False)
         add_lora(denoiser, self.adapters[name], "lora.target_modules")
         trainable = {name: denoiser.train()}
-        adapted = self.family.components.lora_text_encoders or self.family.components.text_encoders
+        adapted = self.family.components.lora_text_encoders
         for name, text_encoder in text_encoders.items():
             text_encoder.requires_grad_(False)
             if not cfg.text_encoder or name not in adapted:
