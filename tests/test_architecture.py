@@ -145,3 +145,12 @@ def test_each_part_of_a_family_spec_stays_small():
     sizes = {name: len(_members(cls)) for name, cls in parts.items()}
     grown = {name: f"{size} > {SPEC_MEMBERS[name]}" for name, size in sizes.items() if size > SPEC_MEMBERS[name]}
     assert not grown, f"spec parts past their stated size: {grown}; split the part, or make it a part of its own"
+
+
+def test_the_modes_a_config_takes_are_the_modes_a_run_trains():
+    """The config (a lower layer) names the modes; the run's parts implement them: neither list may drift."""
+    from sdtrain.config import COMBINED, MODES
+    from sdtrain.train.modes import RECIPES, TRAINED
+
+    assert set(MODES) == {"full", *TRAINED, *RECIPES}
+    assert all(set(pair) <= set(TRAINED) for pair in COMBINED)
