@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from diffusers import (
     AutoencoderKL,
-    ControlNetModel,
     StableDiffusionXLControlNetPipeline,
     StableDiffusionXLInstructPix2PixPipeline,
     StableDiffusionXLPipeline,
@@ -26,9 +25,10 @@ from torch import nn
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
 from sdtrain.models import single_file
+from sdtrain.models.families import spec
 from sdtrain.models.families.autoencoder import SD_VAE, TINY_VAE, vae_blocks
+from sdtrain.models.families.clip import ClipTokenizerFromScratch
 from sdtrain.models.families.codec import AutoencoderKLCodec
-from sdtrain.models.families.legacy import LegacyFamily, adapt
 from sdtrain.models.families.text_towers import (
     CLIP_L,
     OPENCLIP_BIGG,
@@ -40,7 +40,7 @@ from sdtrain.models.families.text_towers import (
 )
 from sdtrain.models.families.unet import (
     ORIGINAL_CHECKPOINT,
-    controlnet_blocks,
+    UNetCall,
     unet_blocks,
     unet_control,
     unet_instruct,
@@ -48,7 +48,7 @@ from sdtrain.models.families.unet import (
 
 _SDXL_VAE = {**SD_VAE, "scaling_factor": 0.13025, "sample_size": 1024}
 # The SDXL 1.0 base UNet: 2,567,463,684 parameters (its cross-attention width and added-embedding input
-# come from the text encoders, see denoiser_settings).
+# come from the text encoders, see Call.settings).
 _SDXL_UNET = dict(
     block_out_channels=[320, 640, 1280],
     layers_per_block=2,
@@ -75,44 +75,14 @@ SIZE_IDS = 6
 """Original height and width, crop top and left, target height and width."""
 
 
-class StableDiffusionXL(LegacyFamily):
-    name = "sdxl"
-    title = "SDXL"
-    codec = AutoencoderKLCodec(scaling_factor=_SDXL_VAE["scaling_factor"])
-    components = {"vae": AutoencoderKL, "text_encoder": CLIPTextModel, "text_encoder_2": CLIPTextModelWithProjection,
-                  "unet": UNet2DConditionModel}
-    text_encoders = ("text_encoder", "text_encoder_2")
-    tokenizers = ("tokenizer", "tokenizer_2")
-    pipeline_class = StableDiffusionXLPipeline
-    hub_tags = ("stable-diffusion-xl", "stable-diffusion-xl-diffusers")
-    pipeline_names = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline")
-    single_file_keys = ("conditioner.embedders.",)
-    single_file = ORIGINAL_CHECKPOINT
-    block_lists = {UNet2DConditionModel: unet_blocks, AutoencoderKL: vae_blocks, CLIPTextModel: text_blocks,
-                   CLIPTextModelWithProjection: text_blocks, ControlNetModel: controlnet_blocks}
-    controlnet = unet_control(StableDiffusionXLControlNetPipeline)
-    instruct = unet_instruct(StableDiffusionXLInstructPix2PixPipeline)
-    presets = PRESETS
-    kohya_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
-    # A1111's and ComfyUI's SDXL embeddings: one entry per text encoder.
-    embedding_keys = ("clip_l", "clip_g")
-
+class Conditioner(ClipTokenizerFromScratch, spec.Conditioner):
     def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
-        cls = self.components[name]
+        cls = self.family.components[name].cls
         return cls(clip_text_config(settings, tokenizer, key))
 
-    def original_module_path(self, component: str, path: str, config: Any) -> str:
-        # kohya's SDXL LoRAs name UNet modules in the original (SGM) layout: input_blocks.4.1..., not down_blocks.
-        return single_file.original_unet_path(path, config) if component == "unet" else path
-
-    def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
-        first, second = (text_encoders[name].config for name in self.text_encoders)
-        return {"cross_attention_dim": first.hidden_size + second.hidden_size,
-                "projection_class_embeddings_input_dim": SIZE_IDS * settings["addition_time_embed_dim"]
-                + second.projection_dim}
-
     def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
-                    masks: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
+                    masks: list[torch.Tensor | None] | None = None, sources: torch.Tensor | None = None
+                    ) -> dict[str, torch.Tensor]:
         states = []
         for encoder, tokens in zip(encoders, ids):
             output, penultimate = penultimate_states(encoder, tokens)
@@ -127,15 +97,41 @@ class StableDiffusionXL(LegacyFamily):
         return {"text_emb": text_emb * keep[:, None, None], "text_pooled": pooled * keep[:, None]}
 
     def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
-        first, second = (text_encoders[name] for name in self.text_encoders)
+        first, second = (text_encoders[name] for name in self.family.components.text_encoders)
         return {"text_emb": (lengths[0], first.hidden_size + second.hidden_size),
                 "text_pooled": (second.projection_dim,)}
+
+
+class Call(UNetCall):
+    objective = "noise_prediction"
+
+    def settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
+        first, second = (text_encoders[name].config for name in self.family.components.text_encoders)
+        return {"cross_attention_dim": first.hidden_size + second.hidden_size,
+                "projection_class_embeddings_input_dim": SIZE_IDS * settings["addition_time_embed_dim"]
+                + second.projection_dim}
 
     def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
                   ) -> dict[str, Any]:
         size_ids = batch["size_ids"].to(device, dtype=torch.float32, non_blocking=True)
         return {"encoder_hidden_states": text["text_emb"],
                 "added_cond_kwargs": {"text_embeds": text["text_pooled"], "time_ids": size_ids}}
+
+
+class Files(spec.FileInterchange):
+    single_file_keys = ("conditioner.embedders.",)
+    single_file = ORIGINAL_CHECKPOINT
+    # A1111's and ComfyUI's SDXL embeddings: one entry per text encoder.
+    embedding_keys = ("clip_l", "clip_g")
+
+    def original_module_path(self, component: str, path: str, config: Any) -> str:
+        # kohya's SDXL LoRAs name UNet modules in the original (SGM) layout: input_blocks.4.1..., not down_blocks.
+        return single_file.original_unet_path(path, config) if component == "unet" else path
+
+
+class Sampling(spec.Sampling):
+    pipeline_class = StableDiffusionXLPipeline
+    pipeline_names = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline")
 
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
                  distilled: bool = False) -> Any:
@@ -144,5 +140,22 @@ class StableDiffusionXL(LegacyFamily):
             text_encoder_2=components["text_encoder_2"], tokenizer=tokenizers[0], tokenizer_2=tokenizers[-1],
             unet=components["unet"], scheduler=scheduler, force_zeros_for_empty_prompt=True, add_watermarker=False)
 
+    def defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
+        return {"guidance": 5.0}
 
-SDXL = adapt(StableDiffusionXL())
+
+SDXL = spec.ModelFamily(
+    name="sdxl", title="SDXL", hub_tags=("stable-diffusion-xl", "stable-diffusion-xl-diffusers"),
+    components=spec.Components(
+        vae=spec.Component(AutoencoderKL, "vae", blocks=vae_blocks),
+        text_encoder=spec.Component(CLIPTextModel, "text_encoder", tokenizer="tokenizer", lora=True,
+                                    kohya_prefix="lora_te1_", blocks=text_blocks),
+        text_encoder_2=spec.Component(CLIPTextModelWithProjection, "text_encoder", tokenizer="tokenizer_2",
+                                      lora=True, kohya_prefix="lora_te2_", blocks=text_blocks),
+        unet=spec.Component(UNet2DConditionModel, "denoiser", kohya_prefix="lora_unet_", blocks=unet_blocks),
+    ),
+    presets=PRESETS, codec=AutoencoderKLCodec(scaling_factor=_SDXL_VAE["scaling_factor"]),
+    conditioner=Conditioner(), denoising=Call(), files=Files(), sampling=Sampling(),
+    controlnet=unet_control(StableDiffusionXLControlNetPipeline),
+    instruct=unet_instruct(StableDiffusionXLInstructPix2PixPipeline),
+)
