@@ -14,7 +14,7 @@ One difference from diffusers' pipeline is deliberate: ChromaPipeline (diffusers
 floating-point 0/1 mask, which scaled_dot_product_attention adds to the scores rather than masks with
 (huggingface/diffusers#12116, reopened as #13619), so it attends to all the padding. Chroma's authors and ComfyUI
 mask it; so does training here, and the pipelines sdtrain samples with (validation, ``generate``) are given the
-same boolean mask (`prepare_pipeline`). A plain ChromaPipeline loading the export samples as diffusers samples
+same boolean mask (`Sampling.prepare`). A plain ChromaPipeline loading the export samples as diffusers samples
 every Chroma model.
 """
 
@@ -36,8 +36,9 @@ from diffusers import (
 from torch import nn
 from transformers import T5EncoderModel
 
+from sdtrain.models.families import spec
 from sdtrain.models.families.autoencoder import FLUX_CODEC, FLUX_VAE, TINY_FLUX_VAE, vae_blocks
-from sdtrain.models.families.legacy import LegacyFamily, adapt
+from sdtrain.models.families.clip import ClipTokenizerFromScratch
 from sdtrain.models.families.patches import image_ids, pack, unpack
 from sdtrain.models.families.spec import ids_key, mask_key
 from sdtrain.models.families.text_towers import T5_XXL, TINY_T5, t5_blocks, t5_config
@@ -45,7 +46,7 @@ from sdtrain.models.families.transformer_file import TransformerAlone, read_tran
 from sdtrain.models.single_file import bfl, kohya
 from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY
 
-# Chroma1-HD's 8.9B transformer (the width it attends to comes from T5, see denoiser_settings).
+# Chroma1-HD's 8.9B transformer (the width it attends to comes from T5, see Call.settings).
 _CHROMA = dict(patch_size=1, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
                axes_dims_rope=[16, 56, 56], approximator_num_channels=64, approximator_hidden_dim=5120,
                approximator_layers=5)
@@ -192,33 +193,7 @@ def load_transformer_file(path: str | Path, trust_pickle: bool | None = None, fr
             "run) or a diffusers transformer folder")
 
 
-class Chroma(LegacyFamily):
-    name = "chroma"
-    title = "Chroma"
-    codec = FLUX_CODEC
-    components = {"vae": AutoencoderKL, "text_encoder": T5EncoderModel, "transformer": ChromaTransformer2DModel}
-    long_text_tokenizers = ("tokenizer",)
-    # T5 stays frozen, as diffusers' and kohya's scripts leave it.
-    lora_text_encoders = ()
-    denoiser = "transformer"
-    denoiser_lora_peft_names = True
-    objective = "flow_matching"
-    pipeline_class = ChromaPipeline
-    hub_tags = ("chroma",)
-    pipeline_names = tuple(cls.__name__ for cls in _PIPELINES)
-    single_file_keys = tuple(prefix + MARK for prefix in PREFIXES)
-    single_file = TransformerAlone(
-        load_transformer_file, to_original, lambda config: "chroma", SHAPE_KEYS,
-        description="The {title} transformer alone, in one file in Black Forest Labs' layout (Chroma's release)",
-        comfyui="put `{name}` in `ComfyUI/models/diffusion_models/` and load it with Load Diffusion Model, beside "
-                "`t5xxl` (Load CLIP, type chroma) and Flux.1's `ae` (Load VAE) files.")
-    block_lists = {ChromaTransformer2DModel: transformer_blocks, T5EncoderModel: t5_blocks, AutoencoderKL: vae_blocks}
-    presets = PRESETS
-    # The transformer's adapters in BFL's layout, q, k, v (and a single block's MLP input) fused, as ComfyUI's
-    # Chroma model names its weights.
-    kohya_prefixes = {"transformer": kohya.PREFIX}
-    kohya_names_each_layer = False  # its kohya layout fuses q, k and v
-
+class Conditioner(ClipTokenizerFromScratch, spec.Conditioner):
     def long_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
         # What the pipeline samples with. The padding is masked, so a shorter model.t5_text_length changes nothing
         # for the captions that fit in it, and saves T5's and the transformer's time.
@@ -232,24 +207,29 @@ class Chroma(LegacyFamily):
     def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
         return T5EncoderModel(t5_config(settings, tokenizer, key))
 
-    def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
-        return {"joint_attention_dim": text_encoders["text_encoder"].config.d_model}
-
-    def denoiser_shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
-        # Tokens are 2x2 patches of the latents; any latent size works (RoPE positions, no fixed table).
-        return {"in_channels": latent_channels * 4}
-
-    def downsampling(self, denoiser_config: Any) -> int:
-        return 2
-
     def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
-                    masks: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
+                    masks: list[torch.Tensor | None] | None = None, sources: torch.Tensor | None = None
+                    ) -> dict[str, torch.Tensor]:
         mask = masks[0]  # `tokenize` makes one with every caption's ids
         states = encoders[0](ids[0], attention_mask=mask).last_hidden_state
         return {"text_emb": states, "text_mask": mask.to(states.dtype)}
 
     def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
         return {"text_emb": (lengths[0], text_encoders["text_encoder"].d_model), "text_mask": (lengths[0],)}
+
+
+class Call(spec.DenoiserCall):
+    objective = "flow_matching"
+
+    def settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
+        return {"joint_attention_dim": text_encoders["text_encoder"].config.d_model}
+
+    def shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
+        # Tokens are 2x2 patches of the latents; any latent size works (RoPE positions, no fixed table).
+        return {"in_channels": latent_channels * 4}
+
+    def downsampling(self, denoiser_config: Any) -> int:
+        return 2
 
     def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
                   ) -> dict[str, Any]:
@@ -272,19 +252,35 @@ class Chroma(LegacyFamily):
             attention_mask=mask, return_dict=False)[0]
         return unpack(output, height, width)
 
+
+class Files(spec.FileInterchange):
+    single_file_keys = tuple(prefix + MARK for prefix in PREFIXES)
+    single_file = TransformerAlone(
+        load_transformer_file, to_original, lambda config: "chroma", SHAPE_KEYS,
+        description="The {title} transformer alone, in one file in Black Forest Labs' layout (Chroma's release)",
+        comfyui="put `{name}` in `ComfyUI/models/diffusion_models/` and load it with Load Diffusion Model, beside "
+                "`t5xxl` (Load CLIP, type chroma) and Flux.1's `ae` (Load VAE) files.")
+    denoiser_lora_peft_names = True
+    kohya_names_each_layer = False  # its kohya layout fuses q, k and v
+
     def kohya_lora(self, component: str, layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]], config: Any
                    ) -> dict[str, torch.Tensor]:
         if component == "transformer":
             return LAYOUT.kohya_lora(layers, dict(config))
         return super().kohya_lora(component, layers, config)
 
+
+class Sampling(spec.Sampling):
+    pipeline_class = ChromaPipeline
+    pipeline_names = tuple(cls.__name__ for cls in _PIPELINES)
+
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
                  distilled: bool = False) -> Any:
-        return self.prepare_pipeline(ChromaPipeline(
+        return self.prepare(ChromaPipeline(
             scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],
             tokenizer=tokenizers[0], transformer=components["transformer"]))
 
-    def prepare_pipeline(self, pipe: Any) -> Any:
+    def prepare(self, pipe: Any) -> Any:
         # The transformer's mask as training gives it, boolean (see the module docstring): the pipeline's own
         # floating-point one would be added to the attention scores, masking nothing.
         if isinstance(pipe, _PIPELINES) and "_get_t5_prompt_embeds" not in vars(pipe):
@@ -297,16 +293,29 @@ class Chroma(LegacyFamily):
             pipe._get_t5_prompt_embeds = boolean_mask
         return pipe
 
-    def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
+    def defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         # ChromaPipeline's guidance_scale (5); its 35 steps are not taken, as Flux.1-dev's 28 are not: sdtrain's
         # own step counts apply.
         return {"guidance": 5.0}
 
-    def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
+    def arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
         # True classifier-free guidance above 1 against the negative prompt (None: the pipeline's empty one); T5
         # reads as many tokens as it trained with.
         return {"guidance_scale": guidance, "negative_prompt": negative_prompt,
                 "max_sequence_length": min(pipe.tokenizer.model_max_length, MAX_TEXT_LENGTH)}
 
 
-CHROMA = adapt(Chroma())
+CHROMA = spec.ModelFamily(
+    name="chroma", title="Chroma", hub_tags=("chroma",),
+    components=spec.Components(
+        vae=spec.Component(AutoencoderKL, "vae", blocks=vae_blocks),
+        text_encoder=spec.Component(T5EncoderModel, "text_encoder", tokenizer="tokenizer", long_text=True,
+                                    lora=True, blocks=t5_blocks),
+        # The transformer's adapters in BFL's layout, q, k, v (and a single block's MLP input) fused, as ComfyUI's
+        # Chroma model names its weights.
+        transformer=spec.Component(ChromaTransformer2DModel, "denoiser", kohya_prefix=kohya.PREFIX,
+                                   blocks=transformer_blocks),
+    ),
+    presets=PRESETS, codec=FLUX_CODEC, conditioner=Conditioner(), denoising=Call(), files=Files(),
+    sampling=Sampling(),
+)

@@ -33,8 +33,9 @@ from torch import nn
 from transformers import CLIPTextModel, T5EncoderModel
 
 from sdtrain.models import single_file
+from sdtrain.models.families import spec
 from sdtrain.models.families.autoencoder import FLUX_CODEC, FLUX_VAE, TINY_FLUX_VAE, vae_blocks
-from sdtrain.models.families.legacy import LegacyFamily, adapt
+from sdtrain.models.families.clip import ClipTokenizerFromScratch
 from sdtrain.models.families.patches import image_ids, pack, unpack
 from sdtrain.models.families.spec import ControlSpec, ReferenceSpec, SingleFileLayout
 from sdtrain.models.families.text_towers import (
@@ -51,7 +52,7 @@ from sdtrain.models.single_file import flux as original_layout
 from sdtrain.models.single_file.read import original_prefix
 
 # Flux.1-dev: 11,901,408,320 parameters (its context and pooled widths come from T5 and CLIP, see
-# denoiser_settings).
+# Call.settings).
 _FLUX_DEV = dict(patch_size=1, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
                  guidance_embeds=True, axes_dims_rope=[16, 56, 56])
 _FLUX_SCHNELL = {**_FLUX_DEV, "guidance_embeds": False}
@@ -226,50 +227,7 @@ class TransformerFile(SingleFileLayout):
         original_layout.save_original(out, components["transformer"], half=half)
 
 
-class Flux(LegacyFamily):
-    name = "flux"
-    title = "Flux.1"
-    codec = FLUX_CODEC
-    components = {"vae": AutoencoderKL, "text_encoder": CLIPTextModel, "text_encoder_2": T5EncoderModel,
-                  "transformer": FluxTransformer2DModel}
-    text_encoders = ("text_encoder", "text_encoder_2")
-    tokenizers = ("tokenizer", "tokenizer_2")
-    long_text_tokenizers = ("tokenizer_2",)
-    lora_text_encoders = ("text_encoder",)
-    denoiser = "transformer"
-    denoiser_lora_peft_names = True
-    objective = "flow_matching"
-    pipeline_class = FluxPipeline
-    hub_tags = ("flux", "flux-diffusers")
-    pipeline_names = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
-    # BFL's own files hold the transformer alone; ComfyUI's all-in-one files put it under model.diffusion_model.
-    single_file_keys = ("double_blocks.", "model.diffusion_model.double_blocks.")
-    single_file = TransformerFile()
-    block_lists = {FluxTransformer2DModel: transformer_blocks, AutoencoderKL: vae_blocks, CLIPTextModel: text_blocks,
-                   T5EncoderModel: t5_blocks, FluxControlNetModel: transformer_blocks}
-    controlnet = ControlSpec(FluxControlNetModel, FluxControlNetPipeline, controlnet_from_transformer,
-                             controlnet_residuals, control_latents, image_argument="control_image",
-                             # As diffusers' train_controlnet_flux.py: Flux.1-dev is guidance-distilled and is never
-                             # sampled on an empty prompt.
-                             caption_dropout=0.0)
-    reference = ReferenceSpec(FluxKontextPipeline, reference_latents,
-                              at_own_size=lambda sources: nullcontext({"_auto_resize": False}))
-    presets = PRESETS
-    kohya_prefixes = {"transformer": "lora_unet_", "text_encoder": "lora_te1_"}
-    kohya_names_each_layer = False  # its kohya layout fuses q, k and v
-
-    def holds_file(self, keys: list[str]) -> bool:
-        # Other layouts share the block names: Flux.1's modulates each block with its own layers, never with one
-        # shared by all the double blocks (Flux.2's) or one network for every block (Chroma's approximator).
-        return super().holds_file(keys) and not any(
-            "double_stream_modulation_img." in key or "distilled_guidance_layer." in key for key in keys)
-
-    def file_scheduler(self, keys: list[str]) -> dict[str, Any] | None:
-        # dev's guidance embedding (guidance_in) marks the guidance-distilled model, sampled with the dynamic shift.
-        prefix = original_prefix(keys) or ""
-        dev = any(key.startswith(f"{prefix}guidance_in.") for key in keys)
-        return dict(_DEV_SCHEDULER if dev else _SCHNELL_SCHEDULER)
-
+class Conditioner(ClipTokenizerFromScratch, spec.Conditioner):
     def long_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
         # What each was released to sample with: dev 512, schnell 256 (Black Forest Labs' and kohya's); a
         # pretrained transformer is dev's when it has the guidance embedding.
@@ -283,31 +241,36 @@ class Flux(LegacyFamily):
             return T5EncoderModel(t5_config(settings, tokenizer, key))
         return CLIPTextModel(clip_text_config(settings, tokenizer, key))
 
-    def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
-        return {"joint_attention_dim": text_encoders["text_encoder_2"].config.d_model,
-                "pooled_projection_dim": text_encoders["text_encoder"].config.hidden_size}
-
-    def denoiser_shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
-        # Tokens are 2x2 patches of the latents; any latent size works (RoPE positions, no fixed table).
-        return {"in_channels": latent_channels * 4}
-
-    def downsampling(self, denoiser_config: Any) -> int:
-        return 2
-
-    def init_denoiser(self, denoiser: nn.Module) -> bool:
-        if not isinstance(denoiser, FluxTransformer2DModel):
-            return False
-        reference_init(denoiser)
-        return True
-
     def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
-                    masks: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
+                    masks: list[torch.Tensor | None] | None = None, sources: torch.Tensor | None = None
+                    ) -> dict[str, torch.Tensor]:
         clip, t5 = encoders
         return {"text_emb": t5(ids[1]).last_hidden_state, "text_pooled": clip(ids[0]).pooler_output}
 
     def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
         return {"text_emb": (lengths[1], text_encoders["text_encoder_2"].d_model),
                 "text_pooled": (text_encoders["text_encoder"].hidden_size,)}
+
+
+class Call(spec.DenoiserCall):
+    objective = "flow_matching"
+
+    def settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
+        return {"joint_attention_dim": text_encoders["text_encoder_2"].config.d_model,
+                "pooled_projection_dim": text_encoders["text_encoder"].config.hidden_size}
+
+    def shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
+        # Tokens are 2x2 patches of the latents; any latent size works (RoPE positions, no fixed table).
+        return {"in_channels": latent_channels * 4}
+
+    def downsampling(self, denoiser_config: Any) -> int:
+        return 2
+
+    def initialise(self, denoiser: nn.Module) -> bool:
+        if not isinstance(denoiser, FluxTransformer2DModel):
+            return False
+        reference_init(denoiser)
+        return True
 
     def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
                   ) -> dict[str, Any]:
@@ -341,6 +304,26 @@ class Flux(LegacyFamily):
             return_dict=False)[0]
         return unpack(output[:, :(height // 2) * (width // 2)], height, width)
 
+
+class Files(spec.FileInterchange):
+    # BFL's own files hold the transformer alone; ComfyUI's all-in-one files put it under model.diffusion_model.
+    single_file_keys = ("double_blocks.", "model.diffusion_model.double_blocks.")
+    single_file = TransformerFile()
+    denoiser_lora_peft_names = True
+    kohya_names_each_layer = False  # its kohya layout fuses q, k and v
+
+    def holds_file(self, keys: list[str]) -> bool:
+        # Other layouts share the block names: Flux.1's modulates each block with its own layers, never with one
+        # shared by all the double blocks (Flux.2's) or one network for every block (Chroma's approximator).
+        return super().holds_file(keys) and not any(
+            "double_stream_modulation_img." in key or "distilled_guidance_layer." in key for key in keys)
+
+    def file_scheduler(self, keys: list[str]) -> dict[str, Any] | None:
+        # dev's guidance embedding (guidance_in) marks the guidance-distilled model, sampled with the dynamic shift.
+        prefix = original_prefix(keys) or ""
+        dev = any(key.startswith(f"{prefix}guidance_in.") for key in keys)
+        return dict(_DEV_SCHEDULER if dev else _SCHNELL_SCHEDULER)
+
     def kohya_lora(self, component: str, layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]], config: Any
                    ) -> dict[str, torch.Tensor]:
         # The transformer's adapters are named in BFL's layout, where q, k, v (and a single block's MLP input)
@@ -352,20 +335,25 @@ class Flux(LegacyFamily):
     def original_rows(self, component: str, path: str, rows: torch.Tensor) -> torch.Tensor:
         return original_layout.original_rows(path, rows) if component == "transformer" else rows
 
+
+class Sampling(spec.Sampling):
+    pipeline_class = FluxPipeline
+    pipeline_names = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
+
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
                  distilled: bool = False) -> Any:
         return FluxPipeline(scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],
                             tokenizer=tokenizers[0], text_encoder_2=components["text_encoder_2"],
                             tokenizer_2=tokenizers[-1], transformer=components["transformer"])
 
-    def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
+    def defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         # dev's pipeline default; schnell (no guidance embedding) is distilled to 4 steps without guidance, which
         # at 5 would run true classifier-free guidance: twice the cost and over-saturated images.
         if denoiser_config.guidance_embeds:
             return {"guidance": 3.5}
         return {"guidance": 1.0, "steps": 4}
 
-    def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
+    def arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
         # T5 reads as many tokens as it was trained with. A guidance-distilled model takes the scale as its
         # embedding's input; one without (schnell's architecture trained here with caption dropout) gets
         # classifier-free guidance above 1, which FluxPipeline calls true_cfg_scale and runs only with a negative
@@ -378,4 +366,25 @@ class Flux(LegacyFamily):
         return {**arguments, "true_cfg_scale": guidance, "negative_prompt": negative_prompt or ""}
 
 
-FLUX = adapt(Flux())
+FLUX = spec.ModelFamily(
+    name="flux", title="Flux.1", hub_tags=("flux", "flux-diffusers"),
+    components=spec.Components(
+        vae=spec.Component(AutoencoderKL, "vae", blocks=vae_blocks),
+        text_encoder=spec.Component(CLIPTextModel, "text_encoder", tokenizer="tokenizer", lora=True,
+                                    kohya_prefix="lora_te1_", blocks=text_blocks),
+        text_encoder_2=spec.Component(T5EncoderModel, "text_encoder", tokenizer="tokenizer_2", long_text=True,
+                                      blocks=t5_blocks),
+        transformer=spec.Component(FluxTransformer2DModel, "denoiser", kohya_prefix="lora_unet_",
+                                   blocks=transformer_blocks),
+    ),
+    presets=PRESETS, codec=FLUX_CODEC, conditioner=Conditioner(), denoising=Call(), files=Files(),
+    sampling=Sampling(),
+    controlnet=ControlSpec(FluxControlNetModel, FluxControlNetPipeline, controlnet_from_transformer,
+                           controlnet_residuals, control_latents, image_argument="control_image",
+                           blocks=transformer_blocks,
+                           # As diffusers' train_controlnet_flux.py: Flux.1-dev is guidance-distilled and is never
+                           # sampled on an empty prompt.
+                           caption_dropout=0.0),
+    reference=ReferenceSpec(FluxKontextPipeline, reference_latents,
+                            at_own_size=lambda sources: nullcontext({"_auto_resize": False})),
+)

@@ -32,9 +32,10 @@ from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
 from sdtrain.errors import UserError
 from sdtrain.models import single_file
+from sdtrain.models.families import spec
 from sdtrain.models.families.autoencoder import FLUX_VAE, TINY_FLUX_VAE, vae_blocks
+from sdtrain.models.families.clip import ClipTokenizerFromScratch
 from sdtrain.models.families.codec import AutoencoderKLCodec
-from sdtrain.models.families.legacy import LegacyFamily, adapt
 from sdtrain.models.families.spec import ControlSpec, SingleFileLayout
 from sdtrain.models.families.text_towers import (
     CLIP_L,
@@ -54,7 +55,7 @@ from sdtrain.models.single_file import sd3 as stability_layout
 # SD3's autoencoder: Flux.1's shape (16 channels, no quant convs) with its own centring and scale.
 _SD3_VAE = {**FLUX_VAE, "shift_factor": 0.0609, "scaling_factor": 1.5305}
 # SD3-medium: 2,028,328,000 parameters (its context and pooled widths come from T5 and the CLIPs, see
-# denoiser_settings; in/out channels and sample_size from the latents, see denoiser_shape).
+# Call.settings; in/out channels and sample_size from the latents, see Call.shape).
 _SD3_MEDIUM = dict(patch_size=2, num_layers=24, attention_head_dim=64, num_attention_heads=24,
                    caption_projection_dim=1536, pos_embed_max_size=192)
 # The scheduler SD3 was released with: a static shift of 3.
@@ -134,48 +135,7 @@ class StabilityCheckpoint(SingleFileLayout):
         stability_layout.save_original(out, components, half=half)
 
 
-class StableDiffusion3(LegacyFamily):
-    name = "sd3"
-    title = "SD3"
-    codec = AutoencoderKLCodec(**{key: _SD3_VAE[key] for key in ("scaling_factor", "shift_factor")})
-    components = {"vae": AutoencoderKL, "text_encoder": CLIPTextModelWithProjection,
-                  "text_encoder_2": CLIPTextModelWithProjection, "text_encoder_3": T5EncoderModel,
-                  "transformer": SD3Transformer2DModel}
-    text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
-    tokenizers = ("tokenizer", "tokenizer_2", "tokenizer_3")
-    long_text_tokenizers = ("tokenizer_3",)
-    # diffusers' SD3 LoRA loader (and its training script) adapts the two CLIPs; T5 stays frozen.
-    lora_text_encoders = ("text_encoder", "text_encoder_2")
-    denoiser = "transformer"
-    denoiser_lora_peft_names = True
-    objective = "flow_matching"
-    pipeline_class = StableDiffusion3Pipeline
-    hub_tags = ("sd3", "sd3-diffusers")
-    pipeline_names = ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline",
-                      "StableDiffusion3InpaintPipeline")
-    single_file_keys = ("model.diffusion_model.joint_blocks.",)
-    single_file = StabilityCheckpoint()
-    block_lists = {SD3Transformer2DModel: transformer_blocks, AutoencoderKL: vae_blocks,
-                   CLIPTextModelWithProjection: text_blocks, T5EncoderModel: t5_blocks,
-                   SD3ControlNetModel: transformer_blocks}
-    controlnet = ControlSpec(SD3ControlNetModel, StableDiffusion3ControlNetPipeline, controlnet_from_transformer,
-                             controlnet_residuals, control_latents, image_argument="control_image",
-                             caption_dropout=0.0)  # diffusers' train_controlnet_sd3.py drops none
-    presets = PRESETS
-    # No kohya layout: sdtrain writes diffusers' LoRA file alone, which ComfyUI reads for SD3.
-    kohya_prefixes: dict[str, str] = {}
-    comfyui_reads_diffusers_lora = True
-
-    def unused_modules(self, name: str, module: nn.Module) -> list[str]:
-        # Only image states leave a ControlNet: its last block's text path computes what nothing reads.
-        if not isinstance(module, SD3ControlNetModel):
-            return []
-        last = f"transformer_blocks.{len(module.transformer_blocks) - 1}"
-        return [f"{last}.attn.to_add_out", f"{last}.ff_context", f"{last}.norm2_context"]
-
-    def max_latent_side(self, denoiser_config: Any) -> int | None:
-        return denoiser_config.pos_embed_max_size * denoiser_config.patch_size
-
+class Conditioner(ClipTokenizerFromScratch, spec.Conditioner):
     def long_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
         return T5_TEXT_LENGTH
 
@@ -184,29 +144,9 @@ class StableDiffusion3(LegacyFamily):
             return T5EncoderModel(t5_config(settings, tokenizer, key))
         return CLIPTextModelWithProjection(clip_text_config(settings, tokenizer, key))
 
-    def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
-        first, second, t5 = (text_encoders[name].config for name in self.text_encoders)
-        clip_width = first.hidden_size + second.hidden_size
-        if t5.d_model < clip_width:
-            raise UserError(f"model.text_encoder_3_overrides: T5's d_model {t5.d_model} is narrower than the two "
-                            f"CLIPs' states side by side ({first.hidden_size} + {second.hidden_size}), which SD3 "
-                            f"zero-pads to T5's width; set d_model to {clip_width} or more")
-        # The latents' patches must fit the position table; a preset's larger table (SD3's 192) is kept.
-        patches = math.ceil(settings["sample_size"] / settings["patch_size"])
-        return {"joint_attention_dim": t5.d_model,
-                "pooled_projection_dim": first.projection_dim + second.projection_dim,
-                "pos_embed_max_size": max(settings.get("pos_embed_max_size") or 0, patches)}
-
-    def denoiser_shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
-        # pos_embed_max_size, which must cover latent_size / patch_size, is raised in denoiser_settings, which
-        # sees the patch size and the preset's table.
-        return {"in_channels": latent_channels, "out_channels": latent_channels, "sample_size": latent_size}
-
-    def downsampling(self, denoiser_config: Any) -> int:
-        return denoiser_config.patch_size
-
     def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
-                    masks: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
+                    masks: list[torch.Tensor | None] | None = None, sources: torch.Tensor | None = None
+                    ) -> dict[str, torch.Tensor]:
         states, pooled = [], []
         for encoder, tokens in zip(encoders[:2], ids[:2]):
             output, penultimate = penultimate_states(encoder, tokens)
@@ -221,9 +161,44 @@ class StableDiffusion3(LegacyFamily):
 
     def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
         # The CLIPs' states, then T5's on the sequence axis.
-        first, second, t5 = (text_encoders[name] for name in self.text_encoders)
+        first, second, t5 = (text_encoders[name] for name in self.family.components.text_encoders)
         return {"text_emb": (lengths[0] + lengths[2], t5.d_model),
                 "text_pooled": (first.projection_dim + second.projection_dim,)}
+
+    def unused_modules(self, name: str, module: nn.Module) -> list[str]:
+        # Only image states leave a ControlNet: its last block's text path computes what nothing reads.
+        if not isinstance(module, SD3ControlNetModel):
+            return []
+        last = f"transformer_blocks.{len(module.transformer_blocks) - 1}"
+        return [f"{last}.attn.to_add_out", f"{last}.ff_context", f"{last}.norm2_context"]
+
+
+class Call(spec.DenoiserCall):
+    objective = "flow_matching"
+
+    def settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
+        first, second, t5 = (text_encoders[name].config for name in self.family.components.text_encoders)
+        clip_width = first.hidden_size + second.hidden_size
+        if t5.d_model < clip_width:
+            raise UserError(f"model.text_encoder_3_overrides: T5's d_model {t5.d_model} is narrower than the two "
+                            f"CLIPs' states side by side ({first.hidden_size} + {second.hidden_size}), which SD3 "
+                            f"zero-pads to T5's width; set d_model to {clip_width} or more")
+        # The latents' patches must fit the position table; a preset's larger table (SD3's 192) is kept.
+        patches = math.ceil(settings["sample_size"] / settings["patch_size"])
+        return {"joint_attention_dim": t5.d_model,
+                "pooled_projection_dim": first.projection_dim + second.projection_dim,
+                "pos_embed_max_size": max(settings.get("pos_embed_max_size") or 0, patches)}
+
+    def shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
+        # pos_embed_max_size, which must cover latent_size / patch_size, is raised in `settings`, which sees the
+        # patch size and the preset's table.
+        return {"in_channels": latent_channels, "out_channels": latent_channels, "sample_size": latent_size}
+
+    def max_latent_side(self, denoiser_config: Any) -> int | None:
+        return denoiser_config.pos_embed_max_size * denoiser_config.patch_size
+
+    def downsampling(self, denoiser_config: Any) -> int:
+        return denoiser_config.patch_size
 
     def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
                   ) -> dict[str, Any]:
@@ -238,6 +213,20 @@ class StableDiffusion3(LegacyFamily):
                         block_controlnet_hidden_states=condition.get("block_controlnet_hidden_states"),
                         return_dict=False)[0]
 
+
+class Files(spec.FileInterchange):
+    single_file_keys = ("model.diffusion_model.joint_blocks.",)
+    single_file = StabilityCheckpoint()
+    denoiser_lora_peft_names = True
+    # No kohya layout: sdtrain writes diffusers' LoRA file alone, which ComfyUI reads for SD3.
+    comfyui_reads_diffusers_lora = True
+
+
+class Sampling(spec.Sampling):
+    pipeline_class = StableDiffusion3Pipeline
+    pipeline_names = ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline",
+                      "StableDiffusion3InpaintPipeline")
+
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
                  distilled: bool = False) -> Any:
         return StableDiffusion3Pipeline(
@@ -246,11 +235,33 @@ class StableDiffusion3(LegacyFamily):
             text_encoder_2=components["text_encoder_2"], tokenizer_2=tokenizers[1],
             text_encoder_3=components["text_encoder_3"], tokenizer_3=tokenizers[2])
 
-    def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
+    def defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
+        return {"guidance": 5.0}
+
+    def arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
         # T5 reads as many tokens as it was trained with.
         tokenizer = getattr(pipe, "tokenizer_3", None)
         length = tokenizer.model_max_length if tokenizer is not None else T5_TEXT_LENGTH
         return {"guidance_scale": guidance, "negative_prompt": negative_prompt, "max_sequence_length": length}
 
 
-SD3 = adapt(StableDiffusion3())
+SD3 = spec.ModelFamily(
+    name="sd3", title="SD3", hub_tags=("sd3", "sd3-diffusers"),
+    components=spec.Components(
+        vae=spec.Component(AutoencoderKL, "vae", blocks=vae_blocks),
+        # diffusers' SD3 LoRA loader (and its training script) adapts the two CLIPs; T5 stays frozen.
+        text_encoder=spec.Component(CLIPTextModelWithProjection, "text_encoder", tokenizer="tokenizer", lora=True,
+                                    blocks=text_blocks),
+        text_encoder_2=spec.Component(CLIPTextModelWithProjection, "text_encoder", tokenizer="tokenizer_2",
+                                      lora=True, blocks=text_blocks),
+        text_encoder_3=spec.Component(T5EncoderModel, "text_encoder", tokenizer="tokenizer_3", long_text=True,
+                                      blocks=t5_blocks),
+        transformer=spec.Component(SD3Transformer2DModel, "denoiser", blocks=transformer_blocks),
+    ),
+    presets=PRESETS, codec=AutoencoderKLCodec(**{key: _SD3_VAE[key] for key in ("scaling_factor", "shift_factor")}),
+    conditioner=Conditioner(), denoising=Call(), files=Files(), sampling=Sampling(),
+    controlnet=ControlSpec(SD3ControlNetModel, StableDiffusion3ControlNetPipeline, controlnet_from_transformer,
+                           controlnet_residuals, control_latents, image_argument="control_image",
+                           blocks=transformer_blocks,
+                           caption_dropout=0.0),  # diffusers' train_controlnet_sd3.py drops none
+)
