@@ -29,10 +29,9 @@ from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from torch import nn
 from transformers import AutoTokenizer, MistralConfig, MistralModel, Qwen3Config, Qwen3Model
 
-from sdtrain.models.families import causal_lm
+from sdtrain.models.families import causal_lm, spec
 from sdtrain.models.families.autoencoder import TINY_VAE, vae_blocks
 from sdtrain.models.families.codec import LatentCodec
-from sdtrain.models.families.legacy import LegacyFamily, adapt
 from sdtrain.models.families.spec import construct, ids_key, index_says, mask_key
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
 from sdtrain.models.single_file import flux as bfl_layout
@@ -50,7 +49,7 @@ _MISTRAL_SMALL_31 = dict(hidden_size=5120, intermediate_size=32768, num_hidden_l
 _QWEN3_8B = dict(causal_lm.QWEN3_4B, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
                  tie_word_embeddings=False)
 # The released transformers (diffusers' defaults are dev's; the text width comes from the text encoder, see
-# denoiser_settings) and autoencoder (diffusers' defaults).
+# Call.settings) and autoencoder (diffusers' defaults).
 _DEV = dict(patch_size=1, num_layers=8, num_single_layers=48, attention_head_dim=128, num_attention_heads=48,
             mlp_ratio=3.0, axes_dims_rope=[32, 32, 32, 32], rope_theta=2000, guidance_embeds=True)
 _KLEIN_4B = dict(_DEV, num_layers=5, num_single_layers=20, num_attention_heads=24, guidance_embeds=False)
@@ -58,7 +57,7 @@ _KLEIN_9B = dict(_DEV, num_layers=8, num_single_layers=24, num_attention_heads=3
 _VAE = dict(latent_channels=32, use_quant_conv=True, use_post_quant_conv=True)
 # The released schedulers' dynamic shift, whose mu is the limit of the pipelines' empirical mu at many sampling
 # steps (mu = 0.00016927 tokens + 0.45667: 0.5 at 256 image tokens, 1.15 at 4,096). The pipelines sample with the
-# empirical mu at their step count (`sampling_mu`: 1.70 at 512 px and 50 steps), which training matches with
+# empirical mu at their step count (`Sampling.mu`: 1.70 at 512 px and 50 steps), which training matches with
 # diffusion.flow.dynamic_shift: sampling.
 _SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                   base_image_seq_len=256, max_image_seq_len=4096)
@@ -311,45 +310,10 @@ class Flux2Codec(LatentCodec):
 FLUX2_CODEC = Flux2Codec()
 
 
-class Flux2(causal_lm.LanguageModelText, LegacyFamily):
-    """Flux.2-dev."""
+class Conditioner(causal_lm.LanguageModelText, spec.Conditioner):
+    """Flux.2-dev's: Mistral-Small-3.1's language tower, each caption after a fixed system turn."""
 
-    name = "flux2"
-    title = "Flux.2"
-    guidance_distilled = True
-    components = {"vae": AutoencoderKLFlux2, "text_encoder": MistralModel, "transformer": Flux2Transformer2DModel}
     text_encoder_config = MistralConfig
-    # diffusers' Flux.2 LoRA loader adapts the transformer alone.
-    lora_text_encoders = ()
-    denoiser = "transformer"
-    denoiser_lora_peft_names = True
-    objective = "flow_matching"
-    pipeline_class = Flux2Pipeline
-    pipeline_names = ("Flux2Pipeline",)
-    hub_tags = ("flux2", "flux2-diffusers")
-    codec = FLUX2_CODEC
-    block_lists = {Flux2Transformer2DModel: transformer_blocks, MistralModel: causal_lm.decoder_layers,
-                   AutoencoderKLFlux2: vae_blocks}
-    presets = {
-        "tiny": {"vae": _TINY_VAE, "text_encoder": _TINY_MISTRAL, "transformer": _TINY_DEV, "scheduler": _SCHEDULER},
-        "flux2-dev": {"vae": _VAE, "text_encoder": _MISTRAL_SMALL_31, "transformer": _DEV, "scheduler": _SCHEDULER},
-    }
-    # The released text encoder is the whole vision-language model (Mistral3ForConditionalGeneration), its language
-    # tower under language_model.model. (model.language_model. as transformers 5 names it).
-    weight_prefixes = {"text_encoder": (("model.language_model.", ""), ("language_model.model.", ""))}
-    kohya_prefixes = {"transformer": kohya.PREFIX}
-    kohya_names_each_layer = False  # its kohya layout fuses q, k and v
-    # BFL's release file (see above): the transformer alone.
-    single_file = TransformerAlone(
-        load_transformer_file, to_bfl, lambda config: "flux2" if config["guidance_embeds"] else "flux2-klein",
-        SHAPE_KEYS, description="The {title} transformer alone, in one file in Black Forest Labs' layout",
-        comfyui="put `{name}` in `ComfyUI/models/diffusion_models/` and load it with Load Diffusion Model, beside the "
-                "model's own text encoder (Load CLIP, type flux2) and `flux2-vae` (Load VAE) files.")
-
-    def holds_file(self, keys: list[str]) -> bool:
-        # dev's transformer embeds the guidance, klein's does not: the same layout otherwise.
-        prefix = bfl_prefix(keys)
-        return prefix is not None and (prefix + "guidance_in.in_layer.weight" in keys) == self.guidance_distilled
 
     def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
         conversations = [[{"role": "system", "content": [{"type": "text", "text": SYSTEM_MESSAGE}]},
@@ -363,30 +327,18 @@ class Flux2(causal_lm.LanguageModelText, LegacyFamily):
     def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
         config = construct(self.text_encoder_config, key, {"vocab_size": len(tokenizer),
                                                            "pad_token_id": tokenizer.pad_token_id, **settings})
-        return self.components["text_encoder"](config)
-
-    def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
-        config = text_encoders["text_encoder"].config
-        return {"joint_attention_dim": len(text_layers(config.num_hidden_layers)) * config.hidden_size}
+        return self.family.components["text_encoder"].cls(config)
 
     def unused_modules(self, name: str, module: nn.Module) -> list[str]:
         # The language model's layers above the deepest one read, and its final norm.
-        if name not in self.text_encoders:
+        if name not in self.family.components.text_encoders:
             return []
         deepest = text_layers(len(module.layers))[-1]
         return [f"layers.{i}" for i in range(deepest, len(module.layers))] + ["norm"]
 
-    def denoiser_shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
-        # One token per patchified latent pixel; RoPE positions, no fixed table.
-        return {"in_channels": latent_channels}
-
-    def downsampling(self, denoiser_config: Any) -> int:
-        return 1
-
-    # ------------------------------------------------------------------------------------------ the conditioner
-
     def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
-                    masks: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
+                    masks: list[torch.Tensor | None] | None = None, sources: torch.Tensor | None = None
+                    ) -> dict[str, torch.Tensor]:
         encoder = encoders[0]
         layers = text_layers(encoder.config.num_hidden_layers)
         return {"text_emb": causal_lm.stacked_hidden_states(encoder, ids[0], masks[0], layers)}
@@ -394,6 +346,25 @@ class Flux2(causal_lm.LanguageModelText, LegacyFamily):
     def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
         config = text_encoders["text_encoder"]
         return {"text_emb": (lengths[0], len(text_layers(config.num_hidden_layers)) * config.hidden_size)}
+
+
+class Call(spec.DenoiserCall):
+    objective = "flow_matching"
+
+    def settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
+        config = text_encoders["text_encoder"].config
+        return {"joint_attention_dim": len(text_layers(config.num_hidden_layers)) * config.hidden_size}
+
+    def shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
+        # One token per patchified latent pixel; RoPE positions, no fixed table.
+        return {"in_channels": latent_channels}
+
+    def downsampling(self, denoiser_config: Any) -> int:
+        return 1
+
+    def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
+                  ) -> dict[str, Any]:
+        return {"encoder_hidden_states": text["text_emb"]}
 
     def takes_guidance(self, denoiser_config: Any) -> bool:
         return bool(denoiser_config.guidance_embeds)
@@ -411,6 +382,24 @@ class Flux2(causal_lm.LanguageModelText, LegacyFamily):
             txt_ids=text_positions, return_dict=False)[0]
         return output.transpose(1, 2).reshape(b, c, h, w)
 
+
+class Files(spec.FileInterchange):
+    guidance_distilled = True
+    """Whether the family's transformer embeds the guidance (dev's), which tells its files from klein's."""
+    denoiser_lora_peft_names = True
+    kohya_names_each_layer = False  # its kohya layout fuses q, k and v
+    # BFL's release file (see above): the transformer alone.
+    single_file = TransformerAlone(
+        load_transformer_file, to_bfl, lambda config: "flux2" if config["guidance_embeds"] else "flux2-klein",
+        SHAPE_KEYS, description="The {title} transformer alone, in one file in Black Forest Labs' layout",
+        comfyui="put `{name}` in `ComfyUI/models/diffusion_models/` and load it with Load Diffusion Model, beside the "
+                "model's own text encoder (Load CLIP, type flux2) and `flux2-vae` (Load VAE) files.")
+
+    def holds_file(self, keys: list[str]) -> bool:
+        # dev's transformer embeds the guidance, klein's does not: the same layout otherwise.
+        prefix = bfl_prefix(keys)
+        return prefix is not None and (prefix + "guidance_in.in_layer.weight" in keys) == self.guidance_distilled
+
     def original_rows(self, component: str, path: str, rows: torch.Tensor) -> torch.Tensor:
         # Black Forest Labs' layout, as Flux.1's.
         return bfl_layout.original_rows(path, rows) if component == "transformer" else rows
@@ -421,13 +410,17 @@ class Flux2(causal_lm.LanguageModelText, LegacyFamily):
             return kohya_lora_state(layers, config)
         return super().kohya_lora(component, layers, config)
 
-    # ------------------------------------------------------------------------------------------ the pipeline
+
+class Sampling(spec.Sampling):
+    pipeline_class = Flux2Pipeline
+    pipeline_names = ("Flux2Pipeline",)
 
     def pipeline_from_folder(self, folder: str | Path, **kwargs: Any) -> Any:
         # The release's folder names a PixtralProcessor, which transformers builds only with torchvision (and which
         # diffusers checks a passed tokenizer against): the pipeline loads without it and is given the tokenizer
         # alone, all it reads.
-        tokenizer = AutoTokenizer.from_pretrained(Path(folder) / self.tokenizers[0], local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(Path(folder) / self.family.components.tokenizers[0],
+                                                  local_files_only=True)
         pipe = super().pipeline_from_folder(folder, tokenizer=None, **kwargs)
         pipe.register_modules(tokenizer=tokenizer)
         return pipe
@@ -437,14 +430,14 @@ class Flux2(causal_lm.LanguageModelText, LegacyFamily):
         return self.pipeline_class(scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],
                                    tokenizer=tokenizers[0], transformer=components["transformer"])
 
-    def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
+    def defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         return {"guidance": 4.0}
 
-    def sampling_mu(self, image_tokens: int, steps: int) -> float | None:
+    def mu(self, image_tokens: int, steps: int) -> float | None:
         # Both pipelines shift by Black Forest Labs' empirical fit over tokens and steps.
         return compute_empirical_mu(image_seq_len=image_tokens, num_steps=steps)
 
-    def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
+    def arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
         # dev samples with its guidance embedding alone: Flux2Pipeline takes no negative prompt.
         return {**self._text_arguments(pipe), "guidance_scale": guidance}
 
@@ -454,31 +447,44 @@ class Flux2(causal_lm.LanguageModelText, LegacyFamily):
                 "text_encoder_out_layers": text_layers(pipe.text_encoder.config.get_text_config().num_hidden_layers)}
 
 
-class Flux2Klein(Flux2):
-    """Flux.2 klein (4B, 9B): Qwen3 reads the captions, no guidance embedding."""
+FLUX2 = spec.ModelFamily(
+    name="flux2", title="Flux.2", hub_tags=("flux2", "flux2-diffusers"),
+    components=spec.Components(
+        vae=spec.Component(AutoencoderKLFlux2, "vae", blocks=vae_blocks),
+        # The released text encoder is the whole vision-language model (Mistral3ForConditionalGeneration), its
+        # language tower under language_model.model. (model.language_model. as transformers 5 names it).
+        # diffusers' Flux.2 LoRA loader adapts the transformer alone.
+        text_encoder=spec.Component(MistralModel, "text_encoder", tokenizer="tokenizer", long_text=True, lora=True,
+                                    weight_prefixes=(("model.language_model.", ""), ("language_model.model.", "")),
+                                    blocks=causal_lm.decoder_layers),
+        transformer=spec.Component(Flux2Transformer2DModel, "denoiser", kohya_prefix=kohya.PREFIX,
+                                   blocks=transformer_blocks),
+    ),
+    presets={
+        "tiny": {"vae": _TINY_VAE, "text_encoder": _TINY_MISTRAL, "transformer": _TINY_DEV, "scheduler": _SCHEDULER},
+        "flux2-dev": {"vae": _VAE, "text_encoder": _MISTRAL_SMALL_31, "transformer": _DEV, "scheduler": _SCHEDULER},
+    },
+    codec=FLUX2_CODEC, conditioner=Conditioner(), denoising=Call(), files=Files(), sampling=Sampling(),
+)
 
-    name = "flux2-klein"
-    title = "Flux.2 klein"
-    guidance_distilled = False
-    components = {"vae": AutoencoderKLFlux2, "text_encoder": Qwen3Model, "transformer": Flux2Transformer2DModel}
+
+class KleinConditioner(Conditioner):
+    """Flux.2 klein's: Qwen3, each caption in its chat template with thinking off."""
+
     text_encoder_config = Qwen3Config
-    pipeline_class = Flux2KleinPipeline
-    pipeline_names = ("Flux2KleinPipeline",)
-    hub_tags = ("flux2", "flux2-klein", "flux2-diffusers")
-    block_lists = {Flux2Transformer2DModel: transformer_blocks, Qwen3Model: causal_lm.decoder_layers,
-                   AutoencoderKLFlux2: vae_blocks}
-    presets = {
-        "tiny": {"vae": _TINY_VAE, "text_encoder": _TINY_QWEN3, "transformer": _TINY_KLEIN, "scheduler": _SCHEDULER},
-        "flux2-klein-4b": {"vae": _VAE, "text_encoder": causal_lm.QWEN3_4B, "transformer": _KLEIN_4B,
-                           "scheduler": _SCHEDULER},
-        "flux2-klein-9b": {"vae": _VAE, "text_encoder": _QWEN3_8B, "transformer": _KLEIN_9B, "scheduler": _SCHEDULER},
-    }
-    # The released text encoder is Qwen3ForCausalLM, read as its Qwen3Model.
-    weight_prefixes = {"text_encoder": (("model.", ""),)}
 
     def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
         ids, mask = causal_lm.chat_tokens(tokenizer, captions, thinking=False)
         return {ids_key(index): ids, mask_key(index): mask}
+
+
+class KleinFiles(Files):
+    guidance_distilled = False
+
+
+class KleinSampling(Sampling):
+    pipeline_class = Flux2KleinPipeline
+    pipeline_names = ("Flux2KleinPipeline",)
 
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
                  distilled: bool = False) -> Any:
@@ -491,17 +497,34 @@ class Flux2Klein(Flux2):
         # models); the transformer's config is the same for both. A single file does not say.
         return index_says(source, "is_distilled")
 
-    def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
+    def defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         # The distilled models sample in 4 steps without guidance (Black Forest Labs'), the base models as dev's
         # pipeline default; guidance at 4 on a distilled one would be ignored by the pipeline, or if it were not
         # told, run classifier-free guidance at twice the cost and over-saturate.
         return {"guidance": 1.0, "steps": 4} if distilled else {"guidance": 4.0}
 
-    def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
+    def arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
         # Classifier-free guidance against the empty prompt (the pipeline takes no other negative); a distilled
         # klein samples without it (its pipeline's is_distilled).
         return {**self._text_arguments(pipe), "guidance_scale": guidance}
 
 
-FLUX2 = adapt(Flux2())
-FLUX2_KLEIN = adapt(Flux2Klein())
+FLUX2_KLEIN = spec.ModelFamily(
+    name="flux2-klein", title="Flux.2 klein", hub_tags=("flux2", "flux2-klein", "flux2-diffusers"),
+    components=spec.Components(
+        vae=spec.Component(AutoencoderKLFlux2, "vae", blocks=vae_blocks),
+        # The released text encoder is Qwen3ForCausalLM, read as its Qwen3Model. diffusers' Flux.2 LoRA loader
+        # adapts the transformer alone.
+        text_encoder=spec.Component(Qwen3Model, "text_encoder", tokenizer="tokenizer", long_text=True, lora=True,
+                                    weight_prefixes=(("model.", ""),), blocks=causal_lm.decoder_layers),
+        transformer=spec.Component(Flux2Transformer2DModel, "denoiser", kohya_prefix=kohya.PREFIX,
+                                   blocks=transformer_blocks),
+    ),
+    presets={
+        "tiny": {"vae": _TINY_VAE, "text_encoder": _TINY_QWEN3, "transformer": _TINY_KLEIN, "scheduler": _SCHEDULER},
+        "flux2-klein-4b": {"vae": _VAE, "text_encoder": causal_lm.QWEN3_4B, "transformer": _KLEIN_4B,
+                           "scheduler": _SCHEDULER},
+        "flux2-klein-9b": {"vae": _VAE, "text_encoder": _QWEN3_8B, "transformer": _KLEIN_9B, "scheduler": _SCHEDULER},
+    },
+    codec=FLUX2_CODEC, conditioner=KleinConditioner(), denoising=Call(), files=KleinFiles(), sampling=KleinSampling(),
+)

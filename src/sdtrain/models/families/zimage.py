@@ -24,16 +24,15 @@ from torch import nn
 from transformers import Qwen3Config, Qwen3Model
 
 from sdtrain.errors import UserError
-from sdtrain.models.families import causal_lm
+from sdtrain.models.families import causal_lm, spec
 from sdtrain.models.families.autoencoder import FLUX_CODEC, FLUX_VAE, TINY_FLUX_VAE, vae_blocks
-from sdtrain.models.families.legacy import LegacyFamily, adapt
 from sdtrain.models.families.spec import SingleFileLayout, construct, ids_key, mask_key
 from sdtrain.models.families.transformer_file import read_transformer_file
 from sdtrain.models.single_file import kohya
 from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY, layout_metadata, write_tensors
 
 # Z-Image's 6B transformer (Z-Image-Turbo's transformer/config.json; the caption width comes from the text
-# encoder, see denoiser_settings).
+# encoder, see Call.settings).
 _ZIMAGE = dict(all_patch_size=[2], all_f_patch_size=[1], dim=3840, n_layers=30, n_refiner_layers=2, n_heads=30,
                n_kv_heads=30, norm_eps=1e-5, qk_norm=True, rope_theta=256.0, t_scale=1000.0, axes_dims=[32, 48, 48],
                axes_lens=[1536, 512, 512])
@@ -272,30 +271,7 @@ class TransformerFile(SingleFileLayout):
         save_original(out, components["transformer"], half=half)
 
 
-class ZImage(causal_lm.LanguageModelText, LegacyFamily):
-    name = "z-image"
-    title = "Z-Image"
-    codec = FLUX_CODEC
-    components = {"vae": AutoencoderKL, "text_encoder": Qwen3Model, "transformer": ZImageTransformer2DModel}
-    # diffusers' Z-Image LoRA loader adapts the transformer alone.
-    lora_text_encoders = ()
-    denoiser = "transformer"
-    denoiser_lora_peft_names = True
-    objective = "flow_matching"
-    pipeline_class = ZImagePipeline
-    pipeline_names = ("ZImagePipeline",)
-    # The authors' files hold the transformer alone; ComfyUI's put it under model.diffusion_model.
-    single_file_keys = tuple(prefix + MARK for prefix in PREFIXES)
-    single_file = TransformerFile()
-    block_lists = {ZImageTransformer2DModel: transformer_blocks, Qwen3Model: causal_lm.decoder_layers,
-                   AutoencoderKL: vae_blocks}
-    presets = PRESETS
-    # The released text encoder is Qwen3ForCausalLM, read as its Qwen3Model.
-    weight_prefixes = {"text_encoder": (("model.", ""),)}
-    # The transformer's adapters alone (no text encoder is adapted), named as the authors' modules: see LoRA files.
-    kohya_prefixes = {"transformer": kohya.PREFIX}
-    kohya_names_each_layer = False  # its kohya layout fuses q, k and v
-
+class Conditioner(causal_lm.LanguageModelText, spec.Conditioner):
     def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
         ids, mask = causal_lm.chat_tokens(tokenizer, captions)
         return {ids_key(index): ids, mask_key(index): mask}
@@ -311,10 +287,24 @@ class ZImage(causal_lm.LanguageModelText, LegacyFamily):
             return []
         return [f"layers.{len(module.layers) - 1}", "norm"]
 
-    def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
+    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
+                    masks: list[torch.Tensor | None] | None = None, sources: torch.Tensor | None = None
+                    ) -> dict[str, torch.Tensor]:
+        mask = masks[0]  # `tokenize` makes one with every caption's ids
+        states = causal_lm.hidden_states(encoders[0], ids[0], mask, TEXT_LAYER)
+        return {"text_emb": states, "text_mask": mask.to(states.dtype)}
+
+    def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
+        return {"text_emb": (lengths[0], text_encoders["text_encoder"].hidden_size), "text_mask": (lengths[0],)}
+
+
+class Call(spec.DenoiserCall):
+    objective = "flow_matching"
+
+    def settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
         return {"cap_feat_dim": text_encoders["text_encoder"].config.hidden_size}
 
-    def denoiser_shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
+    def shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
         # Any latent size the RoPE axes cover (max_latent_side); the transformer patchifies itself.
         return {"in_channels": latent_channels}
 
@@ -324,15 +314,6 @@ class ZImage(causal_lm.LanguageModelText, LegacyFamily):
     def max_latent_side(self, denoiser_config: Any) -> int | None:
         # An image token's row and column positions run over the patches: the RoPE tables' lengths bound them.
         return denoiser_config.all_patch_size[0] * min(denoiser_config.axes_lens[1:])
-
-    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
-                    masks: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
-        mask = masks[0]  # `tokenize` makes one with every caption's ids
-        states = causal_lm.hidden_states(encoders[0], ids[0], mask, TEXT_LAYER)
-        return {"text_emb": states, "text_mask": mask.to(states.dtype)}
-
-    def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
-        return {"text_emb": (lengths[0], text_encoders["text_encoder"].hidden_size), "text_mask": (lengths[0],)}
 
     def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
                   ) -> dict[str, Any]:
@@ -347,12 +328,25 @@ class ZImage(causal_lm.LanguageModelText, LegacyFamily):
         output = denoiser(images, 1 - timesteps / 1000, condition["cap_feats"], return_dict=False)[0]
         return -torch.stack(output).squeeze(2)
 
+
+class Files(spec.FileInterchange):
+    denoiser_lora_peft_names = True
+    kohya_names_each_layer = False  # its kohya layout fuses q, k and v
+    # The authors' files hold the transformer alone; ComfyUI's put it under model.diffusion_model.
+    single_file_keys = tuple(prefix + MARK for prefix in PREFIXES)
+    single_file = TransformerFile()
+
     def kohya_lora(self, component: str, layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]], config: Any
                    ) -> dict[str, torch.Tensor]:
         # The transformer's adapters in the authors' layout, q, k and v fused into qkv, as ComfyUI reads them.
         if component == "transformer":
             return kohya_lora_state(layers, dict(config))
         return super().kohya_lora(component, layers, config)
+
+
+class Sampling(spec.Sampling):
+    pipeline_class = ZImagePipeline
+    pipeline_names = ("ZImagePipeline",)
 
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
                  distilled: bool = False) -> Any:
@@ -376,16 +370,31 @@ class ZImage(causal_lm.LanguageModelText, LegacyFamily):
         return (isinstance(scheduler, dict) and not scheduler.get("use_dynamic_shifting")
                 and scheduler.get("shift") == _TURBO_SHIFT)
 
-    def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
+    def defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         # Turbo is distilled to 8 steps without guidance (ZImagePipeline's own example: guidance_scale=0.0,
         # sdtrain's 1); the base model samples with classifier-free guidance.
-        return {"guidance": 1.0, "steps": 8} if distilled else super().sampling_defaults(denoiser_config)
+        return {"guidance": 1.0, "steps": 8} if distilled else {"guidance": 5.0}
 
-    def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
+    def arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
         # ZImagePipeline's guidance_scale g is the step pos + g * (pos - neg): classifier-free guidance at g + 1,
         # off at 0. sdtrain's guidance is the usual scale (1: none), as for every other family.
         return {"guidance_scale": max(guidance - 1.0, 0.0), "negative_prompt": negative_prompt,
                 "max_sequence_length": pipe.tokenizer.model_max_length}
 
 
-ZIMAGE = adapt(ZImage())
+ZIMAGE = spec.ModelFamily(
+    name="z-image", title="Z-Image",
+    components=spec.Components(
+        vae=spec.Component(AutoencoderKL, "vae", blocks=vae_blocks),
+        # The released text encoder is Qwen3ForCausalLM, read as its Qwen3Model. diffusers' Z-Image LoRA loader
+        # adapts the transformer alone.
+        text_encoder=spec.Component(Qwen3Model, "text_encoder", tokenizer="tokenizer", long_text=True, lora=True,
+                                    weight_prefixes=(("model.", ""),), blocks=causal_lm.decoder_layers),
+        # The transformer's adapters alone (no text encoder is adapted), named as the authors' modules: see LoRA
+        # files.
+        transformer=spec.Component(ZImageTransformer2DModel, "denoiser", kohya_prefix=kohya.PREFIX,
+                                   blocks=transformer_blocks),
+    ),
+    presets=PRESETS, codec=FLUX_CODEC, conditioner=Conditioner(), denoising=Call(), files=Files(),
+    sampling=Sampling(),
+)
