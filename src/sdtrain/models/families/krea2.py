@@ -36,8 +36,7 @@ from torch import nn
 from transformers import Qwen3VLTextConfig, Qwen3VLTextModel
 
 from sdtrain.errors import UserError
-from sdtrain.models.families import causal_lm
-from sdtrain.models.families.legacy import LegacyFamily, adapt
+from sdtrain.models.families import causal_lm, spec
 from sdtrain.models.families.patches import pack, unpack
 from sdtrain.models.families.spec import construct, ids_key, index_says, mask_key
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
@@ -226,35 +225,7 @@ def load_transformer_file(path: str | Path, trust_pickle: bool | None = None, fr
             "a Krea 2 run) or a diffusers transformer folder")
 
 
-class Krea2(causal_lm.LanguageModelText, LegacyFamily):
-    name = "krea2"
-    title = "Krea 2"
-    components = {"vae": AutoencoderKLQwenImage, "text_encoder": Qwen3VLTextModel,
-                  "transformer": Krea2Transformer2DModel}
-    # diffusers' Krea 2 LoRA loader adapts the transformer alone.
-    lora_text_encoders = ()
-    codec = WAN_CODEC
-    denoiser = "transformer"
-    denoiser_lora_peft_names = True
-    objective = "flow_matching"
-    pipeline_class = Krea2Pipeline
-    pipeline_names = ("Krea2Pipeline",)
-    single_file_keys = tuple(prefix + MARK for prefix in PREFIXES)
-    single_file = TransformerAlone(
-        load_transformer_file, to_original, lambda config: "krea2", SHAPE_KEYS,
-        description="The {title} transformer alone, in Krea's layout, in one file as ComfyUI loads it",
-        comfyui="put `{name}` in `ComfyUI/models/diffusion_models/` and load it with Load Diffusion Model, beside "
-                "Krea 2's Qwen3-VL-4B text encoder (Load CLIP, type krea2) and Wan 2.1's VAE (Load VAE).")
-    # The autoencoder lists no blocks: its causal convolutions carry a frame cache from call to call, which
-    # recomputing a block (activation checkpointing) would advance twice.
-    block_lists = {Krea2Transformer2DModel: transformer_blocks, Qwen3VLTextModel: causal_lm.decoder_layers}
-    presets = PRESETS
-    # The released text encoder is Qwen3-VL (Qwen3VLModel, or the whole Qwen3VLForConditionalGeneration), its
-    # language tower under language_model. (model.language_model.), its vision tower beside it.
-    weight_prefixes = {"text_encoder": (("model.language_model.", ""), ("language_model.", ""))}
-    # The transformer's adapters in Krea's module names (see file layouts), as ComfyUI reads them.
-    kohya_prefixes = {"transformer": "lora_unet_"}
-
+class Conditioner(causal_lm.LanguageModelText, spec.Conditioner):
     # ------------------------------------------------------------------------------------------ tokens
 
     def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
@@ -295,18 +266,7 @@ class Krea2(causal_lm.LanguageModelText, LegacyFamily):
         deepest = text_layers(len(module.layers))[-1]
         return [f"layers.{i}" for i in range(deepest, len(module.layers))] + ["norm"]
 
-    def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
-        config = text_encoders["text_encoder"].config
-        return {"text_hidden_dim": config.hidden_size, "num_text_layers": len(text_layers(config.num_hidden_layers))}
-
-    def denoiser_shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
-        # Tokens are 2x2 patches of the latents; RoPE positions, no fixed table.
-        return {"in_channels": latent_channels * PATCH * PATCH}
-
-    def downsampling(self, denoiser_config: Any) -> int:
-        return PATCH
-
-    # ------------------------------------------------------------------------------------------ the conditioner
+    # ------------------------------------------------------------------------------------------ the conditioning
 
     def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
                     masks: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
@@ -329,11 +289,24 @@ class Krea2(causal_lm.LanguageModelText, LegacyFamily):
         return {"text_emb": (lengths[0], len(text_layers(config.num_hidden_layers)) * config.hidden_size),
                 "text_mask": (lengths[0],)}
 
+
+class Call(spec.DenoiserCall):
+    objective = "flow_matching"
+
+    def settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
+        config = text_encoders["text_encoder"].config
+        return {"text_hidden_dim": config.hidden_size, "num_text_layers": len(text_layers(config.num_hidden_layers))}
+
+    def shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
+        # Tokens are 2x2 patches of the latents; RoPE positions, no fixed table.
+        return {"in_channels": latent_channels * PATCH * PATCH}
+
+    def downsampling(self, denoiser_config: Any) -> int:
+        return PATCH
+
     def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
                   ) -> dict[str, Any]:
         return {"encoder_hidden_states": text["text_emb"], "encoder_attention_mask": text["text_mask"].bool()}
-
-    # ------------------------------------------------------------------------------------------ the backbone adapter
 
     def denoise(self, denoiser: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 condition: dict[str, Any]) -> torch.Tensor:
@@ -348,22 +321,33 @@ class Krea2(causal_lm.LanguageModelText, LegacyFamily):
             encoder_attention_mask=condition["encoder_attention_mask"], return_dict=False)[0]
         return unpack(output, height, width)
 
-    # ------------------------------------------------------------------------------------------ file layouts
+
+class Files(spec.FileInterchange):
+    single_file_keys = tuple(prefix + MARK for prefix in PREFIXES)
+    single_file = TransformerAlone(
+        load_transformer_file, to_original, lambda config: "krea2", SHAPE_KEYS,
+        description="The {title} transformer alone, in Krea's layout, in one file as ComfyUI loads it",
+        comfyui="put `{name}` in `ComfyUI/models/diffusion_models/` and load it with Load Diffusion Model, beside "
+                "Krea 2's Qwen3-VL-4B text encoder (Load CLIP, type krea2) and Wan 2.1's VAE (Load VAE).")
+    denoiser_lora_peft_names = True
 
     def original_module_path(self, component: str, path: str, config: Any) -> str:
         return original_name(path + ".")[:-1] if component == "transformer" else path
 
-    # ------------------------------------------------------------------------------------------ the pipeline
+
+class Sampling(spec.Sampling):
+    pipeline_class = Krea2Pipeline
+    pipeline_names = ("Krea2Pipeline",)
 
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
                  distilled: bool = False) -> Any:
         text_encoder = components["text_encoder"]
-        return self.prepare_pipeline(Krea2Pipeline(
+        return self.prepare(Krea2Pipeline(
             scheduler=scheduler, vae=components["vae"], text_encoder=text_encoder, tokenizer=tokenizers[0],
             transformer=components["transformer"], is_distilled=distilled, patch_size=PATCH,
             text_encoder_select_layers=text_layers(text_encoder.config.get_text_config().num_hidden_layers)))
 
-    def prepare_pipeline(self, pipe: Any) -> Any:
+    def prepare(self, pipe: Any) -> Any:
         # The pipeline drops the released tokenizer's 34 prefix tokens and appends its 5 suffix tokens whatever its
         # tokenizer; a model trained from scratch has its own counts (no setting a folder keeps).
         pipe.prompt_template_encode_start_idx = token_count(pipe.tokenizer, PREFIX)
@@ -375,16 +359,32 @@ class Krea2(causal_lm.LanguageModelText, LegacyFamily):
         # transformer's config is the same for both. A single file does not say.
         return index_says(source, "is_distilled")
 
-    def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
+    def defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         # The pipeline's: the distilled checkpoint in 8 steps without guidance, the base one in 28 at Krea's 4.5,
         # which is 5.5 as sdtrain (and every other pipeline) counts guidance.
         return {"guidance": 1.0, "steps": 8} if distilled else {"guidance": 5.5, "steps": 28}
 
-    def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
+    def arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
         # Krea2Pipeline's guidance_scale g steps by cond + g (cond - uncond): classifier-free guidance at g + 1, off
         # at 0 (against the empty prompt where no negative is given). Caption tokens as training read them.
         return {"guidance_scale": max(guidance - 1.0, 0.0), "negative_prompt": negative_prompt,
                 "max_sequence_length": pipe.tokenizer.model_max_length}
 
 
-KREA2 = adapt(Krea2())
+KREA2 = spec.ModelFamily(
+    name="krea2", title="Krea 2",
+    components=spec.Components(
+        # The autoencoder lists no blocks: its causal convolutions carry a frame cache from call to call, which
+        # recomputing a block (activation checkpointing) would advance twice.
+        vae=spec.Component(AutoencoderKLQwenImage, "vae"),
+        # The released text encoder is Qwen3-VL (Qwen3VLModel, or the whole Qwen3VLForConditionalGeneration), its
+        # language tower under language_model. (model.language_model.), its vision tower beside it.
+        text_encoder=spec.Component(Qwen3VLTextModel, "text_encoder", tokenizer="tokenizer", long_text=True,
+                                    lora=True, weight_prefixes=(("model.language_model.", ""), ("language_model.", "")),
+                                    blocks=causal_lm.decoder_layers),
+        # The transformer's adapters in Krea's module names (see file layouts), as ComfyUI reads them.
+        transformer=spec.Component(Krea2Transformer2DModel, "denoiser", kohya_prefix="lora_unet_",
+                                   blocks=transformer_blocks),
+    ),
+    presets=PRESETS, codec=WAN_CODEC, conditioner=Conditioner(), denoising=Call(), files=Files(), sampling=Sampling(),
+)

@@ -43,8 +43,7 @@ from transformers import (
     Qwen2VLProcessor,
 )
 
-from sdtrain.models.families import causal_lm
-from sdtrain.models.families.legacy import LegacyFamily, adapt
+from sdtrain.models.families import causal_lm, spec
 from sdtrain.models.families.patches import pack, unpack
 from sdtrain.models.families.spec import ReferenceSpec, construct, ids_key, mask_key
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
@@ -148,42 +147,7 @@ def load_transformer_file(path: str | Path, trust_pickle: bool | None = None, fr
             "--single-file` of a Qwen-Image run) or a diffusers transformer folder")
 
 
-
-
-class QwenImage(causal_lm.LanguageModelText, LegacyFamily):
-    name = "qwen-image"
-    title = "Qwen-Image"
-    components = {"vae": AutoencoderKLQwenImage, "text_encoder": Qwen2_5_VLTextModel,
-                  "transformer": QwenImageTransformer2DModel}
-    # diffusers' Qwen-Image LoRA loader adapts the transformer alone.
-    lora_text_encoders = ()
-    # Each channel has its own mean and deviation, in the VAE's config (latents_mean, latents_std); no VAE file
-    # without a config is read for this family.
-    codec = WAN_CODEC
-    denoiser = "transformer"
-    denoiser_lora_peft_names = True
-    objective = "flow_matching"
-    pipeline_class = QwenImagePipeline
-    pipeline_names = ("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
-    single_file_keys = tuple(prefix + MARK for prefix in PREFIXES)
-    # The transformer alone, as ComfyUI's diffusion_models/ file holds it (see above), its keys the model's own.
-    single_file = TransformerAlone(
-        load_transformer_file, dict, lambda config: "qwen-image", SHAPE_KEYS,
-        description="The {title} transformer alone, in one file as ComfyUI loads it",
-        comfyui="put `{name}` in `ComfyUI/models/diffusion_models/` and load it with Load Diffusion Model, beside "
-                "Qwen-Image's Qwen2.5-VL text encoder (Load CLIP, type qwen_image) and its VAE (Load VAE).")
-    # ComfyUI's Qwen-Image key map reads the diffusers file's ``transformer.`` names as well as kohya's.
-    comfyui_reads_diffusers_lora = True
-    # The autoencoder lists no blocks: its causal convolutions carry a frame cache from call to call, which
-    # recomputing a block (activation checkpointing) would advance twice.
-    block_lists = {QwenImageTransformer2DModel: transformer_blocks, Qwen2_5_VLTextModel: causal_lm.decoder_layers}
-    presets = PRESETS
-    # The released text encoder is the whole vision-language model (Qwen2_5_VLForConditionalGeneration), its
-    # language tower under model. (or model.language_model. as transformers 5 names it).
-    weight_prefixes = {"text_encoder": (("model.language_model.", ""), ("model.", ""))}
-    # Qwen's own module names are diffusers' (nothing fused): kohya's names are the paths, as diffusers' and
-    # ComfyUI's Qwen-Image LoRA loaders read them.
-    kohya_prefixes = {"transformer": "lora_unet_"}
+class Conditioner(causal_lm.LanguageModelText, spec.Conditioner):
     template = TEMPLATE
     """The pipeline's prompt, the caption at ``{}``."""
     prefix = PREFIX
@@ -214,18 +178,6 @@ class QwenImage(causal_lm.LanguageModelText, LegacyFamily):
         last = f"transformer_blocks.{len(module.transformer_blocks) - 1}"
         return [f"{last}.attn.to_add_out", f"{last}.txt_mlp"]
 
-    def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
-        return {"joint_attention_dim": text_encoders["text_encoder"].config.hidden_size}
-
-    def denoiser_shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
-        # Tokens are 2x2 patches of the latents, and the output is unpatched; RoPE positions, no fixed table.
-        return {"in_channels": latent_channels * 4, "out_channels": latent_channels}
-
-    def downsampling(self, denoiser_config: Any) -> int:
-        return 2
-
-    # ------------------------------------------------------------------------------------------ the conditioner
-
     def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
                     masks: list[torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
         kept = masks[0]  # `tokenize` makes one with every caption's ids
@@ -240,6 +192,20 @@ class QwenImage(causal_lm.LanguageModelText, LegacyFamily):
 
     def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
         return {"text_emb": (lengths[0], text_encoders["text_encoder"].hidden_size), "text_mask": (lengths[0],)}
+
+
+class Call(spec.DenoiserCall):
+    objective = "flow_matching"
+
+    def settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
+        return {"joint_attention_dim": text_encoders["text_encoder"].config.hidden_size}
+
+    def shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
+        # Tokens are 2x2 patches of the latents, and the output is unpatched; RoPE positions, no fixed table.
+        return {"in_channels": latent_channels * 4, "out_channels": latent_channels}
+
+    def downsampling(self, denoiser_config: Any) -> int:
+        return 2
 
     def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
                   ) -> dict[str, Any]:
@@ -261,24 +227,40 @@ class QwenImage(causal_lm.LanguageModelText, LegacyFamily):
             timestep=timesteps / 1000, img_shapes=[shapes] * len(noisy), return_dict=False)[0]
         return unpack(output[:, :(height // 2) * (width // 2)], height, width)
 
-    # ------------------------------------------------------------------------------------------ the pipeline
+
+class Files(spec.FileInterchange):
+    single_file_keys = tuple(prefix + MARK for prefix in PREFIXES)
+    # The transformer alone, as ComfyUI's diffusion_models/ file holds it (see above), its keys the model's own.
+    single_file = TransformerAlone(
+        load_transformer_file, dict, lambda config: "qwen-image", SHAPE_KEYS,
+        description="The {title} transformer alone, in one file as ComfyUI loads it",
+        comfyui="put `{name}` in `ComfyUI/models/diffusion_models/` and load it with Load Diffusion Model, beside "
+                "Qwen-Image's Qwen2.5-VL text encoder (Load CLIP, type qwen_image) and its VAE (Load VAE).")
+    denoiser_lora_peft_names = True
+    # ComfyUI's Qwen-Image key map reads the diffusers file's ``transformer.`` names as well as kohya's.
+    comfyui_reads_diffusers_lora = True
+
+
+class Sampling(spec.Sampling):
+    pipeline_class = QwenImagePipeline
+    pipeline_names = ("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
 
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
                  distilled: bool = False) -> Any:
-        return self.prepare_pipeline(QwenImagePipeline(
+        return self.prepare(QwenImagePipeline(
             scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],
             tokenizer=tokenizers[0], transformer=components["transformer"]))
 
-    def prepare_pipeline(self, pipe: Any) -> Any:
+    def prepare(self, pipe: Any) -> Any:
         # The pipeline drops the released tokenizer's 34 prefix tokens whatever its tokenizer; a model trained from
         # scratch has its own (the count is no setting a folder keeps).
-        pipe.prompt_template_encode_start_idx = prefix_length(pipe.tokenizer, self.prefix)
+        pipe.prompt_template_encode_start_idx = prefix_length(pipe.tokenizer, self.family.conditioner.prefix)
         return pipe
 
-    def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
+    def defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         return {"guidance": 4.0}
 
-    def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
+    def arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
         # Classifier-free guidance is what the pipeline calls true_cfg_scale, on only with a negative prompt (the
         # empty caption, which caption dropout trains, where none is given). Caption tokens as training read them,
         # at most the pipeline's limit.
@@ -288,7 +270,26 @@ class QwenImage(causal_lm.LanguageModelText, LegacyFamily):
         return {**arguments, "true_cfg_scale": guidance, "negative_prompt": negative_prompt or ""}
 
 
-QWEN_IMAGE = adapt(QwenImage())
+QWEN_IMAGE = spec.ModelFamily(
+    name="qwen-image", title="Qwen-Image",
+    components=spec.Components(
+        # The autoencoder lists no blocks: its causal convolutions carry a frame cache from call to call, which
+        # recomputing a block (activation checkpointing) would advance twice.
+        vae=spec.Component(AutoencoderKLQwenImage, "vae"),
+        # The released text encoder is the whole vision-language model (Qwen2_5_VLForConditionalGeneration), its
+        # language tower under model. (or model.language_model. as transformers 5 names it).
+        text_encoder=spec.Component(Qwen2_5_VLTextModel, "text_encoder", tokenizer="tokenizer", long_text=True,
+                                    lora=True, weight_prefixes=(("model.language_model.", ""), ("model.", "")),
+                                    blocks=causal_lm.decoder_layers),
+        # Qwen's own module names are diffusers' (nothing fused): kohya's names are the paths, as diffusers' and
+        # ComfyUI's Qwen-Image LoRA loaders read them.
+        transformer=spec.Component(QwenImageTransformer2DModel, "denoiser", kohya_prefix="lora_unet_",
+                                   blocks=transformer_blocks),
+    ),
+    # Each channel has its own mean and deviation, in the VAE's config (latents_mean, latents_std); no VAE file
+    # without a config is read for this family.
+    presets=PRESETS, codec=WAN_CODEC, conditioner=Conditioner(), denoising=Call(), files=Files(), sampling=Sampling(),
+)
 
 
 # ------------------------------------------------------------------------------------------ Qwen-Image-Edit
@@ -387,29 +388,7 @@ def vision_language_blocks(model: Qwen2_5_VLForConditionalGeneration) -> list[nn
     return [*model.model.visual.blocks, *model.model.language_model.layers]
 
 
-class QwenImageEdit(QwenImage):
-    """Qwen-Image fine-tuned to edit by reference (see above); trained with ``edit.reference``."""
-
-    name = "qwen-image-edit"
-    title = "Qwen-Image-Edit"
-    components = {"vae": AutoencoderKLQwenImage, "text_encoder": Qwen2_5_VLForConditionalGeneration,
-                  "transformer": QwenImageTransformer2DModel}
-    pipeline_class = QwenImageEditPipeline
-    pipeline_names = ("QwenImageEditPipeline",)
-    hub_tags = ("qwen-image-edit", "image-editing")
-    reference = ReferenceSpec(QwenImageEditPipeline, reference_latents_of,
-                              at_own_size=functools.partial(edits_at_own_size, pipeline_qwenimage_edit, ()),
-                              text_reads_source=True)
-    # Its transformer file is Qwen-Image's layout (ComfyUI loads either as the same model), which a file alone does
-    # not tell apart: one is read as the edit model's transformer (model.transformer) where the family is set.
-    single_file_keys = ()
-    block_lists = {QwenImageTransformer2DModel: transformer_blocks,
-                   Qwen2_5_VLForConditionalGeneration: vision_language_blocks}
-    presets = EDIT_PRESETS
-    # The released checkpoint keeps transformers' earlier names (model.layers, visual.blocks).
-    weight_prefixes = {"text_encoder": (("model.language_model.", "model.language_model."),
-                                        ("model.visual.", "model.visual."), ("model.", "model.language_model."),
-                                        ("visual.", "model.visual."))}
+class EditConditioner(Conditioner):
     template = EDIT_TEMPLATE
     prefix = EDIT_PREFIX
 
@@ -430,9 +409,6 @@ class QwenImageEdit(QwenImage):
         if isinstance(module, Qwen2_5_VLForConditionalGeneration):
             return ["lm_head"]
         return super().unused_modules(name, module)
-
-    def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
-        return {"joint_attention_dim": text_encoders["text_encoder"].config.text_config.hidden_size}
 
     def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
         return super().text_shapes({"text_encoder": text_encoders["text_encoder"].text_config}, lengths)
@@ -469,18 +445,34 @@ class QwenImageEdit(QwenImage):
         """The sources (in [-1, 1]) as the pipeline gives them to the vision-language model: as they are."""
         return to_pil(sources)
 
+
+class EditCall(Call):
+    def settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
+        return {"joint_attention_dim": text_encoders["text_encoder"].config.text_config.hidden_size}
+
+
+class EditFiles(Files):
+    # Its transformer file is Qwen-Image's layout (ComfyUI loads either as the same model), which a file alone does
+    # not tell apart: one is read as the edit model's transformer (model.transformer) where the family is set.
+    single_file_keys = ()
+
+
+class EditSampling(Sampling):
+    pipeline_class = QwenImageEditPipeline
+    pipeline_names = ("QwenImageEditPipeline",)
+
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
                  distilled: bool = False) -> Any:
         text_encoder = components["text_encoder"]
         processor = VisionTextProcessor(image_processor_of(text_encoder.config), tokenizers[0])
-        return self.prepare_pipeline(self.pipeline_class(
+        return self.prepare(self.pipeline_class(
             scheduler=scheduler, vae=components["vae"], text_encoder=text_encoder, tokenizer=tokenizers[0],
             processor=processor, transformer=components["transformer"]))
 
-    def prepare_pipeline(self, pipe: Any) -> Any:
+    def prepare(self, pipe: Any) -> Any:
         # A folder names transformers' own processor class, which is what this one saves.
         pipe.register_to_config(processor=("transformers", "Qwen2VLProcessor"))
-        return super().prepare_pipeline(pipe)
+        return super().prepare(pipe)
 
     def pipeline_from_folder(self, folder: str | Path, **kwargs: Any) -> Any:
         # Its processor given, built from the folder's image settings and tokenizer: transformers cannot load a
@@ -491,7 +483,29 @@ class QwenImageEdit(QwenImage):
         return super().pipeline_from_folder(folder, processor=processor, **kwargs)
 
 
-QWEN_IMAGE_EDIT = adapt(QwenImageEdit())
+def edit_components() -> spec.Components:
+    """Qwen-Image-Edit's component table: Qwen-Image's, its text encoder the whole vision-language model."""
+    return spec.Components(
+        vae=QWEN_IMAGE.components["vae"],
+        # The released checkpoint keeps transformers' earlier names (model.layers, visual.blocks).
+        text_encoder=spec.Component(
+            Qwen2_5_VLForConditionalGeneration, "text_encoder", tokenizer="tokenizer", long_text=True, lora=True,
+            weight_prefixes=(("model.language_model.", "model.language_model."), ("model.visual.", "model.visual."),
+                             ("model.", "model.language_model."), ("visual.", "model.visual.")),
+            blocks=vision_language_blocks),
+        transformer=QWEN_IMAGE.components["transformer"],
+    )
+
+
+# Qwen-Image fine-tuned to edit by reference (see above); trained with ``edit.reference``.
+QWEN_IMAGE_EDIT = spec.ModelFamily(
+    name="qwen-image-edit", title="Qwen-Image-Edit", hub_tags=("qwen-image-edit", "image-editing"),
+    components=edit_components(), presets=EDIT_PRESETS, codec=WAN_CODEC, conditioner=EditConditioner(),
+    denoising=EditCall(), files=EditFiles(), sampling=EditSampling(),
+    reference=ReferenceSpec(QwenImageEditPipeline, reference_latents_of,
+                            at_own_size=functools.partial(edits_at_own_size, pipeline_qwenimage_edit, ()),
+                            text_reads_source=True),
+)
 
 
 # ------------------------------------------------------------------------------------------ Qwen-Image-Edit-2509/2511
@@ -503,20 +517,7 @@ PLUS_TEMPLATE = EDIT_TEMPLATE.replace("<|vision_start|>", "Picture 1: <|vision_s
 """QwenImageEditPlusPipeline's prompt for one source image."""
 
 
-class QwenImageEditPlus(QwenImageEdit):
-    """Qwen-Image-Edit's Plus models (2509, 2511), one source image an edit; trained with ``edit.reference``."""
-
-    name = "qwen-image-edit-plus"
-    title = "Qwen-Image-Edit-2509/2511"
-    pipeline_class = QwenImageEditPlusPipeline
-    pipeline_names = ("QwenImageEditPlusPipeline",)
-    reference = ReferenceSpec(
-        QwenImageEditPlusPipeline, reference_latents_of, text_reads_source=True,
-        at_own_size=functools.partial(edits_at_own_size, pipeline_qwenimage_edit_plus,
-                                      (pipeline_qwenimage_edit_plus.CONDITION_IMAGE_SIZE,)))
-    presets = {**EDIT_PRESETS, "qwen-image-edit-2511": {
-        **EDIT_PRESETS["qwen-image-edit"],
-        "transformer": {**EDIT_PRESETS["qwen-image-edit"]["transformer"], "zero_cond_t": True}}}
+class PlusConditioner(EditConditioner):
     template = PLUS_TEMPLATE
 
     def vision_sources(self, sources: torch.Tensor) -> list[Image.Image]:
@@ -530,4 +531,21 @@ class QwenImageEditPlus(QwenImageEdit):
         return images
 
 
-QWEN_IMAGE_EDIT_PLUS = adapt(QwenImageEditPlus())
+class PlusSampling(EditSampling):
+    pipeline_class = QwenImageEditPlusPipeline
+    pipeline_names = ("QwenImageEditPlusPipeline",)
+
+
+# Qwen-Image-Edit's Plus models (2509, 2511), one source image an edit; trained with ``edit.reference``.
+QWEN_IMAGE_EDIT_PLUS = spec.ModelFamily(
+    name="qwen-image-edit-plus", title="Qwen-Image-Edit-2509/2511", hub_tags=("qwen-image-edit", "image-editing"),
+    components=edit_components(),
+    presets={**EDIT_PRESETS, "qwen-image-edit-2511": {
+        **EDIT_PRESETS["qwen-image-edit"],
+        "transformer": {**EDIT_PRESETS["qwen-image-edit"]["transformer"], "zero_cond_t": True}}},
+    codec=WAN_CODEC, conditioner=PlusConditioner(), denoising=EditCall(), files=EditFiles(), sampling=PlusSampling(),
+    reference=ReferenceSpec(
+        QwenImageEditPlusPipeline, reference_latents_of, text_reads_source=True,
+        at_own_size=functools.partial(edits_at_own_size, pipeline_qwenimage_edit_plus,
+                                      (pipeline_qwenimage_edit_plus.CONDITION_IMAGE_SIZE,))),
+)

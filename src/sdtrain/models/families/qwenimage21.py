@@ -30,9 +30,8 @@ from transformers import (
     Qwen3VLProcessor,
 )
 
-from sdtrain.models.families import causal_lm
+from sdtrain.models.families import causal_lm, spec
 from sdtrain.models.families.codec import ChannelStatistics, LatentCodec
-from sdtrain.models.families.legacy import LegacyFamily, adapt
 from sdtrain.models.families.spec import construct, ids_key, mask_key
 
 SYSTEM = "Comprehend and analyze the provided prompt."
@@ -165,39 +164,10 @@ class RGBAImageCodec(ChannelStatistics, LatentCodec):
         return vae.decode(latents.unsqueeze(2)).sample.squeeze(2)[:, :3]
 
 
-
 RGBA_CODEC = RGBAImageCodec()
 
 
-class QwenImage21(causal_lm.LanguageModelText, LegacyFamily):
-    name = "qwen-image-2.1"
-    title = "Qwen-Image 2.1"
-    components = {"vae": AutoencoderKLQwenImage21, "text_encoder": Qwen3VLForConditionalGeneration,
-                  "transformer": QwenImage21Transformer2DModel}
-    # The release has no tokenizer folder: the prompt is tokenized by the processor, whose folder holds the tokenizer.
-    tokenizers = ("processor",)
-    long_text_tokenizers = ("processor",)
-    # diffusers' Qwen-Image LoRA loader (QwenImage21Pipeline's) adapts the transformer alone.
-    lora_text_encoders = ()
-    codec = RGBA_CODEC
-    denoiser = "transformer"
-    denoiser_lora_peft_names = True
-    objective = "flow_matching"
-    pipeline_class = QwenImage21Pipeline
-    pipeline_names = ("QwenImage21Pipeline",)
-    hub_tags = ("qwen-image-2.1", "text-to-image")
-    # ComfyUI's Qwen-Image 2.1 model maps diffusers' module names onto its own (its fused feed-forward included).
-    comfyui_reads_diffusers_lora = True
-    kohya_prefixes = {"transformer": "lora_unet_"}
-    # The autoencoder lists no blocks: it is frozen or trained whole, as Qwen-Image's.
-    block_lists = {QwenImage21Transformer2DModel: transformer_blocks,
-                   Qwen3VLForConditionalGeneration: vision_language_blocks}
-    presets = PRESETS
-    # Qwen3-VL's checkpoints use transformers' current names; an earlier save's are read as them.
-    weight_prefixes = {"text_encoder": (("model.language_model.", "model.language_model."),
-                                        ("model.visual.", "model.visual."), ("model.", "model.language_model."),
-                                        ("visual.", "model.visual."))}
-
+class Conditioner(causal_lm.LanguageModelText, spec.Conditioner):
     def train_tokenizer(self, captions: list[str], out_dir: Path, vocab_size: int, max_length: int) -> Any:
         return causal_lm.train_chat_tokenizer(captions, out_dir, vocab_size, max_length,
                                               tuple(VISION_MARKERS.values()))
@@ -230,23 +200,6 @@ class QwenImage21(causal_lm.LanguageModelText, LegacyFamily):
             return ["model.visual", "model.language_model.norm", "lm_head"]
         return []
 
-    def denoiser_settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
-        return {"context_in_dim": text_encoders["text_encoder"].config.get_text_config().hidden_size}
-
-    def denoiser_shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
-        # One token per latent pixel; RoPE positions, no fixed table.
-        return {"in_channels": latent_channels, "out_channels": latent_channels}
-
-    def downsampling(self, denoiser_config: Any) -> int:
-        # Each of the vision-language model's image slots stands for 2x2 latent pixels: sides must be even.
-        return 2
-
-    def image_token_side(self, denoiser_config: Any) -> int:
-        # The shift's token count is the latent's pixels (the pipeline's sequence length), not 2x2 slots.
-        return 1
-
-    # ------------------------------------------------------------------------------------------ the conditioner
-
     def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
                     masks: list[torch.Tensor | None] | None = None, sources: torch.Tensor | None = None
                     ) -> dict[str, torch.Tensor]:
@@ -264,11 +217,28 @@ class QwenImage21(causal_lm.LanguageModelText, LegacyFamily):
         width = text_encoders["text_encoder"].get_text_config().hidden_size
         return {"text_emb": (lengths[0], width), "text_mask": (lengths[0],)}
 
+
+class Call(spec.DenoiserCall):
+    objective = "flow_matching"
+
+    def settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
+        return {"context_in_dim": text_encoders["text_encoder"].config.get_text_config().hidden_size}
+
+    def shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
+        # One token per latent pixel; RoPE positions, no fixed table.
+        return {"in_channels": latent_channels, "out_channels": latent_channels}
+
+    def downsampling(self, denoiser_config: Any) -> int:
+        # Each of the vision-language model's image slots stands for 2x2 latent pixels: sides must be even.
+        return 2
+
+    def image_token_side(self, denoiser_config: Any) -> int:
+        # The shift's token count is the latent's pixels (the pipeline's sequence length), not 2x2 slots.
+        return 1
+
     def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
                   ) -> dict[str, Any]:
         return {"encoder_hidden_states": text["text_emb"], "encoder_hidden_states_mask": text["text_mask"]}
-
-    # ------------------------------------------------------------------------------------------ the denoiser
 
     def denoise(self, denoiser: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 condition: dict[str, Any]) -> torch.Tensor:
@@ -290,15 +260,24 @@ class QwenImage21(causal_lm.LanguageModelText, LegacyFamily):
         # The output covers the whole sequence: the image's tokens are its last.
         return output[:, -height * width:].transpose(1, 2).reshape(batch, channels, height, width)
 
-    # ------------------------------------------------------------------------------------------ the pipeline
+
+class Files(spec.FileInterchange):
+    denoiser_lora_peft_names = True
+    # ComfyUI's Qwen-Image 2.1 model maps diffusers' module names onto its own (its fused feed-forward included).
+    comfyui_reads_diffusers_lora = True
+
+
+class Sampling(spec.Sampling):
+    pipeline_class = QwenImage21Pipeline
+    pipeline_names = ("QwenImage21Pipeline",)
 
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
                  distilled: bool = False) -> Any:
-        return self.prepare_pipeline(QwenImage21Pipeline(
+        return self.prepare(QwenImage21Pipeline(
             scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],
             processor=text_processor(tokenizers[0]), transformer=components["transformer"]))
 
-    def prepare_pipeline(self, pipe: Any) -> Any:
+    def prepare(self, pipe: Any) -> Any:
         # A folder names transformers' own processor class, which is what this one saves.
         pipe.register_to_config(processor=("transformers", "Qwen3VLProcessor"))
         return pipe
@@ -321,13 +300,13 @@ class QwenImage21(causal_lm.LanguageModelText, LegacyFamily):
         except (OSError, ValueError):
             return False
 
-    def sampling_defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
+    def defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         # Without guidance, as the pipeline samples (its true_cfg_scale of 1); the Turbo model in its 8 steps (the
         # pipeline takes its sigmas' count whatever it is asked), the base model at sdtrain's default count rather
         # than the pipeline's 40, as every family without a count of its own.
         return {"guidance": 1.0, "steps": 8} if distilled else {"guidance": 1.0}
 
-    def sampling_arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
+    def arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
         # Classifier-free guidance is what the pipeline calls true_cfg_scale, on only with a negative prompt (the
         # empty caption, which caption dropout trains, where none is given). The pipeline reads a prompt whole.
         if guidance <= 1:
@@ -335,4 +314,21 @@ class QwenImage21(causal_lm.LanguageModelText, LegacyFamily):
         return {"true_cfg_scale": guidance, "negative_prompt": negative_prompt or ""}
 
 
-QWEN_IMAGE_21 = adapt(QwenImage21())
+QWEN_IMAGE_21 = spec.ModelFamily(
+    name="qwen-image-2.1", title="Qwen-Image 2.1", hub_tags=("qwen-image-2.1", "text-to-image"),
+    components=spec.Components(
+        # The autoencoder lists no blocks: it is frozen or trained whole, as Qwen-Image's.
+        vae=spec.Component(AutoencoderKLQwenImage21, "vae"),
+        # The release has no tokenizer folder: the prompt is tokenized by the processor, whose folder holds the
+        # tokenizer. Qwen3-VL's checkpoints use transformers' current names; an earlier save's are read as them.
+        text_encoder=spec.Component(
+            Qwen3VLForConditionalGeneration, "text_encoder", tokenizer="processor", long_text=True, lora=True,
+            weight_prefixes=(("model.language_model.", "model.language_model."), ("model.visual.", "model.visual."),
+                             ("model.", "model.language_model."), ("visual.", "model.visual.")),
+            blocks=vision_language_blocks),
+        transformer=spec.Component(QwenImage21Transformer2DModel, "denoiser", kohya_prefix="lora_unet_",
+                                   blocks=transformer_blocks),
+    ),
+    presets=PRESETS, codec=RGBA_CODEC, conditioner=Conditioner(), denoising=Call(), files=Files(),
+    sampling=Sampling(),
+)
