@@ -44,11 +44,10 @@ QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, 
 
 
 class LanguageModelText:
-    """What a family conditioned on a causal language model takes from here, mixed in before ModelFamily: its one
-    tokenizer is a long-context one, whose captions default to the 512 tokens the pipelines read (Z-Image's,
-    Qwen-Image's, Flux.2's max_sequence_length), and a model trained from scratch learns a chat tokenizer."""
-
-    long_text_tokenizers = ("tokenizer",)
+    """What a family conditioned on a causal language model takes from here, mixed in before `spec.Conditioner`
+    (its text encoder's record says ``long_text=True``): captions default to the 512 tokens the pipelines read
+    (Z-Image's, Qwen-Image's, Flux.2's max_sequence_length), and a model trained from scratch learns a chat
+    tokenizer."""
 
     def long_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
         return TEXT_LENGTH
