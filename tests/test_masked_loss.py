@@ -59,7 +59,8 @@ def test_the_masked_loss_is_the_mean_over_what_the_mask_counts_and_ignores_the_r
     target = torch.randn(2, 4, 8, 8)
     mask = torch.zeros(2, 1, 8, 8)
     mask[0, :, :, :4] = 1  # the first sample counts its left half; the second nothing
-    task = SimpleNamespace(family=SimpleNamespace(denoise=lambda *args: output), denoiser=None,
+    family = SimpleNamespace(denoising=SimpleNamespace(denoise=lambda *args: output))
+    task = SimpleNamespace(family=family, denoiser=None,
                            objective=SimpleNamespace(prediction=lambda out, noisy, t: out, weight=lambda loss, t: loss))
     loss = DiffusionTask.denoising_loss_at(task, output, torch.zeros(2), target, {}, mask)
     assert torch.allclose(loss[0], (output[0, :, :, :4] - target[0, :, :, :4]).pow(2).mean())
