@@ -163,17 +163,18 @@ def build_assets(family: str, work: Path, num_images: int, settings: dict[str, A
     model = ModelConfig(family=family, preset=settings["preset"], **overrides)
     vae = build.build_vae(model)
     text_encoders = {name: build.build_text_encoder(model, tok, name)
-                     for name, tok in zip(spec.text_encoders, tokenizers)}
-    latent = res // spec.latent_downsampling(vae.config)
+                     for name, tok in zip(spec.components.text_encoders, tokenizers)}
+    latent = res // spec.codec.downsampling(vae.config)
     denoiser = build.build_denoiser(model, vae.config.latent_channels, latent, text_encoders=text_encoders)
     scheduler = build.build_noise_scheduler(DiffusionConfig(), model)
-    pipe = spec.assemble({"vae": vae, **text_encoders, spec.denoiser: denoiser}, tokenizers, scheduler)
+    pipe = spec.sampling.assemble({"vae": vae, **text_encoders, spec.components.denoiser: denoiser}, tokenizers,
+                                  scheduler)
     out = work / "pipeline"
     shutil.rmtree(out, ignore_errors=True)
     pipe.save_pretrained(out)
     counts = {name: sum(p.numel() for p in m.parameters()) for name, m in
               (("denoiser", denoiser), ("vae", vae), *text_encoders.items())}
-    print(json.dumps({"parameters": counts, "latent_size": latent, "denoiser": spec.denoiser,
+    print(json.dumps({"parameters": counts, "latent_size": latent, "denoiser": spec.components.denoiser,
                       "latent_channels": vae.config.latent_channels}))
 
 
