@@ -75,7 +75,7 @@ def _flux_depth(memory_gib: float) -> tuple[int, int]:
 
 # The text encoders of an encoded benchmark never run (the shards hold their states): T5-XXL is built one layer deep,
 # its width (what the transformer reads) as released, so the benchmark does not write 19 GB of random weights.
-SHALLOW_T5 = "model.text_encoder_2_overrides={num_layers: 1}"
+SHALLOW_T5 = "model.components.text_encoder_2.overrides={num_layers: 1}"
 
 
 def cuda_cases(memory_gib: float) -> list[Case]:
@@ -93,8 +93,9 @@ def cuda_cases(memory_gib: float) -> list[Case]:
         Case("flux-schnell-256", f"MLPerf Flux.1-schnell transformer, {double} double + {single} single blocks (of "
              "19 + 38, what fits the card), 256 px, batch 16, bf16, full training, encoded",
              "mlperf-flux1-schnell-256.yaml",
-             ["parallel.strategy=ddp", "data.batch_size=16", f"model.transformer_overrides={{num_layers: {double}, "
-              f"num_single_layers: {single}}}", SHALLOW_T5, "train.gradient_checkpointing=auto"],
+             ["parallel.strategy=ddp", "data.batch_size=16",
+              f"model.components.transformer.overrides={{num_layers: {double}, num_single_layers: {single}}}",
+              SHALLOW_T5, "train.gradient_checkpointing=auto"],
              encoded=True),
         Case("flux-dev-lora-bf16", "Flux.1-dev LoRA rank 16, 1024 px, batch 1, bf16 base, encoded", "flux-lora.yaml",
              [*flux_lora, "model.frozen_precision=bf16"], encoded=True, steps=5, warmup=2),

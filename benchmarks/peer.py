@@ -54,17 +54,17 @@ def size_settings(size: str, sd2_text_layers: int | None) -> dict[str, Any]:
     from sdtrain.config import load_config
 
     spec = SIZES[size]
-    dummy = ["run_dir=unused", "data.shards=unused", "model.vae=unused"]
+    dummy = ["run_dir=unused", "data.shards=unused", "model.components.vae.source=unused"]
     cfg = load_config(REPO / spec["config"], dummy)
     vae_model = load_config(REPO / spec["vae_config"], dummy).model if spec["vae_config"] else cfg.model
-    text_overrides = dict(cfg.model.text_encoder_overrides)
+    text_overrides = cfg.model.overrides("text_encoder")
     if size == "sd2" and sd2_text_layers:
         text_overrides["num_hidden_layers"] = sd2_text_layers
     return {
         "preset": cfg.model.preset,
         "vae_preset": vae_model.preset,
-        "vae_overrides": dict(vae_model.vae_overrides),
-        "unet_overrides": dict(cfg.model.unet_overrides),
+        "vae_overrides": vae_model.overrides("vae"),
+        "unet_overrides": cfg.model.overrides("unet"),
         "text_encoder_overrides": text_overrides,
         "vocab_size": cfg.model.tokenizer_vocab_size,
         "max_text_length": cfg.model.max_text_length or 77,

@@ -91,3 +91,22 @@ def test_image_sizes_the_pretrained_models_shapes_cannot_take_are_found_from_the
     assert len(errors) == 2 and "data.bucket_step: 24 is not a multiple of 16" in errors[0]
     assert "takes images of at most 128 px a side" in errors[1], errors
     assert main(["train", str(sd3_lora), "--check", f"model.pretrained={folder}", "data.resolution=128"]) == 0
+
+
+def test_a_component_the_family_does_not_declare_is_one_line_naming_those_it_does(capsys):
+    # SDXL's second text encoder is no Stable Diffusion 1/2 component; a tokenizer is loaded, never built.
+    assert main(["train", str(LORA), "--check", "model.pretrained=null", "model.family=sd", "model.preset=tiny",
+                 "model.components.text_encoder_2.source=/models/clip-g",
+                 "model.components.tokenizer.overrides.vocab_size=10"]) == 2
+    errors = _errors(capsys)
+    assert len(errors) == 2, errors
+    assert errors[0].endswith("model.components.text_encoder_2: Stable Diffusion 1.x/2.x has no component "
+                              "text_encoder_2; its components are vae, text_encoder, unet, tokenizer"), errors
+    assert "model.components.tokenizer.overrides: a tokenizer is loaded" in errors[1], errors
+
+
+def test_a_family_names_its_own_components_open_slots_included(capsys):
+    # Qwen-Image 2.1 reads captions through a processor: a component no other family has, taken by its name.
+    assert main(["train", str(LORA), "--check", "model.pretrained=null", "model.family=qwen-image-2.1",
+                 "model.preset=tiny", "lora.target_modules=[to_q]", "model.components.processor.source=/p"]) == 0, \
+        capsys.readouterr().err

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from sdtrain.cli.main import main
-from sdtrain.config import RunConfig, load_config
+from sdtrain.config import RunConfig, load_config, to_yaml
 from sdtrain.errors import UserError
 from sdtrain.run import prepare_run_dir
 
@@ -18,7 +18,7 @@ data:
   shards: /data/shards
   batch_size: 8
 model:
-  unet_overrides: {{block_out_channels: [32, 64]}}
+  components: {{unet: {{overrides: {{block_out_channels: [32, 64]}}}}}}
 """
 
 
@@ -52,6 +52,9 @@ BAD = {
     "missing shards": ("stage: diffusion\nrun_dir: r\n", [], ["data.shards", "???"]),
     "missing stage": ("run_dir: r\ndata: {shards: s}\n", [], ["stage"]),
     "bad stage": (None, ["stage=foo"], ["stage", "foo"]),
+    "component named twice": (None, ["model.vae=a", "model.components.vae.source=b"],
+                              ["model.vae", "model.components.vae.source"]),
+    "component not a name": (None, ["model.components.9vae.source=a"], ["model.components.9vae"]),
     "fp16 not offered": (None, ["train.mixed_precision=fp16"], ["train.mixed_precision"]),
     "out of range": (None, ["data.caption_dropout=1.0"], ["data.caption_dropout"]),
     "one beta": (None, ["optim.betas=[0.9]"], ["optim.betas"]),
@@ -120,7 +123,7 @@ def test_good_config_and_overrides(good: Path, tmp_path: Path) -> None:
     assert (config.stage, config.run_dir, config.data.shards) == ("diffusion", str(tmp_path / "run"), "/data/shards")
     assert config.data.batch_size == 8  # YAML over the default
     assert config.data.resolution == 64  # default kept
-    assert config.model.unet_overrides == {"block_out_channels": [32, 64]}
+    assert config.model.overrides("unet") == {"block_out_channels": [32, 64]}
 
     config = load_config(
         good,
@@ -128,7 +131,7 @@ def test_good_config_and_overrides(good: Path, tmp_path: Path) -> None:
             "data.batch_size=2",
             "optim.lr=3e-4",
             "optim.betas=[0.8,0.95]",
-            "model.unet_overrides.layers_per_block=2",
+            "model.components.unet.overrides.layers_per_block=2",
             "model.pretrained=/models/sd2",
             "stage=autoencoder",
         ],
@@ -136,7 +139,7 @@ def test_good_config_and_overrides(good: Path, tmp_path: Path) -> None:
     assert config.data.batch_size == 2  # override over YAML
     assert config.optim.lr == pytest.approx(3e-4)
     assert config.optim.betas == [0.8, 0.95]
-    assert config.model.unet_overrides == {"block_out_channels": [32, 64], "layers_per_block": 2}
+    assert config.model.overrides("unet") == {"block_out_channels": [32, 64], "layers_per_block": 2}
     assert config.model.pretrained == "/models/sd2"
     assert config.stage == "autoencoder"
 
@@ -210,3 +213,23 @@ def test_a_config_with_the_flat_objective_keys_of_earlier_releases_loads_into_th
                 "  ddpm: {snr_gamma: 5.0, prediction_type: v_prediction}\n"
                 "  flow: {shift: 3.0, guidance_range: [1, 4]}\n", "new.yaml")
     assert load_config(new) == config
+
+
+def test_the_flat_component_keys_of_earlier_configs_still_load_with_one_note(tmp_path: Path, caplog) -> None:
+    old = write(tmp_path, "stage: diffusion\nrun_dir: r\ndata: {shards: s}\nmodel: {vae: runs/ae, tokenizer_2: tok, "
+                          "unet_overrides: {sample_size: 8}, text_encoder: null}\n")
+    with caplog.at_level("WARNING", logger="sdtrain.config"):
+        config = load_config(old, ["model.text_encoder_2=enc"])
+    assert (config.model.source("vae"), config.model.source("tokenizer_2"), config.model.source("text_encoder_2")) \
+        == ("runs/ae", "tok", "enc")
+    assert config.model.overrides("unet") == {"sample_size": 8}
+    # An unset slot, as every saved run's resolved config holds them, is no component and no note.
+    assert "text_encoder" not in config.model.components
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == 2 and "model.components.vae.source" in notes[0] and "rename them" in notes[0], notes
+    assert "model.text_encoder_2: moved to model.components.text_encoder_2.source" in notes[1]
+    # Saved resolved, the config names the components the new way.
+    assert "components:\n    vae:\n      source: runs/ae" in to_yaml(config)
+    # On the command line an old key's null still clears what a file asks for (???).
+    asks = write(tmp_path, "stage: diffusion\nrun_dir: r\ndata: {shards: s}\nmodel: {pretrained: p, vae: ???}\n")
+    assert load_config(asks, ["model.vae=null"]).model.source("vae") is None

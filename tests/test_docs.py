@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,10 +19,14 @@ PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 def _config_classes(cls: type = RunConfig) -> list[type]:
     found = [cls]
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        entries = typing.get_args(hints[f.name])[-1:] if typing.get_origin(hints[f.name]) is dict else ()
         if dataclasses.is_dataclass(default):
             found += _config_classes(type(default))
+        elif entries and dataclasses.is_dataclass(entries[0]):  # model.components.NAME's keys
+            found += _config_classes(entries[0])
     return found
 
 
@@ -55,6 +60,7 @@ def test_page_lists_every_key_in_order_with_type_and_default():
     assert rows["`data.class_key`"].startswith("| `data.class_key` | `str \\| None` | `null` | ")
     assert rows["`data.filters`"].startswith("| `data.filters` | `dict` | `{}` | ")
     assert rows["`model.offload_frozen`"].startswith("| `model.offload_frozen` | `bool \\| auto` | `auto` | ")
+    assert rows["`model.components.NAME.source`"].startswith("| `model.components.NAME.source` | `str \\| None` | ")
     assert rows["`lora.target_modules`"].startswith("| `lora.target_modules` | `list[str]` | `[to_q, to_k, to_v, "
                                                     "to_out.0]` | ")
     assert rows["`textual_inversion.initializer_token`"].split(" | ")[2] == "`''`"

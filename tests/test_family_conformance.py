@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdtrain.config import DiffusionConfig, ModelConfig
+from sdtrain.config import ComponentConfig, DiffusionConfig, ModelConfig
 from sdtrain.models import build, families
 from sdtrain.models.pipeline import sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer
@@ -35,8 +35,8 @@ class Tiny:
         torch.manual_seed(0)
         self.family = families.get(name)
         self.family.conditioner.train_tokenizer(CAPTIONS, folder / "tokenizer", 600, TEXT_LENGTH)
-        self.config = ModelConfig(family=name, preset="tiny", tokenizer=str(folder / "tokenizer"),
-                                  t5_text_length=TEXT_LENGTH)
+        self.config = ModelConfig(family=name, preset="tiny", t5_text_length=TEXT_LENGTH, components={
+            "tokenizer": ComponentConfig(source=str(folder / "tokenizer"))})
         self.tokenizers = build.load_text_tokenizers(self.config)
         self.captions = CaptionTokenizer(self.tokenizers, self.family)
         self.vae = build.build_vae(self.config)

@@ -108,8 +108,7 @@ def test_constants_agree_with_the_modules_they_mirror():
     assert hub.SINGLE_FILE_SUFFIXES == single_file.SUFFIXES
     assert hub.TRUST_PICKLE_ENV == single_file.TRUST_PICKLE_ENV
     loaded = {name for family in families.FAMILIES.values() for name in family.components}
-    assert loaded == set(hub.COMPONENTS)
-    assert {name for name in hub.SOURCE_FIELDS if not name.startswith("tokenizer") and name != "pretrained"} == loaded
+    assert set(hub.COMPONENTS) <= loaded  # a default for callers that know no family; a run asks its family's
 
 
 def test_a_local_path_never_asks_huggingface_hub(tmp_path, monkeypatch, cache):
@@ -318,17 +317,18 @@ def test_pickled_weights_come_only_where_trusted(monkeypatch, cache):
 
 
 def test_a_model_config_fetches_no_weights_another_source_replaces(monkeypatch, cache):
-    from sdtrain.config import ModelConfig, RunConfig
+    from sdtrain.config import ComponentConfig, ModelConfig, RunConfig
 
     downloads = _fake_hub(monkeypatch, cache, FLUX_REPO)
     local_vae = cache.parent / "my-vae"
     local_vae.mkdir()
-    given = RunConfig(model=ModelConfig(pretrained="org/flux", vae=str(local_vae), transformer="org/flux",
-                                        tokenizer="org/flux"))
+    sources = {"vae": str(local_vae), "transformer": "org/flux", "tokenizer": "org/flux"}
+    given = RunConfig(model=ModelConfig(pretrained="org/flux", components={
+        name: ComponentConfig(source=source) for name, source in sources.items()}))
     model = hub.resolve_model(given).model
     assert given.model.pretrained == "org/flux"  # the loaded config stays as it was
     snapshot = str(cache / "models--org--flux" / "snapshots" / COMMIT)
-    assert (model.pretrained, model.vae, model.transformer, model.tokenizer) == \
+    assert (model.pretrained, model.source("vae"), model.source("transformer"), model.source("tokenizer")) == \
         (snapshot, str(local_vae), snapshot, snapshot)
     fetched = sorted(f for batch in downloads for f in batch if f not in METADATA)
     assert not any(f.startswith("vae/") for f in fetched)

@@ -15,7 +15,7 @@ from sdtrain.config import load_config
 from .conftest import config_path
 
 CONFIG = config_path("diffusion.yaml")
-OVERRIDES = ["run_dir=/shared/runs/a", "data.shards=/shared/data", "model.vae=/shared/runs/ae"]
+OVERRIDES = ["run_dir=/shared/runs/a", "data.shards=/shared/data", "model.components.vae.source=/shared/runs/ae"]
 
 
 def test_slurm_script_runs_torchrun_per_node_and_requeues(tmp_path):
@@ -32,7 +32,7 @@ def test_slurm_script_runs_torchrun_per_node_and_requeues(tmp_path):
     assert "--container-image='nvcr.io#nvidia/pytorch:24.01'" in text
     assert "-m sdtrain train env:SDTRAIN_JOB_CONFIG &" in text
     config = job_config_of(text)
-    paths = (config.run_dir, config.data.shards, config.model.vae)
+    paths = (config.run_dir, config.data.shards, config.model.source("vae"))
     assert paths == ("/shared/runs/a", "/shared/data", "/shared/runs/ae")
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text
     # The time-limit warning reaches the ranks as USR1 through srun (a TERM to srun would abort the step
@@ -112,7 +112,7 @@ def test_relative_paths_are_made_absolute_so_the_job_runs_from_any_folder(tmp_pa
     config = job_config_of(out.read_text())
     assert config.run_dir == str(tmp_path / "runs" / "a")
     assert config.data.shards == str(tmp_path / "data" / "shard-{000..009}.tar")
-    assert config.model.vae == "s3://bucket/ae"  # not a local path: left alone
+    assert config.model.source("vae") == "s3://bucket/ae"  # not a local path: left alone
 
 
 @pytest.mark.parametrize("argv, fragment", [

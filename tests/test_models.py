@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdtrain.config import ModelConfig, load_config
+from sdtrain.config import ComponentConfig, ModelConfig, load_config
 from sdtrain.errors import UserError
 from sdtrain.loaders.components import load_component
 from sdtrain.models import build
@@ -29,7 +29,7 @@ def test_sd2_256_config_loads():
 
 
 def test_unet_overrides_replace_preset_values():
-    config = ModelConfig(preset="tiny", unet_overrides={"layers_per_block": 2})
+    config = ModelConfig(preset="tiny", components={"unet": ComponentConfig(overrides={"layers_per_block": 2})})
     unet = build.build_unet(config, latent_channels=4, latent_size=8, cross_attention_dim=64)
     assert unet.config.layers_per_block == 2
 

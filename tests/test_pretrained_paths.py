@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sdtrain.cli.main import main
-from sdtrain.config import ModelConfig, load_config
+from sdtrain.config import ComponentConfig, ModelConfig, load_config
 from sdtrain.models import build
 
 from .conftest import TINY
@@ -85,7 +85,7 @@ def test_a_tokenizer_longer_than_its_text_encoder_is_cut_to_the_encoder(tmp_path
     tokenizer = shutil.copytree(pretrained / "tokenizer", tmp_path / "tokenizer")
     settings = json.loads((tokenizer / "tokenizer_config.json").read_text())
     (tokenizer / "tokenizer_config.json").write_text(json.dumps({**settings, "model_max_length": 77}))
-    model = ModelConfig(pretrained=str(pretrained), tokenizer=str(tokenizer))
+    model = ModelConfig(pretrained=str(pretrained), components={"tokenizer": ComponentConfig(source=str(tokenizer))})
     assert build.load_text_tokenizer(model).model_max_length == DEMO_LENGTH
 
 

@@ -136,4 +136,4 @@ def test_nemo_recipe_trains_at_tiny_size(tmp_path, tiny_pipeline, shapes_dir):
           f"model.text_encoder={pretrained / 'text_encoder'}", f"model.tokenizer={pretrained / 'tokenizer'}")
     saved = load_config(run / "config.yaml")
     assert (saved.diffusion.ddpm.prediction_type, saved.ema.decay,
-            saved.model.unet_overrides["attention_head_dim"]) == ("epsilon", 0.9999, 8)
+            saved.model.overrides("unet")["attention_head_dim"]) == ("epsilon", 0.9999, 8)

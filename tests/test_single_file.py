@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from sdtrain.config import DdpmConfig, DiffusionConfig, ModelConfig
+from sdtrain.config import ComponentConfig, DdpmConfig, DiffusionConfig, ModelConfig
 from sdtrain.errors import UserError
 from sdtrain.loaders.components import load_component
 from sdtrain.loaders.pipelines import pipeline_from_file
@@ -406,7 +406,8 @@ def test_bad_files_are_one_clear_error(tmp_path):
     with pytest.raises(UserError, match="set model.tokenizer") as caught:
         build.tokenizer_source(ModelConfig(pretrained=str(good)))
     assert "\n" not in str(caught.value)
-    assert build.tokenizer_source(ModelConfig(pretrained=str(good), tokenizer="/tok")) == "/tok"
+    named = ModelConfig(pretrained=str(good), components={"tokenizer": ComponentConfig(source="/tok")})
+    assert build.tokenizer_source(named) == "/tok"
 
 
 def test_training_starts_from_a_single_file(tmp_path, exported, shapes_dir):

@@ -69,10 +69,10 @@ class Benchmark(Trainer):
 
     def _prepare(self) -> None:
         model = self.config.model
-        if model.vae == str(self.run_dir / RANDOM_VAE):
-            build.build_vae(model).save_pretrained(model.vae)
+        if model.source("vae") == str(self.run_dir / RANDOM_VAE):
+            build.build_vae(model).save_pretrained(model.source("vae"))
         stand_ins: dict[str, Any] = {}
-        if self.config.stage == "diffusion" and self.config.model.tokenizer is None \
+        if self.config.stage == "diffusion" and model.source("tokenizer") is None \
                 and self.config.model.pretrained is None:
             # No captions to learn from: a tokenizer of the configured size on generic text will do,
             # since only its length and vocabulary size shape the step.
@@ -80,16 +80,16 @@ class Benchmark(Trainer):
             tokenizer = families.for_model(model).conditioner.train_tokenizer(words, self.run_dir / "tokenizer",
                                                                   model.tokenizer_vocab_size, build.text_length(model))
             for name in families.for_model(model).components.text_encoders:
-                if getattr(model, name) == str(self.run_dir / random_text_encoder(name)):
+                if model.source(name) == str(self.run_dir / random_text_encoder(name)):
                     # Its config first: weights only if the step reads them (a 24B language model would not fit
                     # in memory in fp32).
                     with torch.device("meta"):
-                        build.build_text_encoder(model, tokenizer, name).config.save_pretrained(getattr(model, name))
+                        build.build_text_encoder(model, tokenizer, name).config.save_pretrained(model.source(name))
                     stand_ins[name] = tokenizer
         stood_in_for = self._announce_encoded_shards() if self.config.stage == "diffusion" else []
         for name, tokenizer in stand_ins.items():
             if name not in stood_in_for:
-                build.build_text_encoder(model, tokenizer, name).save_pretrained(getattr(model, name))
+                build.build_text_encoder(model, tokenizer, name).save_pretrained(model.source(name))
 
     def _announce_encoded_shards(self) -> list[str]:
         """With ``--encoded`` and synthetic shards, say before the task is built which frozen components made them
@@ -277,27 +277,25 @@ def benchmark_overrides(config_path: Path, overrides: list[str], run_dir: str | 
     a pretrained model gives them, and no logging, checkpoints or validation."""
     from omegaconf import OmegaConf
 
-    from sdtrain.config import parse_overrides, read_layer
+    from sdtrain.config import load_config_without, parse_overrides, read_layer
 
     given = OmegaConf.merge(read_layer(config_path)[0], parse_overrides(overrides))
+    model = load_config_without(config_path, overrides).model
     filled = []
-    pretrained = OmegaConf.select(given, "model.pretrained", default=None) is not None
     # The benchmark does not evaluate: a recipe's held-out set (MLPerf Flux's val_loss) need not exist.
-    for key, value in (("data.shards", "${run_dir}/" + SYNTHETIC), ("model.vae", "${run_dir}/" + RANDOM_VAE),
-                       ("run_dir", run_dir), ("evaluation.val_shards", "null")):
-        if key == "model.vae" and pretrained:
-            continue
+    for key, value in (("data.shards", "${run_dir}/" + SYNTHETIC), ("run_dir", run_dir),
+                       ("evaluation.val_shards", "null")):
         if OmegaConf.select(given, key, default=None) is None or OmegaConf.is_missing(given, key):
             if value is None:
                 raise UserError("run_dir: under a multi-process launcher give run_dir=FOLDER, a folder every rank "
                                 "shares, for the benchmark's scratch files")
             filled.append(f"{key}={value}")
-    frozen_text = not OmegaConf.select(given, "diffusion.train_text_encoder", default=False)
-    # Every encoder a family may have (SDXL's two, SD3's three); a family with fewer reads only its own.
-    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
-        if frozen_text and all(OmegaConf.select(given, k, default=None) is None for k in (f"model.{name}",
-                                                                                           "model.pretrained")):
-            filled.append(f"model.{name}=${{run_dir}}/{random_text_encoder(name)}")
+    if model.pretrained is None:
+        frozen_text = not OmegaConf.select(given, "diffusion.train_text_encoder", default=False)
+        stand_ins = {"vae": RANDOM_VAE, **{name: random_text_encoder(name) for name in
+                                           families.for_model(model).components.text_encoders if frozen_text}}
+        filled += [f"model.components.{name}.source=${{run_dir}}/{folder}" for name, folder in stand_ins.items()
+                   if model.source(name) is None]
     quiet = ["logging.progress=false", "logging.tensorboard=false", "logging.wandb=false", "validation.prompts=[]",
              "checkpoint.every=0", "checkpoint.resume=never", "evaluation.every_samples=0"]
     return [*filled, *overrides, *quiet]

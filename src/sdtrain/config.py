@@ -146,6 +146,23 @@ class DataConfig:
 
 
 @dataclass
+class ComponentConfig:
+    """One component of the model: where it loads from, and what replaces its preset's settings."""
+
+    source: str | None = None
+    """Where it loads from: its diffusers or transformers folder (``vae/``, ``text_encoder/``...), a pipeline folder
+    (its subfolder of this name), an sdtrain run (its newest checkpoint: an autoencoder run for ``vae``), or a
+    single file of it (a transformer or UNet file in its original layout); or a Hub id of any of these (see
+    ``pretrained``), of which only this component's configs and weights are fetched. A tokenizer (``tokenizer``,
+    ``tokenizer_2``...) names its folder, or a pipeline folder holding it; unset, it lies beside its text encoder,
+    else in ``pretrained``, else the first tokenizer is used, and with neither a BPE tokenizer is trained on the
+    training captions and saved in the run folder."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments that replace the preset's settings of the component's class (UNet2DConditionModel,
+    AutoencoderKL, CLIPTextConfig...) when it is built from scratch."""
+
+
+@dataclass
 class ModelConfig:
     family: str | None = None
     """The model family, one of those docs/families/ describes (``sd`` for Stable Diffusion 1.x/2.x, ``sdxl``,
@@ -179,49 +196,30 @@ class ModelConfig:
     memory already (true runs the same path there, copying nothing)."""
     pretrained: str | None = None
     """A local diffusers pipeline folder, or a single-file checkpoint in the original Stable Diffusion layout
-    (``.safetensors``: SD 1.x, 2.x or SDXL, sizes and prediction type read from the file; set ``tokenizer`` unless
-    a ``NAME.tokenizer/`` folder lies beside it), or a Flux.1 transformer file in Black Forest Labs' layout (bare or
-    under ComfyUI's ``model.diffusion_model.``; name the VAE, text encoders and tokenizer below), or an SD3/3.5 file
-    in Stability's layout (sd3_medium*.safetensors; name below what it lacks, and the tokenizers unless
-    ``NAME.tokenizer/``, ``NAME.tokenizer_2/`` and ``NAME.tokenizer_3/`` lie beside it). Components not named below
-    load from it.
+    (``.safetensors``: SD 1.x, 2.x or SDXL, sizes and prediction type read from the file; set
+    ``components.tokenizer.source`` unless a ``NAME.tokenizer/`` folder lies beside it), or a Flux.1 transformer
+    file in Black Forest Labs' layout (bare or under ComfyUI's ``model.diffusion_model.``; name the VAE, text
+    encoders and tokenizer in ``components``), or an
+    SD3/3.5 file in Stability's layout (sd3_medium*.safetensors; name in ``components`` what it lacks, and the
+    tokenizers unless ``NAME.tokenizer/``, ``NAME.tokenizer_2/`` and ``NAME.tokenizer_3/`` lie beside it).
+    Components ``components`` names no source for load from it.
 
-    This and every source below may also be a Hugging Face Hub id: ``org/name``, ``org/name@REVISION`` (a branch,
+    This and every component's source may also be a Hugging Face Hub id: ``org/name``, ``org/name@REVISION`` (a branch,
     tag or commit), or ``org/name/FILE.safetensors`` for one single file in it. It is fetched into the Hub cache
     (``HF_HUB_CACHE``) unless cached already; ``HF_HUB_OFFLINE=1`` reads the cache only, and a gated or private
     repository takes its token from ``HF_TOKEN``, never from a config. Only configs, tokenizer files and the
     safetensors weights of the components loaded from it are fetched. A local path of the same spelling always
     wins. The run records the snapshot folder the id resolved to (``.../snapshots/<commit>``), so resuming and
     exporting read the same weights, offline too."""
-    vae: str | None = None
-    """Autoencoder source: a diffusers ``vae`` folder, a pipeline folder, or an sdtrain autoencoder run; or a Hub id
-    of either folder (see ``pretrained``), of which only the VAE's weights are fetched."""
-    text_encoder: str | None = None
-    """Text encoder source: a CLIPTextModel folder, a pipeline folder, or an sdtrain run; or a Hub id of either
-    folder (see ``pretrained``)."""
-    text_encoder_2: str | None = None
-    """SDXL's second text encoder (OpenCLIP bigG with projection): a CLIPTextModelWithProjection folder, a
-    pipeline folder, or an sdtrain run; or a Hub id of either folder (see ``pretrained``)."""
-    tokenizer: str | None = None
-    """Tokenizer folder (or a pipeline folder, its ``tokenizer/``), or a Hub id of either (see ``pretrained``; only
-    tokenizer files and configs are fetched); when neither this nor ``pretrained`` is set, a BPE tokenizer is trained
-    on the training captions and saved in the run folder."""
-    tokenizer_2: str | None = None
-    """SDXL's second tokenizer folder, or a Hub id (see ``tokenizer``); unset: the ``tokenizer_2/`` beside the second
-    text encoder, else the first tokenizer."""
-    text_encoder_3: str | None = None
-    """SD3's T5 text encoder: a T5EncoderModel folder, a pipeline folder, or an sdtrain run; or a Hub id of either
-    folder (see ``pretrained``)."""
-    tokenizer_3: str | None = None
-    """SD3's T5 tokenizer folder, or a Hub id (see ``tokenizer``); unset: the ``tokenizer_3/`` beside the third text
-    encoder, else the first tokenizer."""
-    unet: str | None = None
-    """UNet source: a UNet2DConditionModel folder, a pipeline folder, or an sdtrain run; or a Hub id of either
-    folder (see ``pretrained``)."""
-    transformer: str | None = None
-    """Transformer source (SD3, Flux.1): an SD3Transformer2DModel or FluxTransformer2DModel folder, a pipeline
-    folder, a single file of the transformer alone, or an sdtrain run; or a Hub id of a folder or file (see
-    ``pretrained``)."""
+    components: dict[str, ComponentConfig] = field(default_factory=dict)
+    """The model's components by the names of their pipeline folders, as the family's table declares them (its
+    page in docs/families/): ``vae``, ``text_encoder``, ``tokenizer`` and ``unet`` for Stable Diffusion,
+    ``text_encoder_2``/``tokenizer_2`` beside them for SDXL, ``transformer`` for SD3 and later, and whatever a
+    family adds (Qwen-Image 2.1's ``processor``): each's ``source`` and ``overrides``, e.g.
+    ``model.components.vae.source=madebyollin/sdxl-vae-fp16-fix``. A name the family does not declare is one
+    line listing those it does. A component no source names loads from ``pretrained``, else is built from the
+    preset. The flat keys of earlier configs (``model.vae``, ``model.tokenizer_2``, ``model.unet_overrides``...)
+    are read as ``model.components.NAME.source`` and ``.overrides``, with a note."""
     trust_pickle: bool = False
     """Allow ``.ckpt``/``.pt``/``.bin`` checkpoints (pickle files) as sources. They are still read with
     ``torch.load(weights_only=True)``, which refuses code, but convert them to safetensors if you can."""
@@ -244,19 +242,15 @@ class ModelConfig:
     MLPerf's) and SD3 (its pipeline's), or the pretrained tokenizer's saved length when shorter (a model sdtrain
     exported after training at that length); never the 512 a released T5 tokenizer saves, which is T5's limit, not
     the model's. CLIP encoders keep their 77."""
-    unet_overrides: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments that replace the preset's UNet2DConditionModel settings."""
-    transformer_overrides: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments that replace the preset's transformer settings (SD3, Flux.1)."""
-    vae_overrides: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments that replace the preset's AutoencoderKL settings."""
-    text_encoder_overrides: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments that replace the preset's CLIPTextConfig settings."""
-    text_encoder_2_overrides: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments that replace the preset's settings of the second text encoder (SDXL's and SD3's CLIP-G,
-    Flux.1's T5)."""
-    text_encoder_3_overrides: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments that replace the preset's settings of SD3's T5 text encoder."""
+    def source(self, name: str) -> str | None:
+        """Where component `name` is named to load from (None: from ``pretrained``, or built)."""
+        component = self.components.get(name)
+        return component.source if component is not None else None
+
+    def overrides(self, name: str) -> dict[str, Any]:
+        """The settings that replace the preset's for component `name`."""
+        component = self.components.get(name)
+        return dict(component.overrides) if component is not None else {}
 
     def validate(self) -> None:
         # Which names exist is the family's to say (models.families): an unknown one is refused there, with the
@@ -277,6 +271,9 @@ class ModelConfig:
                "must be at least 4 (or unset: the family's length)")
         _check(self.max_text_length is None or self.max_text_length >= 4, "model.max_text_length",
                "must be at least 4 (or unset: the pretrained length, else 77)")
+        for name in self.components:
+            _check(name.isidentifier(), f"model.components.{name}",
+                   "must be a component's folder name, e.g. vae, text_encoder_2 or transformer")
 
 
 @dataclass
@@ -409,8 +406,11 @@ class DiffusionConfig:
         self.flow.validate()
 
 
-# Keys the flat diffusion section had before its objectives' options moved to their own sections: still read, each
-# moved where it lives now, so older configs and the runs they made load as they did.
+# Keys the flat diffusion section had before its objectives' options moved to their own sections, and the fixed
+# component slots the model section had before its components were open: still read, each moved where it lives
+# now, so older configs and the runs they made load as they did.
+FLAT_COMPONENTS = ("vae", "unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer",
+                   "tokenizer_2", "tokenizer_3")
 MOVED_KEYS = {
     **{f"diffusion.{name}": f"diffusion.ddpm.{name}" for name in (
         "prediction_type", "num_train_timesteps", "beta_schedule", "beta_start", "beta_end", "zero_terminal_snr",
@@ -419,6 +419,9 @@ MOVED_KEYS = {
     "diffusion.flow_dynamic_shift": "diffusion.flow.dynamic_shift",
     **{f"diffusion.{name}": f"diffusion.flow.{name}" for name in (
         "loss_weighting", "precondition_outputs", "guidance", "guidance_range")},
+    **{f"model.{name}": f"model.components.{name}.source" for name in FLAT_COMPONENTS},
+    **{f"model.{name}_overrides": f"model.components.{name}.overrides" for name in FLAT_COMPONENTS
+       if not name.startswith("tokenizer")},
 }
 
 
@@ -1038,9 +1041,11 @@ def load_config_without(path: str | Path, overrides: list[str] | tuple[str, ...]
                         ) -> RunConfig:
     """`load_config` for a command that needs only part of a run (counting parameters, previewing data): the keys
     the config leaves open (run_dir, data.shards, model sources it asks for) are filled with placeholders, model
-    sources as unset (so presets build), except those in `keep`, which the user must still give."""
+    sources as unset (so presets build), except those in `keep` (keys, or sections whose keys are all kept), which
+    the user must still give."""
     given = OmegaConf.merge(read_layer(path)[0], parse_overrides(overrides))
-    open_keys = ({"run_dir", "data.shards"} | set(OmegaConf.missing_keys(given))) - set(keep)
+    open_keys = {key for key in {"run_dir", "data.shards"} | set(OmegaConf.missing_keys(given))
+                 if not any(key == kept or key.startswith(f"{kept}.") for kept in keep)}
     filled = [f"{key}={'null' if key.startswith('model.') else 'unused'}" for key in sorted(open_keys)
               if OmegaConf.select(given, key, default=None) is None or OmegaConf.is_missing(given, key)]
     return load_config(path, [*filled, *overrides])
@@ -1082,26 +1087,42 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> DictConfig:
     return layer  # type: ignore[return-value]
 
 
-def _move_keys(layer: DictConfig, where: str) -> DictConfig:
+def _move_keys(layer: DictConfig, where: str, keep_unset: bool = False) -> DictConfig:
     """`layer` with the keys of MOVED_KEYS it sets under their names now, said in one warning line; a key set
-    under both names is a UserError."""
-    section = layer.get("diffusion") if "diffusion" in layer else None
-    moved = [key for key in MOVED_KEYS if isinstance(section, DictConfig) and key.split(".", 1)[1] in section]
-    if not moved:
-        return layer
+    under both names is a UserError. An old key left unset (null, or ``{}``: a saved run's resolved config holds
+    every slot) moves without a word with `keep_unset` (a command line's null clears a ``???``), else is
+    dropped (a file's null is the default)."""
     tree = OmegaConf.to_container(layer, resolve=False)
-    for key in moved:
+    # (Read from the plain tree: a DictConfig says a key whose value is ??? is not in it.)
+    found = [key for key in MOVED_KEYS if isinstance(tree.get(key.split(".")[0]), dict)
+             and key.split(".", 1)[1] in tree[key.split(".")[0]]]
+    if not found:
+        return layer
+    moved = []
+    for key in found:
+        section, old_name = key.split(".", 1)
+        value = tree[section].pop(old_name)
+        unset = value is None or value == {}
+        if unset and not keep_unset:
+            continue
         new = MOVED_KEYS[key]
-        old_name, (_, sub, name) = key.split(".", 1)[1], new.split(".")
-        value = tree["diffusion"].pop(old_name)
-        target = tree["diffusion"].setdefault(sub, {})
-        if not isinstance(target, dict):
-            raise UserError(f"{where}diffusion.{sub}: must be a mapping of {sub} settings, got {target!r}")
-        if name in target:
+        *parents, name = new.split(".")
+        target = tree
+        for depth, part in enumerate(parents):
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                place = ".".join(parents[:depth + 1])
+                raise UserError(f"{where}{place}: must be a mapping, got {target!r}")
+        if unset and name in target:
+            continue
+        if name in target and target[name] is not None:
             raise UserError(f"{where}{key}: set again as {new}, its name now; keep only {new}")
         target[name] = value
-    log.warning("%s%s: moved to %s; read as such (rename %s)", where, ", ".join(moved),
-                ", ".join(MOVED_KEYS[key] for key in moved), "them" if len(moved) > 1 else "it")
+        if not unset:
+            moved.append(key)
+    if moved:
+        log.warning("%s%s: moved to %s; read as such (rename %s)", where, ", ".join(moved),
+                    ", ".join(MOVED_KEYS[key] for key in moved), "them" if len(moved) > 1 else "it")
     return OmegaConf.create(tree)
 
 
@@ -1117,7 +1138,7 @@ def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]
         # for most paths) and fail late, or not at all: mark it missing again until the command line sets it.
         for key in required:
             OmegaConf.update(merged, key, MISSING, merge=False)
-    dotlist = _move_keys(parse_overrides(overrides), "command line: ")
+    dotlist = _move_keys(parse_overrides(overrides), "command line: ", keep_unset=True)
     _check_sections(dotlist, "command line: ")
     merged = _merge(merged, dotlist, "command line: ")
     if OmegaConf.select(merged, "train.mixed_precision") in _FP32_ALIASES:

@@ -213,9 +213,9 @@ def write(text: str, out: Path, executable: bool) -> Path:
 
 
 # Config keys that name files or folders; in a job they must not depend on the submitting shell's directory.
-PATH_KEYS = ("run_dir", "data.shards", "model.pretrained", "model.vae", "model.text_encoder", "model.tokenizer",
-             "model.unet", "dreambooth.class_data", "evaluation.prompts", "evaluation.reference",
-             "evaluation.inception", "evaluation.clip", "checkpoint.resume")
+PATH_KEYS = ("run_dir", "data.shards", "model.pretrained", "dreambooth.class_data", "evaluation.prompts",
+             "evaluation.reference", "evaluation.inception", "evaluation.clip", "checkpoint.resume")
+"""Besides every component's source, ``model.components.NAME.source``."""
 
 
 def job_config(config: Any, base: Path) -> str:
@@ -223,7 +223,7 @@ def job_config(config: Any, base: Path) -> str:
     launch`` ran): a relative run_dir always, other keys when they (or their leading folder) exist there.
     URLs, ``pipe:`` commands and ``checkpoint.resume``'s words (auto, never) are left as they are."""
     tree = yaml.safe_load(to_yaml(config))
-    for key in PATH_KEYS:
+    for key in (*PATH_KEYS, *(f"model.components.{name}.source" for name in tree["model"]["components"])):
         *parents, leaf = key.split(".")
         node = tree
         for part in parents:

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from sdtrain import benchmark
     from sdtrain.config import load_config
     from sdtrain.distributed import barrier, destroy, detect_topology, exit_without_teardown, is_distributed
-    from sdtrain.models.hub import resolve_model
+    from sdtrain.models.build import resolve_sources
 
     if args.steps < 1 or args.warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         scratch = tempfile.TemporaryDirectory(prefix="sdtrain-benchmark-")
         run_dir = scratch.name
     config = load_config(args.config, benchmark.benchmark_overrides(args.config, args.overrides, run_dir))
-    config = resolve_model(config)
+    config = resolve_sources(config)
     try:
         result = benchmark.run_benchmark(config, args.steps, args.warmup, args.encoded, args.peak_seconds,
                                          args.save)
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
 def run_data(args: argparse.Namespace) -> int:
     from sdtrain import benchmark
     from sdtrain.config import load_config
-    from sdtrain.models.hub import resolve_model
+    from sdtrain.models.build import resolve_sources
 
     try:
         workers = [int(n) for n in args.workers.split(",")]
@@ -127,7 +127,7 @@ def run_data(args: argparse.Namespace) -> int:
         raise UserError("--batches must be at least 1 and --train-steps at least 0")
     with tempfile.TemporaryDirectory(prefix="sdtrain-benchmark-") as scratch:
         config = load_config(args.config, benchmark.benchmark_overrides(args.config, args.overrides, scratch))
-        config = resolve_model(config)
+        config = resolve_sources(config)
         result = benchmark.benchmark_data(config, workers, args.batches, args.train_steps)
     print(benchmark.format_data_results(result))
     if args.out:

@@ -15,6 +15,7 @@ import inspect
 import math
 import re
 import textwrap
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,7 +157,19 @@ def section_keys(cls: type, prefix: str = "", nested: bool = True) -> list[Key]:
                 f"write a string literal right after it saying what it does")
         keys.append(Key(name=name, type=readable_type(ast.unparse(annotation), default),
                         default=yaml_value(default), doc=doc))
+        entry = _dataclass_values(cls, f.name)
+        if entry is not None and nested:
+            keys.extend(section_keys(entry, f"{name}.NAME."))
     return keys
+
+
+def _dataclass_values(cls: type, name: str) -> type | None:
+    """The dataclass a ``dict[str, X]`` field maps its names to (``model.components``), else None."""
+    hint = typing.get_type_hints(cls)[name]
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]):
+        return args[1]
+    return None
 
 
 def sections(root: type | None = None) -> list[tuple[str, str, list[Key]]]:

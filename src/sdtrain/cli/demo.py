@@ -124,7 +124,8 @@ def _run(args: argparse.Namespace, load: LoadWatch) -> int:
     step("3/8 encode the dataset with the autoencoder",
           ["prepare", "encode", str(data), "--model", str(ae_run), "--out", str(latents), "--resolution", RESOLUTION,
            "--dtype", "float32", "--no-text"])
-    sd = ["train", str(sd_config), f"run_dir={sd_run}", f"data.shards={latents}", f"model.vae={ae_run}"]
+    sd = ["train", str(sd_config), f"run_dir={sd_run}", f"data.shards={latents}",
+          f"model.components.vae.source={ae_run}"]
     if args.diffusion_steps:
         sd += _steps_overrides(args.diffusion_steps)
     elif budget is not None:

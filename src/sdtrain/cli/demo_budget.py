@@ -126,7 +126,7 @@ def plan_budget(args: argparse.Namespace, deadline: float, data: Path, runs: tup
     ae_s, _ = _timed_step(ae_config, [f"data.shards={data}", *autoencoder_overrides], encoded=False)
     with tempfile.TemporaryDirectory(prefix="sdtrain-demo-vae-") as scratch:
         vae = _demo_vae(ae_config, autoencoder_overrides, Path(scratch) / "vae")
-        sd_s, batch = _timed_step(sd_config, [f"model.vae={vae}"], encoded=True)
+        sd_s, batch = _timed_step(sd_config, [f"model.components.vae.source={vae}"], encoded=True)
     ae_s, sd_s = IN_RUN * ae_s, IN_RUN * sd_s
     # What the demo draws besides training, each image costing `sample_steps` sampling steps.
     image_s = args.sample_steps * SAMPLING_COST * sd_s / batch

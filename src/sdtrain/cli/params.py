@@ -22,13 +22,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from sdtrain.config import load_config_without
-    from sdtrain.models.hub import resolve_model
+    from sdtrain.models.build import resolve_sources
     from sdtrain.params import count, format_counts
 
     # Counting needs neither data nor a run folder, and a component the config asks for but the command line
     # does not name is counted from its preset.
     config = load_config_without(args.config, args.overrides)
-    config = resolve_model(config)
+    config = resolve_sources(config)
     rows = count(config)
     print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else format_counts(rows))
     return 0

@@ -27,11 +27,11 @@ def run(args: argparse.Namespace) -> int:
         return check(args.config, args.overrides)
     # Validate before the heavy imports, so a typo is reported at once.
     config = load_config(args.config, args.overrides)
-    from sdtrain.models.hub import resolve_model
+    from sdtrain.models.build import resolve_sources
 
     # Hub ids (org/name) become their folders in the Hugging Face cache, fetched if not cached: the run's
     # config.yaml and checkpoints record those folders, the same commit on resume and export.
-    config = resolve_model(config)
+    config = resolve_sources(config)
     from sdtrain.distributed import RankFailure, destroy, detect_topology, exit_without_teardown, is_distributed
     from sdtrain.run import run_dir_lock
     from sdtrain.train.trainer import Preempted, Trainer
@@ -64,14 +64,15 @@ def run(args: argparse.Namespace) -> int:
 def check(path: Path, overrides: list[str]) -> int:
     """`sdtrain train --check`: every problem one line, from the config and the models' config files alone. The
     run folder and the data may still be open; the model's sources, which say its family, may not."""
-    from sdtrain.config import load_config_without
+    from sdtrain.config import FLAT_COMPONENTS, load_config_without
     from sdtrain.errors import UserError
-    from sdtrain.models.hub import SOURCE_FIELDS, resolve_model
+    from sdtrain.models.build import resolve_sources
 
-    config = load_config_without(path, overrides, keep=tuple(f"model.{name}" for name in SOURCE_FIELDS))
+    sources = ("model.pretrained", "model.components", *(f"model.{name}" for name in FLAT_COMPONENTS))
+    config = load_config_without(path, overrides, keep=sources)
     from sdtrain.train.modes import capability
 
-    trains, problems = capability(resolve_model(config, fetch_weights=False))
+    trains, problems = capability(resolve_sources(config, fetch_weights=False))
     if problems:
         raise UserError("\n".join(problems))
     print(f"{path}: ok: {trains}; no weight was loaded")

@@ -108,8 +108,9 @@ class ValLoss:
         task = self.task
         if encoding["vae"] != task.sources.get("vae"):
             raise UserError(f"evaluation.val_shards: the latents in {folder} were encoded with the VAE "
-                            f"{encoding['vae']} but model.vae is {task.sources.get('vae')}; encode them with the "
-                            "run's VAE, or set data.use_encoded=false to encode their images online")
+                            f"{encoding['vae']} but model.components.vae.source is {task.sources.get('vae')}; "
+                            "encode them with the run's VAE, or set data.use_encoded=false to encode their images "
+                            "online")
         if encoding["resolution"] != base.resolution:
             raise UserError(f"evaluation.val_shards: the shards in {folder} were encoded at {encoding['resolution']} "
                             f"px but data.resolution is {base.resolution}; encode them at {base.resolution}")

@@ -22,7 +22,7 @@ from torch import nn
 from sdtrain.checkpoint import latest_checkpoint, read_meta
 from sdtrain.config import DiffusionConfig, ModelConfig
 from sdtrain.errors import UserError
-from sdtrain.models import families, frozen, single_file
+from sdtrain.models import families, frozen, hub, single_file
 from sdtrain.models.families.spec import construct
 from sdtrain.models.tokenizer import load_tokenizer_folder
 
@@ -31,16 +31,15 @@ log = logging.getLogger(__name__)
 
 def build_vae(config: ModelConfig) -> nn.Module:
     family = families.for_model(config)
-    kwargs = {**family.preset(config.preset, "vae"), **config.vae_overrides}
-    return construct(family.components.classes["vae"], "vae_overrides", kwargs)
+    kwargs = {**family.preset(config.preset, "vae"), **config.overrides("vae")}
+    return construct(family.components.classes["vae"], overrides_key("vae"), kwargs)
 
 
 def build_text_encoder(config: ModelConfig, tokenizer: Any, name: str = "text_encoder") -> nn.Module:
     """Text encoder `name` of the model's family from its preset, its ids those of `tokenizer`."""
     family = families.for_model(config)
-    key = f"{name}_overrides"
-    settings = {**family.preset(config.preset, name), **getattr(config, key)}
-    return family.conditioner.build_text_encoder(name, settings, tokenizer, key)
+    settings = {**family.preset(config.preset, name), **config.overrides(name)}
+    return family.conditioner.build_text_encoder(name, settings, tokenizer, overrides_key(name))
 
 
 def build_denoiser(config: ModelConfig, latent_channels: int, latent_size: int,
@@ -53,13 +52,13 @@ def build_denoiser(config: ModelConfig, latent_channels: int, latent_size: int,
     initialised as ``model.denoiser_init`` says."""
     family = families.for_model(config)
     name = family.components.denoiser
-    overrides = getattr(config, f"{name}_overrides")
+    overrides = config.overrides(name)
     kwargs = {**family.preset(config.preset, name), **family.denoising.shape(latent_channels, latent_size)}
     if derived is None:
         derived = family.denoising.settings({**kwargs, **overrides}, text_encoders)
     settings = {**kwargs, **derived, **overrides}
     if frozen_precision == "fp32":
-        module = construct(family.components.classes[name], f"{name}_overrides", settings)
+        module = construct(family.components.classes[name], overrides_key(name), settings)
         # A trainable denoiser from scratch: ``model.denoiser_init`` picks diffusers' layer defaults (drawn as it
         # was constructed) or, on top of them, the family's reference initialisation (Flux.1's, from the same
         # generator, seeded by the run's seed). A family without one draws nothing more.
@@ -69,7 +68,7 @@ def build_denoiser(config: ModelConfig, latent_channels: int, latent_size: int,
                         "diffusers' defaults", family.title, name)
         return module
     with frozen.parameters_on_meta():
-        module = construct(family.components.classes[name], f"{name}_overrides", settings)
+        module = construct(family.components.classes[name], overrides_key(name), settings)
     return frozen.materialize(module, frozen_precision)
 
 
@@ -251,12 +250,12 @@ def load_text_tokenizers(config: ModelConfig, fallback: str | Path | None = None
     the run's `text_length` (same arguments)."""
     source = tokenizer_source(config) or fallback
     if source is None:
-        raise UserError("model.tokenizer: no tokenizer to load; set model.tokenizer or model.pretrained")
+        raise UserError("model.components.tokenizer.source: no tokenizer to load; set it, or model.pretrained")
     length = text_length(config, fallback, text_encoder)
     family = families.for_model(config)
     tokenizers = []
     for folder in family.components.tokenizers:
-        named = getattr(config, folder, None) if folder != "tokenizer" else None
+        named = config.source(folder) if folder != family.components.tokenizers[0] else None
         if folder in family.components.long_text_tokenizers:
             tokenizers.append(load_tokenizer(named or source, long_text_length(config, family, named or source, folder),
                                              folder))
@@ -292,10 +291,12 @@ def tokenizer_source(config: ModelConfig) -> str | None:
 
     A single file holds no tokenizer: its OUT.tokenizer/ sibling (and OUT.tokenizer_2/, which ``sdtrain export
     --single-file`` writes) is used, so the file itself is returned; without one a UserError asks for
-    model.tokenizer.
+    ``model.components.tokenizer.source``.
     """
-    if config.tokenizer:
-        return config.tokenizer
+    first = families.for_model(config).components.tokenizers[:1] or ("tokenizer",)
+    named = config.source(first[0]) or config.source("tokenizer")
+    if named:
+        return named
     text_encoder = component_source(config, "text_encoder")
     if text_encoder and single_file.looks_like_single_file(text_encoder):
         single_file.tokenizer_for(text_encoder)
@@ -333,8 +334,23 @@ def trusts_pickle(config: ModelConfig) -> bool | None:
 
 def component_source(config: ModelConfig, name: str) -> str | None:
     """The folder (or single file) a component loads from, or None when it is built from the preset."""
-    explicit = getattr(config, name)
+    explicit = config.source(name)
     return explicit if explicit is not None else config.pretrained
+
+
+def resolve_sources(config: Any, fetch_weights: bool = True) -> Any:
+    """A copy of RunConfig `config` with its model's Hub ids resolved to local folders (`hub.resolve_model`),
+    fetching the weights of its family's components alone: the family is read from the configs and tokenizers,
+    fetched first, so a family's own components (an image encoder, a second transformer) need no list here."""
+    light = hub.resolve_model(config, fetch_weights=False)
+    if not fetch_weights:
+        return light
+    return hub.resolve_model(config, weighted=tuple(families.for_model(light.model).components))
+
+
+def overrides_key(name: str) -> str:
+    """The key under ``model.`` of component `name`'s preset overrides, as `construct` names it in a message."""
+    return f"components.{name}.overrides"
 
 
 def count_parameters(module: Any) -> int:

@@ -54,7 +54,8 @@ TRUST_PICKLE_ENV = "SDTRAIN_TRUST_PICKLE"
 """sdtrain.models.single_file's TRUST_PICKLE_ENV."""
 
 COMPONENTS = ("vae", "unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
-"""The pipeline folders whose weights sdtrain loads, in every family (a test checks them against the families)."""
+"""The pipeline folders whose weights a source is fetched for when the caller does not say (its family's
+components, `build.resolve_sources`), as the families released before open components have them."""
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 DENOISERS = ("unet", "transformer")
 
@@ -67,21 +68,6 @@ WEIGHTS = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model-*.saf
 """diffusers' and transformers' weight files, whole or sharded; a variant (``.fp16.``) matches none of them."""
 PICKLED_WEIGHTS = ("diffusion_pytorch_model.bin", "diffusion_pytorch_model-*.bin", "pytorch_model.bin",
                    "pytorch_model-*.bin")
-
-SOURCE_FIELDS: dict[str, tuple[str, ...] | None] = {
-    "pretrained": None,
-    "vae": ("vae",),
-    "text_encoder": ("text_encoder",),
-    "text_encoder_2": ("text_encoder_2",),
-    "text_encoder_3": ("text_encoder_3",),
-    "unet": ("unet",),
-    "transformer": ("transformer",),
-    "tokenizer": (),
-    "tokenizer_2": (),
-    "tokenizer_3": (),
-}
-"""ModelConfig's source fields and the components whose weights each is read for (None: every component the
-config names no other source for; (): none, tokenizer files only)."""
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -200,23 +186,26 @@ def resolve(source: str | Path | None, key: str, weights: Collection[str] | None
     return path
 
 
-def resolve_model(config: Any, fetch_weights: bool = True) -> Any:
-    """A copy of a RunConfig whose model sources (`SOURCE_FIELDS`) are resolved with `resolve` (the config itself is
-    left as loaded). `pretrained` is fetched with the weights of only the components no other field names a source
-    for; without `fetch_weights`, every source with its configs and tokenizers alone."""
+def resolve_model(config: Any, fetch_weights: bool = True, weighted: Collection[str] = COMPONENTS) -> Any:
+    """A copy of a RunConfig whose model sources (``model.pretrained`` and each ``model.components.NAME.source``)
+    are resolved with `resolve` (the config itself is left as loaded). Only the weights of the `weighted`
+    components (the family's; a tokenizer has none) are fetched: a component's source for its own, `pretrained`
+    for those no component source names; without `fetch_weights`, every source with its configs and tokenizers
+    alone."""
     model = config.model
     pickles = pickles_trusted(getattr(model, "trust_pickle", False))
-    resolved = {}
-    for name, components in SOURCE_FIELDS.items():
-        value = getattr(model, name)
-        if value is None:
-            continue
-        if not fetch_weights:
-            components = ()
-        elif components is None:
-            components = tuple(c for c in COMPONENTS if getattr(model, c, None) is None)
-        resolved[name] = resolve(value, f"model.{name}", components, pickles)
-    return dataclasses.replace(config, model=dataclasses.replace(model, **resolved))
+    components = dict(model.components)
+    for name, component in model.components.items():
+        if component.source is not None:
+            weights = (name,) if fetch_weights and name in weighted else ()
+            source = resolve(component.source, f"model.components.{name}.source", weights, pickles)
+            components[name] = dataclasses.replace(component, source=source)
+    pretrained = model.pretrained
+    if pretrained is not None:
+        named = {name for name, component in model.components.items() if component.source is not None}
+        wanted = tuple(c for c in weighted if c not in named) if fetch_weights else ()
+        pretrained = resolve(pretrained, "model.pretrained", wanted, pickles)
+    return dataclasses.replace(config, model=dataclasses.replace(model, pretrained=pretrained, components=components))
 
 
 def _cached_first(fetch: Callable[[bool], str], is_offline: bool,

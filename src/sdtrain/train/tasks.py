@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from diffusers.configuration_utils import FrozenDict
 from torch import nn
 
-from sdtrain.config import DataConfig, DiffusionConfig, RunConfig
+from sdtrain.config import DataConfig, DiffusionConfig, ModelConfig, RunConfig
 from sdtrain.data.decode import make_buckets, present
 from sdtrain.data.encoded import TEXT_FIELDS, dataset_encoding
 from sdtrain.errors import UserError
@@ -63,8 +63,8 @@ def capability_problems(config: RunConfig, family: families.ModelFamily, parts: 
                         ) -> list[str]:
     """Every key of a diffusion run's `config` that its `family` or its trained `parts` cannot take, one line each,
     from the config, the family's spec and the pretrained denoiser's config.json alone: no weight loads."""
-    found = []
     model = config.model
+    found = component_problems(model, family)
     built = [name for name in family.components if build.component_source(model, name) is None]
     if built:
         try:
@@ -86,6 +86,18 @@ def capability_problems(config: RunConfig, family: families.ModelFamily, parts: 
     for part in parts:
         found += part.problems(config, family)
     return [line for line in found if line]
+
+
+def component_problems(model: ModelConfig, family: families.ModelFamily) -> list[str]:
+    """The ``model.components`` entries `family` has no such component for, or that a tokenizer cannot take."""
+    tokenizers = family.components.tokenizers
+    declared = [*family.components, *tokenizers]
+    named = [name for name, component in model.components.items() if component.source or component.overrides]
+    found = [f"model.components.{name}: {family.title} has no component {name}; its components are "
+             f"{', '.join(declared)}" for name in named if name not in declared and name != "tokenizer"]
+    found += [f"model.components.{name}.overrides: a tokenizer is loaded, never built from settings; remove them"
+              for name in model.components if (name in tokenizers or name == "tokenizer") and model.overrides(name)]
+    return found
 
 
 def shape_problems(config: RunConfig, family: families.ModelFamily, vae_config: Any, denoiser_config: Any = None,
@@ -380,8 +392,8 @@ class DiffusionTask(Task):
         vae = self.components.load("vae", weights="vae" not in unread)
         if vae is None:
             raise UserError(
-                "model.vae: the diffusion stage needs a trained autoencoder; set model.vae to an autoencoder run "
-                "or a diffusers folder, or model.pretrained to a pipeline"
+                "model.components.vae.source: the diffusion stage needs a trained autoencoder; set it to an "
+                "autoencoder run or a diffusers folder, or model.pretrained to a pipeline"
             )
         self.vae = _placed(vae, device).eval().requires_grad_(False)
         scale = self._check_resolution(self.vae)
@@ -501,8 +513,9 @@ class DiffusionTask(Task):
         if encoding is not None:
             if encoding["vae"] != self.sources.get("vae"):
                 raise UserError(
-                    f"data.shards: the latents were encoded with the VAE {encoding['vae']} but model.vae is "
-                    f"{self.sources.get('vae')}; point model.vae there, encode again, or set data.use_encoded=false"
+                    f"data.shards: the latents were encoded with the VAE {encoding['vae']} but "
+                    f"model.components.vae.source is {self.sources.get('vae')}; point it there, encode again, or set "
+                    "data.use_encoded=false"
                 )
             unread = self.components.stood_in_for(encoding, self.data_config(), self.text_encoder_runs(),
                                                   self.encodes_images())

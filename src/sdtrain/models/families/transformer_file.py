@@ -46,7 +46,7 @@ def read_transformer_file(path: str | Path, trust_pickle: bool | None, *, title:
     except ValueError as exc:
         raise UserError(f"{file.path}: cannot read it as a {title} transformer ({first_line(exc)}); {fix}") from exc
     with frozen.parameters_on_meta():
-        module = construct(cls, "transformer_overrides", settings)
+        module = construct(cls, "components.transformer.overrides", settings)
     if not weights:
         return module.eval()
     tensors = convert([key[len(prefix):] for key in keys], lambda key: file.floats([prefix + key])[prefix + key])

@@ -59,7 +59,8 @@ def cache_latents(config: RunConfig, run_dir: Path, sources: list[str]) -> None:
         return
     vae = build.component_source(config.model, "vae")
     if vae is None:
-        raise UserError("dreambooth.cache_latents: there is no VAE to encode with; set model.pretrained or model.vae")
+        raise UserError("dreambooth.cache_latents: there is no VAE to encode with; set model.pretrained or "
+                        "model.components.vae.source")
     encoder = Encoder(vae, None, config.data.resolution, _device(config), dtype="float32")
     for src, out in todo:
         manifest = encode_dataset(src, out, encoder, caption_key=config.data.caption_key,

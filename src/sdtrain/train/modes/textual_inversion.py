@@ -51,7 +51,7 @@ def _initial_vector(tokenizer: Any, text_encoder: nn.Module, tokens: list[str], 
                         "tokens for this tokenizer; choose a word that is one token")
     table = text_encoder.get_input_embeddings()
     if table.num_embeddings != len(tokenizer):
-        raise UserError(f"model.tokenizer: {len(tokenizer)} tokens, but the text encoder has "
+        raise UserError(f"model.components.tokenizer.source: {len(tokenizer)} tokens, but the text encoder has "
                         f"{table.num_embeddings} embeddings; use the tokenizer that came with it")
     return table.weight[initializer[0]].detach().float().clone()
 
