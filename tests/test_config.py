@@ -231,5 +231,5 @@ def test_the_flat_component_keys_of_earlier_configs_still_load_with_one_note(tmp
     # Saved resolved, the config names the components the new way.
     assert "components:\n    vae:\n      source: runs/ae" in to_yaml(config)
     # On the command line an old key's null still clears what a file asks for (???).
-    asks = write(tmp_path, "stage: diffusion\nrun_dir: r\ndata: {shards: s}\nmodel: {pretrained: p, vae: ???}\n")
+    asks = write(tmp_path, "stage: diffusion\nrun_dir: r\ndata: {shards: s}\nmodel:\n  pretrained: p\n  vae: ???\n")
     assert load_config(asks, ["model.vae=null"]).model.source("vae") is None
