@@ -179,7 +179,6 @@ def _time_embed_dim(projection_input: int, pooled: int) -> int:
     return rest // 6 if rest > 0 and rest % 6 == 0 else _SDXL_TIME_EMBED_DIM
 
 
-
 def _infer(shapes: dict[str, tuple[int, ...]], metadata: dict[str, str], file: OpenFile | None = None
            ) -> tuple[dict[str, dict[str, Any]], dict[str, str], str | None, str, dict[str, Any], dict[str, str]]:
     """(configs, prefixes, text_layout, prediction_type, scheduler, errors); raises Unrecognized when the file
@@ -353,15 +352,12 @@ _COMPONENT_LABELS = {"unet": "UNet (model.diffusion_model.*)", "vae": "VAE (firs
                      "text_encoder_2": "second text encoder (SDXL's conditioner.embedders.1.model.*)"}
 
 
-
-
 def _missing_parameters(module: torch.nn.Module) -> list[str]:
     return [n for n, p in module.named_parameters() if p.is_meta]
 
 
-def load_component(name: str, path: str | Path, trust_pickle: bool | None = None,
-                               weights: bool = True,
-                               latent_constants: Callable[[], dict[str, float | None]] | None = None) -> Any:
+def load_component(name: str, path: str | Path, trust_pickle: bool | None = None, weights: bool = True,
+                   latent_constants: Callable[[], dict[str, float | None]] | None = None) -> Any:
     """Component `name` ('unet', 'vae', 'text_encoder', or SDXL's 'text_encoder_2') of a Stable Diffusion file in
     the original layout, in fp32, through diffusers' single-file loaders with a local config folder; never a
     download. Without `weights`, moved to the meta device.
@@ -471,7 +467,6 @@ def _to_original(name: str, state: dict[str, torch.Tensor], config: dict[str, An
     return text_to_original(state, text_layout or "clip")
 
 
-
 def choose_text_layout(text_encoder: Any, source: str | Path | None = None, requested: str = "auto") -> str:
     """'clip' or 'openclip' for writing `text_encoder`.
 
@@ -504,7 +499,6 @@ def _normalize(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_normalize(v) for v in value]
     return value
-
 
 
 def _sdxl(unet: Any = None, text_encoder_2: Any = None) -> bool:
@@ -627,12 +621,9 @@ def _check_reads_back(components: dict[str, Any], state: dict[str, torch.Tensor]
                             f"{odd[0]}); this architecture cannot be written as a single file")
 
 
-
-
 def save(out: str | Path, *, unet: Any = None, vae: Any = None, text_encoder: Any = None,
-                     text_encoder_2: Any = None, scheduler: Any = None, text_layout: str = "auto",
-                     text_source: str | Path | None = None, half: bool = False,
-                     metadata: dict[str, str] | None = None) -> Path:
+         text_encoder_2: Any = None, scheduler: Any = None, text_layout: str = "auto",
+         text_source: str | Path | None = None, half: bool = False, metadata: dict[str, str] | None = None) -> Path:
     """Write the given components as ONE safetensors file in the original SD layout, atomically.
 
     With `text_encoder_2` (SDXL's CLIPTextModelWithProjection), or a UNet with SDXL's ``text_time`` added

@@ -116,7 +116,6 @@ def past_layers(key: str, prefix: str, layers: int) -> bool:
     return m is not None and int(m.group(1)) >= layers
 
 
-
 def text_to_original(state: dict[str, torch.Tensor], layout: str, whole: bool = False) -> dict[str, torch.Tensor]:
     """`whole`: SDXL's OpenCLIP tower, conditioned on as it is (every layer, and its projection), where SD 2.x's
     is completed by one block it does not use (`_complete_openclip_tower`). Keys without a prefix.."""

@@ -110,7 +110,6 @@ def unet_config(s: dict[str, tuple[int, ...]], sgm: bool = False) -> dict[str, A
     }
 
 
-
 _UNET_RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
                 "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
 
@@ -153,7 +152,6 @@ def original_blocks(config: dict[str, Any]) -> Blocks:
                 blocks[f"up_blocks.{b}.upsamplers.0.conv"] = (f"output_blocks.{k}.{slot}.conv", {})
             k += 1
     return blocks
-
 
 
 def original_unet_path(path: str, config: dict[str, Any]) -> str:

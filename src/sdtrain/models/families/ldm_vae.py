@@ -53,7 +53,6 @@ def vae_config(s: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     }
 
 
-
 _VAE_RESNET = {"conv_shortcut": "nin_shortcut"}
 _VAE_ATTENTION = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
 
@@ -79,7 +78,6 @@ def original_blocks(config: dict[str, Any]) -> Blocks:
             blocks[f"decoder.up_blocks.{i}.resnets.{j}"] = (f"decoder.up.{n - 1 - i}.block.{j}", _VAE_RESNET)
         blocks[f"decoder.up_blocks.{i}.upsamplers.0.conv"] = (f"decoder.up.{n - 1 - i}.upsample.conv", {})
     return blocks
-
 
 
 def vae_to_original(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -207,7 +207,6 @@ def need(shapes: dict[str, tuple[int, ...]], key: str) -> tuple[int, ...]:
     return shapes[key]
 
 
-
 def strip(shapes: dict[str, Any], prefix: str) -> dict[str, Any]:
     """The entries under `prefix`, without it."""
     return {k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)}
