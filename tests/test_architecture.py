@@ -88,12 +88,9 @@ def test_no_family_module_imports_another_familys():
 
 
 # What names a family outside models/families/ today, file by file, and why it still does: each is to move into the
-# family's parts (the single-file layouts beside the newer families', a run's family recorded since before the
-# family was). A file may name fewer families, never more, and no other file may name one.
+# family's parts (a run's family recorded since before the family was). A file may name fewer families, never more,
+# and no other file may name one.
 FAMILY_NAMES_OUTSIDE = {
-    # Stable Diffusion's, SDXL's, SD3's and Flux.1's original single-file layouts, not yet beside their families.
-    "models/single_file/read.py": 12, "models/single_file/load.py": 2,
-    "models/single_file/write.py": 1, "models/single_file/flux.py": 1, "models/single_file/sd3.py": 1,
     # Runs written before checkpoints recorded their family were Stable Diffusion's.
     "loaders/writers.py": 1, "loaders/components.py": 2, "model_card.py": 1,
     # The shapes demo's two recipes, one per family, are the command's choices.

@@ -19,7 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from sdtrain.errors import UserError
-from sdtrain.models.single_file import FORMAT_VERSION, flux
+from sdtrain.models.families import bfl_flux as flux
+from sdtrain.models.single_file import FORMAT_VERSION
 
 from . import comfyui
 

@@ -187,14 +187,14 @@ def test_a_low_precision_base_streams_from_the_file_into_what_the_folder_gives(s
     """kohya's and ComfyUI's users train from flux1-dev.safetensors: with model.frozen_precision the file is read a
     tensor at a time, each linear weight stored low as it comes (a 24 GB file never becomes 48 GB of fp32), into
     the same bits the pipeline folder gives. Planning (`weights=False`) reads the header alone."""
-    from sdtrain.models.single_file.read import _File
+    from sdtrain.models.single_file import OpenFile
 
     streamed = load_component("transformer", single, family=FLUX, frozen_precision=precision)
     folder = load_component("transformer", pipeline, family=FLUX, frozen_precision=precision)
     assert not any(p.requires_grad or p.is_meta for p in streamed.parameters())
     _same_weights(streamed.state_dict(), folder.state_dict())
     _same_weights(dict(streamed.named_buffers()), dict(folder.named_buffers()))
-    monkeypatch.setattr(_File, "tensors", lambda *_: pytest.fail("a tensor was read"))
+    monkeypatch.setattr(OpenFile, "tensors", lambda *_: pytest.fail("a tensor was read"))
     shape = load_component("transformer", single, family=FLUX, weights=False)
     assert all(p.is_meta for p in shape.parameters())
 

@@ -12,8 +12,8 @@ import textwrap
 import pytest
 import torch
 
+from sdtrain.models.families import ldm_checkpoint
 from sdtrain.models.families.unet import widen_unet
-from sdtrain.models.single_file import save_single_file
 
 from . import comfyui
 
@@ -42,7 +42,7 @@ def test_comfyui_loads_the_exported_instruct_pix2pix_unet_as_its_own_model(tmp_p
     widen_unet(unet)
     with torch.no_grad():  # trained: the source's inputs away from zero
         unet.conv_in.weight[:, 4:].normal_(std=0.01)
-    save_single_file(tmp_path / "ip2p.safetensors", unet=unet, half=True)
+    ldm_checkpoint.save(tmp_path / "ip2p.safetensors", unet=unet, half=True)
     report = comfyui.run_comfyui(_SCRIPT, str(tmp_path / "ip2p.safetensors"))
     print(json.dumps(report, indent=1))
     assert report["model"] == "SD15_instructpix2pix" and report["in_channels"] == 8

@@ -15,7 +15,7 @@ from sdtrain.data.shards import read_manifest
 from sdtrain.errors import UserError
 from sdtrain.loaders.components import load_component
 from sdtrain.models import families
-from sdtrain.models.single_file import to_original_state_dict
+from sdtrain.models.families.ldm_checkpoint import to_original_state_dict
 
 FLUX_RELEASED = {"scaling_factor": 0.3611, "shift_factor": 0.1159}
 
@@ -94,9 +94,9 @@ def test_a_vae_file_with_no_model_to_serve_is_one_line_asking_for_the_family(tmp
 
 
 def test_files_that_state_their_constants_keep_them(tmp_path):
-    from sdtrain.models.single_file import save_single_file
+    from sdtrain.models.families.ldm_checkpoint import save
 
     # sdtrain's own VAE file says its constants in its metadata: they win over the family's.
     vae = _tiny_vae("sd", scaling_factor=0.7)
-    ours = save_single_file(tmp_path / "vae.safetensors", vae=vae)
+    ours = save(tmp_path / "vae.safetensors", vae=vae)
     assert load_component("vae", ours, served=ModelConfig(family="sdxl")).config.scaling_factor == 0.7

@@ -16,6 +16,7 @@ from sdtrain.loaders.components import load_component
 from sdtrain.loaders.pipelines import pipeline_from_file
 from sdtrain.models import build
 from sdtrain.models import single_file as sf
+from sdtrain.models.families import ldm_checkpoint as ldm
 from sdtrain.models.families.sd import PRESETS
 
 from .conftest import train
@@ -117,13 +118,13 @@ def test_sd2_layout_reads_as_v_prediction_with_the_same_text_encoder(tmp_path):
 
 
     unet, vae, text = _tiny_components()
-    path = sf.save_single_file(tmp_path / "sd2.safetensors", unet=unet, vae=vae, text_encoder=text,
+    path = ldm.save(tmp_path / "sd2.safetensors", unet=unet, vae=vae, text_encoder=text,
                                text_layout="openclip")
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata()
         fused = f.get_slice("cond_stage_model.model.transformer.resblocks.0.attn.in_proj_weight").get_shape()
     assert "prediction_type" not in metadata and fused == [3 * 64, 64]
-    assert sf.prediction_type(path) == "v_prediction"
+    assert ldm.prediction_type(path) == "v_prediction"
     noise = build.build_noise_scheduler(DiffusionConfig(), ModelConfig(pretrained=str(path)))
     assert noise.config.prediction_type == "v_prediction"
     assert (noise.config.beta_schedule, noise.config.beta_start, noise.config.beta_end,
@@ -141,7 +142,7 @@ def test_sd2_layout_reads_as_v_prediction_with_the_same_text_encoder(tmp_path):
     assert torch.equal(want.pooler_output, got.pooler_output)
     _assert_same_weights(load_component("unet", path), unet, "unet")
     # Exported again from an SD 2.x-layout source, the text encoder keeps that layout.
-    assert sf.choose_text_layout(loaded, source=path) == "openclip"
+    assert ldm.choose_text_layout(loaded, source=path) == "openclip"
 
     # Stability's SD 2.x files have 24 text blocks, the last a trained one SD 2 does not use (it conditions on the
     # penultimate): a 24-layer encoder's first 24 blocks, with or without text_projection and logit_scale.
@@ -149,12 +150,12 @@ def test_sd2_layout_reads_as_v_prediction_with_the_same_text_encoder(tmp_path):
                                  vocab_size=40, max_position_embeddings=8, hidden_act="gelu")
     deep = CLIPTextModel(deep_config).eval()
     with pytest.raises(UserError, match="openclip"):
-        sf.save_single_file(tmp_path / "deep.safetensors", text_encoder=deep, text_layout="openclip")
-    state = sf.to_original_state_dict(text_encoder=deep, text_layout="openclip")
+        ldm.save(tmp_path / "deep.safetensors", text_encoder=deep, text_layout="openclip")
+    state = ldm.to_original_state_dict(text_encoder=deep, text_layout="openclip")
     stability = {k: v.contiguous() for k, v in state.items() if ".resblocks.24." not in k}
     stripped = {k: v for k, v in stability.items() if not k.endswith(("text_projection", "logit_scale"))}
     # Their metadata, as ComfyUI or kohya may write it, says the settings but is not sdtrain's format.
-    metadata = {k: v for k, v in sf.single_file_metadata(text_encoder=deep).items() if k != sf.FORMAT_KEY}
+    metadata = {k: v for k, v in ldm.single_file_metadata(text_encoder=deep).items() if k != sf.FORMAT_KEY}
     deep.encoder.layers = deep.encoder.layers[:23]
     ids = torch.tensor([[0, 5, 9, 2]])
     with torch.no_grad():
@@ -173,7 +174,7 @@ def _openclip_forward(state: dict[str, torch.Tensor], ids: torch.Tensor, blocks:
     import torch.nn.functional as F
     from transformers.activations import ACT2FN
 
-    p = {k.removeprefix(sf.OPENCLIP_PREFIX): v.float() for k, v in state.items()}
+    p = {k.removeprefix(ldm.OPENCLIP_PREFIX): v.float() for k, v in state.items()}
     x = p["token_embedding.weight"][ids] + p["positional_embedding"][: ids.shape[1]]
     width, length = x.shape[-1], ids.shape[1]
     mask = torch.full((length, length), float("-inf")).triu(1)
@@ -199,14 +200,14 @@ def test_sd2_file_holds_the_whole_openclip_tower_and_reads_back_the_same(tmp_pat
     unet, vae, text = _tiny_components()
     text.eval()
     layers, width = text.config.num_hidden_layers, text.config.hidden_size
-    path = sf.save_single_file(tmp_path / "sd2.safetensors", unet=unet, vae=vae, text_encoder=text,
+    path = ldm.save(tmp_path / "sd2.safetensors", unet=unet, vae=vae, text_encoder=text,
                                text_layout="openclip")
     state = {k: v for k, v in load_file(str(path)).items() if k.startswith("cond_stage_model.")}
     with safe_open(str(path), framework="pt") as f:
         assert f.metadata()[sf.FORMAT_KEY] == sf.FORMAT_VERSION == "2"
     blocks = {int(k.split(".")[4]) for k in state if ".resblocks." in k}
     assert blocks == set(range(layers + 1))
-    prefix = sf.OPENCLIP_PREFIX
+    prefix = ldm.OPENCLIP_PREFIX
     assert torch.equal(state[prefix + "text_projection"], torch.eye(width))
     scale = state[prefix + "logit_scale"]
     assert scale.shape == () and scale.item() == pytest.approx(math.log(1 / 0.07))
@@ -242,7 +243,7 @@ def test_sd2_file_holds_the_whole_openclip_tower_and_reads_back_the_same(tmp_pat
     assert torch.equal(want.pooler_output, got.pooler_output)
 
     # In half precision the tower's end is fp16 like the rest.
-    half = sf.save_single_file(tmp_path / "half.safetensors", text_encoder=text, text_layout="openclip", half=True)
+    half = ldm.save(tmp_path / "half.safetensors", text_encoder=text, text_layout="openclip", half=True)
     assert {t.dtype for t in load_file(str(half)).values()} == {torch.float16}
 
     # A file of the previous format (1): N blocks for N layers, no text_projection nor logit_scale.
@@ -262,7 +263,7 @@ def test_vae_alone_with_attention_as_convolutions_or_linear(tmp_path):
 
     torch.manual_seed(0)
     vae = AutoencoderKL(**{**PRESETS["tiny"]["vae"], "mid_block_add_attention": True}, scaling_factor=0.3)
-    path = sf.save_single_file(tmp_path / "vae.safetensors", vae=vae)
+    path = ldm.save(tmp_path / "vae.safetensors", vae=vae)
     state = load_file(str(path))
     assert "encoder.conv_in.weight" in state and state["encoder.mid.attn_1.q.weight"].shape == (64, 64, 1, 1)
     loaded = load_component("vae", path)
@@ -287,14 +288,14 @@ def test_any_levels_and_layers_per_block_round_trip(tmp_path):
         up_block_types=["CrossAttnUpBlock2D", "UpBlock2D"], attention_head_dim=[2, 4], norm_num_groups=8,
         use_linear_projection=True, transformer_layers_per_block=2, cross_attention_dim=24, in_channels=3,
         out_channels=5, sample_size=8, upcast_attention=True)
-    path = sf.save_single_file(tmp_path / "unet.safetensors", unet=unet)
+    path = ldm.save(tmp_path / "unet.safetensors", unet=unet)
     loaded = load_component("unet", path)
     _assert_same_weights(loaded, unet, "unet")
     for key in ("attention_head_dim", "block_out_channels", "down_block_types", "up_block_types",
                 "use_linear_projection", "transformer_layers_per_block", "upcast_attention", "out_channels"):
-        assert sf._normalize(loaded.config[key]) == sf._normalize(unet.config[key]), key
+        assert ldm._normalize(loaded.config[key]) == ldm._normalize(unet.config[key]), key
     with pytest.raises(UserError, match="single file"):  # weights the original layout has no place for
-        sf.save_single_file(tmp_path / "x.safetensors", unet=UNet2DConditionModel(
+        ldm.save(tmp_path / "x.safetensors", unet=UNet2DConditionModel(
             **PRESETS["tiny"]["unet"], cross_attention_dim=64, class_embed_type="timestep"))
 
 
@@ -324,7 +325,7 @@ def test_stable_diffusion_sized_layouts_match_diffusers_converters():
             text = CLIPTextModel(CLIPTextConfig(**{**text_config, "projection_dim": text_config["hidden_size"]},
                                                 vocab_size=49408, max_position_embeddings=77, bos_token_id=0,
                                                 eos_token_id=2, pad_token_id=1))
-            state = sf.to_original_state_dict(unet, vae, text, layout)
+            state = ldm.to_original_state_dict(unet, vae, text, layout)
         assert set(convert_ldm_unet_checkpoint(state, dict(unet.config))) == set(unet.state_dict())
         assert set(convert_ldm_vae_checkpoint(state, dict(vae.config))) == set(vae.state_dict())
         converted = (convert_ldm_clip_checkpoint(state) if layout == "clip" else
@@ -332,17 +333,17 @@ def test_stable_diffusion_sized_layouts_match_diffusers_converters():
         assert {k.removeprefix("text_model.") for k in converted} == set(text.state_dict())
         shapes = {k: tuple(v.shape) for k, v in state.items()}
         if layout == "openclip":  # the whole tower, as a real SD 2.x file has it
-            assert shapes[sf.OPENCLIP_PREFIX + "text_projection"] == (1024, 1024)
-            assert shapes[sf.OPENCLIP_PREFIX + "logit_scale"] == ()
+            assert shapes[ldm.OPENCLIP_PREFIX + "text_projection"] == (1024, 1024)
+            assert shapes[ldm.OPENCLIP_PREFIX + "logit_scale"] == ()
             assert max(int(k.split(".")[4]) for k in shapes if ".resblocks." in k) == 23
-        configs, _, found, prediction, _, errors = sf._infer(shapes, {})
+        configs, _, found, prediction, _, errors = ldm._infer(shapes, {})
         assert not errors
         assert (found, prediction) == (layout, "epsilon" if layout == "clip" else "v_prediction")
         for name, module in (("unet", unet), ("vae", vae), ("text_encoder", text)):
             inferred = configs[name]
-            expected = sf._module_config(name, module)
-            assert not [k for k in inferred if k in expected and sf._normalize(inferred[k]) !=
-                        sf._normalize(expected[k])], name
+            expected = ldm._module_config(name, module)
+            assert not [k for k in inferred if k in expected and ldm._normalize(inferred[k]) !=
+                        ldm._normalize(expected[k])], name
 
 
 def test_a_planted_pickle_payload_never_runs(tmp_path, monkeypatch):
@@ -371,14 +372,14 @@ def test_a_planted_pickle_payload_never_runs(tmp_path, monkeypatch):
     # A plain trusted checkpoint loads through the same conversion (a bare VAE, for the model family it serves).
     _, vae, _ = _tiny_components()
     plain = tmp_path / "vae.ckpt"
-    torch.save({"state_dict": sf.to_original_state_dict(vae=vae), "global_step": 3}, plain)
+    torch.save({"state_dict": ldm.to_original_state_dict(vae=vae), "global_step": 3}, plain)
     _assert_same_weights(load_component("vae", plain, served=ModelConfig(family="sd")), vae, "pickled vae")
     assert build.source_kind(plain) == "single_file" and build.pin_source(plain) == str(plain.resolve())
 
 
 def test_bad_files_are_one_clear_error(tmp_path):
     unet, vae, text = _tiny_components()
-    good = sf.save_single_file(tmp_path / "good.safetensors", unet=unet, vae=vae, text_encoder=text)
+    good = ldm.save(tmp_path / "good.safetensors", unet=unet, vae=vae, text_encoder=text)
     data = good.read_bytes()
     for name, content in (("truncated", data[: len(data) // 2]), ("stub", data[:5])):
         bad = tmp_path / f"{name}.safetensors"
@@ -423,5 +424,5 @@ def test_training_starts_from_a_single_file(tmp_path, exported, shapes_dir):
     assert meta["sources"]["unet"] == str(path.resolve())
     # The frozen VAE is the file's; the run exports back to one file in the same layout.
     again = export_single_file(run, tmp_path / "again.safetensors")
-    assert sf.text_encoder_layout(again) == "clip"
+    assert ldm.text_encoder_layout(again) == "clip"
     _assert_same_weights(load_component("vae", again), load_component("vae", path), "vae")

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from sdtrain.errors import UserError
 from sdtrain.loaders.pipelines import pipeline_from_file
 from sdtrain.models import single_file as sf
+from sdtrain.models.families import ldm_checkpoint as ldm
 
 NAMES = ("unet", "vae", "text_encoder", "text_encoder_2")
 # SDXL's own schedule (its EulerDiscreteScheduler config), as the training noise scheduler.
@@ -58,7 +59,7 @@ def sdxl(tmp_path_factory):
     root = tmp_path_factory.mktemp("sdxl")
     tokenizer = train_clip_tokenizer(["a red circle", "a blue square", "a green triangle"], root / "tok")
     parts = _tiny_sdxl(tokenizer)
-    path = sf.save_single_file(root / "model.safetensors", **parts)
+    path = ldm.save(root / "model.safetensors", **parts)
     for index in (1, 2):
         tokenizer.save_pretrained(sf.tokenizer_folder(path, index))
     pipe = StableDiffusionXLPipeline(
@@ -102,12 +103,12 @@ def test_file_is_in_sgm_layout_and_diffusers_reads_every_weight(sdxl):
     assert json.loads(metadata["text_encoder_2_config"])["hidden_act"] == "gelu"
     assert json.loads(metadata["unet_config"])["addition_time_embed_dim"] == 8
     assert sf.written_by_sdtrain(path)
-    unet_keys = {k.removeprefix(sf.UNET_PREFIX) for k in state if k.startswith(sf.UNET_PREFIX)}
+    unet_keys = {k.removeprefix(ldm.UNET_PREFIX) for k in state if k.startswith(ldm.UNET_PREFIX)}
     assert {"label_emb.0.0.weight", "label_emb.0.2.bias"} <= unet_keys
     # Level 1 (input blocks 3 and 4 after a downsample at 2) has 2 transformer blocks; level 0 none.
     assert "input_blocks.3.1.transformer_blocks.1.attn2.to_k.weight" in unet_keys
     assert not any(k.startswith("input_blocks.1.1.") for k in unet_keys)
-    bigg = sf.SDXL_OPENCLIP_PREFIX
+    bigg = ldm.SDXL_OPENCLIP_PREFIX
     assert torch.equal(state[bigg + "text_projection"], parts["text_encoder_2"].text_projection.weight.T)
     assert {int(k.split(".")[6]) for k in state if ".resblocks." in k} == {0, 1}  # whole tower, nothing added
     assert state[bigg + "logit_scale"].shape == ()
@@ -130,19 +131,19 @@ def test_sdtrain_reads_each_component_and_the_pipeline_without_a_config_folder(s
     from transformers import CLIPTextModelWithProjection
 
     path, _, parts, pipe = sdxl
-    info = sf.inspect_single_file(path)
-    assert info.family == "sdxl" and sf.model_family(path) == "sdxl" and info.text_layout == "clip"
-    assert info.prefixes["text_encoder_2"] == sf.SDXL_OPENCLIP_PREFIX
+    info = ldm.inspect(path)
+    assert info.family == "sdxl" and ldm.model_family(path) == "sdxl" and info.text_layout == "clip"
+    assert info.prefixes["text_encoder_2"] == ldm.SDXL_OPENCLIP_PREFIX
     assert info.scheduler_config["timestep_spacing"] == "leading" and info.prediction_type == "epsilon"
     with caplog.at_level("WARNING"):
-        loaded = {name: sf.load_single_file_component(name, path) for name in NAMES}
+        loaded = {name: ldm.load_component(name, path) for name in NAMES}
     assert "not used" not in caplog.text
     for name in NAMES:
         _assert_same_weights(loaded[name], parts[name], f"sdtrain {name}")
     assert isinstance(loaded["text_encoder_2"], CLIPTextModelWithProjection)
     for key in ("transformer_layers_per_block", "attention_head_dim", "down_block_types", "addition_embed_type",
                 "addition_time_embed_dim", "projection_class_embeddings_input_dim", "cross_attention_dim"):
-        assert sf._normalize(loaded["unet"].config[key]) == sf._normalize(parts["unet"].config[key]), key
+        assert ldm._normalize(loaded["unet"].config[key]) == ldm._normalize(parts["unet"].config[key]), key
     assert loaded["vae"].config.scaling_factor == 0.13025
     for name in ("text_encoder", "text_encoder_2"):
         for key in ("hidden_act", "num_attention_heads", "projection_dim", "eos_token_id"):
@@ -164,7 +165,7 @@ def test_a_file_without_metadata_reads_with_sdxl_defaults(sdxl, tmp_path):
     path, _, parts, _ = sdxl
     bare = tmp_path / "bare.safetensors"
     save_file(load_file(str(path)), str(bare))
-    info = sf.inspect_single_file(bare)
+    info = ldm.inspect(bare)
     assert info.family == "sdxl" and info.prediction_type == "epsilon"
     assert {k: info.scheduler_config[k] for k in SCHEDULE} == SCHEDULE
     unet = info.configs["unet"]
@@ -175,15 +176,15 @@ def test_a_file_without_metadata_reads_with_sdxl_defaults(sdxl, tmp_path):
     assert info.configs["text_encoder_2"]["hidden_act"] == "gelu"
     assert info.configs["text_encoder"]["hidden_act"] == "quick_gelu"
     for name in NAMES:
-        _assert_same_weights(sf.load_single_file_component(name, bare), parts[name], f"bare {name}")
+        _assert_same_weights(ldm.load_component(name, bare), parts[name], f"bare {name}")
 
     # A second text encoder without its projection cannot condition SDXL's UNet: one clear line.
     broken = tmp_path / "broken.safetensors"
     save_file({k: v for k, v in load_file(str(path)).items() if not k.endswith("text_projection")}, str(broken))
     with pytest.raises(UserError, match="unrecognized text_encoder_2 layout.*text_projection") as caught:
-        sf.load_single_file_component("text_encoder_2", broken)
+        ldm.load_component("text_encoder_2", broken)
     assert str(broken) in str(caught.value) and "\n" not in str(caught.value)
-    _assert_same_weights(sf.load_single_file_component("unet", broken), parts["unet"], "unet beside it")
+    _assert_same_weights(ldm.load_component("unet", broken), parts["unet"], "unet beside it")
     with pytest.raises(UserError, match="no tokenizer") as caught:
         pipeline_from_file(bare)
     assert "\n" not in str(caught.value)
@@ -198,15 +199,15 @@ def test_writer_refuses_what_sdxl_files_cannot_hold(sdxl, tmp_path):
 
     _, _, parts, _ = sdxl
     with pytest.raises(UserError, match="CLIP layout"):
-        sf.save_single_file(tmp_path / "x.safetensors", **parts, text_layout="openclip")
+        ldm.save(tmp_path / "x.safetensors", **parts, text_layout="openclip")
     plain = CLIPTextModel(parts["text_encoder_2"].config)  # no projection
     with pytest.raises(UserError, match="CLIPTextModelWithProjection"):
-        sf.save_single_file(tmp_path / "x.safetensors", text_encoder_2=plain)
+        ldm.save(tmp_path / "x.safetensors", text_encoder_2=plain)
     assert not list(tmp_path.iterdir())
     # The UNet alone is still SDXL's (its added embedding says so), and reads back.
-    alone = sf.save_single_file(tmp_path / "unet.safetensors", unet=parts["unet"])
-    assert sf.model_family(alone) == "sdxl"
-    _assert_same_weights(sf.load_single_file_component("unet", alone), parts["unet"], "unet alone")
+    alone = ldm.save(tmp_path / "unet.safetensors", unet=parts["unet"])
+    assert ldm.model_family(alone) == "sdxl"
+    _assert_same_weights(ldm.load_component("unet", alone), parts["unet"], "unet alone")
     assert sf.tokenizer_folder(alone, 2).name == "unet.tokenizer_2"
 
 
@@ -240,18 +241,18 @@ def test_sdxl_sized_layout_is_what_diffusers_detects_and_converts():
         bigg = CLIPTextModelWithProjection(CLIPTextConfig(
             hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
             projection_dim=1280, hidden_act="gelu", **ids))
-        state = sf.to_original_state_dict(unet, vae, clip_l, "clip", text_encoder_2=bigg)
+        state = ldm.to_original_state_dict(unet, vae, clip_l, "clip", text_encoder_2=bigg)
     assert infer_diffusers_model_type(state) == "xl_base"
     assert set(convert_ldm_unet_checkpoint(state, dict(unet.config))) == set(unet.state_dict())
     assert {k.removeprefix("text_model.") for k in convert_ldm_clip_checkpoint(state)} == set(clip_l.state_dict())
-    converted = set(convert_open_clip_checkpoint(bigg, state, prefix=sf.SDXL_OPENCLIP_PREFIX))
+    converted = set(convert_open_clip_checkpoint(bigg, state, prefix=ldm.SDXL_OPENCLIP_PREFIX))
     assert converted == set(bigg.state_dict())
-    assert tuple(state[sf.SDXL_OPENCLIP_PREFIX + "text_projection"].shape) == (1280, 1280)
+    assert tuple(state[ldm.SDXL_OPENCLIP_PREFIX + "text_projection"].shape) == (1280, 1280)
 
-    configs, _, layout, prediction, scheduler, errors = sf._infer({k: tuple(v.shape) for k, v in state.items()}, {})
+    configs, _, layout, prediction, scheduler, errors = ldm._infer({k: tuple(v.shape) for k, v in state.items()}, {})
     assert not errors and (layout, prediction, scheduler["timestep_spacing"]) == ("clip", "epsilon", "leading")
     for name, module in (("unet", unet), ("vae", vae), ("text_encoder", clip_l), ("text_encoder_2", bigg)):
-        expected = sf._module_config(name, module)
-        differ = [k for k in configs[name] if k in expected and sf._normalize(configs[name][k]) !=
-                  sf._normalize(expected[k])]
+        expected = ldm._module_config(name, module)
+        differ = [k for k in configs[name] if k in expected and ldm._normalize(configs[name][k]) !=
+                  ldm._normalize(expected[k])]
         assert not differ, (name, differ)

@@ -172,7 +172,9 @@ def _write_single_file(run_dir: Path, out: Path, ema: bool = True, checkpoint: P
     config = run_config(run_dir)
     if config.stage != "diffusion":
         vae = load_run_modules(run_dir, ["vae"], ema=ema, checkpoint=checkpoint)["vae"]
-        single_file.save_single_file(out, vae=vae, half=half)
+        # A VAE alone is kept as every family's VAE files are: in Stable Diffusion's original layout.
+        families.SD.files.single_file.write(out, {"vae": vae}, half=half, scheduler=None, text_layout="auto",
+                                            text_source=None)
         log.info("exported %s -> %s", run_dir, out)
         return out
     # The family the run trained, as its checkpoint records it (the config's sources may have moved since).

@@ -36,14 +36,14 @@ from diffusers import (
 from torch import nn
 from transformers import T5EncoderModel
 
-from sdtrain.models.families import spec
+from sdtrain.models.families import bfl, spec
 from sdtrain.models.families.autoencoder import FLUX_CODEC, FLUX_VAE, TINY_FLUX_VAE, vae_blocks
 from sdtrain.models.families.clip import ClipTokenizerFromScratch
 from sdtrain.models.families.patches import image_ids, pack, unpack
 from sdtrain.models.families.spec import ids_key, mask_key
 from sdtrain.models.families.text_towers import T5_XXL, TINY_T5, t5_blocks, t5_config
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
-from sdtrain.models.single_file import bfl, kohya
+from sdtrain.models.single_file import kohya
 from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY
 
 # Chroma1-HD's 8.9B transformer (the width it attends to comes from T5, see Call.settings).

@@ -33,8 +33,9 @@ from torch import nn
 from transformers import CLIPTextModel, T5EncoderModel
 
 from sdtrain.models import single_file
-from sdtrain.models.families import spec
+from sdtrain.models.families import bfl_flux, spec
 from sdtrain.models.families.autoencoder import FLUX_CODEC, FLUX_VAE, TINY_FLUX_VAE, vae_blocks
+from sdtrain.models.families.bfl import original_prefix, original_rows
 from sdtrain.models.families.clip import ClipTokenizerFromScratch
 from sdtrain.models.families.patches import image_ids, pack, unpack
 from sdtrain.models.families.spec import ControlSpec, ReferenceSpec, SingleFileLayout
@@ -48,8 +49,6 @@ from sdtrain.models.families.text_towers import (
     t5_config,
     text_blocks,
 )
-from sdtrain.models.single_file import flux as original_layout
-from sdtrain.models.single_file.read import original_prefix
 
 # Flux.1-dev: 11,901,408,320 parameters (its context and pooled widths come from T5 and CLIP, see
 # Call.settings).
@@ -207,7 +206,7 @@ def reference_init(transformer: FluxTransformer2DModel) -> None:
 
 class TransformerFile(SingleFileLayout):
     """Black Forest Labs' release file (flux1-dev.safetensors'): the transformer alone, in their layout, bare or
-    under ComfyUI's ``model.diffusion_model.`` (`sdtrain.models.single_file.flux`). Its VAE, text encoders and
+    under ComfyUI's ``model.diffusion_model.`` (`bfl_flux`). Its VAE, text encoders and
     tokenizers are loaded separately, as Flux.1 tools load them. Written in bf16 with ``--half``: Flux.1's
     activations overflow fp16."""
 
@@ -219,12 +218,12 @@ class TransformerFile(SingleFileLayout):
 
     def load(self, name: str, path: Path, *, trust_pickle: bool | None, frozen_precision: str, weights: bool,
              latent_constants: Callable[[], dict[str, float | None]]) -> nn.Module:
-        return original_layout.load_transformer(single_file.open_file(path, trust_pickle),
-                                                frozen_precision=frozen_precision, weights=weights)
+        return bfl_flux.load_transformer(single_file.open_file(path, trust_pickle),
+                                         frozen_precision=frozen_precision, weights=weights)
 
     def write(self, out: Path, components: dict[str, nn.Module], *, half: bool, scheduler: Any,
               text_layout: str, text_source: str | Path | None) -> None:
-        original_layout.save_original(out, components["transformer"], half=half)
+        bfl_flux.save_original(out, components["transformer"], half=half)
 
 
 class Conditioner(ClipTokenizerFromScratch, spec.Conditioner):
@@ -329,11 +328,11 @@ class Files(spec.FileInterchange):
         # The transformer's adapters are named in BFL's layout, where q, k, v (and a single block's MLP input)
         # are one fused Linear: the layout module fuses their adapters too, as ComfyUI and kohya expect.
         if component == "transformer":
-            return original_layout.kohya_lora(layers, dict(config))
+            return bfl_flux.kohya_lora(layers, dict(config))
         return super().kohya_lora(component, layers, config)
 
     def original_rows(self, component: str, path: str, rows: torch.Tensor) -> torch.Tensor:
-        return original_layout.original_rows(path, rows) if component == "transformer" else rows
+        return original_rows(path, rows) if component == "transformer" else rows
 
 
 class Sampling(spec.Sampling):

@@ -31,10 +31,10 @@ from transformers import AutoTokenizer, MistralConfig, MistralModel, Qwen3Config
 
 from sdtrain.models.families import causal_lm, spec
 from sdtrain.models.families.autoencoder import TINY_VAE, vae_blocks
+from sdtrain.models.families.bfl import original_rows
 from sdtrain.models.families.codec import LatentCodec
 from sdtrain.models.families.spec import construct, ids_key, index_says, mask_key
 from sdtrain.models.families.transformer_file import TransformerAlone, read_transformer_file
-from sdtrain.models.single_file import flux as bfl_layout
 from sdtrain.models.single_file import kohya
 from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY
 
@@ -207,7 +207,7 @@ def to_bfl(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 out[f"single_blocks.{block}.{_BFL_SINGLE[inner]}.{_bfl_end(inner, end)}"] = state.pop(key)
         elif module in _BFL_TOP:
             tensor = state.pop(key)
-            out[f"{_BFL_TOP[module]}.{end}"] = bfl_layout.original_rows(module, tensor)
+            out[f"{_BFL_TOP[module]}.{end}"] = original_rows(module, tensor)
     if state:
         raise ValueError(f"{len(state)} weights have no place in Flux.2's original layout (e.g. {next(iter(state))})")
     return out
@@ -402,7 +402,7 @@ class Files(spec.FileInterchange):
 
     def original_rows(self, component: str, path: str, rows: torch.Tensor) -> torch.Tensor:
         # Black Forest Labs' layout, as Flux.1's.
-        return bfl_layout.original_rows(path, rows) if component == "transformer" else rows
+        return original_rows(path, rows) if component == "transformer" else rows
 
     def kohya_lora(self, component: str, layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]], config: Any
                    ) -> dict[str, torch.Tensor]:

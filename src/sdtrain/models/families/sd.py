@@ -20,14 +20,9 @@ from sdtrain.models.families import spec
 from sdtrain.models.families.autoencoder import SD_VAE, TINY_VAE, vae_blocks
 from sdtrain.models.families.clip import ClipTokenizerFromScratch
 from sdtrain.models.families.codec import AutoencoderKLCodec
+from sdtrain.models.families.ldm_checkpoint import ORIGINAL_CHECKPOINT
 from sdtrain.models.families.text_towers import clip_text_config, text_blocks
-from sdtrain.models.families.unet import (
-    ORIGINAL_CHECKPOINT,
-    UNetCall,
-    unet_blocks,
-    unet_control,
-    unet_instruct,
-)
+from sdtrain.models.families.unet import UNetCall, unet_blocks, unet_control, unet_instruct
 
 _TINY_UNET = dict(
     block_out_channels=[32, 64, 64],

@@ -14,7 +14,6 @@ on the 0..1000 scale, as the pipeline passes the scheduler's.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +30,12 @@ from torch import nn
 from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
 from sdtrain.errors import UserError
-from sdtrain.models import single_file
 from sdtrain.models.families import spec
 from sdtrain.models.families.autoencoder import FLUX_VAE, TINY_FLUX_VAE, vae_blocks
 from sdtrain.models.families.clip import ClipTokenizerFromScratch
 from sdtrain.models.families.codec import AutoencoderKLCodec
-from sdtrain.models.families.spec import ControlSpec, SingleFileLayout
+from sdtrain.models.families.sd3_checkpoint import StabilityCheckpoint
+from sdtrain.models.families.spec import ControlSpec
 from sdtrain.models.families.text_towers import (
     CLIP_L,
     OPENCLIP_BIGG,
@@ -50,7 +49,6 @@ from sdtrain.models.families.text_towers import (
     t5_config,
     text_blocks,
 )
-from sdtrain.models.single_file import sd3 as stability_layout
 
 # SD3's autoencoder: Flux.1's shape (16 channels, no quant convs) with its own centring and scale.
 _SD3_VAE = {**FLUX_VAE, "shift_factor": 0.0609, "scaling_factor": 1.5305}
@@ -119,20 +117,6 @@ def controlnet_residuals(controlnet: nn.Module, noisy: torch.Tensor, timesteps: 
                          pooled_projections=torch.zeros_like(pooled) if config.force_zeros_for_pooled_projection
                          else pooled, return_dict=False)[0]
     return {"block_controlnet_hidden_states": samples}
-
-
-class StabilityCheckpoint(SingleFileLayout):
-    """SD3's and SD3.5's release file (sd3_medium_incl_clips_t5xxlfp8.safetensors'): the MMDiT, the VAE and all
-    three text encoders in Stability's layout (`sdtrain.models.single_file.sd3`)."""
-
-    def load(self, name: str, path: Path, *, trust_pickle: bool | None, frozen_precision: str, weights: bool,
-             latent_constants: Callable[[], dict[str, float | None]]) -> nn.Module:
-        module = stability_layout.load_component(single_file.open_file(path, trust_pickle), name)
-        return module if weights else module.to("meta")
-
-    def write(self, out: Path, components: dict[str, nn.Module], *, half: bool, scheduler: Any,
-              text_layout: str, text_source: str | Path | None) -> None:
-        stability_layout.save_original(out, components, half=half)
 
 
 class Conditioner(ClipTokenizerFromScratch, spec.Conditioner):

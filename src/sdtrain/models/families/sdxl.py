@@ -24,11 +24,12 @@ from diffusers import (
 from torch import nn
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-from sdtrain.models import single_file
 from sdtrain.models.families import spec
 from sdtrain.models.families.autoencoder import SD_VAE, TINY_VAE, vae_blocks
 from sdtrain.models.families.clip import ClipTokenizerFromScratch
 from sdtrain.models.families.codec import AutoencoderKLCodec
+from sdtrain.models.families.ldm_checkpoint import ORIGINAL_CHECKPOINT
+from sdtrain.models.families.ldm_unet import original_unet_path
 from sdtrain.models.families.text_towers import (
     CLIP_L,
     OPENCLIP_BIGG,
@@ -38,13 +39,7 @@ from sdtrain.models.families.text_towers import (
     penultimate_states,
     text_blocks,
 )
-from sdtrain.models.families.unet import (
-    ORIGINAL_CHECKPOINT,
-    UNetCall,
-    unet_blocks,
-    unet_control,
-    unet_instruct,
-)
+from sdtrain.models.families.unet import UNetCall, unet_blocks, unet_control, unet_instruct
 
 _SDXL_VAE = {**SD_VAE, "scaling_factor": 0.13025, "sample_size": 1024}
 # The SDXL 1.0 base UNet: 2,567,463,684 parameters (its cross-attention width and added-embedding input
@@ -126,7 +121,7 @@ class Files(spec.FileInterchange):
 
     def original_module_path(self, component: str, path: str, config: Any) -> str:
         # kohya's SDXL LoRAs name UNet modules in the original (SGM) layout: input_blocks.4.1..., not down_blocks.
-        return single_file.original_unet_path(path, config) if component == "unet" else path
+        return original_unet_path(path, config) if component == "unet" else path
 
 
 class Sampling(spec.Sampling):

@@ -1,11 +1,10 @@
-"""What Stable Diffusion's UNet families (1.x/2.x, SDXL) share: the UNet2DConditionModel's repeated blocks, and
-the original checkpoint layout their single files are in."""
+"""What Stable Diffusion's UNet families (1.x/2.x, SDXL) share: the UNet2DConditionModel's repeated blocks, its
+call, its ControlNet and its InstructPix2Pix widening (the original checkpoint layout their single files are in is
+`ldm_checkpoint`'s)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,8 +12,7 @@ from diffusers import ControlNetModel, UNet2DConditionModel
 from torch import nn
 
 from sdtrain.errors import UserError
-from sdtrain.models import single_file
-from sdtrain.models.families.spec import ControlSpec, DenoiserCall, InstructSpec, SingleFileLayout
+from sdtrain.models.families.spec import ControlSpec, DenoiserCall, InstructSpec
 
 
 def unet_blocks(unet: UNet2DConditionModel) -> list:
@@ -100,27 +98,3 @@ class UNetCall(DenoiserCall):
     def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
                   ) -> dict[str, Any]:
         return {"encoder_hidden_states": text["text_emb"]}
-
-
-class OriginalCheckpoint(SingleFileLayout):
-    """Stable Diffusion's original checkpoint (CompVis/LDM, Stability's SGM for SDXL): UNet, VAE and text
-    encoders in one file, as A1111 and ComfyUI load it (`sdtrain.models.single_file`). Its VAE-only files (Flux's
-    ae.safetensors, sdxl_vae.safetensors) serve every family."""
-
-    family_bound = False
-    text_layouts = single_file.TEXT_LAYOUTS
-
-    def load(self, name: str, path: Path, *, trust_pickle: bool | None, frozen_precision: str, weights: bool,
-             latent_constants: Callable[[], dict[str, float | None]]) -> nn.Module:
-        return single_file.load_single_file_component(name, path, trust_pickle, weights=weights,
-                                                      latent_constants=latent_constants)
-
-    def write(self, out: Path, components: dict[str, nn.Module], *, half: bool, scheduler: Any,
-              text_layout: str, text_source: str | Path | None) -> None:
-        single_file.save_single_file(out, unet=components.get("unet"), vae=components.get("vae"),
-                                     text_encoder=components.get("text_encoder"),
-                                     text_encoder_2=components.get("text_encoder_2"), scheduler=scheduler,
-                                     text_layout=text_layout, text_source=text_source, half=half)
-
-
-ORIGINAL_CHECKPOINT = OriginalCheckpoint()

@@ -22,9 +22,11 @@ import torch
 
 from sdtrain.errors import UserError
 from sdtrain.models import frozen
-from sdtrain.models.single_file import bfl, kohya
-from sdtrain.models.single_file.read import FLUX_PREFIXES as _PREFIXES
-from sdtrain.models.single_file.read import _File, _first_line, original_prefix
+from sdtrain.models.families import bfl
+from sdtrain.models.families.bfl import PREFIXES as _PREFIXES
+from sdtrain.models.families.bfl import original_prefix
+from sdtrain.models.single_file import kohya
+from sdtrain.models.single_file.read import OpenFile, error_line
 from sdtrain.models.single_file.write import LAYOUT_CONFIG_KEY, layout_metadata, write_tensors
 
 CONFIG_KEY = LAYOUT_CONFIG_KEY
@@ -36,7 +38,6 @@ SHAPE_KEYS = frozenset({"in_channels", "out_channels", "num_layers", "num_single
                         "num_attention_heads", "joint_attention_dim", "pooled_projection_dim", "guidance_embeds"})
 # Its rows are (scale, shift) in diffusers, (shift, scale) originally.
 _SWAPPED = "final_layer.adaLN_modulation.1"
-swap_halves = bfl.swap_halves
 
 
 # --------------------------------------------------------------------------------------------------- the layout
@@ -59,13 +60,6 @@ def _modules(config: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
 
 _LAYOUT = bfl.Layout(title="Flux", model="Flux.1", modules=_modules, norms=bfl.block_norms,
                      settings="num_layers/num_single_layers/guidance_embeds", swapped=_SWAPPED)
-
-
-def original_rows(path: str, rows: torch.Tensor) -> torch.Tensor:
-    """A vector of one value per output row of the transformer's layer at `path` (diffusers' row order) in the order
-    Black Forest Labs' layout keeps that layer's rows: its final modulation holds shift before scale (Flux.1's and
-    Flux.2's alike)."""
-    return swap_halves(rows) if path == "norm_out.linear" else rows
 
 
 def _strip_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -152,18 +146,18 @@ def transformer_config_from_original(state_or_shapes: Mapping[str, Any],
 
 def kohya_lora(layers: Mapping[str, kohya.LoraFactors], config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """LoRA layers on diffusers' module paths (inside the transformer, as peft names them) -> kohya's Flux keys
-    (single_file.kohya's layout). `layers` maps a path to (lora_A weight [r, in], lora_B weight [out, r], alpha).
+    (`kohya`'s layout). `layers` maps a path to (lora_A weight [r, in], lora_B weight [out, r], alpha).
     Parts BFL fuses are fused (see `bfl`). A path without an original counterpart: ValueError."""
     return _LAYOUT.kohya_lora(layers, config)
 
 
 # --------------------------------------------------------------------------------------------------- loading
 
-def load_transformer(file: _File, frozen_precision: str = "fp32", weights: bool = True) -> Any:
+def load_transformer(file: OpenFile, frozen_precision: str = "fp32", weights: bool = True) -> Any:
     """A FluxTransformer2DModel, in fp32, from a file of Flux.1's transformer in BFL's original layout (bare keys as
     in flux1-dev.safetensors, or under ComfyUI's ``model.diffusion_model.``; other keys of such a checkpoint are
-    left alone): its settings from the tensor shapes and the file's metadata (`flux.transformer_config_from_original`),
-    its weights converted by `flux.from_original`. No config folder, no download; the model is built on the meta
+    left alone): its settings from the tensor shapes and the file's metadata (`transformer_config_from_original`),
+    its weights converted by `from_original`. No config folder, no download; the model is built on the meta
     device and given the tensors, so a 12B transformer is never allocated twice.
 
     A `frozen_precision` other than fp32 reads the file a tensor at a time, its linear weights stored in that
@@ -181,7 +175,7 @@ def load_transformer(file: _File, frozen_precision: str = "fp32", weights: bool 
     try:
         config = transformer_config_from_original({k: file.shapes[k] for k in keys}, file.metadata)
     except ValueError as exc:
-        raise UserError(f"{file.path}: cannot read it as a Flux.1 transformer ({_first_line(exc)}); {fix}") from exc
+        raise UserError(f"{file.path}: cannot read it as a Flux.1 transformer ({error_line(exc)}); {fix}") from exc
     # The rope axes as a list, as a config.json gives them: a checkpoint's spec is then the same either way.
     settings = {**config, "axes_dims_rope": list(config["axes_dims_rope"])}
     if not weights:
@@ -197,9 +191,9 @@ def load_transformer(file: _File, frozen_precision: str = "fp32", weights: bool 
         else:
             module = _in_fp32(file, keys, config, settings)
     except ValueError as exc:  # the conversion: a key missing, or one that is not Flux.1's
-        raise UserError(f"{file.path}: cannot read it as a Flux.1 transformer ({_first_line(exc)}); {fix}") from exc
+        raise UserError(f"{file.path}: cannot read it as a Flux.1 transformer ({error_line(exc)}); {fix}") from exc
     except (RuntimeError, TypeError) as exc:
-        raise UserError(f"{file.path}: cannot load the Flux.1 transformer ({_first_line(exc)}); {fix}") from exc
+        raise UserError(f"{file.path}: cannot load the Flux.1 transformer ({error_line(exc)}); {fix}") from exc
     missing = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
     if missing:
         raise UserError(f"{file.path}: the Flux.1 transformer lacks {len(missing)} weights (e.g. {missing[0]}); the "
@@ -207,7 +201,7 @@ def load_transformer(file: _File, frozen_precision: str = "fp32", weights: bool 
     return module.eval()
 
 
-def _in_fp32(file: _File, keys: list[str], config: dict[str, Any], settings: dict[str, Any]) -> Any:
+def _in_fp32(file: OpenFile, keys: list[str], config: dict[str, Any], settings: dict[str, Any]) -> Any:
     from diffusers import FluxTransformer2DModel
 
     state = from_original(file.floats(keys), config)

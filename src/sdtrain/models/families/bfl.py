@@ -1,6 +1,7 @@
-"""Black Forest Labs' transformer layout, shared by the models built on Flux.1's transformer (Flux.1 itself, Chroma):
-the double- and single-stream blocks as BFL's files name them, against diffusers' modules, and converting a state
-dict both ways and LoRA adapters to kohya's names from a table of such modules.
+"""Black Forest Labs' transformer layout, shared by the models built on Flux.1's transformer (Flux.1 itself, Chroma;
+Flux.2 its final modulation's row order): the double- and single-stream blocks as BFL's files name them, against
+diffusers' modules, and converting a state dict both ways and LoRA adapters to kohya's names from a table of such
+modules. Flux.1's own modules are `bfl_flux`'s, Chroma's its family module's.
 
 Layout: diffusers keeps apart what BFL fuses along the output rows of one Linear: a double block's
 ``img_attn.qkv`` is ``attn.to_q``, ``to_k``, ``to_v`` stacked (``txt_attn.qkv`` the ``add_*_proj``); a single
@@ -16,7 +17,7 @@ each part's alpha / rank (`kohya.fuse`).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,26 @@ MLP_RATIO = 4
 
 Modules = dict[str, tuple[str, ...]]
 """Original module path -> the diffusers modules it holds, their output rows stacked in this order."""
+
+PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+"""Where a transformer's keys in BFL's layout may stand in a file: ComfyUI's whole checkpoints, and bare."""
+
+
+def original_prefix(keys: Iterable[str]) -> str | None:
+    """The prefix of a transformer's keys in BFL's layout ('' in BFL's own files, ComfyUI's
+    ``model.diffusion_model.`` in a whole checkpoint), or None when the keys hold none."""
+    keys = list(keys)
+    for prefix in ("", *PREFIXES):
+        if any(k.startswith((f"{prefix}double_blocks.", f"{prefix}single_blocks.")) for k in keys):
+            return prefix
+    return None
+
+
+def original_rows(path: str, rows: torch.Tensor) -> torch.Tensor:
+    """A vector of one value per output row of the transformer's layer at `path` (diffusers' row order) in the order
+    Black Forest Labs' layout keeps that layer's rows: its final modulation holds shift before scale (Flux.1's and
+    Flux.2's alike)."""
+    return swap_halves(rows) if path == "norm_out.linear" else rows
 
 
 def block_modules(config: Mapping[str, Any], modulated: bool = True) -> Modules:
@@ -200,7 +221,7 @@ class Layout:
     def kohya_lora(self, layers: Mapping[str, kohya.LoraFactors], config: Mapping[str, Any]
                    ) -> dict[str, torch.Tensor]:
         """LoRA layers on diffusers' module paths (inside the transformer, as peft names them) -> kohya's keys in
-        this layout (single_file.kohya's). `layers` maps a path to (lora_A weight [r, in], lora_B weight [out, r],
+        this layout (`kohya`'s). `layers` maps a path to (lora_A weight [r, in], lora_B weight [out, r],
         alpha). Parts BFL fuses are fused. A path without an original counterpart: ValueError."""
         modules = self.modules(config)
         owner = {part: (original, i) for original, parts in modules.items() for i, part in enumerate(parts)}

@@ -7,10 +7,11 @@ sd3_medium_incl_clips_t5xxlfp8.safetensors, sd3.5_*.safetensors; what ComfyUI's 
 - when included, the text encoders in transformers' own layout under ``text_encoders.clip_l.transformer.``,
   ``text_encoders.clip_g.transformer.`` and ``text_encoders.t5xxl.transformer.``.
 
-Reading converts through diffusers' own single-file converters (`convert_sd3_transformer_checkpoint_to_diffusers`,
-`convert_ldm_vae_checkpoint`) into modules built on the meta device from settings read off the tensor shapes:
-nothing is downloaded, and a 2B transformer or a 4.7B T5 is never allocated twice. A file without some component
-(most have no T5; sd3_medium.safetensors has no text encoder at all) says which setting names it instead.
+Reading converts through diffusers' own single-file converters (`convert_sd3_transformer_checkpoint_to_diffusers`;
+the VAE by `ldm_vae`, the converter Stable Diffusion's files share) into modules built on the meta device from
+settings read off the tensor shapes: nothing is downloaded, and a 2B transformer or a 4.7B T5 is never allocated
+twice. A file without some component (most have no T5; sd3_medium.safetensors has no text encoder at all) says which
+setting names it instead.
 
 Settings shapes cannot tell come from the file's metadata (``<component>_config``, JSON, as `save_original` writes
 them), else SD3's: 64-wide attention heads (or the query norm's width, in SD3.5), a 128-latent sample size, the
@@ -29,24 +30,27 @@ import json
 import logging
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from sdtrain.errors import UserError
+from sdtrain.models import single_file
+from sdtrain.models.families.ldm_vae import vae_config, vae_from_original, vae_to_original
+from sdtrain.models.families.spec import SingleFileLayout
 from sdtrain.models.single_file.read import (
     FORMAT_KEY,
     FORMAT_VERSION,
-    _default_heads,
-    _File,
-    _first_line,
-    _strip,
-    _Unrecognized,
-    _vae_shape_config,
+    OpenFile,
+    Unrecognized,
+    default_heads,
+    error_line,
+    strip,
 )
-from sdtrain.models.single_file.write import _vae_to_original, write_tensors
+from sdtrain.models.single_file.write import write_tensors
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +71,7 @@ _VAE = dict(scaling_factor=1.5305, shift_factor=0.0609, norm_num_groups=32, act_
 _CLIP_ACT = {"text_encoder": "quick_gelu", "text_encoder_2": "gelu"}
 
 
-def is_sd3(keys: Iterable[str]) -> bool:
-    return any(key.startswith(PREFIX + "joint_blocks.") for key in keys)
-
-
-def _metadata_config(file: _File, name: str) -> dict[str, Any]:
+def _metadata_config(file: OpenFile, name: str) -> dict[str, Any]:
     raw = file.metadata.get(f"{name}_config")
     if not raw:
         return {}
@@ -85,7 +85,7 @@ def _metadata_config(file: _File, name: str) -> dict[str, Any]:
 def _count(shapes: Iterable[str], pattern: str) -> int:
     found = {int(m.group(1)) for key in shapes if (m := re.match(pattern, key))}
     if found != set(range(len(found))):
-        raise _Unrecognized(f"blocks {sorted(found)} are not numbered 0..{len(found) - 1}")
+        raise Unrecognized(f"blocks {sorted(found)} are not numbered 0..{len(found) - 1}")
     return len(found)
 
 
@@ -113,9 +113,9 @@ def transformer_config(shapes: Mapping[str, tuple[int, ...]], metadata: Mapping[
             "qk_norm": "rms_norm" if norm else None,
         }
     except KeyError as exc:
-        raise _Unrecognized(f"no {exc.args[0]}") from exc
+        raise Unrecognized(f"no {exc.args[0]}") from exc
     if width % head or config["pos_embed_max_size"] ** 2 != positions:
-        raise _Unrecognized(f"width {width} in heads of {head}, {positions} positions")
+        raise Unrecognized(f"width {width} in heads of {head}, {positions} positions")
     return config
 
 
@@ -130,9 +130,9 @@ def _clip_config(name: str, s: Mapping[str, tuple[int, ...]], metadata: Mapping[
                  "num_hidden_layers": _count(s, r"text_model\.encoder\.layers\.(\d+)\."),
                  "projection_dim": s["text_projection.weight"][0]}
     except KeyError as exc:
-        raise _Unrecognized(f"no {exc.args[0]}") from exc
+        raise Unrecognized(f"no {exc.args[0]}") from exc
     # Real CLIPs' eos id 2 makes transformers pool at the highest token id, which is CLIP's end token.
-    defaults = {"hidden_act": _CLIP_ACT[name], "num_attention_heads": _default_heads(width),
+    defaults = {"hidden_act": _CLIP_ACT[name], "num_attention_heads": default_heads(width),
                 "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1}
     return CLIPTextConfig(**{**defaults, **metadata, **shape})
 
@@ -150,7 +150,7 @@ def _t5_config(s: Mapping[str, tuple[int, ...]], metadata: Mapping[str, Any]) ->
                  "d_kv": s[attention + "q.weight"][0] // heads, "num_layers": _count(s, r"encoder\.block\.(\d+)\."),
                  "d_ff": s[ff + ("wi_0.weight" if gated else "wi.weight")][0]}
     except KeyError as exc:
-        raise _Unrecognized(f"no {exc.args[0]}") from exc
+        raise Unrecognized(f"no {exc.args[0]}") from exc
     defaults = {"feed_forward_proj": "gated-gelu" if gated else "relu", "relative_attention_max_distance": 128,
                 "layer_norm_epsilon": 1e-6, "dropout_rate": 0.0, "is_encoder_decoder": False, "use_cache": False}
     return T5Config(**{**defaults, **metadata, **shape})
@@ -165,19 +165,16 @@ def _on_meta(cls: Any, config: Any, state: dict[str, torch.Tensor], strict: bool
     return module
 
 
-def load_component(file: _File, name: str) -> Any:
+def load_component(file: OpenFile, name: str) -> Any:
     """Component `name` of the SD3 file, in fp32 (see the module's docstring)."""
     from diffusers import AutoencoderKL, SD3Transformer2DModel
-    from diffusers.loaders.single_file_utils import (
-        convert_ldm_vae_checkpoint,
-        convert_sd3_transformer_checkpoint_to_diffusers,
-    )
+    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
     from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
     if name not in COMPONENTS:
         raise UserError(f"{file.path}: an SD3 file has no component '{name}'; SD3's are {', '.join(COMPONENTS)}")
     prefix = {"transformer": PREFIX, "vae": VAE_PREFIX, **TEXT_PREFIXES}[name]
-    shapes = _strip(file.shapes, prefix)
+    shapes = strip(file.shapes, prefix)
     if not shapes:
         raise UserError(f"{file.path}: this SD3 file holds no {_LABELS[name]}; set model.{name} to a source that has "
                         "one (an SD3 pipeline folder, or a file that includes it, such as "
@@ -190,28 +187,28 @@ def load_component(file: _File, name: str) -> Any:
             state = convert_sd3_transformer_checkpoint_to_diffusers(file.floats(keys))
             module = _on_meta(SD3Transformer2DModel, config, state)
         elif name == "vae":
-            config = {**_VAE, **metadata, **_vae_shape_config(shapes)}
-            state = convert_ldm_vae_checkpoint(file.floats(keys), config)
+            config = {**_VAE, **metadata, **vae_config(shapes)}
+            state = vae_from_original(file.floats(keys), config)
             module = _on_meta(AutoencoderKL, config, state)
         elif name == "text_encoder_3":
-            state = _strip(file.floats(keys), prefix)
+            state = strip(file.floats(keys), prefix)
             # The embedding is shared with the encoder's: a file may hold it under both names, or as shared alone.
             state.pop("encoder.embed_tokens.weight", None)
             module = _on_meta(T5EncoderModel, _t5_config(shapes, metadata), state, strict=False)
             module.encoder.embed_tokens.weight = module.shared.weight
         else:
-            state = _strip(file.floats(keys), prefix)
+            state = strip(file.floats(keys), prefix)
             state.pop("text_model.embeddings.position_ids", None)
             config = _clip_config(name, shapes, metadata)
             module = _on_meta(CLIPTextModelWithProjection, config, state)
             # Not in any state dict: the positions 0..n-1 transformers registers as a non-persistent buffer.
             module.text_model.embeddings.register_buffer(
                 "position_ids", torch.arange(config.max_position_embeddings).expand((1, -1)), persistent=False)
-    except _Unrecognized as exc:
+    except Unrecognized as exc:
         raise UserError(f"{file.path}: unrecognized SD3 {name} layout ({exc}); pass SD3's original layout "
                         "(sd3_medium*.safetensors, sd3.5_*.safetensors) or an SD3 pipeline folder") from exc
     except (KeyError, RuntimeError, ValueError, TypeError) as exc:
-        raise UserError(f"{file.path}: cannot load the SD3 {name} ({_first_line(exc)}); the file is incomplete or "
+        raise UserError(f"{file.path}: cannot load the SD3 {name} ({error_line(exc)}); the file is incomplete or "
                         "not SD3's layout") from exc
     missing = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
     if missing:
@@ -304,7 +301,7 @@ def to_original(components: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor],
             tensors = transformer_to_original(module.state_dict(), config["num_layers"])
         elif name == "vae":
             config = dict(module.config)
-            tensors = _vae_to_original(module.state_dict(), config)
+            tensors = vae_to_original(module.state_dict(), config)
         else:
             config = module.config.to_diff_dict() if hasattr(module.config, "to_diff_dict") else dict(module.config)
             tensors = _text_state(module)
@@ -342,3 +339,17 @@ def save_original(path: str | Path, components: Mapping[str, Any], half: bool = 
         if differ:
             raise UserError(f"{out}: the transformer would not read back as it is ({differ[0]})")
     return write_tensors(out, state, torch.float16 if half else torch.float32, metadata)
+
+
+class StabilityCheckpoint(SingleFileLayout):
+    """SD3's and SD3.5's release file (sd3_medium_incl_clips_t5xxlfp8.safetensors'): the MMDiT, the VAE and all
+    three text encoders in Stability's layout."""
+
+    def load(self, name: str, path: Path, *, trust_pickle: bool | None, frozen_precision: str, weights: bool,
+             latent_constants: Callable[[], dict[str, float | None]]) -> nn.Module:
+        module = load_component(single_file.open_file(path, trust_pickle), name)
+        return module if weights else module.to("meta")
+
+    def write(self, out: Path, components: dict[str, nn.Module], *, half: bool, scheduler: Any,
+              text_layout: str, text_source: str | Path | None) -> None:
+        save_original(out, components, half=half)
