@@ -110,3 +110,12 @@ def test_a_family_names_its_own_components_open_slots_included(capsys):
     assert main(["train", str(LORA), "--check", "model.pretrained=null", "model.family=qwen-image-2.1",
                  "model.preset=tiny", "lora.target_modules=[to_q]", "model.components.processor.source=/p"]) == 0, \
         capsys.readouterr().err
+
+
+def test_a_misspelt_component_is_refused_and_another_familys_overrides_are_only_said_unread(capsys, caplog):
+    base = ["train", str(LORA), "--check", "model.pretrained=null", "model.family=flux", "model.preset=tiny"]
+    assert main([*base, "model.components.transfomer.overrides.num_layers=1"]) == 2
+    assert "model.components.transfomer: Flux.1 has no component transfomer" in _errors(capsys)[0]
+    # A Stable Diffusion config's UNet settings, run as Flux.1: nothing reads them, and the run says so.
+    assert main([*base, "model.components.unet.overrides.layers_per_block=1"]) == 0
+    assert "model.components.unet: Flux.1 has no component unet" in caplog.text and "not read" in caplog.text

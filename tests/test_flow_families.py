@@ -606,7 +606,7 @@ def test_an_sd3_file_without_some_component_or_settings(tmp_path, sd3_file, pret
         expected = load_component(name, sd3_file, family=sd3).state_dict()
         got = load_component(name, bare, family=sd3).state_dict()
         assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected), name
-    with pytest.raises(UserError, match=r"holds no CLIP-L .*set model.text_encoder ") as caught:
+    with pytest.raises(UserError, match=r"holds no CLIP-L .*set model.components.text_encoder.source ") as caught:
         load_component("text_encoder", bare, family=sd3)
     assert str(bare) in str(caught.value) and "\n" not in str(caught.value)
     with pytest.raises(UserError, match="model.family=sd3"):
@@ -619,8 +619,9 @@ def test_an_sd3_file_without_some_component_or_settings(tmp_path, sd3_file, pret
 
     shutil.copytree(sd3_file.with_suffix(".tokenizer"), bare.with_suffix(".tokenizer"))
     encoders = [f"model.{name}={pretrained['sd3']}" for name in ("text_encoder", "text_encoder_2", "text_encoder_3")]
-    for extra, setting in (([], "model.tokenizer_3"), ([f"model.tokenizer_3={pretrained['sd3'] / 'tokenizer_3'}"],
-                                                       "model.text_encoder")):
+    tokenizer_3 = f"model.components.tokenizer_3.source={pretrained['sd3'] / 'tokenizer_3'}"
+    for extra, setting in (([], "model.components.tokenizer_3.source"),
+                           ([tokenizer_3], "model.components.text_encoder.source")):
         assert train(*extra) == 2
         error = capsys.readouterr().err
         assert setting in error.strip().splitlines()[-1] and "Traceback" not in error

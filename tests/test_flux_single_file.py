@@ -24,8 +24,8 @@ from sdtrain.export import export_run
 from sdtrain.loaders.adapters import merge_partial
 from sdtrain.loaders.components import load_component, load_run_modules
 from sdtrain.models import families
+from sdtrain.models.families import ldm_checkpoint
 from sdtrain.models.families.flux import FLUX
-from sdtrain.models.single_file import inspect_single_file
 
 from . import comfyui
 from .conftest import TINY, config_path
@@ -243,11 +243,11 @@ def test_bad_flux_files_are_one_line_user_errors(tmp_path, single, pipeline, sha
         with pytest.raises(UserError, match=message) as caught:
             load_component("transformer", path, family=FLUX)
         assert str(path) in str(caught.value) and "\n" not in str(caught.value)
-    with pytest.raises(UserError, match="holds Flux.1.s transformer alone, no Flux.1 vae; set model.vae"):
+    with pytest.raises(UserError, match="transformer alone, no Flux.1 vae; set model.components.vae.source"):
         load_component("vae", single, family=FLUX)
-    # Stable Diffusion's readers (what `generate --model FILE` and the text settings inspect) say what it is.
+    # Stable Diffusion's reader (what `generate --model FILE` asks of a file no family's keys name) says what it is.
     with pytest.raises(UserError, match="holds a Flux.1 transformer alone.*Flux pipeline folder"):
-        inspect_single_file(single)
+        ldm_checkpoint.inspect(single)
     with pytest.raises(UserError, match="pickle"):
         torch.save(state, tmp_path / "flux.ckpt")
         load_component("transformer", tmp_path / "flux.ckpt", family=FLUX)

@@ -404,7 +404,7 @@ def test_bad_files_are_one_clear_error(tmp_path):
 
     from sdtrain.config import ModelConfig
 
-    with pytest.raises(UserError, match="set model.tokenizer") as caught:
+    with pytest.raises(UserError, match="set model.components.tokenizer.source") as caught:
         build.tokenizer_source(ModelConfig(pretrained=str(good)))
     assert "\n" not in str(caught.value)
     named = ModelConfig(pretrained=str(good), components={"tokenizer": ComponentConfig(source="/tok")})

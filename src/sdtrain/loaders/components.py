@@ -61,7 +61,8 @@ def load_component(name: str, source: str | Path, trust_pickle: bool | None = No
         run = Path(source).parent.parent if checkpoint else Path(source)
         modules = load_run_modules(run, names=[name], checkpoint=checkpoint)
         if name not in modules:
-            raise UserError(f"{source}: this run did not train a {name}; point model.{name} at a run that did")
+            raise UserError(f"{source}: this run did not train a {name}; point model.components.{name}.source at a "
+                            "run that did")
         return modules[name]
     folder = Path(source) / name if kind == "pipeline" else Path(source)
     _require_config(folder, name)
@@ -97,12 +98,14 @@ def _from_single_file(name: str, path: Path, trust_pickle: bool | None, family: 
     assert layout is not None  # a family is recognised from a single file only by its layout's keys
     if family is not None and layout is not family.files.single_file and layout.family_bound:
         raise UserError(f"{path}: a {found.title} file, but the model is {family.title}; set "
-                        f"model.family={found.name}, or point model.{name} at a {family.title} source")
+                        f"model.family={found.name}, or point model.components.{name}.source at a {family.title} "
+                        "source")
     if name not in found.components or (layout.holds is not None and name not in layout.holds):
         what = f"{found.title}'s {' and '.join(layout.holds)} alone" if layout.holds else f"{found.title}'s model"
         wanted = f"{family.title} {name}" if family is not None else name
-        raise UserError(f"{path}: holds {what}, no {wanted}; set model.{name} to a source that has one (a pipeline "
-                        "folder, e.g. what `sdtrain export RUN OUT` writes, or a single file that includes it)")
+        raise UserError(f"{path}: holds {what}, no {wanted}; set model.components.{name}.source to a source that "
+                        "has one (a pipeline folder, e.g. what `sdtrain export RUN OUT` writes, or a single file "
+                        "that includes it)")
     return layout.load(name, path, trust_pickle=trust_pickle, frozen_precision=frozen_precision, weights=weights,
                        latent_constants=lambda: _served_latent_constants(path, served))
 
@@ -121,7 +124,8 @@ def _served_latent_constants(source: str | Path, served: Any) -> dict[str, float
 
 def _require_config(folder: Path, name: str) -> None:
     if not (folder / "config.json").is_file():
-        raise UserError(f"{folder}: no config.json for the {name}; point model.{name} at a folder that has one")
+        raise UserError(f"{folder}: no config.json for the {name}; point model.components.{name}.source at a "
+                        "folder that has one")
 
 
 def _from_config(cls: type[nn.Module], folder: Path) -> nn.Module:

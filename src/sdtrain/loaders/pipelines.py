@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from sdtrain.checkpoint import latest_checkpoint, pinned_sources, read_meta
-from sdtrain.config import DiffusionConfig, ModelConfig, RunConfig, load_config
+from sdtrain.config import ComponentConfig, DiffusionConfig, ModelConfig, RunConfig, load_config
 from sdtrain.errors import UserError
 from sdtrain.loaders.adapters import merge_partial
 from sdtrain.loaders.components import load_component, load_run_modules
@@ -86,7 +86,8 @@ def pipeline_from_file(path: str | Path, tokenizer: str | Path | None = None) ->
         held = f"{family.title}'s {' and '.join(layout.holds)} alone" if layout else f"a {family.title} file"
         raise UserError(f"--model: {path} holds {held}, not a whole pipeline; pass a {family.title} pipeline folder "
                         "(for a trained file, the one `sdtrain export RUN OUT` writes from its run)")
-    model = ModelConfig(pretrained=str(path), family=family.name, tokenizer=str(tokenizer) if tokenizer else None)
+    named = {"tokenizer": ComponentConfig(source=str(tokenizer))} if tokenizer else {}
+    model = ModelConfig(pretrained=str(path), family=family.name, components=named)
     # The tokenizers first: a missing one is said before the weights are read.
     tokenizers = build.load_text_tokenizers(model)
     components = {name: load_component(name, path, family=family, served=model) for name in family.components}

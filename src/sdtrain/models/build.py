@@ -91,8 +91,9 @@ def build_noise_scheduler(config: DiffusionConfig, model: ModelConfig | None = N
     overrides = {"prediction_type": ddpm.prediction_type} if ddpm.prediction_type else {}
     if ddpm.zero_terminal_snr:
         overrides["rescale_betas_zero_snr"] = True
-    if pretrained and single_file.looks_like_single_file(pretrained):
-        settings = single_file.scheduler_config(pretrained, trust_pickle=trust_pickle)
+    settings = pretrained and single_file.looks_like_single_file(pretrained) and \
+        family.files.file_scheduler(pretrained, trust_pickle)
+    if settings:
         return DDPMScheduler.from_config({**settings, **overrides})
     if pretrained and (Path(pretrained) / "scheduler").is_dir():
         return DDPMScheduler.from_pretrained(Path(pretrained) / "scheduler", local_files_only=True, **overrides)
@@ -117,7 +118,7 @@ def _flow_scheduler(config: DiffusionConfig, model: ModelConfig, family: familie
         settings = dict(FlowMatchEulerDiscreteScheduler.load_config(folder))
     elif model.pretrained and single_file.looks_like_single_file(model.pretrained):
         # A single file holds no scheduler: the one its model was released with, which its keys tell.
-        settings = family.files.file_scheduler(single_file.tensor_names(model.pretrained, trusts_pickle(model))) or \
+        settings = family.files.file_scheduler(model.pretrained, trusts_pickle(model)) or \
             family.preset(model.preset, "scheduler")
     else:
         settings = family.preset(model.preset, "scheduler")
@@ -203,8 +204,7 @@ def text_encoder_positions(source: str | Path | None, trust_pickle: bool | None 
     path = Path(source)
     kind = source_kind(path)
     if kind == "single_file":
-        config = single_file.inspect_single_file(path, trust_pickle).configs.get("text_encoder", {})
-        found, where = config.get("max_position_embeddings"), f"the tensor shapes of {path}"
+        found, where = _file_text_positions(path, trust_pickle), f"the tensor shapes of {path}"
     elif kind in ("pipeline", "component"):
         file = path / "text_encoder" / "config.json" if kind == "pipeline" else path / "config.json"
         found, where = _json_value(file, "max_position_embeddings"), str(file)
@@ -215,6 +215,20 @@ def text_encoder_positions(source: str | Path | None, trust_pickle: bool | None 
         spec = read_meta(checkpoint).get("modules", {}).get("text_encoder", {})
         found, where = spec.get("config", {}).get("max_position_embeddings"), str(checkpoint / "meta.json")
     return (int(found), where) if found else None
+
+
+def _file_text_positions(path: Path, trust_pickle: bool | None) -> int | None:
+    """The positions of the text encoder a single file holds, built without weights by the layout its keys name."""
+    family = families.family_of_keys(single_file.tensor_names(path, trust_pickle))
+    layout = family.files.single_file if family is not None else None
+    if layout is None or "text_encoder" not in (layout.holds or family.components):
+        return None
+    try:
+        encoder = layout.load("text_encoder", path, trust_pickle=trust_pickle, frozen_precision="fp32",
+                              weights=False, latent_constants=dict)
+    except UserError:  # a file without one: loading the text encoder says so, with what to set
+        return None
+    return getattr(encoder.config, "max_position_embeddings", None)
 
 
 def text_length(config: ModelConfig, fallback: str | Path | None = None,

@@ -80,7 +80,7 @@ class ComponentPlanner:
                 if not self.config.diffusion.train_text_encoder:
                     raise UserError(
                         "diffusion.train_text_encoder: a text encoder built from scratch must be trained; set it to "
-                        f"true, or load one with model.{name} or model.pretrained"
+                        f"true, or load one with model.components.{name}.source or model.pretrained"
                     )
                 with meta:
                     module = build.build_text_encoder(model, tokenizer, name)

@@ -89,12 +89,22 @@ def capability_problems(config: RunConfig, family: families.ModelFamily, parts: 
 
 
 def component_problems(model: ModelConfig, family: families.ModelFamily) -> list[str]:
-    """The ``model.components`` entries `family` has no such component for, or that a tokenizer cannot take."""
+    """The ``model.components`` entries `family` has no such component for, or that a tokenizer cannot take. Another
+    family's component given only overrides (a config written for Stable Diffusion's UNet, run as Flux.1) is a
+    warning: nothing reads them, and nothing is loaded from where the user meant."""
     tokenizers = family.components.tokenizers
     declared = [*family.components, *tokenizers]
-    named = [name for name, component in model.components.items() if component.source or component.overrides]
-    found = [f"model.components.{name}: {family.title} has no component {name}; its components are "
-             f"{', '.join(declared)}" for name in named if name not in declared and name != "tokenizer"]
+    known = {name for other in families.FAMILIES.values() for name in (*other.components, *other.components.tokenizers)}
+    found = []
+    for name, component in model.components.items():
+        if name in declared or name == "tokenizer" or not (component.source or component.overrides):
+            continue
+        line = f"model.components.{name}: {family.title} has no component {name}; its components are " \
+               f"{', '.join(declared)}"
+        if component.source is None and name in known:
+            log.warning("%s: its overrides are not read", line)
+        else:
+            found.append(line)
     found += [f"model.components.{name}.overrides: a tokenizer is loaded, never built from settings; remove them"
               for name in model.components if (name in tokenizers or name == "tokenizer") and model.overrides(name)]
     return found

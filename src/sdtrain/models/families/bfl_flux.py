@@ -168,7 +168,7 @@ def load_transformer(file: OpenFile, frozen_precision: str = "fp32", weights: bo
     prefix = original_prefix(file.shapes)
     if prefix is None:
         raise UserError(f"{file.path}: holds no Flux.1 transformer in BFL's layout (double_blocks.*, single_blocks.*); "
-                        "point model.transformer at one")
+                        "point model.components.transformer.source at one")
     keys = [k for k in file.shapes if k.startswith(prefix)]
     fix = ("pass a Flux.1 transformer file (flux1-dev/schnell.safetensors, or `sdtrain export --single-file` of a "
            "Flux run) or a diffusers transformer folder")

@@ -317,8 +317,9 @@ class Files(spec.FileInterchange):
         return super().holds_file(keys) and not any(
             "double_stream_modulation_img." in key or "distilled_guidance_layer." in key for key in keys)
 
-    def file_scheduler(self, keys: list[str]) -> dict[str, Any] | None:
+    def file_scheduler(self, path: str | Path, trust_pickle: bool | None) -> dict[str, Any] | None:
         # dev's guidance embedding (guidance_in) marks the guidance-distilled model, sampled with the dynamic shift.
+        keys = single_file.tensor_names(path, trust_pickle)
         prefix = original_prefix(keys) or ""
         dev = any(key.startswith(f"{prefix}guidance_in.") for key in keys)
         return dict(_DEV_SCHEDULER if dev else _SCHNELL_SCHEDULER)

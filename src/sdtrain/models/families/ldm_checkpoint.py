@@ -53,7 +53,7 @@ block beyond the layers SD 2.x conditions on (see `ldm_text`).
 
 A single file holds no tokenizer: ``sdtrain export --single-file`` writes it beside OUT.safetensors as
 OUT.tokenizer/ (and SDXL's second as OUT.tokenizer_2/, `single_file.tokenizer_folder(path, 2)`), which the loader finds;
-otherwise ``model.tokenizer`` must name one. The inferred configs
+otherwise ``model.components.tokenizer.source`` must name one. The inferred configs
 are cached in ``<sdtrain cache dir>/single_file/<fingerprint of keys, shapes and metadata>`` (the cache dir
 is ``SDTRAIN_CACHE_DIR``, else ``~/.cache/sdtrain``).
 """
@@ -273,9 +273,9 @@ def _info(file: OpenFile) -> SingleFileInfo:
         except Unrecognized as exc:
             if original_prefix(file.shapes) is not None:
                 raise UserError(f"{file.path}: holds a Flux.1 transformer alone (BFL's layout), read only as "
-                                "model.transformer (or model.pretrained, with model.vae, model.text_encoder, "
-                                "model.text_encoder_2 and model.tokenizer naming the rest); for a whole model pass a "
-                                "Flux pipeline folder") from exc
+                                "model.components.transformer.source (or model.pretrained, with the sources of "
+                                "model.components vae, text_encoder, text_encoder_2 and tokenizer naming the rest); "
+                                "for a whole model pass a Flux pipeline folder") from exc
             raise UserError(f"{file.path}: unrecognized checkpoint layout ({exc}); pass a Stable Diffusion 1.x/2.x "
                             "or SDXL checkpoint in the original layout") from exc
         file.inferred = SingleFileInfo(file.path, configs, prefixes, layout, prediction, scheduler, file.metadata,
@@ -378,8 +378,8 @@ def load_component(name: str, path: str | Path, trust_pickle: bool | None = None
         raise UserError(f"{path}: unrecognized {name} layout ({info.errors[name]}); pass a Stable Diffusion "
                         "1.x/2.x or SDXL checkpoint in the original layout")
     if name not in info.configs:
-        raise UserError(f"{path}: holds no {_COMPONENT_LABELS[name]}; point model.{name} at a file or folder "
-                        "that has one")
+        raise UserError(f"{path}: holds no {_COMPONENT_LABELS[name]}; point model.components.{name}.source at a "
+                        "file or folder that has one")
     prefix = info.prefixes[name]
     if name == "vae" and prefix == "":
         keys = [k for k in file.shapes if k.startswith(("encoder.", "decoder.", "quant_conv.", "post_quant_conv."))]
@@ -677,6 +677,10 @@ class OriginalCheckpoint(SingleFileLayout):
 
 ORIGINAL_CHECKPOINT = OriginalCheckpoint()
 
-# Its files hold the components of any family (a VAE alone), so it answers what a single file holds for the layers
-# below the families (`single_file.inspect_single_file`).
-single_file.inspected_by(inspect)
+
+class ScheduleInFile:
+    """The `FileInterchange.file_scheduler` of a family whose files are in this layout: the schedule the file's
+    metadata records, else its release's (SD's, SDXL's)."""
+
+    def file_scheduler(self, path: str | Path, trust_pickle: bool | None) -> dict[str, Any] | None:
+        return scheduler_config(path, trust_pickle)

@@ -20,7 +20,7 @@ from sdtrain.models.families import spec
 from sdtrain.models.families.autoencoder import SD_VAE, TINY_VAE, vae_blocks
 from sdtrain.models.families.clip import ClipTokenizerFromScratch
 from sdtrain.models.families.codec import AutoencoderKLCodec
-from sdtrain.models.families.ldm_checkpoint import ORIGINAL_CHECKPOINT
+from sdtrain.models.families.ldm_checkpoint import ORIGINAL_CHECKPOINT, ScheduleInFile
 from sdtrain.models.families.text_towers import clip_text_config, text_blocks
 from sdtrain.models.families.unet import UNetCall, unet_blocks, unet_control, unet_instruct
 
@@ -78,7 +78,7 @@ class Call(UNetCall):
         return {"cross_attention_dim": text_encoders["text_encoder"].config.hidden_size}
 
 
-class Files(spec.FileInterchange):
+class Files(ScheduleInFile, spec.FileInterchange):
     single_file_keys = ("model.diffusion_model.input_blocks.", "cond_stage_model.", "first_stage_model.")
     single_file = ORIGINAL_CHECKPOINT
 

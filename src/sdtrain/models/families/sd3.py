@@ -164,9 +164,9 @@ class Call(spec.DenoiserCall):
         first, second, t5 = (text_encoders[name].config for name in self.family.components.text_encoders)
         clip_width = first.hidden_size + second.hidden_size
         if t5.d_model < clip_width:
-            raise UserError(f"model.text_encoder_3_overrides: T5's d_model {t5.d_model} is narrower than the two "
-                            f"CLIPs' states side by side ({first.hidden_size} + {second.hidden_size}), which SD3 "
-                            f"zero-pads to T5's width; set d_model to {clip_width} or more")
+            raise UserError(f"model.components.text_encoder_3.overrides: T5's d_model {t5.d_model} is narrower "
+                            f"than the two CLIPs' states side by side ({first.hidden_size} + {second.hidden_size}), "
+                            f"which SD3 zero-pads to T5's width; set d_model to {clip_width} or more")
         # The latents' patches must fit the position table; a preset's larger table (SD3's 192) is kept.
         patches = math.ceil(settings["sample_size"] / settings["patch_size"])
         return {"joint_attention_dim": t5.d_model,

@@ -176,8 +176,8 @@ def load_component(file: OpenFile, name: str) -> Any:
     prefix = {"transformer": PREFIX, "vae": VAE_PREFIX, **TEXT_PREFIXES}[name]
     shapes = strip(file.shapes, prefix)
     if not shapes:
-        raise UserError(f"{file.path}: this SD3 file holds no {_LABELS[name]}; set model.{name} to a source that has "
-                        "one (an SD3 pipeline folder, or a file that includes it, such as "
+        raise UserError(f"{file.path}: this SD3 file holds no {_LABELS[name]}; set model.components.{name}.source "
+                        "to a source that has one (an SD3 pipeline folder, or a file that includes it, such as "
                         "sd3_medium_incl_clips_t5xxlfp8.safetensors)")
     metadata = _metadata_config(file, name)
     keys = [prefix + key for key in shapes]

@@ -28,7 +28,7 @@ from sdtrain.models.families import spec
 from sdtrain.models.families.autoencoder import SD_VAE, TINY_VAE, vae_blocks
 from sdtrain.models.families.clip import ClipTokenizerFromScratch
 from sdtrain.models.families.codec import AutoencoderKLCodec
-from sdtrain.models.families.ldm_checkpoint import ORIGINAL_CHECKPOINT
+from sdtrain.models.families.ldm_checkpoint import ORIGINAL_CHECKPOINT, ScheduleInFile
 from sdtrain.models.families.ldm_unet import original_unet_path
 from sdtrain.models.families.text_towers import (
     CLIP_L,
@@ -113,7 +113,7 @@ class Call(UNetCall):
                 "added_cond_kwargs": {"text_embeds": text["text_pooled"], "time_ids": size_ids}}
 
 
-class Files(spec.FileInterchange):
+class Files(ScheduleInFile, spec.FileInterchange):
     single_file_keys = ("conditioner.embedders.",)
     single_file = ORIGINAL_CHECKPOINT
     # A1111's and ComfyUI's SDXL embeddings: one entry per text encoder.

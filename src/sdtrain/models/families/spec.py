@@ -426,9 +426,9 @@ class FileInterchange(Part):
         default, a key under one of `single_file_keys`."""
         return any(key.startswith(self.single_file_keys) for key in keys) if self.single_file_keys else False
 
-    def file_scheduler(self, keys: list[str]) -> dict[str, Any] | None:
-        """The training schedule a single file of this family's was released with, told from its tensor `keys`;
-        None: the preset's."""
+    def file_scheduler(self, path: str | Path, trust_pickle: bool | None) -> dict[str, Any] | None:
+        """The training schedule the single file of this family's at `path` was released with, as its metadata or
+        its tensors tell it; None: the preset's."""
         return None
 
     def kohya_lora(self, component: str, layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]], config: Any

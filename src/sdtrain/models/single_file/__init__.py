@@ -10,7 +10,7 @@ layout). This package is what every layout reads and writes files through, and n
   ``torch.load(weights_only=True)``, which refuses anything but tensors and plain containers;
 - the tokenizers beside a file: a single file holds none, so ``sdtrain export --single-file`` writes them beside
   OUT.safetensors as OUT.tokenizer/, OUT.tokenizer_2/... (`tokenizer_folder`), which the loader finds
-  (`tokenizer_for`); otherwise ``model.tokenizer`` must name one;
+  (`tokenizer_for`); otherwise ``model.components.tokenizer.source`` must name one;
 - helpers a layout infers settings from shapes and metadata with (`need`, `indices`, `strip`, `metadata_json`),
   and the cache of config folders it hands diffusers' loaders (`cached_folder`: in
   ``<sdtrain cache dir>/single_file/<fingerprint of keys, shapes and metadata>``, the cache dir being
@@ -19,10 +19,6 @@ layout). This package is what every layout reads and writes files through, and n
   in its authors' layout carries (`layout_metadata`, `LAYOUT_CONFIG_KEY`), the mark of a file sdtrain wrote
   (``sdtrain_format``, `written_by_sdtrain`), and renaming a state dict by module prefix (`map_by_blocks`);
 - kohya's LoRA key layout (`kohya`).
-
-`inspect_single_file` and `scheduler_config` answer what a file holds as diffusers configs through the layout that
-registered itself with `inspected_by` (Stable Diffusion's original checkpoint, whose files hold any family's VAE):
-the layers below the families cannot import it.
 """
 
 from __future__ import annotations
@@ -42,14 +38,11 @@ from sdtrain.models.single_file.read import (
     error_line,
     fingerprint,
     indices,
-    inspect_single_file,
-    inspected_by,
     is_single_file,
     looks_like_single_file,
     metadata_json,
     need,
     open_file,
-    scheduler_config,
     strip,
     tensor_names,
     tokenizer_folder,
@@ -69,8 +62,8 @@ from sdtrain.models.single_file.write import (
 __all__ = [
     "FORMAT_KEY", "FORMAT_VERSION", "FORMAT_VERSIONS", "LAYOUT_CONFIG_KEY", "PICKLE_SUFFIXES", "SAFE_SUFFIXES",
     "SUFFIXES", "TRUST_PICKLE_ENV", "OpenFile", "Unrecognized", "cached_folder", "default_heads", "error_line",
-    "fingerprint", "indices", "inspect_single_file", "inspected_by", "is_single_file", "layout_metadata",
+    "fingerprint", "indices", "is_single_file", "layout_metadata",
     "looks_like_single_file", "map_by_blocks", "metadata_json", "need", "open_file", "original_key",
-    "scheduler_config", "strip", "tensor_names", "tokenizer_folder", "tokenizer_for", "trust_pickle_from_env",
+    "strip", "tensor_names", "tokenizer_folder", "tokenizer_for", "trust_pickle_from_env",
     "write_json", "write_tensors", "written_by_sdtrain",
 ]

@@ -68,8 +68,8 @@ def tokenizer_for(path: str | Path, index: int = 1) -> str:
     folder = tokenizer_folder(path, index)
     if folder.is_dir():
         return str(folder)
-    setting, pipeline_folder = ("model.tokenizer", "tokenizer/") if index == 1 else \
-        (f"model.tokenizer_{index}", f"tokenizer_{index}/")
+    name = "tokenizer" if index == 1 else f"tokenizer_{index}"
+    setting, pipeline_folder = f"model.components.{name}.source", f"{name}/"
     raise UserError(
         f"{path}: a single-file checkpoint holds no tokenizer; set {setting} to a tokenizer folder "
         f"(e.g. the {pipeline_folder} of a diffusers pipeline), or put one at {folder}"
@@ -272,27 +272,3 @@ def cached_folder(fingerprint: str, fill: Callable[[Path], None]) -> Path:
 def fingerprint(file: OpenFile, version: str) -> str:
     """A short name for what a layout infers from `file`'s header, at the layout's inference `version`."""
     return hashlib.sha256(f"{version}:{file.fingerprint}".encode()).hexdigest()[:24]
-
-
-# --------------------------------------------------------------------------------------------------- what a file holds
-
-_inspector: list[Callable[[str | Path, bool | None], Any]] = []
-
-
-def inspected_by(inspect: Callable[[str | Path, bool | None], Any]) -> None:
-    """Make `inspect` ((path, trust_pickle) -> what the file holds: its ``configs`` by component and its
-    ``scheduler_config``) the reader `inspect_single_file` asks. The layout whose files hold any family's components
-    registers itself as its module loads, since this package, below the families, may not import it."""
-    _inspector[:] = [inspect]
-
-
-def inspect_single_file(path: str | Path, trust_pickle: bool | None = None) -> Any:
-    """What a single file holds, as diffusers configs, read by the layout registered with `inspected_by`."""
-    if not _inspector:
-        raise RuntimeError("no single-file layout is registered; import sdtrain.models.families first")
-    return _inspector[0](path, trust_pickle)
-
-
-def scheduler_config(path: str | Path, trust_pickle: bool | None = None) -> dict[str, Any]:
-    """The DDPMScheduler config of a single file, prediction type included (`inspect_single_file`'s)."""
-    return dict(inspect_single_file(path, trust_pickle).scheduler_config)
