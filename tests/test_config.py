@@ -233,3 +233,11 @@ def test_the_flat_component_keys_of_earlier_configs_still_load_with_one_note(tmp
     # On the command line an old key's null still clears what a file asks for (???).
     asks = write(tmp_path, "stage: diffusion\nrun_dir: r\ndata: {shards: s}\nmodel:\n  pretrained: p\n  vae: ???\n")
     assert load_config(asks, ["model.vae=null"]).model.source("vae") is None
+
+
+def test_every_section_with_a_bad_value_is_reported_a_line_each(good: Path) -> None:
+    with pytest.raises(UserError) as info:
+        load_config(good, ["data.caption_dropout=1.0", "optim.betas=[0.9]", "model.t5_text_length=2"])
+    lines = str(info.value).splitlines()
+    assert [line.split(":")[0] for line in lines] == ["data.caption_dropout", "model.t5_text_length", "optim.betas"], \
+        lines

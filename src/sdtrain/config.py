@@ -902,7 +902,21 @@ class RunConfig:
 
     def validate(self) -> None:
         """Checks OmegaConf's types cannot express; each failure names its key. Each section checks its own
-        fields; what spans sections is checked here."""
+        fields, and what spans sections is checked here: every failing section is reported, a line each (its first
+        problem), and what spans sections once they all pass."""
+        problems = []
+        for check in (self._validate_modes, *(section.validate for section in (
+                self.diffusion, self.data, self.model, self.autoencoder, self.optim, self.ema, self.train,
+                self.parallel, self.checkpoint, self.logging, self.evaluation))):
+            try:
+                check()
+            except UserError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise UserError("\n".join(problems))
+        self._validate_across()
+
+    def _validate_modes(self) -> None:
         _check(self.stage in STAGES, "stage", f"'{self.stage}' is not one of {', '.join(STAGES)}")
         _check(isinstance(self.mode, str) or (isinstance(self.mode, list) and bool(self.mode)
                                               and all(isinstance(m, str) for m in self.mode)),
@@ -943,9 +957,9 @@ class RunConfig:
         if "textual_inversion" in modes:
             _check(self.parallel.strategy == "ddp", "parallel.strategy",
                    "textual_inversion trains a few vectors of a text encoder every rank holds whole: use ddp")
-        for section in (self.diffusion, self.data, self.model, self.autoencoder, self.optim, self.ema, self.train,
-                        self.parallel, self.checkpoint, self.logging, self.evaluation):
-            section.validate()
+
+    def _validate_across(self) -> None:
+        modes = self.modes
         if self.optim.weights == "bf16":
             _check(self.train.mixed_precision in ("auto", "bf16"), "optim.weights",
                    "bf16 weights compute under bf16 autocast: set train.mixed_precision=bf16 (or auto)")
