@@ -17,7 +17,8 @@ from sdtrain.models import build
 from .conftest import TINY
 
 RECIPES = Path(__file__).resolve().parents[1] / "configs"
-MODEL_PATHS = ["model.vae=/models/vae", "model.text_encoder=/models/text", "model.tokenizer=/models/text"]
+MODEL_PATHS = [f"model.components.{name}.source=/models/{folder}"
+               for name, folder in (("vae", "vae"), ("text_encoder", "text"), ("tokenizer", "text"))]
 EVAL_PATHS = ["evaluation.prompts=/coco/val2014_30k.tsv", "evaluation.reference=/coco/val2014_512x512_30k_stats.npz",
               "evaluation.inception=/w/pt_inception-2015-12-05-6726825d.pth", "evaluation.clip=/w/clip"]
 

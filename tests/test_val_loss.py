@@ -253,7 +253,8 @@ def test_val_loss_settings_are_checked_at_load(tmp_path):
         Evaluator(["a red circle"], EvalSettings(["val_loss"]), CPU)
 
 
-REQUIRED = ["data.shards", "evaluation.val_shards", "model.vae", "model.text_encoder", "model.text_encoder_2"]
+REQUIRED = ["data.shards", "evaluation.val_shards",
+            *(f"model.components.{name}.source" for name in ("vae", "text_encoder", "text_encoder_2"))]
 
 
 def test_flux_recipe_has_the_reference_figures():
