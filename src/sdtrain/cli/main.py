@@ -27,10 +27,11 @@ from sdtrain.cli import (  # noqa: E402
     prepare,
     report,
     train,
+    ui,
 )
 from sdtrain.errors import UserError  # noqa: E402
 
-COMMANDS = (prepare, data, train, generate, evaluate, export, launch, benchmark, params, report, demo, docs)
+COMMANDS = (prepare, data, train, generate, evaluate, export, launch, benchmark, params, report, demo, docs, ui)
 
 
 def _quiet_libraries() -> None:

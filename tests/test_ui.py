@@ -1,0 +1,346 @@
+"""`sdtrain ui`: the API over fake run folders, the queue with harmless children, auth, one-line errors."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("httpx")
+
+from tests import ui_runview  # noqa: E402
+
+ui_runview.install()
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from sdtrain.cli.main import main  # noqa: E402
+from sdtrain.ui import jobs  # noqa: E402
+from sdtrain.ui.app import create_app  # noqa: E402
+from sdtrain.ui.runs import thin  # noqa: E402
+
+PNG = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+                    "1f15c4890000000d4944415478da63f8cfc0f01f0005000201a5f7f1a30000000049454e44ae426082")
+LOCAL = "http://127.0.0.1:8765"
+
+
+def fake_run(path: Path, steps: int = 20, every: int = 1, lr: float = 1e-3, max_steps: int = 20,
+             checkpoints: tuple[int, ...] = (10, 20), samples: tuple[int, ...] = (10,)) -> Path:
+    """A run folder as the trainer writes one, without training: config, metrics, samples, checkpoints."""
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(
+        f"stage: diffusion\nrun_dir: {path}\nmodel:\n  family: sd15\noptim:\n  lr: {lr}\n"
+        f"train:\n  max_steps: {max_steps}\ndata:\n  batch_size: 4\n")
+    lines = [json.dumps({"step": s, "loss": 1.0 / s, "lr": lr, "img_per_s": 10.0, "samples": 4 * s,
+                         "time": 1000.0 + s}) for s in range(every, steps + 1, every)]
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    for step in samples:
+        (path / "samples").mkdir(exist_ok=True)
+        (path / "samples" / f"step_{step:08d}.png").write_bytes(PNG)
+    for step in checkpoints:
+        folder = path / "checkpoints" / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "meta.json").write_text(json.dumps({"step": step, "samples": 4 * step}))
+        (folder / "lora.safetensors").write_bytes(b"\0" * 16)
+    (path / "events.jsonl").write_text(json.dumps({"time": 1000.0, "event": "start", "step": 0}) + "\n" +
+                                       json.dumps({"time": 1000.0 + steps, "event": "end", "step": steps}) + "\n")
+    (path / "train.log").write_text("first line\nlast line\n")
+    return path
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    root = tmp_path / "runs"
+    fake_run(root / "alpha")
+    fake_run(root / "group" / "beta", lr=2e-3, samples=(10, 20))
+    (tmp_path / "secret.txt").write_text("outside the root")
+    return root
+
+
+@pytest.fixture
+def client(root) -> TestClient:
+    with TestClient(create_app(root, poll=False), base_url=LOCAL) as client:
+        yield client
+
+
+def test_lists_every_run_with_its_summary(client):
+    runs = client.get("/api/runs").json()["runs"]
+    assert [r["id"] for r in runs] == ["alpha", "group/beta"]
+    assert runs[0]["step"] == 20 and runs[0]["max_steps"] == 20 and runs[0]["loss"] == pytest.approx(0.05)
+    assert runs[0]["status"] == "finished" and runs[0]["job"] is None
+
+
+def test_one_run_has_config_samples_checkpoints_and_log(client):
+    run = client.get("/api/runs/group/beta").json()
+    assert run["summary"]["id"] == "group/beta" and run["config"]["optim"]["lr"] == 2e-3
+    assert [s["step"] for s in run["samples"]] == [20, 10]
+    assert client.get(run["samples"][0]["url"]).content == PNG
+    checkpoint = run["checkpoints"][-1]
+    assert [c["name"] for c in run["checkpoints"]] == ["step_00000010", "step_00000020"]
+    weights = next(f for f in checkpoint["files"] if f["weights"])
+    download = client.get(weights["url"] + "?download")
+    assert download.status_code == 200 and "attachment" in download.headers["content-disposition"]
+    assert run["log"][-1] == "last line" and run["resumable"]
+    assert client.get("/api/runs/nothing").status_code == 404
+
+
+def test_metrics_are_thinned_to_a_screen_and_whole_when_zoomed(tmp_path):
+    root = tmp_path / "runs"
+    run = fake_run(root / "long", steps=100_000, max_steps=100_000)
+    spike = json.dumps({"step": 54_321, "loss": 50.0, "lr": 1e-3, "samples": 4 * 54_321})
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(spike + "\n")
+    with TestClient(create_app(root, poll=False), base_url=LOCAL) as client:
+        began = time.monotonic()
+        data = client.get("/api/runs/long/metrics?keys=loss,lr").json()
+        assert time.monotonic() - began < 5
+        loss = data["series"]["loss"]
+        assert 1000 < len(loss["x"]) <= 2002 and max(loss["y"]) == 50.0 and loss["x"][-1] == 100_000
+        zoomed = client.get("/api/runs/long/metrics?keys=loss&from=1000&to=1500").json()["series"]["loss"]
+        assert zoomed["x"] == list(range(999, 1502))
+        by_samples = client.get("/api/runs/long/metrics?keys=loss&by=samples").json()
+        assert by_samples["series"]["loss"]["x"][-1] == 400_000
+        assert client.get("/api/runs/long/metrics?by=time").status_code == 400
+
+
+def test_thinning_keeps_the_envelope_and_non_finite_points():
+    xs = list(range(10_000))
+    ys = [float(x % 7) for x in xs]
+    ys[5000] = float("nan")
+    tx, ty = thin(xs, ys, 200)
+    assert len(tx) <= 250 and tx == sorted(tx) and min(ty) == 0 and max(v for v in ty if v == v) == 6
+    assert 5000 in tx
+
+
+@pytest.mark.parametrize("path", ["files/%2e%2e/%2e%2e/secret.txt", "files/..%2F..%2Fsecret.txt",
+                                  "files//etc/passwd", "files/%2Fetc%2Fpasswd", "files/link", "files/samples"])
+def test_files_outside_the_run_are_refused(client, root, path):
+    (root / "alpha" / "link").symlink_to(root.parent / "secret.txt")
+    response = client.get(f"/api/runs/alpha/{path}")
+    assert response.status_code == 404 and "outside" not in response.text
+
+
+def test_events_poll_and_stream(client, root):
+    with open(root / "alpha" / "events.jsonl", "a") as f:
+        f.write(json.dumps({"time": 1001.0, "event": "save", "step": 10}) + "\n")
+    polled = client.get("/api/runs/alpha/events?after=2").json()
+    assert [e["event"] for e in polled["events"]] == ["save"] and polled["next"] == 3
+    assert polled["summary"]["id"] == "alpha"
+    with client.stream("GET", "/api/runs/alpha/events?seconds=0.3") as stream:
+        text = "".join(stream.iter_text())
+    assert "event: run" in text and '"event": "save"' in text and "id: 2" in text and "event: summary" in text
+
+
+# ------------------------------------------------------------------------------------------ starting runs
+
+# A child that trains nothing: it waits until SIGTERM, then exits as a clean stop does (75).
+SLEEPER = ("import signal, sys, time\n"
+           "signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\n"
+           "print('child', sys.argv[1:], flush=True)\n"
+           "time.sleep(60)\n")
+
+
+@pytest.fixture
+def stubbed(monkeypatch) -> list[list[str]]:
+    """The train, check and export commands replaced by harmless children; the checks' arguments recorded."""
+    checked: list[list[str]] = []
+
+    def check(config, run, overrides):
+        checked.append([str(config), str(run), *overrides])
+        bad = [o for o in overrides if o.startswith("bad")]
+        code = ("import sys; print('sdtrain train: error: bad.key: no such key; see docs', file=sys.stderr); "
+                "sys.exit(2)") if bad else "print('ok: diffusion from scratch; no weight was loaded')"
+        return [sys.executable, "-c", code]
+
+    monkeypatch.setattr(jobs, "check_command", check)
+    monkeypatch.setattr(jobs, "train_command",
+                        lambda config, run, overrides: [sys.executable, "-c", SLEEPER, str(config), *overrides])
+    monkeypatch.setattr(jobs, "export_command", lambda run, out: [sys.executable, "-c", "print('exported')"])
+    return checked
+
+
+def wait_for(predicate, seconds: float = 10.0):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if (value := predicate()):
+            return value
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def job_state(client, name: str) -> str:
+    client.app.state.queue.poll()
+    return client.get(f"/api/runs/{name}").json()["summary"]["job"]["state"]
+
+
+def test_start_stop_resume_through_the_queue(client, root, stubbed):
+    started = client.post("/api/runs", json={"recipe": "lora", "name": "new", "overrides": ["train.max_steps=5"]})
+    assert started.status_code == 201, started.text
+    assert stubbed[0][1] == str(root.resolve() / "new") and stubbed[0][2:] == ["train.max_steps=5"]
+    assert (root / "new" / "ui-config.yaml").read_text() == (jobs.Path(jobs.__file__).parents[1] / "configs" /
+                                                               "lora.yaml").read_text()
+    second = client.post("/api/runs", json={"config": "stage: diffusion\n", "name": "next"})
+    assert second.status_code == 201
+    # One at a time: the second waits for the first.
+    assert job_state(client, "new") == "running" and job_state(client, "next") == "queued"
+    statuses = {r["id"]: r["status"] for r in client.get("/api/runs").json()["runs"]}
+    assert statuses["next"] == "queued"
+    assert client.post("/api/runs/next/stop", json={}).json()["cancelled"]
+    assert job_state(client, "next") == "cancelled"
+    wait_for(lambda: "child" in (root / "new" / jobs.CHILD_LOG).read_text())
+    assert client.post("/api/runs/new/stop", json={}).json()["stopping"]
+    assert (root / "new" / "stop").exists()
+    wait_for(lambda: job_state(client, "new") == "stopped")
+    resumed = client.post("/api/runs/new/resume", json={})
+    assert resumed.status_code == 202 and not (root / "new" / "stop").exists()
+    first = json.loads((root / "new" / jobs.JOB_FILE).read_text())
+    assert resumed.json()["job"]["argv"] == first["train_argv"]
+    assert client.post("/api/runs/new/resume", json={}).status_code == 409  # one job a run at a time
+    client.post("/api/runs/new/stop", json={})
+    wait_for(lambda: job_state(client, "new") == "stopped")
+
+
+def test_a_restarted_ui_keeps_its_queue_and_its_running_child(root, stubbed):
+    with TestClient(create_app(root, poll=False), base_url=LOCAL) as client:
+        assert client.post("/api/runs", json={"recipe": "lora", "name": "first"}).status_code == 201
+        assert client.post("/api/runs", json={"recipe": "lora", "name": "later"}).status_code == 201
+        pid = client.get("/api/runs/first").json()["summary"]["job"]["pid"]
+    try:
+        # The child outlived its UI: the next UI counts it against --parallel and keeps the queue's order.
+        with TestClient(create_app(root, poll=False), base_url=LOCAL) as client:
+            assert job_state(client, "first") == "running" and job_state(client, "later") == "queued"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_resume_of_a_cli_run_repeats_its_config_and_export_queues(client, root, stubbed, monkeypatch):
+    commands = []
+    monkeypatch.setattr(jobs, "train_command", lambda config, run, overrides: commands.append(config) or
+                        [sys.executable, "-c", "pass"])
+    assert client.post("/api/runs/alpha/resume", json={}).status_code == 202
+    assert commands == [root / "alpha" / "config.yaml"]
+    wait_for(lambda: job_state(client, "alpha") == "done")
+    exported = client.post("/api/runs/alpha/export", json={})
+    assert exported.status_code == 202 and exported.json()["out"] == "alpha/export"
+
+
+def test_a_locked_run_is_running_and_refuses_resume(client, root):
+    with open(root / "alpha" / ".sdtrain.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.write("sdtrain train (pid 1 on elsewhere)\n")
+        lock.flush()
+        assert client.get("/api/runs/alpha").json()["summary"]["status"] == "running"
+        refused = client.post("/api/runs/alpha/resume", json={})
+        assert refused.status_code == 409 and "stop it first" in refused.json()["error"]
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ({"config": "stage: [diffusion\n"}, "config: line 2, column 1"),
+    ({"config": "- a list\n"}, "not a mapping"),
+    ({"recipe": "../../etc/passwd"}, "not a bundled recipe"),
+    ({"recipe": "lora", "overrides": ["--help"]}, "write key=value"),
+    ({"recipe": "lora", "overrides": ["x=1; rm -rf /\nsecond"]}, "write key=value"),
+    ({"recipe": "lora", "overrides": ["run_dir=/tmp/elsewhere"]}, "set the name"),
+    ({"recipe": "lora", "name": "../escape"}, 'name "../escape"'),
+    ({"recipe": "lora", "name": "alpha"}, "already exists"),
+    ({"recipe": "lora", "overrides": ["bad.key=1"]}, "bad.key: no such key; see docs"),
+])
+def test_a_bad_start_is_one_line_and_writes_nothing(client, root, stubbed, body, says):
+    before = sorted(p for p in root.rglob("*") if ".sdtrain-ui" not in p.parts)
+    response = client.post("/api/runs", json=body)
+    assert response.status_code == 422
+    message = response.json()["error"]
+    assert says in message and "\n" not in message and "Traceback" not in response.text
+    assert sorted(p for p in root.rglob("*") if ".sdtrain-ui" not in p.parts) == before
+    checked = client.post("/api/check", json=body).json()
+    assert not checked["ok"] and says in checked["problems"][0]
+
+
+def test_check_passes_a_good_config(client, stubbed):
+    checked = client.post("/api/check", json={"recipe": "lora", "overrides": ["train.max_steps=5"]}).json()
+    assert checked == {"ok": True, "problems": [], "message": "ok: diffusion from scratch; no weight was loaded"}
+
+
+def test_a_damaged_metrics_file_is_one_line_not_a_traceback(client, root):
+    with open(root / "alpha" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 21, "loss": \n\x00\x00garbage\n')
+    assert client.get("/api/runs").status_code == 200
+    run = client.get("/api/runs/alpha").json()
+    assert run["summary"]["step"] == 20 and "\n" not in (run["summary"]["problem"] or "")
+    assert client.get("/api/runs/alpha/metrics").status_code == 200
+
+
+def test_compare_lists_config_differences_and_shared_steps(client):
+    compared = client.get("/api/compare?runs=alpha,group/beta").json()
+    assert [r["id"] for r in compared["runs"]] == ["alpha", "group/beta"]
+    differences = {d["key"]: d["values"] for d in compared["differences"]}
+    assert differences["optim.lr"] == [1e-3, 2e-3] and "model.family" not in differences
+    assert compared["common_sample_steps"] == [10]
+    assert client.get("/api/compare?runs=alpha").status_code == 400
+
+
+def test_recipes_and_the_route_list(client):
+    assert "lora" in client.get("/api/recipes").json()["recipes"]
+    assert "demo/diffusion" in client.get("/api/recipes").json()["recipes"]
+    assert "stage:" in client.get("/api/recipes/demo/diffusion").json()["config"]
+    assert client.get("/api/recipes/..%2F..%2Fpyproject").status_code == 404
+    routes = {(method, path) for method, path, _ in client.get("/api/").json()["routes"]}
+    assert ("POST", "/api/runs/{run}/stop") in routes
+    page = client.get("/")
+    assert page.status_code == 200 and "cdn" not in page.text.lower() and "http" not in page.text.split("<body")[1]
+    assert client.get("/static/vendor/uPlot.iife.min.js").status_code == 200
+
+
+# ------------------------------------------------------------------------------------------ safety
+
+
+def test_the_token_guards_every_request(root):
+    with TestClient(create_app(root, token="s3cret", poll=False), base_url="http://10.0.0.5:8765") as client:
+        assert client.get("/api/runs").status_code == 401
+        assert client.get("/").status_code == 401
+        assert client.get("/api/runs", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert client.get("/api/runs", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        login = client.get("/?token=s3cret", follow_redirects=False)
+        assert login.status_code == 303 and login.headers["location"] == "/"
+        assert "httponly" in login.headers["set-cookie"].lower()
+        client.cookies.set("sdtrain_ui_token", "s3cret")
+        assert client.get("/api/runs").status_code == 200
+
+
+def test_without_a_token_only_loopback_hosts_and_json_posts(root):
+    with TestClient(create_app(root, poll=False), base_url="http://evil.example:8765") as client:
+        assert client.get("/api/runs").status_code == 403
+    with TestClient(create_app(root, poll=False), base_url=LOCAL) as client:
+        assert client.post("/api/runs/alpha/stop", data={"a": "b"}).status_code == 415
+        crossed = client.post("/api/runs/alpha/stop", json={}, headers={"Origin": "http://evil.example"})
+        assert crossed.status_code == 403
+
+
+def test_cli_refuses_another_address_without_a_token(monkeypatch, capsys, tmp_path):
+    monkeypatch.delenv("SDTRAIN_UI_TOKEN", raising=False)
+    assert main(["ui", str(tmp_path), "--host", "0.0.0.0"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "SDTRAIN_UI_TOKEN" in line and not (tmp_path / ".sdtrain-ui").exists()
+
+
+def test_cli_names_the_extra_when_starlette_is_missing(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    assert main(["ui", str(tmp_path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith("pip install 'sdtrain[ui]'")
+
+
+def test_the_trainer_imports_nothing_of_the_ui():
+    import subprocess
+
+    code = ("import sys, sdtrain.cli.main; "
+            "print(sorted(m for m in sys.modules if m.startswith(('sdtrain.ui', 'starlette', 'uvicorn'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
