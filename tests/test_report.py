@@ -15,7 +15,8 @@ from PIL import Image
 
 from sdtrain.cli import demo
 from sdtrain.cli.main import main
-from sdtrain.report import Metrics, metric_groups, read_metrics, verdict, write_report
+from sdtrain.report import metric_groups, verdict, write_report
+from sdtrain.runview import Metrics, read_metrics
 
 CONFIG = {"stage": "diffusion", "mode": "full", "train": {"max_steps": 3000, "mixed_precision": "fp32"}}
 

@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import pickle
-import re
 import shutil
 import threading
 from collections.abc import Callable
@@ -51,11 +50,11 @@ from sdtrain import sharded
 from sdtrain.config import CheckpointConfig
 from sdtrain.distributed import gather_objects
 from sdtrain.errors import UserError, first_line
+from sdtrain.paths import checkpoint_folders
 from sdtrain.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^step_(\d{8})$")
 
 
 @dataclass
@@ -128,11 +127,7 @@ def module_spec(module: nn.Module) -> dict[str, Any]:
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    folder = Path(run_dir) / "checkpoints"
-    if not folder.is_dir():
-        return []
-    found = [p for p in folder.iterdir() if p.is_dir() and _NAME.match(p.name) and (p / "meta.json").is_file()]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))  # type: ignore[union-attr]
+    return checkpoint_folders(run_dir)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

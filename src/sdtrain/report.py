@@ -9,17 +9,11 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import math
-import os
-import platform
 import re
 import statistics
-import sys
 import time
-from dataclasses import dataclass, field
-from importlib import metadata
-from itertools import pairwise
+from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 from typing import Any
@@ -27,6 +21,7 @@ from typing import Any
 from sdtrain import __version__
 from sdtrain.errors import UserError
 from sdtrain.paths import FIRST_BATCH
+from sdtrain.runview import Metrics, Run, environment, is_number, load_run
 
 # A run of months logs hundreds of grids; past these the page would weigh more than the run's story is worth.
 MAX_IMAGES = 12
@@ -34,158 +29,8 @@ MAX_IMAGES = 12
 _IMAGE_MAX_BYTES = 1_500_000
 _IMAGE_MAX_WIDTH = 1600
 
-_SAMPLE_NAME = re.compile(r"^step_(\d+)\.png$")
-# Not metrics: the x axis itself and clock stamps.
-_NOT_PLOTTED = {"step", "time", "timestamp"}
 _EVAL = re.compile(r"(^|_)(fid|kid|clip|clip_score|adherence|lpips|psnr|ssim|eval|val|validation)(_|$)")
 _PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#9c755f")
-
-
-# ---------------------------------------------------------------------------------------------- reading a run
-
-
-@dataclass
-class Metrics:
-    """metrics.jsonl, one merged record per step: a resumed run logs some steps twice, the later value wins."""
-
-    records: list[dict[str, Any]] = field(default_factory=list)
-    lines: int = 0
-    unreadable: int = 0
-    restarts: int = 0
-
-    def keys(self) -> list[str]:
-        seen: dict[str, None] = {}
-        for record in self.records:
-            for key, value in record.items():
-                if key not in _NOT_PLOTTED and _is_number(value):
-                    seen.setdefault(key)
-        return list(seen)
-
-    def series(self, key: str) -> list[tuple[int, float]]:
-        return [(r["step"], float(r[key])) for r in self.records if _is_number(r.get(key))]
-
-    def last(self, key: str) -> float | None:
-        points = self.series(key)
-        return points[-1][1] if points else None
-
-    def non_finite(self) -> list[tuple[str, int, float]]:
-        return [(key, step, value) for key in self.keys() for step, value in self.series(key)
-                if not math.isfinite(value)]
-
-
-@dataclass
-class Run:
-    path: Path
-    config_text: str | None
-    config: dict[str, Any]
-    later_configs: list[Path]
-    metrics: Metrics
-    samples: list[tuple[int, Path]]
-    """Newest first."""
-    checkpoints: list[tuple[Path, dict[str, Any] | None]]
-    """Oldest first; the meta is None when meta.json could not be read."""
-    world_size: int | None = None
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def read_metrics(path: Path) -> Metrics:
-    metrics = Metrics()
-    if not path.is_file():
-        return metrics
-    merged: dict[int, dict[str, Any]] = {}
-    order: list[int] = []
-    for line in path.read_text(errors="replace").splitlines():
-        if not line.strip():
-            continue
-        metrics.lines += 1
-        try:
-            record = json.loads(line)
-            step = int(record["step"])
-        except (ValueError, KeyError, TypeError):
-            # A run killed mid-write leaves half a line; the rest of the file is still good.
-            metrics.unreadable += 1
-            continue
-        if "loss" in record:  # an evaluation logged late for an earlier checkpoint is no restart
-            order.append(step)
-        # Merged rather than replaced: an evaluation may log its own line for a step training already logged.
-        merged.setdefault(step, {}).update(record, step=step)
-    metrics.restarts = sum(1 for a, b in pairwise(order) if b < a)
-    metrics.records = [merged[step] for step in sorted(merged)]
-    return metrics
-
-
-def _check_is_run(path: Path) -> None:
-    hint = "pass the run_dir that `sdtrain train` wrote (it holds config.yaml and metrics.jsonl)"
-    if not path.exists():
-        raise UserError(f"{path}: no such folder; {hint}")
-    if not path.is_dir():
-        raise UserError(f"{path} is a file, not a run folder; {hint}")
-    if not any((path / name).exists() for name in ("config.yaml", "metrics.jsonl", "checkpoints")):
-        raise UserError(f"{path} is not a training run (no config.yaml, metrics.jsonl or checkpoints/); {hint}")
-
-
-def _read_config(path: Path) -> tuple[str | None, dict[str, Any], list[Path]]:
-    import yaml
-
-    first = path / "config.yaml"
-    # A restart with a changed config (say a longer max_steps) records it beside the first; the newest rules.
-    later = sorted(path.glob("config.*.yaml"), key=lambda p: (p.stat().st_mtime_ns, p.name))
-    newest = later[-1] if later else first
-    if not newest.is_file():
-        return None, {}, later
-    text = newest.read_text(errors="replace")
-    try:
-        parsed = yaml.safe_load(text)
-    except yaml.YAMLError:
-        parsed = None
-    return text, parsed if isinstance(parsed, dict) else {}, later
-
-
-def _read_checkpoints(path: Path) -> list[tuple[Path, dict[str, Any] | None]]:
-    from sdtrain.checkpoint import list_checkpoints  # torch: the report module itself loads none
-
-    found = []
-    for folder in list_checkpoints(path):
-        try:
-            meta = json.loads((folder / "meta.json").read_text())
-        except (OSError, ValueError):
-            meta = None
-        found.append((folder, meta))
-    return found
-
-
-def _read_samples(path: Path) -> list[tuple[int, Path]]:
-    folder = path / "samples"
-    if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _SAMPLE_NAME.match(p.name))]
-    return sorted(found, reverse=True)
-
-
-def load_run(path: Path) -> Run:
-    path = Path(path)
-    _check_is_run(path)
-    text, config, later = _read_config(path)
-    checkpoints = _read_checkpoints(path)
-    return Run(path=path, config_text=text, config=config, later_configs=later,
-               metrics=read_metrics(path / "metrics.jsonl"), samples=_read_samples(path),
-               checkpoints=checkpoints, world_size=_world_size(checkpoints))
-
-
-def _world_size(checkpoints: list[tuple[Path, dict[str, Any] | None]]) -> int | None:
-    """Ranks of the newest checkpoint: each saves its own data position and RNG streams there."""
-    if not checkpoints:
-        return None
-    try:
-        import torch
-
-        state = torch.load(checkpoints[-1][0] / "trainer.pt", map_location="cpu", weights_only=True)
-        return len(state["ranks"])
-    except Exception:  # a report shows what it can read; one missing detail is no reason to fail it
-        return None
 
 
 # ------------------------------------------------------------------------------------------ judging a run
@@ -228,13 +73,13 @@ def _training_seconds(metrics: Metrics) -> tuple[float, bool] | None:
 
     A clock stamp per line is exact; without one, each line's img/s covers the samples since the line before.
     """
-    stamps = [r["time"] for r in metrics.records if _is_number(r.get("time"))]
+    stamps = [r["time"] for r in metrics.records if is_number(r.get("time"))]
     if len(stamps) >= 2:
         return max(stamps) - min(stamps), False
     seconds, previous = 0.0, 0
     for record in metrics.records:
         rate, samples = record.get("img_per_s"), record.get("samples")
-        if _is_number(rate) and _is_number(samples) and rate > 0 and math.isfinite(rate):
+        if is_number(rate) and is_number(samples) and rate > 0 and math.isfinite(rate):
             seconds += max(samples - previous, 0) / rate
             previous = samples
     return (seconds, True) if seconds > 0 else None
@@ -568,7 +413,7 @@ _VERDICT_LABELS = {"good": "Training works.", "warn": "Check this.", "bad": "Pro
 
 
 def _num(value: Any) -> str:
-    if not _is_number(value):
+    if not is_number(value):
         return html.escape(str(value))
     if math.isfinite(value) and float(value).is_integer() and abs(value) < 1e15:
         return f"{int(value):,}"
@@ -608,7 +453,7 @@ def _progress_items(run: Run) -> list[str]:
     stage = run.config.get("stage") or meta.get("stage") or "?"
     mode = run.config.get("mode") or (meta.get("task") or {}).get("mode")
     items = [_item("Stage / mode", html.escape(f"{stage} / {mode}" if mode else str(stage)))]
-    if _is_number(max_steps) and max_steps > 0:
+    if is_number(max_steps) and max_steps > 0:
         share = min(step / max_steps, 1.0)
         items.append(_item("Steps", f"{step:,} of {max_steps:,} ({share:.0%})",
                            f'<div class="bar"><span style="width:{share * 100:.1f}%"></span></div>'))
@@ -791,43 +636,6 @@ def _config_html(run: Run) -> str:
     name = run.later_configs[-1].name if run.later_configs else "config.yaml"
     return (f"<details><summary>{html.escape(name)} (the resolved config)</summary>"
             f"<pre>{html.escape(run.config_text)}</pre></details>")
-
-
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def environment() -> list[tuple[str, str]]:
-    """The machine this report is written on, which is the training machine when the run ends with it."""
-    from sdtrain.flops import cpu_flags  # torch: the report module itself loads none
-
-    rows = [("sdtrain", __version__)]
-    rows += [(p, _version(p)) for p in ("torch", "diffusers", "transformers", "tokenizers", "peft")]
-    rows.append(("Python", f"{platform.python_version()} ({sys.executable})"))
-    rows.append(("Platform", platform.platform()))
-    cpu = cpu_flags()
-    flags = ", ".join(k for k, v in cpu.items() if k != "model" and v) or "none of avx2, avx512f, amx"
-    rows.append(("CPU", f"{cpu.get('model') or platform.processor() or '?'}; {os.cpu_count()} logical cores; "
-                        f"{flags}"))
-    rows += _torch_rows()
-    return rows
-
-
-def _torch_rows() -> list[tuple[str, str]]:
-    try:
-        import torch
-    except ImportError:
-        return []
-    rows = [("torch CPU kernels", torch.backends.cpu.get_cpu_capability())]
-    if torch.cuda.is_available():
-        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        rows.append(("CUDA", f"{torch.version.cuda}; " + ", ".join(f"{i}: {n}" for i, n in enumerate(names))))
-    else:
-        rows.append(("CUDA", "no device visible"))
-    return rows
 
 
 def _environment_html(run: Run) -> str:

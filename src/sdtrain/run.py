@@ -15,6 +15,7 @@ import torch
 
 from sdtrain.config import RunConfig, to_yaml
 from sdtrain.errors import UserError
+from sdtrain.paths import LOCK
 from sdtrain.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,6 @@ def prepare_run_dir(config: RunConfig) -> Path:
     return run_dir
 
 
-LOCK_NAME = ".sdtrain.lock"
 
 
 @contextlib.contextmanager
@@ -79,7 +79,7 @@ def run_dir_lock(run_dir: str | Path) -> Iterator[None]:
     """
     run_dir = _make_run_dir(run_dir)
     try:
-        handle = open(run_dir / LOCK_NAME, "a+")  # noqa: SIM115 - held open for the whole run: it is the lock
+        handle = open(run_dir / LOCK, "a+")  # noqa: SIM115 - held open for the whole run: it is the lock
     except OSError as exc:
         raise UserError(f"run_dir: cannot write in {run_dir} ({exc.strerror}); choose a writable folder") from exc
     try:

@@ -1,4 +1,5 @@
-"""Where training metrics go: a progress bar, metrics.jsonl, TensorBoard and optionally W&B."""
+"""Where training metrics go: a progress bar, metrics.jsonl, TensorBoard and optionally W&B; and what happens to
+the run (events.jsonl, train.log), which the run view (`sdtrain.runview`) follows live."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tqdm import tqdm
 
 from sdtrain.config import LoggingConfig
 from sdtrain.errors import UserError
+from sdtrain.paths import EVENTS, TRAIN_LOG
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ class RunLogger:
         self.tb = None
         self.wandb = None
         self.jsonl = None
+        self.log_file: logging.Handler | None = None
         self._last_time = time.perf_counter()
         self._last_samples = 0
 
@@ -39,6 +42,9 @@ class RunLogger:
         if not self.enabled:
             return
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - open for the whole run
+        self.log_file = logging.FileHandler(self.run_dir / TRAIN_LOG)
+        self.log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        logging.getLogger("sdtrain").addHandler(self.log_file)
         if self.config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -102,6 +108,14 @@ class RunLogger:
             # W&B keeps training metrics unprefixed, as the runs before evaluation existed did.
             self.wandb.log(metrics if group == "train" else {f"{group}/{k}": v for k, v in metrics.items()}, step=step)
 
+    def event(self, name: str, step: int, **details: Any) -> None:
+        """One line of events.jsonl, written as it happens: ``start``, ``save``, ``validation``, ``stop``,
+        ``error``, ``end``. Opened for each (they are few), so the run's end is recorded after the logger closed."""
+        if self.enabled:
+            record = {"time": round(time.time(), 3), "event": name, "step": step, **details}
+            with open(self.run_dir / EVENTS, "a") as events:
+                events.write(json.dumps(record) + "\n")
+
     def image(self, tag: str, path: Path, step: int) -> None:
         if self.wandb is not None:
             import wandb
@@ -113,6 +127,10 @@ class RunLogger:
             self.bar.close()
         if self.jsonl is not None:
             self.jsonl.close()
+        if self.log_file is not None:
+            logging.getLogger("sdtrain").removeHandler(self.log_file)
+            self.log_file.close()
+            self.log_file = None
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:

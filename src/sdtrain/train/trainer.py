@@ -51,7 +51,7 @@ from sdtrain.faults import FaultInjector
 from sdtrain.loaders.components import instantiate_with
 from sdtrain.loaders.writers import has_trained_parts, save_trained_parts
 from sdtrain.memory import tree_bytes
-from sdtrain.paths import FIRST_BATCH
+from sdtrain.paths import FIRST_BATCH, STOP_REQUEST
 from sdtrain.run import prepare_run_dir, resolve_device
 from sdtrain.train import autotune
 from sdtrain.train.budget import StepPlan
@@ -237,17 +237,39 @@ class Trainer:
 
     def train(self) -> Path:
         with self._stop_on_signals():
-            return self._train()
+            try:
+                final = self._train()
+            except Preempted as stop:
+                self.logger.event("stop", self.state.step, message=str(stop))
+                raise
+            except BaseException as exc:
+                self.logger.event("error", self.state.step, message=first_line(exc)[:500] or type(exc).__name__)
+                raise
+        self.logger.event("end", self.state.step, checkpoint=str(final))
+        return final
+
+    def _stop_requested(self) -> bool:
+        """Whether a reader of the run (the UI, `runview.request_stop`) asked it to stop; taken back as it is
+        read, so the resumed run does not stop at once."""
+        request = self.run_dir / STOP_REQUEST
+        if not self.is_main or not request.exists():
+            return False
+        request.unlink(missing_ok=True)
+        return True
 
     def _train(self) -> Path:
         resume = self.resume_from
         if resume is not None:
             self.checkpointer.load(resume, self.state)
             self._apply_optimizer_config()
+        self.logger.start(self.state.step, self.state.samples, self.plan.total)
         log.info("run %s: %s stage, %d trainable parameters, %d samples in %d shards", self.run_dir,
                  self.config.stage, sum(p.numel() for p in self.task.parameters()), self.data.num_samples,
                  len(self.data.shards))
-        self.logger.start(self.state.step, self.state.samples, self.plan.total)
+        if self.is_main:  # a request left from before this start (the run was not running) asks nothing of it
+            (self.run_dir / STOP_REQUEST).unlink(missing_ok=True)
+        self.logger.event("start", self.state.step, planned_steps=self.plan.total, resumed=resume is not None,
+                          world_size=self.topology.world_size)
         self.state.started = time.perf_counter()
         self.plan.start(self.state.step)
         self._new_window()
@@ -269,10 +291,12 @@ class Trainer:
                 self.faults.after_step(self.state.step)
                 self.checkpointer.poll()
                 record_progress(self.state.step, finished=True)
-                if any_rank(self.stop_signal is not None, self.device):
+                requested = self._stop_requested()
+                if any_rank(self.stop_signal is not None or requested, self.device):
                     self.save()
                     self.checkpointer.finish_writing()
-                    raise Preempted(f"stopped by a signal at step {self.state.step} after saving; "
+                    cause = "by a signal" if self.stop_signal is not None else "on request"
+                    raise Preempted(f"stopped {cause} at step {self.state.step} after saving; "
                                     "run the same command to resume")
             final = self.save()
             self.checkpointer.finish_writing()
@@ -554,6 +578,7 @@ class Trainer:
             if self.is_main:
                 self.checkpointer.save(self.state, ranks, snapshot,
                                        extra=self._trained_parts(snapshot, meta) if parts else None)
+        self.logger.event("save", self.state.step, checkpoint=str(path))
         self.validate(snapshot)
         barrier()
         self.saved = (self.state.step, path)
@@ -650,3 +675,4 @@ class Trainer:
         if path is not None:
             log.info("validation images: %s", path)
             self.logger.image("validation", path, self.state.step)
+            self.logger.event("validation", self.state.step, images=f"samples/{Path(path).name}")
