@@ -15,10 +15,6 @@ import pytest
 pytest.importorskip("starlette")
 pytest.importorskip("httpx")
 
-from tests import ui_runview  # noqa: E402
-
-ui_runview.install()
-
 from starlette.testclient import TestClient  # noqa: E402
 
 from sdtrain.cli.main import main  # noqa: E402

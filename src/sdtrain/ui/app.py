@@ -185,7 +185,7 @@ class Api:
     async def _events(self, request: Request, run: Path, rest: list[str]) -> Response:
         if "after" in request.query_params:
             after = int(request.query_params["after"] or 0)
-            found = await run_in_threadpool(runview.events, run, after)
+            found = await run_in_threadpool(runview.read_events, run, after)
             summary = self._with_job(run, await run_in_threadpool(self.runs.summary, run))
             return ok({"events": found, "next": found[-1]["index"] + 1 if found else after, "summary": summary})
         last = request.headers.get("last-event-id", "")
@@ -199,7 +199,7 @@ class Api:
         end, sent, quiet = time.monotonic() + seconds, None, 0
         yield "retry: 2000\n\n"
         while time.monotonic() < end and not await request.is_disconnected():
-            for event in await run_in_threadpool(runview.events, run, after):
+            for event in await run_in_threadpool(runview.read_events, run, after):
                 after = event["index"] + 1
                 yield f"id: {event['index']}\nevent: run\ndata: {json.dumps(clean(event))}\n\n"
             summary = self._with_job(run, await run_in_threadpool(self.runs.summary, run))
@@ -276,7 +276,8 @@ class Api:
     def _new_run(self, body: dict[str, Any], source: str) -> Path:
         name = body.get("name") or f"{source.replace('/', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
         if not isinstance(name, str) or not valid_name(name):
-            raise Refused(f"name {json.dumps(str(name)[:80])}: use letters, digits, . _ + - (and / for a group folder, 3 deep at most)")
+            raise Refused(f"name {json.dumps(str(name)[:80])}: use letters, digits, . _ + - "
+                          "(and / for a group folder, 3 deep at most)")
         run = self.root / name
         if run.exists() and any(run.iterdir()):
             raise Refused(f"run '{name}' already exists under {self.root}; choose another name, or resume it")

@@ -70,7 +70,8 @@ def check_overrides(overrides: Any) -> list[str]:
         if not _OVERRIDE.match(item):
             raise Refused(f"override {json.dumps(item[:80])}: write key=value, the key dotted (train.max_steps=100)")
         if item.split("=", 1)[0] in _RESERVED:
-            raise Refused(f"override {json.dumps(item[:80])}: the run's folder is its name under the root; set the name")
+            raise Refused(f"override {json.dumps(item[:80])}: the run's folder is its name under the root; "
+                          "set the name")
     return cleaned
 
 

@@ -103,7 +103,8 @@ class Runs:
         raise NotFound(f"no run '{'/'.join(parts[:MAX_DEPTH])}' under {self.root}")
 
     def find(self) -> list[Path]:
-        return [run for run in runview.find_runs(self.root) if inside(self.root, run)]
+        # The root itself is no run of its own here: a run's id is its folder under the root.
+        return [run for run in runview.find_runs(self.root) if run != self.root and inside(self.root, run)]
 
     # ------------------------------------------------------------------------------------------ reading
 
@@ -116,7 +117,7 @@ class Runs:
             cached.value.get("status") != "running" or time.monotonic() - cached.read_at < _RUNNING_RECHECK_S)
         if fresh:
             return cached.value
-        value = clean(runview.summary(run).to_json())
+        value = clean(runview.summary(run, self.root).to_json())
         value["id"] = self.name(run)
         with self._lock:
             self._summaries[run] = _Cached(stamp, time.monotonic(), value)
@@ -129,7 +130,7 @@ class Runs:
             cached = self._loaded.get(run)
         if cached and cached.stamp == stamp:
             return cached.value
-        value = runview.load_run(run)
+        value = runview.load_run(run) if runview.is_run(run) else _queued(run)
         with self._lock:
             self._loaded[run] = _Cached(stamp, time.monotonic(), value)
         return value
@@ -186,6 +187,14 @@ class Runs:
         return clean({"runs": [self.summary(run) for run in runs], "differences": differences,
                       "common_sample_steps": common,
                       "samples": [{str(step): url for step, url in s.items()} for s in samples]})
+
+
+def _queued(run: Path) -> runview.Run:
+    """A run the UI queued, before its trainer writes anything: the config it was given, nothing else yet."""
+    given = run / "ui-config.yaml"
+    text = given.read_text(errors="replace") if given.is_file() else None
+    return runview.Run(path=run, config_text=text, config={}, later_configs=[], metrics=runview.Metrics(),
+                       samples=[], checkpoints=[])
 
 
 def _stat(path: Path) -> tuple[int, int] | None:

@@ -1,0 +1,414 @@
+// The sdtrain UI page: four views over the JSON API (/api/...), which it uses for everything it shows and does.
+// No build step and no framework: what a user reads comes from the API as text (textContent), never as markup.
+"use strict";
+
+const PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#9c755f",
+                 "#ff9da7", "#bab0ac"];
+const main = document.getElementById("main");
+// What the current view started (timers, event streams, charts), undone when the view changes.
+let cleanups = [];
+
+// ------------------------------------------------------------------------------------------------- helpers
+
+function h(tag, attrs, ...children) {
+  const el = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (key === "on") for (const [event, fn] of Object.entries(value)) el.addEventListener(event, fn);
+    else if (key === "class") el.className = value;
+    else if (value !== null && value !== undefined && value !== false) el.setAttribute(key, value === true ? "" : value);
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined || child === false) continue;
+    el.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return el;
+}
+
+async function api(path, body) {
+  const options = body === undefined ? {} :
+    {method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(body)};
+  const response = await fetch(path, options);
+  let data = null;
+  try { data = await response.json(); } catch (e) { data = null; }
+  if (!response.ok) {
+    const error = new Error((data && data.error) || `${response.status} ${response.statusText}`);
+    error.data = data;
+    throw error;
+  }
+  return data;
+}
+
+function banner(message, kind) {
+  const el = document.getElementById("banner");
+  el.hidden = !message;
+  el.className = kind || "";
+  el.textContent = message || "";
+}
+
+function fmt(value, digits = 4) {
+  if (value === null || value === undefined) return "";
+  if (typeof value !== "number") return String(value);
+  if (Number.isInteger(value)) return value.toLocaleString();
+  return Number(value.toPrecision(digits)).toString();
+}
+
+function bytes(n) {
+  if (!n) return "";
+  const units = ["B", "KB", "MB", "GB", "TB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${n.toFixed(n < 10 && i ? 1 : 0)} ${units[i]}`;
+}
+
+function ago(seconds) {
+  if (!seconds) return "";
+  const s = Date.now() / 1000 - seconds;
+  if (s < 60) return "just now";
+  if (s < 3600) return `${Math.round(s / 60)} min ago`;
+  if (s < 86400) return `${Math.round(s / 3600)} h ago`;
+  return new Date(seconds * 1000).toLocaleDateString();
+}
+
+function runLink(id) { return "#/run/" + id.split("/").map(encodeURIComponent).join("/"); }
+
+function every(ms, fn) {
+  const timer = setInterval(fn, ms);
+  cleanups.push(() => clearInterval(timer));
+}
+
+// ------------------------------------------------------------------------------------------------- charts
+
+// A uPlot chart of series fetched from the API; a drag zooms and asks the server for that range at full
+// resolution, a double click goes back to the whole run.
+class Chart {
+  constructor(parent, title, fetchSeries) {
+    this.fetchSeries = fetchSeries;
+    this.box = h("div", {class: "chart"}, h("div", {class: "title"}, title));
+    this.body = h("div", {}, h("div", {class: "empty"}, "loading…"));
+    this.box.append(this.body);
+    parent.append(this.box);
+    this.plot = null;
+    this.zoomed = null;
+    this.box.addEventListener("dblclick", () => { this.zoomed = null; this.load(); });
+    const onResize = () => this.plot && this.plot.setSize(this.size());
+    window.addEventListener("resize", onResize);
+    cleanups.push(() => { window.removeEventListener("resize", onResize); if (this.plot) this.plot.destroy(); });
+  }
+
+  size() { return {width: Math.max(this.box.clientWidth - 16, 200), height: 220}; }
+
+  async load() {
+    const range = this.zoomed || [null, null];
+    const series = (await this.fetchSeries(range[0], range[1])).filter(s => s.x.length);
+    if (!series.length) {
+      if (this.plot) { this.plot.destroy(); this.plot = null; }
+      this.body.replaceChildren(h("div", {class: "empty"}, "nothing logged yet"));
+      return;
+    }
+    const data = uPlot.join(series.map(s => [s.x, s.y]));
+    const labels = series.map(s => s.label).join("\u0000");
+    if (this.plot && this.labels === labels) {
+      this.plot.setData(data, !this.zoomed);
+      if (this.zoomed) this.plot.setScale("x", {min: this.zoomed[0], max: this.zoomed[1]});
+      return;
+    }
+    if (this.plot) this.plot.destroy();
+    this.labels = labels;
+    this.body.replaceChildren();
+    this.plot = new uPlot(this.options(series), data, this.body);
+  }
+
+  options(series) {
+    return {
+      ...this.size(),
+      scales: {x: {time: false}},
+      legend: {live: true},
+      cursor: {drag: {x: true, y: false}},
+      series: [{label: series.xLabel || "step"},
+               ...series.map((s, i) => ({label: s.label, stroke: s.color || PALETTE[i % PALETTE.length],
+                                         width: 1.5, spanGaps: true, points: {show: false}}))],
+      hooks: {setSelect: [u => {
+        if (u.select.width < 5) return;
+        this.zoomed = [u.posToVal(u.select.left, "x"), u.posToVal(u.select.left + u.select.width, "x")];
+        this.load();
+      }]},
+    };
+  }
+}
+
+function metricsUrl(id, keys, by, lo, hi) {
+  const query = new URLSearchParams({keys: keys.join(","), by});
+  if (lo !== null) { query.set("from", lo); query.set("to", hi); }
+  return `/api/runs/${id}/metrics?${query}`;
+}
+
+const GROUPS = [
+  ["Loss", k => k.includes("loss") || k === "reconstruction" || k === "kl"],
+  ["Learning rate", k => k === "lr" || k.startsWith("lr_")],
+  ["Throughput (images/s)", k => k.endsWith("_per_s")],
+];
+
+// ------------------------------------------------------------------------------------------------- runs
+
+async function runsPage() {
+  const filter = h("input", {type: "search", placeholder: "filter: name, family, mode, status", size: 40});
+  const compare = h("button", {disabled: true}, "Compare selected");
+  const table = h("table", {id: "runs"});
+  main.replaceChildren(h("h1", {}, "Runs"), h("div", {class: "toolbar"}, filter, compare,
+    h("a", {href: "#/start"}, "Start a run")), table);
+  const selected = new Set();
+  let rows = [];
+  const render = () => {
+    const words = filter.value.toLowerCase().split(/\s+/).filter(Boolean);
+    const shown = rows.filter(r => words.every(w =>
+      [r.id, r.family, r.mode, r.status, r.stage].some(v => v && String(v).toLowerCase().includes(w))));
+    const head = h("tr", {}, h("th", {}, ""), ...["run", "family", "mode", "status"].map(t => h("th", {}, t)),
+      ...["step", "loss", "img/s", "last save", "disk"].map(t => h("th", {class: "num"}, t)));
+    table.replaceChildren(head, ...shown.map(r => {
+      const box = h("input", {type: "checkbox", checked: selected.has(r.id), on: {change: () => {
+        box.checked ? selected.add(r.id) : selected.delete(r.id);
+        compare.disabled = selected.size < 2;
+      }}});
+      return h("tr", {"data-run": r.id},
+        h("td", {}, box),
+        h("td", {}, h("a", {href: runLink(r.id)}, r.id), r.problem ? h("div", {class: "problem"}, r.problem) : null),
+        h("td", {}, r.family || ""), h("td", {}, r.mode || r.stage || ""),
+        h("td", {}, h("span", {class: "status " + r.status}, r.status)),
+        h("td", {class: "num"}, r.step === null ? "" : `${fmt(r.step)}${r.max_steps ? " / " + fmt(r.max_steps) : ""}`),
+        h("td", {class: "num"}, fmt(r.loss)), h("td", {class: "num"}, fmt(r.images_per_second, 3)),
+        h("td", {class: "num"}, ago(r.last_save)), h("td", {class: "num"}, bytes(r.disk_bytes)));
+    }));
+  };
+  compare.addEventListener("click", () => { location.hash = "#/compare/" + [...selected].join(","); });
+  filter.addEventListener("input", render);
+  const refresh = async () => {
+    try {
+      const data = await api("/api/runs");
+      document.getElementById("root").textContent = data.root;
+      rows = data.runs;
+      render();
+    } catch (e) { banner(e.message); }
+  };
+  await refresh();
+  every(5000, refresh);
+}
+
+// ------------------------------------------------------------------------------------------------- a run
+
+async function runPage(id) {
+  const detail = await api(`/api/runs/${id}`);
+  const head = h("div", {});
+  const actions = h("div", {class: "toolbar"});
+  const by = h("select", {}, h("option", {value: "step"}, "by step"), h("option", {value: "samples"}, "by samples seen"));
+  const charts = h("div", {class: "charts"});
+  const images = h("div", {});
+  const checkpoints = h("div", {});
+  const log = h("pre", {id: "log"});
+  const environment = h("div", {}, h("button", {on: {click: async () => {
+    const env = await api("/api/environment");
+    environment.replaceChildren(h("table", {}, env.environment.map(([k, v]) => h("tr", {}, h("th", {}, k), h("td", {}, v)))));
+  }}}, "Show the environment"));
+  main.replaceChildren(head, actions, h("h2", {}, "Curves ", by), charts,
+    h("h2", {}, "Validation images"), images, h("h2", {}, "Checkpoints"), checkpoints,
+    h("h2", {}, "Log"), log, h("h2", {}, "Config"), h("pre", {id: "config"}, detail.config_text || "(no config yet)"),
+    h("h2", {}, "Environment"), environment);
+
+  let state = detail;
+  const act = (label, path, confirmText) => h("button", {on: {click: async () => {
+    if (confirmText && !confirm(confirmText)) return;
+    try {
+      const result = await api(`/api/runs/${id}/${path}`, {});
+      banner(`${label}: ${result.stopping ? "stopping after a save" : result.cancelled ? "taken off the queue" :
+        result.out ? "exporting to " + result.out : "queued"}`, "info");
+      refresh();
+    } catch (e) { banner(e.message); }
+  }}}, label);
+  const drawHead = s => {
+    head.replaceChildren(h("h1", {}, id, " ", h("span", {class: "status " + s.status, id: "status"}, s.status)),
+      h("div", {class: "muted"}, [s.family, s.mode || s.stage, s.step !== null ? `step ${fmt(s.step)}${s.max_steps ?
+        " of " + fmt(s.max_steps) : ""}` : null, s.loss !== null ? `loss ${fmt(s.loss)}` : null,
+        s.images_per_second ? `${fmt(s.images_per_second, 3)} img/s` : null, s.last_save ? `saved ${ago(s.last_save)}` : null,
+        bytes(s.disk_bytes)].filter(Boolean).join(" · ")),
+      s.problem ? h("div", {class: "problem"}, s.problem) : null,
+      s.job && s.job.message ? h("div", {class: s.job.state === "failed" ? "problem" : "muted"},
+        `${s.job.kind} ${s.job.state}: ${s.job.message}`) : null);
+    const live = ["running", "starting", "queued"].includes(s.status);
+    actions.replaceChildren(live ? act("Stop", "stop", "Stop this run after a save?") : null,
+      !live && state.resumable && s.status !== "finished" ? act("Resume", "resume") : null,
+      state.checkpoints.length ? act("Export", "export") : null,
+      h("a", {href: "#/compare/" + id}, "Compare with…"));
+  };
+  const drawImages = () => {
+    if (!state.samples.length) { images.replaceChildren(h("div", {class: "muted"}, "none yet")); return; }
+    const img = h("img", {alt: "validation images", src: state.samples[0].url});
+    const caption = h("figcaption", {}, `step ${fmt(state.samples[0].step)}`);
+    const slider = h("input", {type: "range", min: 0, max: state.samples.length - 1, value: 0, on: {input: () => {
+      const sample = state.samples[slider.value];
+      img.src = sample.url;
+      caption.textContent = `step ${fmt(sample.step)}`;
+    }}});
+    images.replaceChildren(h("div", {class: "toolbar"}, "newest", slider, "oldest"),
+      h("div", {class: "images"}, h("figure", {}, img, caption)));
+  };
+  const drawCheckpoints = () => {
+    checkpoints.replaceChildren(state.checkpoints.length ? h("table", {}, state.checkpoints.slice().reverse().map(c =>
+      h("tr", {}, h("td", {}, c.name), h("td", {}, c.files.filter(f => f.weights || c.files.length < 8).map(f =>
+        h("div", {}, h("a", {href: f.url + "?download"}, f.path), " ", h("span", {class: "muted"}, bytes(f.size)))))))) :
+      h("div", {class: "muted"}, "none yet"));
+  };
+  const drawLog = () => {
+    const lines = state.log.length ? state.log : state.child_log;
+    log.textContent = lines.join("\n") || "(no log yet)";
+    log.scrollTop = log.scrollHeight;
+  };
+  const chartList = [];
+  const drawCharts = () => {
+    charts.replaceChildren();
+    chartList.length = 0;
+    const keys = state.metric_keys;
+    const groups = GROUPS.map(([title, match]) => [title, keys.filter(match)]).filter(([, ks]) => ks.length);
+    for (const [title, ks] of groups) {
+      const chart = new Chart(charts, title, async (lo, hi) => {
+        const data = await api(metricsUrl(id, ks, by.value, lo, hi));
+        const series = ks.map(k => ({label: k, ...data.series[k]})).filter(s => s.x);
+        series.xLabel = by.value;
+        return series;
+      });
+      chartList.push(chart);
+    }
+    if (!groups.length) charts.append(h("div", {class: "muted"}, "no metrics logged yet"));
+    chartList.forEach(c => c.load().catch(e => banner(e.message)));
+  };
+  by.addEventListener("change", drawCharts);
+  const refresh = async () => {
+    try {
+      const keys = state.metric_keys.join();
+      state = await api(`/api/runs/${id}`);
+      drawHead(state.summary); drawImages(); drawCheckpoints(); drawLog();
+      if (keys !== state.metric_keys.join()) drawCharts();
+      else chartList.forEach(c => c.load());
+    } catch (e) { banner(e.message); }
+  };
+  drawHead(state.summary); drawImages(); drawCheckpoints(); drawLog(); drawCharts();
+  const stream = new EventSource(`/api/runs/${id}/events`);
+  let lastStep = state.summary.step;
+  stream.addEventListener("summary", e => {
+    const s = JSON.parse(e.data);
+    state.summary = s;
+    drawHead(s);
+    if (s.step !== lastStep) { lastStep = s.step; refresh(); }
+  });
+  stream.addEventListener("run", e => { const ev = JSON.parse(e.data); if (ev.event !== "start") refresh(); });
+  cleanups.push(() => stream.close());
+}
+
+// ------------------------------------------------------------------------------------------------- compare
+
+async function comparePage(ids) {
+  if (ids.length < 2) {
+    const all = (await api("/api/runs")).runs.filter(r => !ids.includes(r.id));
+    main.replaceChildren(h("h1", {}, "Compare"), h("p", {}, "Pick runs to compare with ", ids.join(", ") || "nothing", ":"),
+      h("ul", {}, all.map(r => h("li", {}, h("a", {href: "#/compare/" + [...ids, r.id].join(",")}, r.id)))));
+    return;
+  }
+  const data = await api(`/api/compare?runs=${ids.map(encodeURIComponent).join(",")}`);
+  const keys = new Set();
+  for (const id of ids) (await api(metricsUrl(id, [], "step", null, null)).catch(() => ({keys: []}))).keys.forEach(k => keys.add(k));
+  const key = h("select", {}, [...keys].map(k => h("option", {value: k, selected: k === "loss"}, k)));
+  const by = h("select", {}, h("option", {value: "step"}, "by step"), h("option", {value: "samples"}, "by samples seen"));
+  const charts = h("div", {class: "charts", style: "grid-template-columns: 1fr"});
+  const step = h("select", {}, data.common_sample_steps.slice().reverse().map(s => h("option", {value: s}, `step ${fmt(s)}`)));
+  const images = h("div", {class: "images"});
+  main.replaceChildren(h("h1", {}, "Compare ", ids.join(" · ")),
+    h("table", {}, data.runs.map((r, i) => h("tr", {}, h("td", {}, h("span", {style: `color:${PALETTE[i % PALETTE.length]}`}, "■")),
+      h("td", {}, h("a", {href: runLink(r.id)}, r.id)), h("td", {}, h("span", {class: "status " + r.status}, r.status)),
+      h("td", {class: "num"}, fmt(r.step)), h("td", {class: "num"}, fmt(r.loss)))).flat()),
+    h("h2", {}, "Curves ", key, " ", by), charts,
+    h("h2", {}, "Validation images ", data.common_sample_steps.length ? step : h("span", {class: "muted"}, "(no step they share)")), images,
+    h("h2", {}, "Config differences"), data.differences.length ? h("table", {id: "differences"},
+      h("tr", {}, h("th", {}, "key"), ids.map(id => h("th", {}, id))),
+      data.differences.map(d => h("tr", {}, h("td", {}, d.key), d.values.map(v => h("td", {}, v === null ? "—" : JSON.stringify(v)))))) :
+      h("p", {class: "muted"}, "their configs are the same"));
+  const drawChart = () => {
+    charts.replaceChildren();
+    new Chart(charts, key.value, async (lo, hi) => {
+      const all = await Promise.all(ids.map(id => api(metricsUrl(id, [key.value], by.value, lo, hi))));
+      const series = all.map((d, i) => ({label: ids[i], color: PALETTE[i % PALETTE.length], ...(d.series[key.value] || {x: [], y: []})}));
+      series.xLabel = by.value;
+      return series;
+    }).load().catch(e => banner(e.message));
+  };
+  const drawImages = () => images.replaceChildren(...ids.map((id, i) => {
+    const url = data.samples[i][step.value];
+    return url ? h("figure", {}, h("img", {src: url, alt: id}), h("figcaption", {}, `${id} · step ${fmt(Number(step.value))}`)) : null;
+  }));
+  key.addEventListener("change", drawChart);
+  by.addEventListener("change", drawChart);
+  step.addEventListener("change", drawImages);
+  drawChart();
+  drawImages();
+}
+
+// ------------------------------------------------------------------------------------------------- start
+
+async function startPage() {
+  const recipes = (await api("/api/recipes")).recipes;
+  const source = h("select", {id: "source"}, h("option", {value: ""}, "(a config of my own)"),
+    recipes.map(r => h("option", {value: r}, r)));
+  const file = h("input", {type: "file", accept: ".yaml,.yml"});
+  const config = h("textarea", {id: "config", rows: 28, spellcheck: "false"});
+  const name = h("input", {id: "name", placeholder: "run name (a folder under the root)", size: 40});
+  const overrides = h("textarea", {id: "overrides", rows: 6, placeholder: "key=value, one a line\ntrain.max_steps=1000"});
+  const result = h("div", {id: "result"});
+  const body = () => ({config: config.value, name: name.value.trim() || undefined,
+                       overrides: overrides.value.split("\n").map(s => s.trim()).filter(Boolean)});
+  const show = (ok, lines) => result.replaceChildren(ok ? h("p", {class: "ok"}, lines[0] || "ok") :
+    h("ul", {class: "problems"}, lines.map(l => h("li", {}, l))));
+  source.addEventListener("change", async () => {
+    if (!source.value) return;
+    config.value = (await api(`/api/recipes/${source.value}`)).config;
+  });
+  file.addEventListener("change", async () => { if (file.files[0]) { config.value = await file.files[0].text(); source.value = ""; } });
+  const check = h("button", {on: {click: async () => {
+    result.replaceChildren(h("p", {class: "muted"}, "checking…"));
+    try { const r = await api("/api/check", body()); show(r.ok, r.ok ? [r.message] : r.problems); }
+    catch (e) { show(false, [e.message]); }
+  }}}, "Check");
+  const start = h("button", {class: "primary", on: {click: async () => {
+    result.replaceChildren(h("p", {class: "muted"}, "checking, then queueing…"));
+    try {
+      const r = await api("/api/runs", body());
+      location.hash = runLink(r.run);
+    } catch (e) { show(false, (e.data && e.data.problems) || [e.message]); }
+  }}}, "Start");
+  main.replaceChildren(h("h1", {}, "Start a run"),
+    h("p", {class: "muted"}, "Checked as `sdtrain train CONFIG --check` does (family and mode included) before " +
+      "anything loads; then queued. Its folder is its name under the root."),
+    h("div", {class: "grid2"},
+      h("div", {}, h("div", {class: "field"}, h("label", {}, "recipe"), source),
+        h("div", {class: "field"}, h("label", {}, "or a config file"), file),
+        h("div", {class: "field"}, h("label", {}, "config (YAML)"), config)),
+      h("div", {}, h("div", {class: "field"}, h("label", {}, "name"), name),
+        h("div", {class: "field"}, h("label", {}, "overrides"), overrides),
+        h("div", {class: "toolbar"}, check, start), result)));
+}
+
+// ------------------------------------------------------------------------------------------------- routing
+
+async function route() {
+  cleanups.forEach(fn => fn());
+  cleanups = [];
+  banner("");
+  const hash = decodeURIComponent(location.hash.replace(/^#\/?/, ""));
+  try {
+    if (hash.startsWith("run/")) await runPage(hash.slice(4));
+    else if (hash.startsWith("compare")) await comparePage(hash.slice(8).split(",").filter(Boolean));
+    else if (hash === "start") await startPage();
+    else await runsPage();
+  } catch (e) {
+    banner(e.message);
+  }
+}
+
+window.addEventListener("hashchange", route);
+route();
