@@ -410,6 +410,7 @@ def create_app(root: Path, token: str | None = None, parallel: int = 1, poll: bo
 
     routes = [
         Route("/", api.index),
+        Route("/favicon.ico", lambda request: Response(status_code=204)),
         Route("/api", api.routes),
         Route("/api/runs", api.list_runs, methods=["GET"]),
         Route("/api/runs", api.start, methods=["POST"]),

@@ -24,6 +24,11 @@ function h(tag, attrs, ...children) {
   return el;
 }
 
+function fill(el, ...children) {
+  // replaceChildren writes a null as the text "null": leave the gaps out.
+  el.replaceChildren(...children.flat().filter(c => c !== null && c !== undefined && c !== false));
+}
+
 async function api(path, body) {
   const options = body === undefined ? {} :
     {method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(body)};
@@ -224,7 +229,7 @@ async function runPage(id) {
     } catch (e) { banner(e.message); }
   }}}, label);
   const drawHead = s => {
-    head.replaceChildren(h("h1", {}, id, " ", h("span", {class: "status " + s.status, id: "status"}, s.status)),
+    fill(head, h("h1", {}, id, " ", h("span", {class: "status " + s.status, id: "status"}, s.status)),
       h("div", {class: "muted"}, [s.family, s.mode || s.stage, s.step !== null ? `step ${fmt(s.step)}${s.max_steps ?
         " of " + fmt(s.max_steps) : ""}` : null, s.loss !== null ? `loss ${fmt(s.loss)}` : null,
         s.images_per_second ? `${fmt(s.images_per_second, 3)} img/s` : null, s.last_save ? `saved ${ago(s.last_save)}` : null,
@@ -233,7 +238,7 @@ async function runPage(id) {
       s.job && s.job.message ? h("div", {class: s.job.state === "failed" ? "problem" : "muted"},
         `${s.job.kind} ${s.job.state}: ${s.job.message}`) : null);
     const live = ["running", "starting", "queued"].includes(s.status);
-    actions.replaceChildren(live ? act("Stop", "stop", "Stop this run after a save?") : null,
+    fill(actions, live ? act("Stop", "stop", "Stop this run after a save?") : null,
       !live && state.resumable && s.status !== "finished" ? act("Resume", "resume") : null,
       state.checkpoints.length ? act("Export", "export") : null,
       h("a", {href: "#/compare/" + id}, "Compare with…"));
@@ -251,7 +256,7 @@ async function runPage(id) {
       h("div", {class: "images"}, h("figure", {}, img, caption)));
   };
   const drawCheckpoints = () => {
-    checkpoints.replaceChildren(state.checkpoints.length ? h("table", {}, state.checkpoints.slice().reverse().map(c =>
+    fill(checkpoints, state.checkpoints.length ? h("table", {}, state.checkpoints.slice().reverse().map(c =>
       h("tr", {}, h("td", {}, c.name), h("td", {}, c.files.filter(f => f.weights || c.files.length < 8).map(f =>
         h("div", {}, h("a", {href: f.url + "?download"}, f.path), " ", h("span", {class: "muted"}, bytes(f.size)))))))) :
       h("div", {class: "muted"}, "none yet"));
@@ -338,7 +343,7 @@ async function comparePage(ids) {
       return series;
     }).load().catch(e => banner(e.message));
   };
-  const drawImages = () => images.replaceChildren(...ids.map((id, i) => {
+  const drawImages = () => fill(images, ids.map((id, i) => {
     const url = data.samples[i][step.value];
     return url ? h("figure", {}, h("img", {src: url, alt: id}), h("figcaption", {}, `${id} · step ${fmt(Number(step.value))}`)) : null;
   }));
