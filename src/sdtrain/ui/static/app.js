@@ -230,7 +230,7 @@ async function runPage(id) {
   }}}, label);
   const drawHead = s => {
     fill(head, h("h1", {}, id, " ", h("span", {class: "status " + s.status, id: "status"}, s.status)),
-      h("div", {class: "muted"}, [s.family, s.mode || s.stage, s.step !== null ? `step ${fmt(s.step)}${s.max_steps ?
+      h("div", {class: "muted", id: "facts"}, [s.family, s.mode || s.stage, s.step !== null ? `step ${fmt(s.step)}${s.max_steps ?
         " of " + fmt(s.max_steps) : ""}` : null, s.loss !== null ? `loss ${fmt(s.loss)}` : null,
         s.images_per_second ? `${fmt(s.images_per_second, 3)} img/s` : null, s.last_save ? `saved ${ago(s.last_save)}` : null,
         bytes(s.disk_bytes)].filter(Boolean).join(" · ")),
