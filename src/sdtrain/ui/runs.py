@@ -11,6 +11,7 @@ import math
 import re
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,9 @@ _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$")
 # Files that make a folder a run, whoever started it (the UI writes its config and job before the trainer starts).
 _RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints", "events.jsonl", "train.log", "ui-config.yaml",
                 "ui-job.json")
+# Parsed runs kept at once: a run of 100,000 logged steps is tens of MB of records, so not all 200 of a root.
+_LOADED_RUNS = 12
+_THINNED = 256
 # A running run's status comes from its lock, which a dying process releases without touching any file.
 _RUNNING_RECHECK_S = 2.0
 
@@ -77,7 +81,8 @@ class Runs:
     def __init__(self, root: Path):
         self.root = Path(root).resolve()
         self._summaries: dict[Path, _Cached] = {}
-        self._loaded: dict[Path, _Cached] = {}
+        self._loaded: OrderedDict[Path, _Cached] = OrderedDict()
+        self._thinned: OrderedDict[tuple, dict] = OrderedDict()
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------ naming
@@ -123,16 +128,23 @@ class Runs:
             self._summaries[run] = _Cached(stamp, time.monotonic(), value)
         return value
 
-    def load(self, run: Path) -> Any:
+    def _load_stamp(self, run: Path) -> tuple:
         stamp = _stamp(run, ("metrics.jsonl", "config.yaml", "checkpoints", "samples"))
-        stamp += tuple(_stat(p) for p in sorted(run.glob("config.*.yaml")))
+        return stamp + tuple(_stat(p) for p in sorted(run.glob("config.*.yaml")))
+
+    def load(self, run: Path) -> Any:
+        stamp = self._load_stamp(run)
         with self._lock:
             cached = self._loaded.get(run)
-        if cached and cached.stamp == stamp:
-            return cached.value
+            if cached and cached.stamp == stamp:
+                self._loaded.move_to_end(run)
+                return cached.value
         value = runview.load_run(run) if runview.is_run(run) else _queued(run)
         with self._lock:
             self._loaded[run] = _Cached(stamp, time.monotonic(), value)
+            self._loaded.move_to_end(run)
+            while len(self._loaded) > _LOADED_RUNS:
+                self._loaded.popitem(last=False)
         return value
 
     def file_url(self, run: Path, path: Path) -> str:
@@ -165,6 +177,20 @@ class Runs:
 
     def metrics(self, run: Path, keys: list[str] | None, by: str, lo: float | None, hi: float | None,
                 points: int = DEFAULT_POINTS) -> dict[str, Any]:
+        # A compare page asks every run's curve again on each change of metric or axis: answers are kept.
+        asked = (run, self._load_stamp(run), tuple(keys or ()), by, lo, hi, points)
+        with self._lock:
+            if asked in self._thinned:
+                return self._thinned[asked]
+        answer = self._metrics(run, keys, by, lo, hi, points)
+        with self._lock:
+            self._thinned[asked] = answer
+            while len(self._thinned) > _THINNED:
+                self._thinned.popitem(last=False)
+        return answer
+
+    def _metrics(self, run: Path, keys: list[str] | None, by: str, lo: float | None, hi: float | None,
+                 points: int) -> dict[str, Any]:
         loaded = self.load(run).metrics
         available = loaded.keys()
         keys = [k for k in (keys or available) if k in available]
@@ -176,13 +202,12 @@ class Runs:
         return clean({"by": by, "keys": available, "series": series})
 
     def compare(self, runs: list[Path]) -> dict[str, Any]:
-        loaded = [self.load(run) for run in runs]
-        flat = [flatten(run.config) for run in loaded]
+        # Configs and samples only: parsing every run's metrics here would make comparing 200 runs wait minutes.
+        flat = [flatten(runview.read_config(run)[1]) for run in runs]
         keys = sorted({key for config in flat for key in config})
         differences = [{"key": key, "values": [config.get(key) for config in flat]} for key in keys
                        if len({repr(config.get(key)) for config in flat}) > 1]
-        samples = [{step: self.file_url(run, path) for step, path in view.samples} for run, view in
-                   zip(runs, loaded)]
+        samples = [{step: self.file_url(run, path) for step, path in runview.read_samples(run)} for run in runs]
         common = sorted(set.intersection(*(set(s) for s in samples)) if samples else set())
         return clean({"runs": [self.summary(run) for run in runs], "differences": differences,
                       "common_sample_steps": common,

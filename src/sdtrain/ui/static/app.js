@@ -318,7 +318,10 @@ async function comparePage(ids) {
   }
   const data = await api(`/api/compare?runs=${ids.map(encodeURIComponent).join(",")}`);
   const keys = new Set();
-  for (const id of ids) (await api(metricsUrl(id, [], "step", null, null)).catch(() => ({keys: []}))).keys.forEach(k => keys.add(k));
+  // Each run's metric names, with as few points as the API gives: the curves come once a metric is chosen.
+  const named = await Promise.all(ids.map(id => api(metricsUrl(id, ["loss"], "step", null, null) + "&points=10")
+    .catch(() => ({keys: []}))));
+  named.forEach(d => d.keys.forEach(k => keys.add(k)));
   const key = h("select", {}, [...keys].map(k => h("option", {value: k, selected: k === "loss"}, k)));
   const by = h("select", {}, h("option", {value: "step"}, "by step"), h("option", {value: "samples"}, "by samples seen"));
   const charts = h("div", {class: "charts", style: "grid-template-columns: 1fr"});
