@@ -200,110 +200,114 @@ async function runsPage() {
 
 // ------------------------------------------------------------------------------------------------- a run
 
-async function runPage(id) {
-  const detail = await api(`/api/runs/${id}`);
-  const head = h("div", {});
-  const actions = h("div", {class: "toolbar"});
-  const by = h("select", {}, h("option", {value: "step"}, "by step"), h("option", {value: "samples"}, "by samples seen"));
-  const charts = h("div", {class: "charts"});
-  const images = h("div", {});
-  const checkpoints = h("div", {});
-  const log = h("pre", {id: "log"});
-  const environment = h("div", {}, h("button", {on: {click: async () => {
-    const env = await api("/api/environment");
-    environment.replaceChildren(h("table", {}, env.environment.map(([k, v]) => h("tr", {}, h("th", {}, k), h("td", {}, v)))));
-  }}}, "Show the environment"));
-  main.replaceChildren(head, actions, h("h2", {}, "Curves ", by), charts,
-    h("h2", {}, "Validation images"), images, h("h2", {}, "Checkpoints"), checkpoints,
-    h("h2", {}, "Log"), log, h("h2", {}, "Config"), h("pre", {id: "config"}, detail.config_text || "(no config yet)"),
-    h("h2", {}, "Environment"), environment);
-
-  let state = detail;
-  const act = (label, path, confirmText) => h("button", {on: {click: async () => {
+function actionButton(id, label, path, confirmText, then) {
+  return h("button", {on: {click: async () => {
     if (confirmText && !confirm(confirmText)) return;
     try {
       const result = await api(`/api/runs/${id}/${path}`, {});
       banner(`${label}: ${result.stopping ? "stopping after a save" : result.cancelled ? "taken off the queue" :
         result.out ? "exporting to " + result.out : "queued"}`, "info");
-      refresh();
+      then();
     } catch (e) { banner(e.message); }
   }}}, label);
-  const drawHead = s => {
-    fill(head, h("h1", {}, id, " ", h("span", {class: "status " + s.status, id: "status"}, s.status)),
-      h("div", {class: "muted", id: "facts"}, [s.family, s.mode || s.stage, s.step !== null ? `step ${fmt(s.step)}${s.max_steps ?
-        " of " + fmt(s.max_steps) : ""}` : null, s.loss !== null ? `loss ${fmt(s.loss)}` : null,
-        s.images_per_second ? `${fmt(s.images_per_second, 3)} img/s` : null, s.last_save ? `saved ${ago(s.last_save)}` : null,
-        bytes(s.disk_bytes)].filter(Boolean).join(" · ")),
-      s.problem ? h("div", {class: "problem"}, s.problem) : null,
-      s.job && s.job.message ? h("div", {class: s.job.state === "failed" ? "problem" : "muted"},
-        `${s.job.kind} ${s.job.state}: ${s.job.message}`) : null);
-    const live = ["running", "starting", "queued"].includes(s.status);
-    fill(actions, live ? act("Stop", "stop", "Stop this run after a save?") : null,
-      !live && state.resumable && s.status !== "finished" ? act("Resume", "resume") : null,
-      state.checkpoints.length ? act("Export", "export") : null,
-      h("a", {href: "#/compare/" + id}, "Compare with…"));
-  };
-  const drawImages = () => {
-    if (!state.samples.length) { images.replaceChildren(h("div", {class: "muted"}, "none yet")); return; }
-    const img = h("img", {alt: "validation images", src: state.samples[0].url});
-    const caption = h("figcaption", {}, `step ${fmt(state.samples[0].step)}`);
-    const slider = h("input", {type: "range", min: 0, max: state.samples.length - 1, value: 0, on: {input: () => {
-      const sample = state.samples[slider.value];
-      img.src = sample.url;
-      caption.textContent = `step ${fmt(sample.step)}`;
-    }}});
-    images.replaceChildren(h("div", {class: "toolbar"}, "newest", slider, "oldest"),
-      h("div", {class: "images"}, h("figure", {}, img, caption)));
-  };
-  const drawCheckpoints = () => {
-    fill(checkpoints, state.checkpoints.length ? h("table", {}, state.checkpoints.slice().reverse().map(c =>
-      h("tr", {}, h("td", {}, c.name), h("td", {}, c.files.filter(f => f.weights || c.files.length < 8).map(f =>
-        h("div", {}, h("a", {href: f.url + "?download"}, f.path), " ", h("span", {class: "muted"}, bytes(f.size)))))))) :
-      h("div", {class: "muted"}, "none yet"));
-  };
-  const drawLog = () => {
-    const lines = state.log.length ? state.log : state.child_log;
-    log.textContent = lines.join("\n") || "(no log yet)";
+}
+
+function drawRunHead(head, actions, id, state, refresh) {
+  const s = state.summary;
+  fill(head, h("h1", {}, id, " ", h("span", {class: "status " + s.status, id: "status"}, s.status)),
+    h("div", {class: "muted", id: "facts"}, [s.family, s.mode || s.stage, s.step !== null ? `step ${fmt(s.step)}${s.max_steps ?
+      " of " + fmt(s.max_steps) : ""}` : null, s.loss !== null ? `loss ${fmt(s.loss)}` : null,
+      s.images_per_second ? `${fmt(s.images_per_second, 3)} img/s` : null, s.last_save ? `saved ${ago(s.last_save)}` : null,
+      bytes(s.disk_bytes)].filter(Boolean).join(" · ")),
+    s.problem ? h("div", {class: "problem"}, s.problem) : null,
+    s.job && s.job.message ? h("div", {class: s.job.state === "failed" ? "problem" : "muted"},
+      `${s.job.kind} ${s.job.state}: ${s.job.message}`) : null);
+  const live = ["running", "starting", "queued"].includes(s.status);
+  fill(actions, live ? actionButton(id, "Stop", "stop", "Stop this run after a save?", refresh) : null,
+    !live && state.resumable && s.status !== "finished" ? actionButton(id, "Resume", "resume", null, refresh) : null,
+    state.checkpoints.length ? actionButton(id, "Export", "export", null, refresh) : null,
+    h("a", {href: "#/compare/" + id}, "Compare with…"));
+}
+
+function drawRunImages(images, samples) {
+  if (!samples.length) { fill(images, h("div", {class: "muted"}, "none yet")); return; }
+  const img = h("img", {alt: "validation images", src: samples[0].url});
+  const caption = h("figcaption", {}, `step ${fmt(samples[0].step)}`);
+  const slider = h("input", {type: "range", min: 0, max: samples.length - 1, value: 0, on: {input: () => {
+    img.src = samples[slider.value].url;
+    caption.textContent = `step ${fmt(samples[slider.value].step)}`;
+  }}});
+  fill(images, h("div", {class: "toolbar"}, "newest", slider, "oldest"),
+    h("div", {class: "images"}, h("figure", {}, img, caption)));
+}
+
+function drawCheckpoints(el, checkpoints) {
+  fill(el, checkpoints.length ? h("table", {}, checkpoints.slice().reverse().map(c =>
+    h("tr", {}, h("td", {}, c.name), h("td", {}, c.files.filter(f => f.weights || c.files.length < 8).map(f =>
+      h("div", {}, h("a", {href: f.url + "?download"}, f.path), " ", h("span", {class: "muted"}, bytes(f.size)))))))) :
+    h("div", {class: "muted"}, "none yet"));
+}
+
+function drawRunCharts(charts, id, keys, by) {
+  charts.replaceChildren();
+  const groups = GROUPS.map(([title, match]) => [title, keys.filter(match)]).filter(([, ks]) => ks.length);
+  if (!groups.length) charts.append(h("div", {class: "muted"}, "no metrics logged yet"));
+  return groups.map(([title, ks]) => {
+    const chart = new Chart(charts, title, async (lo, hi) => {
+      const data = await api(metricsUrl(id, ks, by, lo, hi));
+      const series = ks.map(k => ({label: k, ...data.series[k]})).filter(s => s.x);
+      series.xLabel = by;
+      return series;
+    });
+    chart.load().catch(e => banner(e.message));
+    return chart;
+  });
+}
+
+async function runPage(id) {
+  let state = await api(`/api/runs/${id}`);
+  const [head, actions, charts, images, checkpoints] = [0, 0, 0, 0, 0].map(() => h("div", {}));
+  charts.className = "charts";
+  const by = h("select", {}, h("option", {value: "step"}, "by step"), h("option", {value: "samples"}, "by samples seen"));
+  const log = h("pre", {id: "log"});
+  const environment = h("div", {}, h("button", {on: {click: async () => {
+    const env = await api("/api/environment");
+    fill(environment, h("table", {}, env.environment.map(([k, v]) => h("tr", {}, h("th", {}, k), h("td", {}, v)))));
+  }}}, "Show the environment"));
+  actions.className = "toolbar";
+  main.replaceChildren(head, actions, h("h2", {}, "Curves ", by), charts,
+    h("h2", {}, "Validation images"), images, h("h2", {}, "Checkpoints"), checkpoints,
+    h("h2", {}, "Log"), log, h("h2", {}, "Config"), h("pre", {id: "config"}, state.config_text || "(no config yet)"),
+    h("h2", {}, "Environment"), environment);
+  let chartList = [];
+  const draw = () => {
+    drawRunHead(head, actions, id, state, refresh);
+    drawRunImages(images, state.samples);
+    drawCheckpoints(checkpoints, state.checkpoints);
+    log.textContent = (state.log.length ? state.log : state.child_log).join("\n") || "(no log yet)";
     log.scrollTop = log.scrollHeight;
   };
-  const chartList = [];
-  const drawCharts = () => {
-    charts.replaceChildren();
-    chartList.length = 0;
-    const keys = state.metric_keys;
-    const groups = GROUPS.map(([title, match]) => [title, keys.filter(match)]).filter(([, ks]) => ks.length);
-    for (const [title, ks] of groups) {
-      const chart = new Chart(charts, title, async (lo, hi) => {
-        const data = await api(metricsUrl(id, ks, by.value, lo, hi));
-        const series = ks.map(k => ({label: k, ...data.series[k]})).filter(s => s.x);
-        series.xLabel = by.value;
-        return series;
-      });
-      chartList.push(chart);
-    }
-    if (!groups.length) charts.append(h("div", {class: "muted"}, "no metrics logged yet"));
-    chartList.forEach(c => c.load().catch(e => banner(e.message)));
-  };
-  by.addEventListener("change", drawCharts);
   const refresh = async () => {
     try {
       const keys = state.metric_keys.join();
       state = await api(`/api/runs/${id}`);
-      drawHead(state.summary); drawImages(); drawCheckpoints(); drawLog();
-      if (keys !== state.metric_keys.join()) drawCharts();
+      draw();
+      if (keys !== state.metric_keys.join()) chartList = drawRunCharts(charts, id, state.metric_keys, by.value);
       else chartList.forEach(c => c.load());
     } catch (e) { banner(e.message); }
   };
-  drawHead(state.summary); drawImages(); drawCheckpoints(); drawLog(); drawCharts();
+  by.addEventListener("change", () => { chartList = drawRunCharts(charts, id, state.metric_keys, by.value); });
+  draw();
+  chartList = drawRunCharts(charts, id, state.metric_keys, by.value);
+  // Live: the summary as it changes (a new step reloads curves and images), each event as it happens.
   const stream = new EventSource(`/api/runs/${id}/events`);
   let lastStep = state.summary.step;
   stream.addEventListener("summary", e => {
-    const s = JSON.parse(e.data);
-    state.summary = s;
-    drawHead(s);
-    if (s.step !== lastStep) { lastStep = s.step; refresh(); }
+    state.summary = JSON.parse(e.data);
+    drawRunHead(head, actions, id, state, refresh);
+    if (state.summary.step !== lastStep) { lastStep = state.summary.step; refresh(); }
   });
-  stream.addEventListener("run", e => { const ev = JSON.parse(e.data); if (ev.event !== "start") refresh(); });
+  stream.addEventListener("run", e => { if (JSON.parse(e.data).event !== "start") refresh(); });
   cleanups.push(() => stream.close());
 }
 
