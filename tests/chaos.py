@@ -79,8 +79,9 @@ def sdtrain(*args: str, env: dict[str, str] | None = None, limit_file_bytes: int
     return subprocess.run(command, env=environ, capture_output=True, text=True, preexec_fn=limits)
 
 
-FAMILIES = tuple(families.FAMILIES)
-"""The model families a chaos run draws from, every registered one: each builds its own autoencoder (SD3's and
+FAMILIES = tuple(name for name, family in families.FAMILIES.items() if not family.edits_only)
+"""The model families a chaos run draws from: every registered one that draws from captions, as the chaos data
+is (a family whose models only edit needs source images beside them); each builds its own autoencoder (SD3's and
 Flux.1's 16 channels)."""
 
 
@@ -164,10 +165,11 @@ def kill_at_random(args: list[str], rng: random.Random, seconds: float) -> str:
 
 
 class Chaos:
-    def __init__(self, work: Path, seed: int):
+    def __init__(self, work: Path, seed: int, family: str | None = None):
         self.work = work
         self.rng = random.Random(seed)
-        self.family = self.rng.choice(FAMILIES)
+        drawn = self.rng.choice(FAMILIES)
+        self.family = family or drawn
         self.data = work / "data"
         self.reference = work / "reference"
         self.count = 0
@@ -348,9 +350,11 @@ FAULTS: dict[str, Callable[[Chaos, Outcome], None]] = {
 }
 
 
-def run_chaos(trials: int, seed: int, work: Path, faults: list[str] | None = None) -> list[Outcome]:
-    chaos = Chaos(work, seed)
-    print(f"model family: {chaos.family} (drawn from {', '.join(FAMILIES)} by the seed)")
+def run_chaos(trials: int, seed: int, work: Path, faults: list[str] | None = None, family: str | None = None
+              ) -> list[Outcome]:
+    chaos = Chaos(work, seed, family)
+    how = "chosen" if family else f"drawn from {', '.join(FAMILIES)} by the seed"
+    print(f"model family: {chaos.family} ({how})")
     chaos.setup()
     outcomes = []
     for name in faults or list(FAULTS):
@@ -377,13 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seeds the kill moments and damage")
     parser.add_argument("--fault", action="append", choices=list(FAULTS), help="only these faults (repeatable)")
     parser.add_argument("--work", type=Path, help="keep the runs here, emptied first (default: a temporary folder)")
+    parser.add_argument("--family", choices=list(FAMILIES), help="this model family (default: drawn by the seed)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="sdtrain-chaos-") as temporary:
         work = args.work or Path(temporary)
         # A reference left by an earlier run (older code, other data) would be compared against, not rebuilt.
         shutil.rmtree(work, ignore_errors=True)
         started = time.perf_counter()
-        outcomes = run_chaos(args.trials, args.seed, work, args.fault)
+        outcomes = run_chaos(args.trials, args.seed, work, args.fault, args.family)
         print(table(outcomes))
         print(f"{sum(o.trials for o in outcomes)} trials in {time.perf_counter() - started:.0f} s; "
               f"data lost: {'none' if all(o.ok for o in outcomes) else 'YES'}")

@@ -9,7 +9,7 @@ from . import chaos
 
 @pytest.mark.slow
 def test_every_fault_once_loses_nothing(tmp_path, capsys):
-    code = chaos.main(["--trials", "1", "--seed", "0", "--work", str(tmp_path)])  # seed 0 draws Flux.1
+    code = chaos.main(["--trials", "1", "--seed", "0", "--family", "flux", "--work", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "data lost: none" in out and "model family: flux" in out

@@ -1,6 +1,6 @@
 """One self-contained HTML page about a training run: verdict, summary, plots, validation grids, config, environment.
 
-Everything the page shows is inside it (plots as inline SVG drawn here, images as data URIs), so it can be
+Everything the page shows is inside it (plots as inline SVG drawn by matplotlib, images as data URIs), so it can be
 mailed, attached to a ticket or opened on a laptop without the run folder, a server or a network.
 """
 
@@ -130,72 +130,6 @@ def metric_groups(keys: list[str]) -> list[Group]:
     return sorted(groups, key=lambda g: order.index(g.section))
 
 
-@dataclass
-class Axis:
-    lo: float
-    hi: float
-    log: bool = False
-
-    def fraction(self, value: float) -> float:
-        v = math.log10(value) if self.log else value
-        return (v - self.lo) / (self.hi - self.lo)
-
-    def ticks(self) -> list[float]:
-        if self.log:
-            return _log_ticks(self.lo, self.hi)
-        return _nice_ticks(self.lo, self.hi)
-
-
-def _nice_ticks(lo: float, hi: float, target: int = 5) -> list[float]:
-    raw = (hi - lo) / target
-    magnitude = 10 ** math.floor(math.log10(raw))
-    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
-    first = math.ceil(lo / step - 1e-9)
-    ticks = []
-    while (value := (first + len(ticks)) * step) <= hi + step * 1e-9:
-        ticks.append(float(f"{value:.12g}"))  # 0.30000000000000004 -> 0.3
-    return ticks
-
-
-def _log_ticks(lo: float, hi: float) -> list[float]:
-    decades = range(math.floor(lo), math.ceil(hi) + 1)
-    # Over a decade or two, decades alone leave a plot with one or two labels.
-    multiples = (1,) if hi - lo > 2.5 else (1, 2, 5)
-    ticks = [m * 10.0 ** d for d in decades for m in multiples]
-    return [t for t in ticks if lo - 1e-9 <= math.log10(t) <= hi + 1e-9]
-
-
-def _x_axis(steps: list[int]) -> Axis:
-    lo, hi = min(steps), max(steps)
-    if lo == hi:  # one logged step: centre it
-        return Axis(lo - 1, hi + 1)
-    return Axis(lo, hi)
-
-
-def _y_axis(values: list[float], log_if_wide: bool) -> Axis:
-    lo, hi = min(values), max(values)
-    if log_if_wide and lo > 0 and hi / lo >= 10:
-        a, b = math.log10(lo), math.log10(hi)
-        pad = (b - a) * 0.04
-        return Axis(a - pad, b + pad, log=True)
-    pad = (abs(lo) * 0.1 or 1.0) if lo == hi else (hi - lo) * 0.06
-    # Counts and rates start at zero; a plot that hugs zero should show it instead of floating above it.
-    bottom = 0.0 if lo >= 0 and lo - pad < 0 else lo - pad
-    return Axis(bottom, hi + pad)
-
-
-def _tick_labels(ticks: list[float]) -> list[str]:
-    """One notation per axis: 250, 1.5k, 2M for large values, 2.5e-5 for learning rates, plain otherwise."""
-    largest = max((abs(t) for t in ticks), default=0.0)
-    if 0 < largest < 1e-2:
-        return ["0" if t == 0 else f"{t:.1e}".replace(".0e", "e").replace("e-0", "e-") for t in ticks]
-    labels = []
-    for t in ticks:
-        scale, suffix = next(((s, x) for s, x in ((1e9, "G"), (1e6, "M"), (1e3, "k")) if largest >= s), (1, ""))
-        labels.append(f"{t / scale:.3g}{suffix}" if t else "0")
-    return labels
-
-
 def _smoothed(values: list[float]) -> list[float]:
     """TensorBoard's smoothing: an exponential moving average, debiased so the start is not pulled to zero.
 
@@ -222,85 +156,98 @@ def _thinned(points: list[tuple[int, float]], limit: int = 2000) -> list[tuple[i
     return kept
 
 
-_W, _H = 640, 300
-_LEFT, _RIGHT, _TOP, _BOTTOM = 68, 26, 14, 46
-
-
-class _Canvas:
-    def __init__(self, x: Axis, y: Axis):
-        self.x, self.y = x, y
-        self.parts: list[str] = []
-
-    def px(self, step: float) -> float:
-        return _LEFT + self.x.fraction(step) * (_W - _LEFT - _RIGHT)
-
-    def py(self, value: float) -> float:
-        return _H - _BOTTOM - self.y.fraction(value) * (_H - _TOP - _BOTTOM)
-
-    def add(self, part: str) -> None:
-        self.parts.append(part)
-
-
-def _draw_axes(canvas: _Canvas, ylabel: str) -> None:
-    bottom, right = _H - _BOTTOM, _W - _RIGHT
-    y_ticks = canvas.y.ticks()
-    for tick, label in zip(y_ticks, _tick_labels(y_ticks)):
-        y = canvas.py(tick)
-        canvas.add(f'<line class="grid" x1="{_LEFT}" x2="{right}" y1="{y:.1f}" y2="{y:.1f}"/>'
-                   f'<text class="tick" x="{_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{label}</text>')
-    x_ticks = [t for t in canvas.x.ticks() if t == int(t) and t >= 0]  # steps are whole
-    for tick, label in zip(x_ticks, _tick_labels(x_ticks)):
-        x = canvas.px(tick)
-        canvas.add(f'<line class="axis" x1="{x:.1f}" x2="{x:.1f}" y1="{bottom}" y2="{bottom + 5}"/>'
-                   f'<text class="tick" x="{x:.1f}" y="{bottom + 18}" text-anchor="middle">{label}</text>')
-    canvas.add(f'<line class="axis" x1="{_LEFT}" x2="{right}" y1="{bottom}" y2="{bottom}"/>'
-               f'<line class="axis" x1="{_LEFT}" x2="{_LEFT}" y1="{_TOP}" y2="{bottom}"/>'
-               f'<text class="label" x="{(_LEFT + right) / 2}" y="{_H - 8}" text-anchor="middle">step</text>'
-               f'<text class="label" transform="translate(14 {(_TOP + bottom) / 2}) rotate(-90)" '
-               f'text-anchor="middle">{html.escape(ylabel)}{" (log scale)" if canvas.y.log else ""}</text>')
-
-
-def _draw_series(canvas: _Canvas, key: str, points: list[tuple[int, float]], color: str, smooth: bool) -> None:
-    if not points:
-        return
-    shown = _thinned(points)
-    line = " ".join(f"{canvas.px(s):.1f},{canvas.py(v):.1f}" for s, v in shown)
-    faint = smooth and len(points) >= 20
-    canvas.add(f'<polyline class="series{" raw" if faint else ""}" stroke="{color}" points="{line}"/>')
-    if faint:
-        smooth_values = _smoothed([v for _, v in shown])
-        line = " ".join(f"{canvas.px(s):.1f},{canvas.py(v):.1f}" for (s, _), v in zip(shown, smooth_values))
-        canvas.add(f'<polyline class="series" stroke="{color}" points="{line}"><title>{html.escape(key)}, '
-                   f'smoothed</title></polyline>')
-    # Every point hoverable would be thousands of elements on a long run; a few hundred are enough to read.
-    marks = points[::max(1, len(points) // 300)]
-    if marks[-1] != points[-1]:
-        marks.append(points[-1])
-    visible = len(points) <= 60
-    for step, value in marks:
-        canvas.add(f'<circle class="{"point" if visible else "hit"}" cx="{canvas.px(step):.1f}" '
-                   f'cy="{canvas.py(value):.1f}" r="{3 if visible else 5}" fill="{color}">'
-                   f'<title>{html.escape(key)} = {value:.5g} at step {step:,}</title></circle>')
-
-
-def _draw_non_finite(canvas: _Canvas, key: str, points: list[tuple[int, float]]) -> None:
-    for step, value in points:
-        canvas.add(f'<text class="nonfinite" x="{canvas.px(step):.1f}" y="{_TOP + 10}" text-anchor="middle">×'
-                   f'<title>{html.escape(key)} = {value} at step {step:,}</title></text>')
+_INK = "#5d6677"  # axes and labels: a grey that reads on the page's light and dark themes alike
 
 
 def plot_svg(group: Group, metrics: Metrics) -> str:
+    """One plot as inline SVG, drawn by matplotlib: the group's series over the whole run's steps (so a step lines
+    up across plots), a loss smoothed over its faint raw curve, a log axis for a value falling over decades, and a
+    red cross at the top for every step a value was not finite."""
+    from matplotlib import rc_context
+    from matplotlib.figure import Figure
+
     series = {key: metrics.series(key) for key in group.keys}
     finite = {k: [p for p in pts if math.isfinite(p[1])] for k, pts in series.items()}
-    values = [v for pts in finite.values() for _, v in pts] or [0.0]
-    # Every plot spans the whole run, so a step lines up across plots (an evaluation every 500 steps included).
-    canvas = _Canvas(_x_axis([r["step"] for r in metrics.records]), _y_axis(values, group.log_if_wide))
-    _draw_axes(canvas, group.ylabel)
+    values = [v for pts in finite.values() for _, v in pts]
+    figure = Figure(figsize=(6.4, 3.0), dpi=100, layout="constrained")
+    figure.patch.set_alpha(0)
+    axes = figure.add_subplot()
+    axes.patch.set_alpha(0)
+    marks = {}
     for i, key in enumerate(group.keys):
-        _draw_series(canvas, key, finite[key], _PALETTE[i % len(_PALETTE)], group.smooth)
-        _draw_non_finite(canvas, key, [p for p in series[key] if not math.isfinite(p[1])])
+        marks[f"marks-{i}"] = _draw_series(axes, finite[key], _PALETTE[i % len(_PALETTE)], group.smooth, key,
+                                           f"marks-{i}")
+    log = group.log_if_wide and values and min(values) > 0 and max(values) / min(values) >= 10
+    if log:
+        axes.set_yscale("log")
+    elif values and min(values) >= 0:
+        axes.set_ylim(bottom=0)  # counts and rates start at zero: a plot hugging zero shows it
+    steps = [r["step"] for r in metrics.records]
+    axes.set_xlim(min(steps) - (max(steps) == min(steps)), max(steps) + (max(steps) == min(steps)))
+    for step, _ in (p for pts in series.values() for p in pts if not math.isfinite(p[1])):
+        axes.annotate("×", (step, 1), xycoords=("data", "axes fraction"), ha="center", va="top", color="#c62828",
+                      fontsize=14, fontweight="bold")
+    _style(axes, group.ylabel + (" (log scale)" if log else ""))
+    buffer = io.StringIO()
+    # Text stays text (searchable, and the page's font), and ids are salted alike: the same run, the same page.
+    with rc_context({"svg.fonttype": "none", "svg.hashsalt": "sdtrain"}):
+        figure.savefig(buffer, format="svg", metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
+    svg = buffer.getvalue()
+    # Inline in HTML an SVG needs no namespace declarations (URLs the page must not carry, though never fetched).
+    svg = re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", svg[svg.index("<svg"):])
+    svg = re.sub(r"<metadata>.*?</metadata>\s*", "", svg, flags=re.S)
+    for gid, titles in marks.items():
+        svg = _titled_marks(svg, gid, titles)
     label = html.escape(f"{group.title} over steps")
-    return (f'<svg class="plot" viewBox="0 0 {_W} {_H}" role="img" aria-label="{label}">{"".join(canvas.parts)}</svg>')
+    return svg.replace("<svg ", f'<svg class="plot" role="img" aria-label="{label}" ', 1)
+
+
+def _titled_marks(svg: str, gid: str, titles: list[str]) -> str:
+    """Each point of the marks drawn with `gid` given its value as a hover title (matplotlib draws a marker per
+    point as a ``<use>``, in order)."""
+    found = re.search(rf'<g id="{gid}">(.*?)</g>\s*</g>', svg, flags=re.S)
+    if not found:
+        return svg
+    uses = iter(titles)
+    body = re.sub(r"<use ([^>]*?)/>", lambda m: f'<use {m.group(1)}><title>{html.escape(next(uses, ""))}</title></use>',
+                  found.group(1))
+    return svg[:found.start(1)] + body + svg[found.end(1):]
+
+
+def _draw_series(axes: Any, points: list[tuple[int, float]], color: str, smooth: bool, key: str, gid: str
+                 ) -> list[str]:
+    """Draws a series and its hover marks; returns the marks' titles."""
+    if not points:
+        return []
+    shown = _thinned(points)
+    steps, values = [s for s, _ in shown], [v for _, v in shown]
+    faint = smooth and len(points) >= 20
+    axes.plot(steps, values, color=color, linewidth=1 if faint else 1.8, alpha=.35 if faint else 1, label=key)
+    if faint:
+        axes.plot(steps, _smoothed(values), color=color, linewidth=1.8, label=f"{key}, smoothed")
+    # Every point hoverable would be thousands of elements on a long run; a few hundred are enough to read. Shown
+    # as dots on a short run, invisible (hover targets) on a long one.
+    marks = points[::max(1, len(points) // 300)]
+    if marks[-1] != points[-1]:
+        marks.append(points[-1])
+    axes.plot([s for s, _ in marks], [v for _, v in marks], linestyle="none", marker="o", color=color,
+              markersize=4 if len(points) <= 60 else 7, alpha=1 if len(points) <= 60 else 0, gid=gid)
+    return [f"{key} = {value:.5g} at step {step:,}" for step, value in marks]
+
+
+def _style(axes: Any, ylabel: str) -> None:
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
+    axes.set_xlabel("step", color=_INK)
+    axes.set_ylabel(ylabel, color=_INK)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.xaxis.set_major_formatter(EngFormatter(sep=""))
+    axes.grid(True, color=_INK, alpha=.2, linewidth=.8)
+    axes.tick_params(colors=_INK, labelsize=9)
+    for spine in ("top", "right"):
+        axes.spines[spine].set_visible(False)
+    for spine in ("left", "bottom"):
+        axes.spines[spine].set_color(_INK)
 
 
 # ------------------------------------------------------------------------------------------ the page
