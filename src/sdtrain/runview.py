@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
-from itertools import pairwise
+from itertools import chain, pairwise
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +47,9 @@ class Metrics:
     restarts: int = 0
 
     def keys(self) -> list[str]:
-        seen: dict[str, None] = {}
-        for record in self.records:
-            for key, value in record.items():
-                if key not in NOT_PLOTTED and is_number(value):
-                    seen.setdefault(key)
-        return list(seen)
+        """The metrics logged as numbers, in the order they first appear."""
+        every = dict.fromkeys(chain.from_iterable(self.records))  # in C: a long run has a million values
+        return [key for key in every if key not in NOT_PLOTTED and any(is_number(r.get(key)) for r in self.records)]
 
     def series(self, key: str) -> list[tuple[int, float]]:
         return [(r["step"], float(r[key])) for r in self.records if is_number(r.get(key))]
@@ -72,10 +69,15 @@ def is_number(value: Any) -> bool:
 
 def _records(lines: list[str]) -> tuple[list[dict[str, Any]], int]:
     """The readable records of metrics lines, and how many lines were not."""
+    lines = [line for line in lines if line.strip()]
+    try:  # every line whole, as in all but a run killed mid-write: one parse, twice as fast as a parse a line
+        parsed = json.loads("[" + ",".join(lines) + "]")
+    except ValueError:
+        parsed = None
+    if parsed is not None and all(isinstance(r, dict) and type(r.get("step")) is int for r in parsed):
+        return parsed, 0
     found, unreadable = [], 0
     for line in lines:
-        if not line.strip():
-            continue
         try:
             record = json.loads(line)
             record["step"] = int(record["step"])

@@ -8,6 +8,7 @@ import argparse
 import ipaddress
 import os
 import secrets
+import socket
 from pathlib import Path
 
 TOKEN_ENV = "SDTRAIN_UI_TOKEN"
@@ -21,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                         f"another address needs a token in ${TOKEN_ENV}. See docs/ui.md.")
     parser.add_argument("root", type=Path, nargs="?", default=Path("runs"), metavar="ROOT",
                         help="the folder of run folders (default ./runs); runs the UI starts go here")
-    parser.add_argument("--port", type=int, default=8765, help="port (default 8765)")
+    parser.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: a free one, printed)")
     parser.add_argument("--host", default="127.0.0.1",
                         help=f"address to bind (default 127.0.0.1; any other needs ${TOKEN_ENV})")
     parser.add_argument("--parallel", type=int, default=1, metavar="N",
@@ -58,8 +59,27 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"the web UI needs {exc.name or 'starlette and uvicorn'}: pip install 'sdtrain[ui]'") from None
     root.mkdir(parents=True, exist_ok=True)
     app = create_app(root, token=token, parallel=args.parallel)
+    # Bound before the address is printed: whoever reads it (a person, a script, a test) connects at once, the
+    # connection waiting in the socket's queue until the server takes it. Port 0 takes a free one.
+    listening = _bind(args.host, args.port)
     shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    address = f"http://{shown}:{args.port}/" + (f"?token={token}" if token else "")
+    address = f"http://{shown}:{listening.getsockname()[1]}/" + (f"?token={token}" if token else "")
     print(f"sdtrain ui: {root.resolve()} at {address}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listening])
     return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    from sdtrain.errors import UserError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listening = socket.socket(family, socket.SOCK_STREAM)
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listening.bind((host, port))
+    except OSError as exc:
+        listening.close()
+        raise UserError(f"--port {port}: cannot listen on {host} ({exc.strerror}); pass another port, or 0 for "
+                        "a free one") from None
+    listening.listen(128)
+    return listening
