@@ -88,6 +88,7 @@ def test_runs_started_by_the_cli_and_the_page(ui, page, tiny_scratch_command):
     # The second run from the page: the same config and overrides, its folder named by the form.
     config, overrides = Path(command[1]).read_text(), [a for a in command[2:] if not a.startswith("run_dir=")]
     page.goto(address + "#/start")
+    page.wait_for_selector("textarea#config")  # the same page, drawn anew for its new address
     page.fill("#config", config)
     page.fill("#name", "ui-run")
     page.fill("#overrides", "\n".join([*overrides, "logging.every=1"]))
