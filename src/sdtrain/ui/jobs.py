@@ -126,7 +126,7 @@ def run_check(config: Path, run: Path, overrides: list[str]) -> tuple[bool, list
     if done.returncode == 0:
         return True, [line for line in done.stdout.splitlines() if line.strip()][-1:]
     lines = [line for line in done.stderr.splitlines() if line.strip()]
-    problems = [_ERROR_PREFIX.sub("", line) for line in lines if _ERROR_PREFIX.match(line)]
+    problems = [_ERROR_PREFIX.sub("", line).removeprefix(f"{config}: ") for line in lines if _ERROR_PREFIX.match(line)]
     return False, problems or [f"the config check failed: {lines[-1] if lines else f'exit {done.returncode}'}"]
 
 
@@ -142,7 +142,8 @@ def run_preview(config: Path, out: Path, overrides: list[str]) -> tuple[bool, st
     if done.returncode == 0 and out.is_file():
         return True, ([line for line in done.stdout.splitlines() if line.strip()] or ["written"])[-1]
     lines = [line for line in done.stderr.splitlines() if line.strip()]
-    problems = [_ERROR_PREFIX.sub("", line) for line in lines if _ERROR_PREFIX.match(line)]
+    # The config is a scratch file the user never named: its path would only hide the key in the line.
+    problems = [_ERROR_PREFIX.sub("", line).removeprefix(f"{config}: ") for line in lines if _ERROR_PREFIX.match(line)]
     return False, (problems or lines or [f"exit {done.returncode}"])[0]
 
 
