@@ -548,3 +548,12 @@ def test_a_run_previews_the_data_it_trains_on(client, root, previews):
     shown = client.post("/api/runs/alpha/preview", json={})
     assert shown.status_code == 200 and client.get(shown.json()["url"]).content == PNG
     assert previews[0][:2] == [str(root / "alpha" / "config.yaml"), str(root / "alpha" / jobs.PREVIEW_FILE)]
+
+
+def test_every_route_is_in_the_guide():
+    from sdtrain.ui.app import API_ROUTES
+
+    guide = (Path(__file__).parents[1] / "docs" / "ui.md").read_text()
+    missing = [f"{method} {path}" for method, path, _ in API_ROUTES if path != "/api" and
+               not any(f"{method} {path}" in line for line in guide.splitlines())]
+    assert missing == []

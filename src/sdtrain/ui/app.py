@@ -14,6 +14,7 @@ import json
 import logging
 import re
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -556,6 +557,9 @@ def create_app(root: Path, token: str | None = None, parallel: int = 1, poll: bo
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if poll:
             queue.start()
+            # The start page's reference and families come from children (the families import torch): ask them
+            # now, so the page has them when someone opens it.
+            threading.Thread(target=start.warm, name="sdtrain-ui-warm", daemon=True).start()
         try:
             yield
         finally:

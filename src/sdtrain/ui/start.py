@@ -97,6 +97,14 @@ KEYS = Cached(lambda: keys_command())
 FAMILIES = Cached(lambda: families_command())
 
 
+def warm() -> None:
+    for cached in (KEYS, FAMILIES):
+        try:
+            cached.get()
+        except Exception as exc:  # noqa: BLE001 - the page asks again, and shows the reason then
+            log.warning("sdtrain ui: %s", exc)
+
+
 # ---------------------------------------------------------------------------------------------- GPUs
 
 

@@ -489,8 +489,12 @@ function quickForm(families, onFilled) {
     if (key) el.addEventListener("focus", () => onFilled.help(key));
     return h("div", {class: "field"}, h("label", {}, label), el);
   };
-  const family = h("select", {id: "f-family"}, h("option", {value: ""}, "(the base model's own)"),
-    families.map(f => h("option", {value: f.name}, `${f.title} (${f.name})`)));
+  // The families come from a child that imports every family (seconds, once a UI): the form does not wait.
+  const family = h("select", {id: "f-family"}, h("option", {value: ""}, "(the base model's own)"));
+  const familyStatus = h("div", {class: "small muted"}, "loading the families…");
+  families.then(found => { family.append(...found.map(f => h("option", {value: f.name}, `${f.title} (${f.name})`)));
+    fill(familyStatus); }).catch(e => fill(familyStatus, h("span", {class: "problem"}, e.message)));
+  family.addEventListener("focus", () => onFilled.help("model.family"));
   const inputs = {
     pretrained: h("input", {id: "f-pretrained", placeholder: "a Hub id or a local folder", size: 34}),
     data: h("input", {id: "f-data", placeholder: "shards under the root, or any path", size: 34}),
@@ -513,7 +517,7 @@ function quickForm(families, onFilled) {
     } catch (e) { fill(shown, h("div", {class: "problem"}, e.message)); }
   }}}, "Fill the config");
   return h("details", {open: true, id: "quick"}, h("summary", {}, "A common fine-tune, in a few fields"),
-    h("div", {class: "grid4"}, field("family", family, "model.family"),
+    h("div", {class: "grid4"}, h("div", {class: "field"}, h("label", {}, "family"), family, familyStatus),
       field("base model", inputs.pretrained, "model.pretrained"),
       h("div", {class: "field"}, h("label", {}, "data folder"), inputs.data, dataStatus),
       field("mode", inputs.mode, "mode"), field("steps", inputs.steps, "train.max_steps"),
@@ -532,8 +536,9 @@ async function previewData(result, bodyFn, path) {
 }
 
 async function startPage() {
-  const [recipes, families, devices] = await Promise.all([api("/api/recipes").then(d => d.recipes),
-    api("/api/families").then(d => d.families).catch(() => []), api("/api/devices").then(d => d.devices)]);
+  const families = api("/api/families").then(d => d.families);
+  const [recipes, devices] = await Promise.all([api("/api/recipes").then(d => d.recipes),
+    api("/api/devices").then(d => d.devices)]);
   const source = h("select", {id: "source"}, h("option", {value: ""}, "(a config of my own)"),
     recipes.map(r => h("option", {value: r}, r)));
   const file = h("input", {type: "file", accept: ".yaml,.yml"});
