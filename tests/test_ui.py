@@ -335,3 +335,225 @@ def test_the_trainer_imports_nothing_of_the_ui():
             "print(sorted(m for m in sys.modules if m.startswith(('sdtrain.ui', 'starlette', 'uvicorn'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------------------ the start page
+
+
+def test_config_keys_come_from_the_reference(client):
+    keys = {k["name"]: k for k in client.get("/api/config/keys").json()["keys"]}
+    assert keys["data.resolution"]["type"] == "int" and keys["data.resolution"]["doc"]
+    assert keys["stage"]["default"] == "???" and keys["optim.lr"]["section"] == "optim"
+
+
+def test_keys_are_checked_as_typed_each_with_its_line(client):
+    recipe = client.get("/api/recipes/lora").json()["config"]
+    assert client.post("/api/check/keys", json={"config": recipe}).json() == {"ok": True, "problems": []}
+    bad = (recipe.replace("  resolution: 512", "  resolutio: 512").replace("max_steps: 1500", "max_steps: many")
+           .replace("mode: lora", "mode: lorra") + "nonsense: 1\n")
+    problems = client.post("/api/check/keys", json={"config": bad}).json()["problems"]
+    found = {p["key"]: p for p in problems}
+    assert set(found) == {"data.resolutio", "train.max_steps", "mode", "nonsense"}
+    assert "Did you mean: 'resolution'" in found["data.resolutio"]["message"]
+    lines = bad.splitlines()
+    assert all(lines[p["line"] - 1].strip().startswith(p["key"].split(".")[-1] + ":") for p in problems)
+    assert all("\n" not in p["message"] for p in problems)
+    (broken,) = client.post("/api/check/keys", json={"config": "data:\n  batch_size: [1\n"}).json()["problems"]
+    assert broken["line"] == 3 and "fix the YAML" in broken["message"]
+    (override,) = client.post("/api/check/keys", json={"config": recipe, "overrides": ["train.max_steps=x"]}
+                              ).json()["problems"]
+    assert override["key"] == "train.max_steps" and override["line"] is None
+    assert client.post("/api/check/keys", json={"config": recipe, "overrides": ["--x"]}).status_code == 422
+
+
+def test_the_key_check_loads_no_torch(tmp_path):
+    import subprocess
+
+    code = ("import sys; from pathlib import Path; from sdtrain.ui import start; "
+            "p = start.check_keys('stage: diffusion\\nmode: lorra\\n', [], Path(sys.argv[1])); "
+            "print(p[0]['key'], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["mode", "False"]
+
+
+FAMILIES = [{"name": n, "title": n.upper()} for n in ("sd", "sdxl", "flux", "z-image")]
+
+
+@pytest.fixture
+def families(monkeypatch):
+    """The family list without importing torch: a child that prints a fixed list."""
+    from sdtrain.ui import start
+
+    printed = json.dumps(FAMILIES)
+    monkeypatch.setattr(start, "FAMILIES", start.Cached(lambda: [sys.executable, "-c", f"print({printed!r})"]))
+
+
+@pytest.mark.parametrize(("family", "mode", "recipe"), [
+    ("flux", "lora", "flux-lora"), ("sd", "lora", "lora"), ("sdxl", "full", "sdxl-finetune"),
+    ("z-image", "full", "finetune-full"), ("sd", "dreambooth", "dreambooth"),
+    ("sd", "textual_inversion", "textual-inversion"), (None, "lora", "lora"),
+])
+def test_the_short_form_is_a_recipe_and_overrides(client, root, families, family, mode, recipe):
+    assert client.get("/api/families").json()["families"] == FAMILIES
+    (root / "shards").mkdir()
+    form = {"family": family, "pretrained": "org/model", "data": "shards", "mode": mode, "steps": "200",
+            "lr": "2e-4", "resolution": 768, "batch_size": "2"}
+    filled = client.post("/api/form", json=form).json()
+    assert filled["recipe"] == recipe
+    assert filled["overrides"] == ["model.pretrained=org/model", f"data.shards={(root / 'shards').resolve()}",
+                                   *([f"model.family={family}"] if family else []), "train.max_steps=200",
+                                   "optim.lr=0.0002", "data.resolution=768", "data.batch_size=2"]
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"family": "nope"}, "family 'nope'"), ({"mode": "controlnet"}, "mode 'controlnet'"),
+    ({"steps": "many"}, "steps"), ({"steps": 2.5}, "steps"), ({"lr": "-1"}, "lr"), ({"lr": "nan"}, "lr"),
+    ({"pretrained": ""}, "pretrained: fill it in"), ({"data": "a\nb"}, "data: one line"),
+])
+def test_a_bad_short_form_is_one_line(client, families, change, says):
+    form = {"family": "sd", "pretrained": "org/model", "data": "/data/x", "mode": "lora", **change}
+    refused = client.post("/api/form", json=form)
+    assert refused.status_code == 422 and says in refused.json()["error"]
+
+
+def test_a_data_folder_is_inspected_and_prepared_as_a_queued_job(client, root, tmp_path, stubbed, monkeypatch):
+    images = tmp_path / "photos"
+    images.mkdir()
+    (images / "a.jpg").write_bytes(PNG)
+    (images / "a.txt").write_text("a photo")
+    (root / "ready").mkdir()
+    (root / "ready" / "manifest.json").write_text("{}")
+    inspect = {p: client.post("/api/data/inspect", json={"path": p}).json()["kind"]
+               for p in (str(images), "ready", str(tmp_path / "none"))}
+    assert inspect == {str(images): "images", "ready": "shards", str(tmp_path / "none"): "missing"}
+    commands = []
+    monkeypatch.setattr(jobs, "prepare_command", lambda source, out: commands.append((source, out)) or
+                        [sys.executable, "-c", "print('prepared')"])
+    queued = client.post("/api/data/prepare", json={"source": str(images), "name": "photos"})
+    assert queued.status_code == 202 and commands == [(str(images), root.resolve() / "data" / "photos")]
+    client.app.state.queue.job_for(root.resolve() / "data" / "photos").process.wait(timeout=60)
+    state = client.get("/api/data/prepare/photos").json()
+    assert state["job"]["state"] == "done" and "prepared" in state["log"]
+    assert "data/photos" not in [r["id"] for r in client.get("/api/runs").json()["runs"]]
+    assert client.post("/api/data/prepare", json={"source": str(images), "name": "../up"}).status_code == 422
+    assert client.get("/api/data/prepare/nothing").status_code == 404
+
+
+# ------------------------------------------------------------------------------------------ GPUs
+
+GPUS = "0, NVIDIA H100 80GB HBM3, 81559 MiB\n1, NVIDIA H100 80GB HBM3, 81559 MiB\n2, NVIDIA A10, 23028 MiB\n"
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """A machine with three GPUs, as nvidia-smi would list them."""
+    from sdtrain.ui import start
+
+    monkeypatch.setattr(start, "devices_command", lambda: [sys.executable, "-c", f"print({GPUS!r}, end='')"])
+
+
+def test_devices_come_from_nvidia_smi(client, gpus):
+    devices = client.get("/api/devices").json()["devices"]
+    assert [d["index"] for d in devices] == [0, 1, 2] and devices[2] == {"index": 2, "name": "NVIDIA A10",
+                                                                         "memory": "23028 MiB"}
+
+
+def test_no_nvidia_smi_is_no_gpu(client, monkeypatch):
+    from sdtrain.ui import start
+
+    monkeypatch.setattr(start, "devices_command", lambda: None)
+    assert client.get("/api/devices").json()["devices"] == []
+    refused = client.post("/api/runs", json={"recipe": "lora", "name": "x", "gpus": [0]})
+    assert refused.status_code == 422 and "has: none" in refused.json()["error"]
+
+
+def test_two_gpus_run_under_torchrun_as_scale_out_documents():
+    argv = jobs.distributed(jobs.train_command(Path("c.yaml"), Path("runs/r"), ["train.max_steps=5"]), 2)
+    assert argv == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    "-m", "sdtrain", "train", "c.yaml", "run_dir=runs/r", "train.max_steps=5"]
+    scale_out = (Path(__file__).parents[1] / "docs" / "scale-out.md").read_text()
+    assert "torchrun --standalone --nproc_per_node 2 -m sdtrain train" in scale_out
+    one = jobs.train_command(Path("c.yaml"), Path("runs/r"), [])
+    assert jobs.distributed(one, 1) == one
+
+
+@pytest.mark.parametrize("given", [[7], ["0"], [True], [0, 0], "0,1"])
+def test_gpu_ids_are_the_machines_integers(client, gpus, stubbed, given):
+    refused = client.post("/api/runs", json={"recipe": "lora", "name": "x", "gpus": given})
+    assert refused.status_code == 422 and "gpus" in refused.json()["error"]
+
+
+def test_jobs_on_disjoint_gpus_run_together(client, root, gpus, stubbed, monkeypatch):
+    given_to_children = []
+    environment = jobs.child_environment
+    monkeypatch.setattr(jobs, "child_environment", lambda gpus=None: given_to_children.append(
+        environment(gpus).get("CUDA_VISIBLE_DEVICES")) or environment(gpus))
+    for name, given in (("a", [0, 1]), ("b", [2]), ("c", [1, 2]), ("d", []), ("e", []), ("f", [0])):
+        assert client.post("/api/runs", json={"recipe": "lora", "name": name, "gpus": given}).status_code == 201
+    states = {name: job_state(client, name) for name in "abcdef"}
+    # c waits for GPUs 1 and 2; f could take GPU 0 but waits behind c, which asked first; e waits for d (--parallel 1).
+    assert states == {"a": "running", "b": "running", "c": "queued", "d": "running", "e": "queued", "f": "queued"}
+    assert jobs.Queue(root).job_for(root.resolve() / "c").gpus == [1, 2]  # a restarted UI keeps them
+    for name in "abd":
+        client.post(f"/api/runs/{name}/stop", json={})
+        assert ended(client, name) == "stopped"
+    assert [g for g in given_to_children if g][:2] == ["0,1", "2"]  # (the checks and CPU jobs get none)
+    assert {name: job_state(client, name) for name in "cef"} == {"c": "running", "e": "running", "f": "running"}
+    assert json.loads((root / "a" / jobs.JOB_FILE).read_text())["train_gpus"] == [0, 1]
+    for name in "cef":
+        client.post(f"/api/runs/{name}/stop", json={})
+        assert ended(client, name) == "stopped"
+    resumed = client.post("/api/runs/a/resume", json={}).json()
+    assert resumed["job"]["gpus"] == [0, 1]
+    client.post("/api/runs/a/stop", json={})
+    assert ended(client, "a") == "stopped"
+    assert [g for g in given_to_children if g][-1] == "0,1"
+
+
+# ------------------------------------------------------------------------------------------ data preview
+
+# A child that writes the grid where --out says, as `sdtrain data preview` does; one with data.shards=bad fails.
+PREVIEWER = ("import sys\n"
+             "args = sys.argv[1:]\n"
+             "if 'data.shards=bad' in args:\n"
+             "    print('sdtrain data: error: data.shards: bad: no shards there', file=sys.stderr); sys.exit(2)\n"
+             "out = args[args.index('--out') + 1]\n"
+             f"open(out, 'wb').write({PNG!r})\n"
+             "print(out + ': the first 1 samples as training receives them')\n")
+
+
+@pytest.fixture
+def previews(monkeypatch) -> list[list[str]]:
+    made: list[list[str]] = []
+    monkeypatch.setattr(jobs, "preview_command", lambda config, out, overrides: made.append(
+        [str(config), str(out), *overrides]) or [sys.executable, "-c", PREVIEWER, str(config), "--out", str(out),
+                                                 *overrides])
+    return made
+
+
+def test_the_start_page_previews_its_data(client, root, previews):
+    shown = client.post("/api/preview", json={"recipe": "lora", "overrides": ["data.shards=/data/x"]})
+    assert shown.status_code == 200, shown.text
+    assert client.get(shown.json()["url"]).content == PNG
+    config, out, *overrides = previews[0]
+    assert Path(out).parent == root.resolve() / ".sdtrain-ui" / "previews" and overrides == ["data.shards=/data/x"]
+    assert not Path(config).exists()  # the config it read is not left behind
+    failed = client.post("/api/preview", json={"recipe": "lora", "overrides": ["data.shards=bad"]})
+    assert failed.status_code == 422 and failed.json()["error"] == "data.shards: bad: no shards there"
+    assert client.get("/api/previews/..%2F..%2Fsecret.txt").status_code == 404
+    assert client.post("/api/preview", json={"recipe": "lora", "overrides": ["--out=/etc/x\n"]}).status_code == 422
+
+
+def test_a_run_previews_the_data_it_trains_on(client, root, previews):
+    shown = client.post("/api/runs/alpha/preview", json={})
+    assert shown.status_code == 200 and client.get(shown.json()["url"]).content == PNG
+    assert previews[0][:2] == [str(root / "alpha" / "config.yaml"), str(root / "alpha" / jobs.PREVIEW_FILE)]
+
+
+def test_every_route_is_in_the_guide():
+    from sdtrain.ui.app import API_ROUTES
+
+    guide = (Path(__file__).parents[1] / "docs" / "ui.md").read_text()
+    missing = [f"{method} {path}" for method, path, _ in API_ROUTES if path != "/api" and
+               not any(f"{method} {path}" in line for line in guide.splitlines())]
+    assert missing == []

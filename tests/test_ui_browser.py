@@ -84,6 +84,31 @@ def test_runs_started_by_the_cli_and_the_page(ui, page, tiny_scratch_command):
     page.wait_for_selector(".chart canvas")
     page.wait_for_function("[...document.images].some(i => i.complete && i.naturalWidth > 0)")
     _shot(page, "run")
+    # The run's data as training receives it: `sdtrain data preview` of its config, shown in the page.
+    page.click("#preview-data")
+    page.wait_for_function("document.getElementById('preview-error') || (document.getElementById('preview') && "
+                           "document.getElementById('preview').complete && "
+                           "document.getElementById('preview').naturalWidth > 0)", timeout=120_000)
+    assert page.query_selector("#preview-error") is None, page.inner_text("#preview-result")
+
+    # The short form fills a recipe and its overrides; a key typed wrong is flagged under the editor, and the key
+    # under the cursor is explained.
+    page.goto(address + "#/start")
+    page.wait_for_selector("#f-family option[value=sdxl]", state="attached", timeout=180_000)
+    page.select_option("#f-family", "sdxl")
+    page.fill("#f-pretrained", "stabilityai/stable-diffusion-xl-base-1.0")
+    page.fill("#f-data", str(root))
+    page.fill("#f-steps", "300")
+    page.click("#fill")
+    page.wait_for_function("document.getElementById('overrides').value.includes('train.max_steps=300')")
+    assert page.input_value("#source") == "sdxl-lora" and "model.family=sdxl" in page.input_value("#overrides")
+    page.wait_for_selector("#key-problems .ok")
+    page.fill("#config", page.input_value("#config").replace("  resolution: 1024", "  resolutio: 1024"))
+    page.wait_for_selector("#key-problems li[data-key='data.resolutio']")
+    assert "Did you mean: 'resolution'" in page.inner_text("#key-problems")
+    page.focus("#f-steps")
+    page.wait_for_function("document.getElementById('key-help').textContent.includes('train.max_steps')")
+    _shot(page, "start-form")
 
     # The second run from the page: the same config and overrides, its folder named by the form.
     config, overrides = Path(command[1]).read_text(), [a for a in command[2:] if not a.startswith("run_dir=")]

@@ -12,6 +12,9 @@ import contextlib
 import hmac
 import json
 import logging
+import re
+import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,9 +29,9 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from sdtrain import runview
-from sdtrain.ui import jobs
+from sdtrain.ui import jobs, start
 from sdtrain.ui.jobs import Queue, Refused
-from sdtrain.ui.runs import NotFound, Runs, clean, valid_name
+from sdtrain.ui.runs import NotFound, Runs, clean, inside, valid_name
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,10 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 # An event stream ends after this long and the browser reconnects from its last event: a lost client's
 # stream does not poll forever.
 STREAM_SECONDS = 600
+SCRATCH = ".sdtrain-ui"
+# Data previews of the start page kept under ROOT/.sdtrain-ui/previews: older ones are deleted.
+KEEP_PREVIEWS = 20
+_PREVIEW_NAME = re.compile(r"^preview-\d+\.png$")
 
 
 def error(message: str, status: int = 400, **extra: Any) -> JSONResponse:
@@ -102,7 +109,9 @@ class Api:
         self.runs = Runs(root)
         self.root = self.runs.root
         self.queue = queue
+        self.scratch = self.root / SCRATCH
         self._environment: list | None = None
+        self._devices: list | None = None
 
     # ------------------------------------------------------------------------------------------ listing
 
@@ -118,7 +127,8 @@ class Api:
     def _list(self) -> list[dict]:
         found = self.runs.find()
         # A run the UI queued has no config.yaml yet, so runview does not list it; the queue does.
-        found += [job.run for job in self.queue.jobs if job.run not in found and job.run.is_dir()]
+        found += [job.run for job in self.queue.jobs
+                  if job.kind != "prepare" and job.run not in found and job.run.is_dir()]
         return [self._with_job(run, self.runs.summary(run)) for run in sorted(found, key=self.runs.name)]
 
     def _with_job(self, run: Path, summary: dict) -> dict:
@@ -139,7 +149,8 @@ class Api:
         action = rest[0] if rest else ""
         handlers = {("GET", ""): self._get, ("GET", "metrics"): self._metrics, ("GET", "events"): self._events,
                     ("GET", "files"): self._file, ("GET", "log"): self._log, ("POST", "stop"): self._stop,
-                    ("POST", "resume"): self._resume, ("POST", "export"): self._export}
+                    ("POST", "resume"): self._resume, ("POST", "export"): self._export,
+                    ("POST", "preview"): self._preview_run}
         handler = handlers.get((request.method, action))
         if handler is None or (action != "files" and len(rest) > 1):
             return error(f"no route {request.method} {request.url.path}; GET /api lists them", 404)
@@ -243,7 +254,7 @@ class Api:
             raise Refused(f"run '{self.runs.name(run)}' has no config.yaml to resume from; start it anew")
         with contextlib.suppress(FileNotFoundError):
             (run / "stop").unlink()  # a stop request the last run already obeyed must not stop this one
-        job = self.queue.submit(run, "resume", argv)
+        job = self.queue.submit(run, "resume", argv, self.queue.last_gpus(run))
         return ok({"run": self.runs.name(run), "job": job.to_json()}, 202)
 
     async def _export(self, request: Request, run: Path, rest: list[str]) -> Response:
@@ -297,9 +308,8 @@ class Api:
 
     def _check(self, text: str, run: Path, overrides: list[str]) -> tuple[bool, list[str]]:
         # The check reads a file; it goes under the root's own folder, never beside the user's files.
-        scratch = self.root / ".sdtrain-ui"
-        scratch.mkdir(exist_ok=True)
-        path = scratch / f"check-{time.monotonic_ns()}.yaml"
+        self.scratch.mkdir(exist_ok=True)
+        path = self.scratch / f"check-{time.monotonic_ns()}.yaml"
         path.write_text(text)
         try:
             return jobs.run_check(path, run, overrides)
@@ -312,6 +322,7 @@ class Api:
             text, source = self._config_text(body)
             overrides = jobs.check_overrides(body.get("overrides"))
             run = self._new_run(body, source)
+            gpus = start.check_gpus(body.get("gpus"), await run_in_threadpool(self._device_list))
         except Refused as exc:
             return error(str(exc), 422)
         passed, lines = await run_in_threadpool(self._check, text, run, overrides)
@@ -320,8 +331,9 @@ class Api:
         run.mkdir(parents=True, exist_ok=True)
         config = run / jobs.CONFIG_FILE
         config.write_text(text)
+        argv = jobs.distributed(jobs.train_command(config, run, overrides), len(gpus))
         try:
-            job = self.queue.submit(run, "train", jobs.train_command(config, run, overrides))
+            job = self.queue.submit(run, "train", argv, gpus)
         except Refused as exc:
             return error(str(exc), 409)
         return ok({"run": self.runs.name(run), "job": job.to_json()}, 201)
@@ -353,9 +365,145 @@ class Api:
     async def queue_state(self, request: Request) -> Response:
         return ok({"parallel": self.queue.parallel, "jobs": [job.to_json() for job in self.queue.jobs[-200:]]})
 
+    # ------------------------------------------------------------------------------------------ the start page
+
+    async def config_keys(self, request: Request) -> Response:
+        try:
+            return ok({"keys": await run_in_threadpool(start.KEYS.get)})
+        except (Refused, OSError, ValueError, subprocess.TimeoutExpired) as exc:
+            return error(f"the config reference: {exc}", 500)
+
+    async def check_keys(self, request: Request) -> Response:
+        """The YAML as typed, checked in this process (no model, no child): each problem with its key and line."""
+        try:
+            body = await self._body(request)
+            text = body.get("config")
+            if not isinstance(text, str):
+                raise Refused("config: pass the YAML as text")
+            overrides = jobs.check_overrides(body.get("overrides"))
+        except Refused as exc:
+            return error(str(exc), 422)
+        problems = await run_in_threadpool(start.check_keys, text, overrides, self.scratch)
+        return ok({"ok": not problems, "problems": problems})
+
+    async def families(self, request: Request) -> Response:
+        try:
+            found = await run_in_threadpool(start.FAMILIES.get)
+        except (Refused, OSError, ValueError, subprocess.TimeoutExpired) as exc:
+            return error(f"the model families: {exc}", 500)
+        return ok({"families": found, "modes": list(start.MODES)})
+
+    async def form(self, request: Request) -> Response:
+        """The short form as a recipe and overrides, which the page then checks and starts as any config."""
+        try:
+            body = await self._body(request)
+            names = [f["name"] for f in await run_in_threadpool(start.FAMILIES.get)]
+            return ok(start.form_recipe(body, names, recipe_names(), self.root))
+        except Refused as exc:
+            return error(str(exc), 422)
+
+    async def devices(self, request: Request) -> Response:
+        return ok({"devices": await run_in_threadpool(self._device_list)})
+
+    def _device_list(self) -> list[dict[str, Any]]:
+        if self._devices is None:
+            self._devices = start.devices()
+        return self._devices
+
+    async def inspect_data(self, request: Request) -> Response:
+        try:
+            body = await self._body(request)
+            path = start.text_field(body, "path")
+        except Refused as exc:
+            return error(str(exc), 422)
+        return ok(await run_in_threadpool(start.inspect_data, path, self.root))
+
+    async def prepare(self, request: Request) -> Response:
+        """`sdtrain prepare folder SOURCE --out ROOT/data/NAME`, queued: the source is any folder the user typed,
+        passed as an argument; the shards go under the root."""
+        try:
+            body = await self._body(request)
+            source = start.text_field(body, "source")
+            name = start.text_field(body, "name")
+            if not valid_name(name):
+                raise Refused(f"name {json.dumps(name[:80])}: use letters, digits, . _ + - for the data folder")
+            out = self.root / "data" / name
+            if out.exists() and any(p.name not in (jobs.JOB_FILE, jobs.CHILD_LOG) for p in out.iterdir()):
+                raise Refused(f"data/{name} already exists under {self.root}; choose another name")
+            out.mkdir(parents=True, exist_ok=True)
+            job = self.queue.submit(out, "prepare", jobs.prepare_command(str(Path(source).expanduser()), out))
+        except Refused as exc:
+            return error(str(exc), 422)
+        return ok({"out": str(out), "job": job.to_json()}, 202)
+
+    async def prepare_state(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        job = self.queue.job_for(self.root / "data" / name) if valid_name(name) else None
+        if job is None:
+            return error(f"no prepare job for data/{name}", 404)
+        self.queue.poll()
+        return ok({"job": job.to_json(), "log": await run_in_threadpool(_tail, job.run / jobs.CHILD_LOG, 5)})
+
+    async def preview(self, request: Request) -> Response:
+        """`sdtrain data preview` of a config from the start page: its PNG under ROOT/.sdtrain-ui/previews."""
+        try:
+            body = await self._body(request)
+            text, _ = self._config_text(body)
+            overrides = jobs.check_overrides(body.get("overrides"))
+        except Refused as exc:
+            return error(str(exc), 422)
+        folder = self.scratch / "previews"
+        folder.mkdir(parents=True, exist_ok=True)
+        stamp = time.time_ns()
+        config, out = folder / f"preview-{stamp}.yaml", folder / f"preview-{stamp}.png"
+        config.write_text(text)
+        try:
+            passed, line = await run_in_threadpool(jobs.run_preview, config, out, overrides)
+        finally:
+            config.unlink(missing_ok=True)
+        _prune(folder, KEEP_PREVIEWS)
+        if not passed:
+            return error(line, 422)
+        return ok({"url": f"/api/previews/{out.name}", "message": line})
+
+    async def preview_file(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        path = self.scratch / "previews" / name
+        if not _PREVIEW_NAME.match(name) or not path.is_file() or not inside(self.root, path):
+            return error(f"no preview '{name}'", 404)
+        return FileResponse(path)
+
+    async def _preview_run(self, request: Request, run: Path, rest: list[str]) -> Response:
+        """A run's data preview, from the config it trains with, written into the run folder."""
+        config, overrides = self._run_config(run)
+        out = run / jobs.PREVIEW_FILE
+        passed, line = await run_in_threadpool(jobs.run_preview, config, out, overrides)
+        if not passed:
+            return error(line, 422)
+        name = self.runs.name(run)
+        return ok({"url": f"/api/runs/{name}/files/{jobs.PREVIEW_FILE}?t={time.time_ns()}", "message": line})
+
+    def _run_config(self, run: Path) -> tuple[Path, list[str]]:
+        """The config a run trains with: its newest resolved config, else the UI's with the overrides it queued."""
+        configs = sorted(run.glob("config*.yaml"), key=lambda p: (p.stat().st_mtime_ns, p.name))
+        if configs:
+            return configs[-1], []
+        if not (run / jobs.CONFIG_FILE).is_file():
+            raise Refused(f"run '{self.runs.name(run)}' has no config to preview the data of")
+        argv = self.queue.last_command(run) or []
+        overrides = [a for a in argv if jobs.is_override(a) and not a.startswith("run_dir=")]
+        return run / jobs.CONFIG_FILE, overrides
+
 
 def recipe_names() -> list[str]:
     return sorted(p.relative_to(RECIPES).with_suffix("").as_posix() for p in RECIPES.glob("**/*.yaml"))
+
+
+def _prune(folder: Path, keep: int) -> None:
+    """Delete all but the newest `keep` previews."""
+    found = sorted(folder.glob("preview-*.png"), key=lambda p: p.name)
+    for old in found[:-keep]:
+        old.unlink(missing_ok=True)
 
 
 def _tail(path: Path, lines: int) -> list[str]:
@@ -371,7 +519,7 @@ def _tail(path: Path, lines: int) -> list[str]:
 API_ROUTES = [
     ("GET", "/api", "this list"),
     ("GET", "/api/runs", "every run under the root: summary, status, job"),
-    ("POST", "/api/runs", "start a run: {recipe|config, overrides, name}; checked first, then queued"),
+    ("POST", "/api/runs", "start a run: {recipe|config, overrides, name, gpus}; checked first, then queued"),
     ("GET", "/api/runs/{run}", "one run: summary, config, samples, checkpoints and files, log tail"),
     ("GET", "/api/runs/{run}/metrics", "curves: ?keys=loss,lr&by=step|samples&from=&to=&points=2000"),
     ("GET", "/api/runs/{run}/events", "server-sent events (events.jsonl lines, summary); ?after=N: JSON poll"),
@@ -380,12 +528,23 @@ API_ROUTES = [
     ("POST", "/api/runs/{run}/stop", "stop after a save (a queued run leaves the queue)"),
     ("POST", "/api/runs/{run}/resume", "run the same command again: it resumes from the newest checkpoint"),
     ("POST", "/api/runs/{run}/export", "sdtrain export into RUN/export"),
+    ("POST", "/api/runs/{run}/preview", "sdtrain data preview of the run's config into RUN/ui-preview.png"),
     ("GET", "/api/recipes", "the bundled recipes"),
     ("GET", "/api/recipes/{name}", "a recipe's YAML"),
     ("POST", "/api/check", "check a config as `sdtrain train CONFIG --check` does: {recipe|config, overrides}"),
     ("GET", "/api/compare", "?runs=a,b: their summaries, config differences, sample steps they share"),
     ("GET", "/api/environment", "versions and devices of the machine the UI runs on"),
     ("GET", "/api/queue", "the job queue"),
+    ("GET", "/api/config/keys", "every config key: name, type, default, doc (the configuration reference)"),
+    ("POST", "/api/check/keys", "{config, overrides}: unknown keys and bad values, each with key, line, message"),
+    ("GET", "/api/families", "the model families and the short form's modes"),
+    ("POST", "/api/form", "{family, pretrained, data, mode, steps, lr, resolution, batch_size}: recipe, overrides"),
+    ("GET", "/api/devices", "the GPUs of the UI's machine (nvidia-smi): index, name, memory"),
+    ("POST", "/api/data/inspect", "{path}: shards, images (prepare them first), empty or missing"),
+    ("POST", "/api/data/prepare", "{source, name}: sdtrain prepare folder SOURCE --out ROOT/data/NAME, queued"),
+    ("GET", "/api/data/prepare/{name}", "that job's state and its log's tail"),
+    ("POST", "/api/preview", "{recipe|config, overrides}: sdtrain data preview; the grid's URL"),
+    ("GET", "/api/previews/{name}", "a data preview's PNG"),
 ]
 
 
@@ -398,6 +557,9 @@ def create_app(root: Path, token: str | None = None, parallel: int = 1, poll: bo
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if poll:
             queue.start()
+            # The start page's reference and families come from children (the families import torch): ask them
+            # now, so the page has them when someone opens it.
+            threading.Thread(target=start.warm, name="sdtrain-ui-warm", daemon=True).start()
         try:
             yield
         finally:
@@ -421,6 +583,16 @@ def create_app(root: Path, token: str | None = None, parallel: int = 1, poll: bo
         Route("/api/compare", api.compare),
         Route("/api/environment", api.environment),
         Route("/api/queue", api.queue_state),
+        Route("/api/config/keys", api.config_keys),
+        Route("/api/check/keys", api.check_keys, methods=["POST"]),
+        Route("/api/families", api.families),
+        Route("/api/form", api.form, methods=["POST"]),
+        Route("/api/devices", api.devices),
+        Route("/api/data/inspect", api.inspect_data, methods=["POST"]),
+        Route("/api/data/prepare", api.prepare, methods=["POST"]),
+        Route("/api/data/prepare/{name:path}", api.prepare_state),
+        Route("/api/preview", api.preview, methods=["POST"]),
+        Route("/api/previews/{name}", api.preview_file),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={Exception: unexpected})

@@ -1,4 +1,5 @@
-"""What the UI runs: `sdtrain train` and `sdtrain export` as child processes, queued, a few at a time.
+"""What the UI runs: `sdtrain train`, `sdtrain export` and `sdtrain prepare folder` as child processes, queued: CPU
+jobs a few at a time, GPU jobs whenever the GPUs they were given are free.
 
 Every command is an argument list built here from checked parts (a config file the UI wrote inside the run
 folder, the run folder, `key=value` overrides): no user text reaches a shell. Children run in sessions of their
@@ -36,6 +37,9 @@ _OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*=[^\n\r\x00]*$")
 _ERROR_PREFIX = re.compile(r"^sdtrain \w+: error: ")
 # Seconds a `--check` may take: it reads the models' config files, fetching a Hub model's if not cached.
 CHECK_TIMEOUT_S = 300
+# Seconds a data preview may take: it decodes the first samples (from a remote bucket, perhaps), no model.
+PREVIEW_TIMEOUT_S = 300
+PREVIEW_FILE = "ui-preview.png"
 # Keys that say where a run writes: the UI sets them, so a form cannot point a run outside the root.
 _RESERVED = ("run_dir",)
 
@@ -60,6 +64,24 @@ def export_command(run: Path, out: Path) -> list[str]:
     return [sys.executable, "-m", "sdtrain", "export", str(run), str(out)]
 
 
+def prepare_command(source: str, out: Path) -> list[str]:
+    return [sys.executable, "-m", "sdtrain", "prepare", "folder", source, "--out", str(out)]
+
+
+def preview_command(config: Path, out: Path, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "sdtrain", "data", "preview", str(config), "--out", str(out), *overrides]
+
+
+def distributed(argv: list[str], processes: int) -> list[str]:
+    """`python -m sdtrain ...` under torchrun, one process a GPU, as docs/scale-out.md launches it; one GPU runs
+    it as it is."""
+    head = [sys.executable, "-m", "sdtrain"]
+    if processes < 2 or argv[:3] != head:
+        return argv
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+            "-m", "sdtrain", *argv[3:]]
+
+
 def check_overrides(overrides: Any) -> list[str]:
     if overrides is None:
         return []
@@ -73,6 +95,10 @@ def check_overrides(overrides: Any) -> list[str]:
             raise Refused(f"override {json.dumps(item[:80])}: the run's folder is its name under the root; "
                           "set the name")
     return cleaned
+
+
+def is_override(item: str) -> bool:
+    return bool(_OVERRIDE.match(item))
 
 
 def check_yaml(text: str) -> None:
@@ -100,13 +126,33 @@ def run_check(config: Path, run: Path, overrides: list[str]) -> tuple[bool, list
     if done.returncode == 0:
         return True, [line for line in done.stdout.splitlines() if line.strip()][-1:]
     lines = [line for line in done.stderr.splitlines() if line.strip()]
-    problems = [_ERROR_PREFIX.sub("", line) for line in lines if _ERROR_PREFIX.match(line)]
+    problems = [_ERROR_PREFIX.sub("", line).removeprefix(f"{config}: ") for line in lines if _ERROR_PREFIX.match(line)]
     return False, problems or [f"the config check failed: {lines[-1] if lines else f'exit {done.returncode}'}"]
 
 
-def child_environment() -> dict[str, str]:
+def run_preview(config: Path, out: Path, overrides: list[str]) -> tuple[bool, str]:
+    """`sdtrain data preview` in a child: (ok, its one line: what it wrote, or why not)."""
+    try:
+        done = subprocess.run(preview_command(config, out, overrides), capture_output=True, text=True,
+                              timeout=PREVIEW_TIMEOUT_S, stdin=subprocess.DEVNULL, env=child_environment())
+    except subprocess.TimeoutExpired:
+        return False, f"the data preview took over {PREVIEW_TIMEOUT_S} s; are the shards on a slow remote?"
+    except OSError as exc:
+        return False, f"the data preview could not start: {exc.strerror}"
+    if done.returncode == 0 and out.is_file():
+        return True, ([line for line in done.stdout.splitlines() if line.strip()] or ["written"])[-1]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    # The config is a scratch file the user never named: its path would only hide the key in the line.
+    problems = [_ERROR_PREFIX.sub("", line).removeprefix(f"{config}: ") for line in lines if _ERROR_PREFIX.match(line)]
+    return False, (problems or lines or [f"exit {done.returncode}"])[0]
+
+
+def child_environment(gpus: list[int] | None = None) -> dict[str, str]:
     # The token lets a browser in; a training run has no use for it.
-    return {k: v for k, v in os.environ.items() if k != "SDTRAIN_UI_TOKEN"}
+    env = {k: v for k, v in os.environ.items() if k != "SDTRAIN_UI_TOKEN"}
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    return env
 
 
 # ---------------------------------------------------------------------------------------------- the queue
@@ -116,8 +162,10 @@ def child_environment() -> dict[str, str]:
 class Job:
     run: Path
     kind: str
-    """train, resume or export."""
+    """train, resume, export or prepare."""
     argv: list[str]
+    gpus: list[int] = field(default_factory=list)
+    """The GPUs it is given (CUDA_VISIBLE_DEVICES); none: a CPU job, which --parallel counts."""
     state: str = "queued"
     """queued, running, done, stopped, failed or cancelled."""
     created: float = field(default_factory=time.time)
@@ -139,7 +187,8 @@ class Job:
 
 
 class Queue:
-    """Jobs started `parallel` at a time, in the order they came; polled by a background thread."""
+    """Jobs started in the order they came, polled by a background thread: CPU jobs `parallel` at a time, GPU jobs
+    as soon as no running job holds one of their GPUs."""
 
     def __init__(self, root: Path, parallel: int = 1):
         self.root = Path(root).resolve()
@@ -180,14 +229,19 @@ class Queue:
         argv = record.get("train_argv") if record else None
         return argv if isinstance(argv, list) and all(isinstance(a, str) for a in argv) else None
 
+    def last_gpus(self, run: Path) -> list[int]:
+        """The GPUs the UI last trained `run` on: resuming takes the same ones."""
+        gpus = (_read_job_file(run) or {}).get("train_gpus")
+        return gpus if isinstance(gpus, list) and all(isinstance(g, int) for g in gpus) else []
+
     # ------------------------------------------------------------------------------------------ changing
 
-    def submit(self, run: Path, kind: str, argv: list[str]) -> Job:
+    def submit(self, run: Path, kind: str, argv: list[str], gpus: list[int] | None = None) -> Job:
         with self._lock:
             current = self.job_for(run)
             if current and current.live:
                 raise Refused(f"run '{run.name}' already has a {current.state} {current.kind} job; stop it first")
-            job = Job(run=run, kind=kind, argv=argv)
+            job = Job(run=run, kind=kind, argv=argv, gpus=list(gpus or []))
             self.jobs.append(job)
             self._record(job)
         self.poll()
@@ -214,11 +268,18 @@ class Queue:
             for job in self.jobs:
                 if job.state == "running":
                     self._reap(job)
-            busy = sum(1 for job in self.jobs if job.state == "running")
+            busy = sum(1 for job in self.jobs if job.state == "running" and not job.gpus)
+            held = {gpu for job in self.jobs if job.state == "running" for gpu in job.gpus}
             for job in self.jobs:
-                if busy >= self.parallel:
-                    break
-                if job.state == "queued":
+                if job.state != "queued":
+                    continue
+                if job.gpus:
+                    # A waiting job keeps its GPUs from later ones, so a job of several GPUs is not starved by a
+                    # stream of one-GPU jobs.
+                    if not held & set(job.gpus):
+                        self._launch(job)
+                    held |= set(job.gpus)
+                elif busy < self.parallel:
                     self._launch(job)
                     busy += job.state == "running"
 
@@ -231,7 +292,7 @@ class Queue:
                 out.flush()
                 job.process = subprocess.Popen(job.argv, stdout=out, stderr=subprocess.STDOUT,
                                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                               env=child_environment())
+                                               env=child_environment(job.gpus))
         except OSError as exc:
             job.state, job.ended, job.message = "failed", time.time(), f"could not start: {exc.strerror or exc}"
         else:
@@ -262,7 +323,7 @@ class Queue:
         record = _read_job_file(job.run) or {}
         record.update(job.to_json())
         if job.kind in ("train", "resume"):
-            record["train_argv"] = job.argv
+            record["train_argv"], record["train_gpus"] = job.argv, job.gpus
         try:
             tmp = job.run / (JOB_FILE + ".tmp")
             tmp.write_text(json.dumps(record, indent=1))
@@ -279,8 +340,10 @@ class Queue:
                 if record and record.get("state") in ("queued", "running") and isinstance(record.get("argv"), list):
                     found.append((record.get("created") or 0, path.parent, record))
         for _, run, record in sorted(found, key=lambda item: item[0]):
+            gpus = record.get("gpus") if isinstance(record.get("gpus"), list) else []
             job = Job(run=run, kind=str(record.get("kind") or "train"), argv=[str(a) for a in record["argv"]],
-                      state=record["state"], created=record.get("created") or time.time(),
+                      gpus=[g for g in gpus if isinstance(g, int)], state=record["state"],
+                      created=record.get("created") or time.time(),
                       started=record.get("started"), pid=record.get("pid"))
             if job.state == "running" and not _alive(job.pid):
                 job.state, job.message = "done", "ended while the UI was away; the run's status says how"

@@ -274,11 +274,14 @@ async function runPage(id) {
     const env = await api("/api/environment");
     fill(environment, h("table", {}, env.environment.map(([k, v]) => h("tr", {}, h("th", {}, k), h("td", {}, v)))));
   }}}, "Show the environment"));
+  const preview = h("div", {id: "preview-result"});
+  const data = h("div", {}, h("button", {id: "preview-data", on: {click: () =>
+    previewData(preview, () => ({}), `/api/runs/${id}/preview`)}}, "Preview data"), preview);
   actions.className = "toolbar";
   main.replaceChildren(head, actions, h("h2", {}, "Curves ", by), charts,
     h("h2", {}, "Validation images"), images, h("h2", {}, "Checkpoints"), checkpoints,
     h("h2", {}, "Log"), log, h("h2", {}, "Config"), h("pre", {id: "config"}, state.config_text || "(no config yet)"),
-    h("h2", {}, "Environment"), environment);
+    h("h2", {}, "Data, as training receives it"), data, h("h2", {}, "Environment"), environment);
   let chartList = [];
   const draw = () => {
     drawRunHead(head, actions, id, state, refresh);
@@ -363,24 +366,204 @@ async function comparePage(ids) {
 
 // ------------------------------------------------------------------------------------------------- start
 
+// The configuration reference (GET /api/config/keys), asked once a page load: key -> {type, default, doc}.
+let referencePromise = null;
+function reference() {
+  if (!referencePromise) {
+    referencePromise = api("/api/config/keys").then(d => new Map(d.keys.map(k => [k.name, k])))
+      .catch(e => { referencePromise = null; throw e; });
+  }
+  return referencePromise;
+}
+
+// The dotted key written on the caret's line of a YAML text, from the indentation of the lines above it (a
+// list item or a blank line belongs to the key above it).
+function keyAtLine(text, lineIndex) {
+  const lines = text.split("\n");
+  const keyLine = /^(\s*)([A-Za-z_][\w.\-]*)\s*:/;
+  let i = lineIndex;
+  while (i >= 0 && !keyLine.test(lines[i] || "")) i--;
+  if (i < 0) return null;
+  let [, indent, key] = lines[i].match(keyLine);
+  const path = [key];
+  for (let j = i - 1; j >= 0 && indent.length > 0; j--) {
+    const m = (lines[j] || "").match(keyLine);
+    if (m && m[1].length < indent.length) { path.unshift(m[2]); indent = m[1]; }
+  }
+  return path.join(".");
+}
+
+async function showHelp(panel, key) {
+  if (!key) { fill(panel, h("span", {class: "muted"}, "Put the cursor on a key to read its documentation.")); return; }
+  let keys;
+  try { keys = await reference(); } catch (e) { fill(panel, h("span", {class: "problem"}, e.message)); return; }
+  const found = keys.get(key);
+  if (found) {
+    fill(panel, h("div", {}, h("code", {class: "key"}, found.name), " ", h("span", {class: "muted"},
+      `${found.type} · default ${found.default}`)), h("div", {class: "doc"}, found.doc.replace(/``/g, "")));
+    return;
+  }
+  const inside = [...keys.keys()].filter(k => k.startsWith(key + "."));
+  fill(panel, inside.length ? h("div", {}, h("code", {class: "key"}, key), h("span", {class: "muted"},
+    ` (a section): ${inside.map(k => k.slice(key.length + 1)).join(", ")}`)) :
+    h("div", {class: "problem"}, `${key}: not a config key`));
+}
+
+// The config as typed, checked in the UI's process about 400 ms after the last keystroke: unknown keys and bad
+// values, one line each, under the editor. The full check (family, mode) stays on the Check button.
+function watchKeys(config, overrides, problems) {
+  let timer = null, asked = 0;
+  const check = async () => {
+    const ticket = ++asked;
+    try {
+      const r = await api("/api/check/keys", {config: config.value, overrides: overrideLines(overrides)});
+      if (ticket !== asked) return;  // a later keystroke's answer wins
+      fill(problems, r.ok ? h("span", {class: "ok"}, "every key known, every value of its type") :
+        h("ul", {class: "problems"}, r.problems.map(p => h("li", {"data-key": p.key || ""},
+          p.line ? `line ${p.line}: ${p.message}` : p.message))));
+    } catch (e) { if (ticket === asked) fill(problems, h("span", {class: "problem"}, e.message)); }
+  };
+  const later = () => { clearTimeout(timer); timer = setTimeout(check, 400); };
+  config.addEventListener("input", later);
+  overrides.addEventListener("input", later);
+  cleanups.push(() => clearTimeout(timer));
+  return check;
+}
+
+function overrideLines(el) { return el.value.split("\n").map(s => s.trim()).filter(Boolean); }
+
+function gpuPicker(devices) {
+  if (!devices.length) return h("div", {id: "gpus", class: "muted"}, "no GPU found (nvidia-smi): the run gets none");
+  return h("div", {id: "gpus", class: "toolbar"}, devices.map(d => h("label", {title: d.memory},
+    h("input", {type: "checkbox", value: d.index}), ` ${d.index}: ${d.name}`)));
+}
+
+function chosenGpus(picker) {
+  return [...picker.querySelectorAll("input:checked")].map(box => Number(box.value));
+}
+
+// The data folder: shards are ready; a folder of images and captions is offered to `sdtrain prepare folder`,
+// queued, into ROOT/data/NAME, whose path then fills the field.
+function dataField(input, status) {
+  const inspect = async () => {
+    if (!input.value.trim()) { fill(status); return; }
+    try {
+      const r = await api("/api/data/inspect", {path: input.value.trim()});
+      if (r.kind !== "images") {
+        fill(status, h("span", {class: r.kind === "shards" ? "ok" : "problem"},
+          {shards: "shards: ready", empty: "no image in it", missing: "no such folder here (fine if the " +
+            "trainer's machine has it, or it is a bucket URL)"}[r.kind]));
+        return;
+      }
+      const name = h("input", {id: "prepare-name", size: 16,
+        value: r.path.split("/").filter(Boolean).pop().replace(/[^\w.+-]/g, "-")});
+      fill(status, h("span", {class: "muted"}, `${r.images}${r.images >= 1000 ? "+" : ""} images: prepare them ` +
+        "into shards first, into data/"), name, h("button", {id: "prepare", on: {click: () =>
+          prepare(input, status, r.path, name.value)}}, "Prepare"));
+    } catch (e) { fill(status, h("span", {class: "problem"}, e.message)); }
+  };
+  input.addEventListener("change", inspect);
+  return inspect;
+}
+
+async function prepare(input, status, source, name) {
+  try {
+    const r = await api("/api/data/prepare", {source, name});
+    fill(status, h("span", {class: "muted"}, `preparing into ${r.out}…`));
+    const timer = setInterval(async () => {
+      const state = await api(`/api/data/prepare/${encodeURIComponent(name)}`).catch(e => ({error: e.message}));
+      if (state.error || !["queued", "running"].includes(state.job.state)) {
+        clearInterval(timer);
+        if (state.job && state.job.state === "done") { input.value = r.out; fill(status, h("span", {class: "ok"}, "shards: ready")); }
+        else fill(status, h("span", {class: "problem"}, state.error || state.job.message || state.job.state));
+      }
+    }, 2000);
+    cleanups.push(() => clearInterval(timer));
+  } catch (e) { fill(status, h("span", {class: "problem"}, e.message)); }
+}
+
+// The short form: family, base model, data, mode and the usual numbers make a recipe plus overrides, which fill
+// the editor below; from there it is checked and started as any config.
+function quickForm(families, onFilled) {
+  const field = (label, el, key) => {
+    if (key) el.addEventListener("focus", () => onFilled.help(key));
+    return h("div", {class: "field"}, h("label", {}, label), el);
+  };
+  // The families come from a child that imports every family (seconds, once a UI): the form does not wait.
+  const family = h("select", {id: "f-family"}, h("option", {value: ""}, "(the base model's own)"));
+  const familyStatus = h("div", {class: "small muted"}, "loading the families…");
+  families.then(found => { family.append(...found.map(f => h("option", {value: f.name}, `${f.title} (${f.name})`)));
+    fill(familyStatus); }).catch(e => fill(familyStatus, h("span", {class: "problem"}, e.message)));
+  family.addEventListener("focus", () => onFilled.help("model.family"));
+  const inputs = {
+    pretrained: h("input", {id: "f-pretrained", placeholder: "a Hub id or a local folder", size: 34}),
+    data: h("input", {id: "f-data", placeholder: "shards under the root, or any path", size: 34}),
+    mode: h("select", {id: "f-mode"}, ["lora", "full", "dreambooth", "textual_inversion"].map(m => h("option", {value: m}, m))),
+    steps: h("input", {id: "f-steps", type: "number", min: 1, placeholder: "the recipe's"}),
+    lr: h("input", {id: "f-lr", placeholder: "the recipe's", size: 10}),
+    resolution: h("input", {id: "f-resolution", type: "number", min: 8, step: 8, placeholder: "the recipe's"}),
+    batch_size: h("input", {id: "f-batch", type: "number", min: 1, placeholder: "the recipe's"}),
+  };
+  const dataStatus = h("div", {id: "data-kind", class: "small"});
+  dataField(inputs.data, dataStatus);
+  const shown = h("div", {id: "form-result"});
+  const button = h("button", {id: "fill", on: {click: async () => {
+    const body = {family: family.value || null};
+    for (const [k, el] of Object.entries(inputs)) body[k] = el.value.trim();
+    try {
+      const r = await api("/api/form", body);
+      fill(shown, h("div", {class: "muted"}, `recipe ${r.recipe} with:`), h("pre", {}, r.overrides.join("\n")));
+      await onFilled(r);
+    } catch (e) { fill(shown, h("div", {class: "problem"}, e.message)); }
+  }}}, "Fill the config");
+  return h("details", {open: true, id: "quick"}, h("summary", {}, "A common fine-tune, in a few fields"),
+    h("div", {class: "grid4"}, h("div", {class: "field"}, h("label", {}, "family"), family, familyStatus),
+      field("base model", inputs.pretrained, "model.pretrained"),
+      h("div", {class: "field"}, h("label", {}, "data folder"), inputs.data, dataStatus),
+      field("mode", inputs.mode, "mode"), field("steps", inputs.steps, "train.max_steps"),
+      field("learning rate", inputs.lr, "optim.lr"), field("resolution", inputs.resolution, "data.resolution"),
+      field("batch size", inputs.batch_size, "data.batch_size")),
+    h("div", {class: "toolbar"}, button, h("span", {class: "muted"}, "then Check and Start below")), shown);
+}
+
+async function previewData(result, bodyFn, path) {
+  fill(result, h("p", {class: "muted"}, "reading the first samples…"));
+  try {
+    const r = await api(path, bodyFn());
+    fill(result, h("p", {class: "muted"}, r.message), h("div", {class: "images"},
+      h("figure", {}, h("img", {id: "preview", alt: "data preview", src: r.url}))));
+  } catch (e) { fill(result, h("p", {class: "problem", id: "preview-error"}, e.message)); }
+}
+
 async function startPage() {
-  const recipes = (await api("/api/recipes")).recipes;
+  const families = api("/api/families").then(d => d.families);
+  const [recipes, devices] = await Promise.all([api("/api/recipes").then(d => d.recipes),
+    api("/api/devices").then(d => d.devices)]);
   const source = h("select", {id: "source"}, h("option", {value: ""}, "(a config of my own)"),
     recipes.map(r => h("option", {value: r}, r)));
   const file = h("input", {type: "file", accept: ".yaml,.yml"});
   const config = h("textarea", {id: "config", rows: 28, spellcheck: "false"});
+  const keyProblems = h("div", {id: "key-problems", class: "small"});
+  const help = h("div", {id: "key-help"});
   const name = h("input", {id: "name", placeholder: "run name (a folder under the root)", size: 40});
   const overrides = h("textarea", {id: "overrides", rows: 6, placeholder: "key=value, one a line\ntrain.max_steps=1000"});
+  const gpus = gpuPicker(devices);
   const result = h("div", {id: "result"});
-  const body = () => ({config: config.value, name: name.value.trim() || undefined,
-                       overrides: overrides.value.split("\n").map(s => s.trim()).filter(Boolean)});
+  const preview = h("div", {id: "preview-result"});
+  const checkKeys = watchKeys(config, overrides, keyProblems);
+  const body = () => ({config: config.value, name: name.value.trim() || undefined, overrides: overrideLines(overrides),
+                       gpus: chosenGpus(gpus)});
   const show = (ok, lines) => result.replaceChildren(ok ? h("p", {class: "ok"}, lines[0] || "ok") :
     h("ul", {class: "problems"}, lines.map(l => h("li", {}, l))));
-  source.addEventListener("change", async () => {
-    if (!source.value) return;
-    config.value = (await api(`/api/recipes/${source.value}`)).config;
+  const helpAtCaret = () => showHelp(help, keyAtLine(config.value, config.value.slice(0, config.selectionStart).split("\n").length - 1));
+  ["keyup", "click", "focus"].forEach(e => config.addEventListener(e, helpAtCaret));
+  const load = async recipe => { config.value = (await api(`/api/recipes/${recipe}`)).config; checkKeys(); };
+  source.addEventListener("change", () => source.value && load(source.value));
+  file.addEventListener("change", async () => {
+    if (file.files[0]) { config.value = await file.files[0].text(); source.value = ""; checkKeys(); }
   });
-  file.addEventListener("change", async () => { if (file.files[0]) { config.value = await file.files[0].text(); source.value = ""; } });
+  const filled = async r => { source.value = r.recipe; await load(r.recipe); overrides.value = r.overrides.join("\n"); checkKeys(); };
+  filled.help = key => showHelp(help, key);
   const check = h("button", {on: {click: async () => {
     result.replaceChildren(h("p", {class: "muted"}, "checking…"));
     try { const r = await api("/api/check", body()); show(r.ok, r.ok ? [r.message] : r.problems); }
@@ -393,16 +576,21 @@ async function startPage() {
       location.hash = runLink(r.run);
     } catch (e) { show(false, (e.data && e.data.problems) || [e.message]); }
   }}}, "Start");
-  main.replaceChildren(h("h1", {}, "Start a run"),
-    h("p", {class: "muted"}, "Checked as `sdtrain train CONFIG --check` does (family and mode included) before " +
-      "anything loads; then queued. Its folder is its name under the root."),
+  const previewButton = h("button", {id: "preview-data", on: {click: () => previewData(preview, body, "/api/preview")}},
+    "Preview data");
+  main.replaceChildren(h("h1", {}, "Start a run"), quickForm(families, filled),
+    h("p", {class: "muted"}, "Each key is checked as you type; Check runs `sdtrain train CONFIG --check` (family and " +
+      "mode included) before anything loads; Start checks, then queues. Its folder is its name under the root."),
     h("div", {class: "grid2"},
       h("div", {}, h("div", {class: "field"}, h("label", {}, "recipe"), source),
         h("div", {class: "field"}, h("label", {}, "or a config file"), file),
-        h("div", {class: "field"}, h("label", {}, "config (YAML)"), config)),
-      h("div", {}, h("div", {class: "field"}, h("label", {}, "name"), name),
+        h("div", {class: "field"}, h("label", {}, "config (YAML)"), config), keyProblems),
+      h("div", {}, h("div", {class: "field"}, h("label", {}, "key help"), help),
+        h("div", {class: "field"}, h("label", {}, "name"), name),
         h("div", {class: "field"}, h("label", {}, "overrides"), overrides),
-        h("div", {class: "toolbar"}, check, start), result)));
+        h("div", {class: "field"}, h("label", {}, "GPUs (2 or more: torchrun, one process a GPU)"), gpus),
+        h("div", {class: "toolbar"}, check, previewButton, start), result, preview)));
+  showHelp(help, null);
 }
 
 // ------------------------------------------------------------------------------------------------- routing
