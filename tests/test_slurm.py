@@ -98,6 +98,7 @@ def _wait_for_lines(path: Path, needle: str, count: int, while_running: subproce
     raise AssertionError(f"{needle!r} not seen {count} times within {timeout} s:\n{_read(path)[-6000:]}")
 
 
+@pytest.mark.slow  # 40 s of a live Slurm job: the default run keeps under CI's 15 minutes
 def test_usr1_to_the_batch_script_saves_requeues_and_the_job_resumes(slurm_cluster, tmp_path, shapes_dir,
                                                                       autoencoder_run):
     """What Slurm does at `--signal=B:USR1@90` before the time limit, sent at once with scancel."""

@@ -324,6 +324,7 @@ def test_in_loop_val_loss_scores_the_ema_weights(tmp_path, flux_pipeline, flux_e
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # two ranks of the Flux recipe: the default run keeps under CI's 15 minutes
 def test_val_loss_under_two_gloo_ranks_is_the_number_of_one_process(tmp_path, flux_pipeline, flux_encoded):
     import os
     import signal
