@@ -48,6 +48,8 @@ def page():
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1280, "height": 900})
+        # A first start compiles the UI's and its children's imports while the page waits: minutes on a cold machine.
+        page.set_default_timeout(180_000)
         page.on("dialog", lambda dialog: dialog.accept())
         errors: list[str] = []
         page.on("pageerror", lambda error: errors.append(str(error)))
