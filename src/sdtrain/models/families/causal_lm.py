@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import nn
 
 from sdtrain.errors import UserError
+from sdtrain.models.families import spec
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 THINK = ("<think>", "</think>")
@@ -96,6 +97,14 @@ def stacked_hidden_states(model: nn.Module, ids: torch.Tensor, mask: torch.Tenso
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated decoder layers of a transformers language model (its base model's ``layers``)."""
     return list(getattr(model, "model", model).layers)
+
+
+def text_encoder(cls: type[nn.Module], weight_prefixes: tuple[tuple[str, str], ...]) -> spec.Component:
+    """The component record of a language model read as a family's text encoder: long captions under its
+    ``tokenizer``, its decoder layers as blocks, adapted by ``lora.text_encoder``; `weight_prefixes` say where a
+    released checkpoint keeps its language tower (a vision-language model's beside its vision tower)."""
+    return spec.Component(cls, "text_encoder", tokenizer="tokenizer", long_text=True, lora=True,
+                          weight_prefixes=weight_prefixes, blocks=decoder_layers)
 
 
 def train_chat_tokenizer(captions: Iterable[str], out_dir: str | Path, vocab_size: int, max_length: int,

@@ -454,9 +454,8 @@ FLUX2 = spec.ModelFamily(
         # The released text encoder is the whole vision-language model (Mistral3ForConditionalGeneration), its
         # language tower under language_model.model. (model.language_model. as transformers 5 names it).
         # diffusers' Flux.2 LoRA loader adapts the transformer alone.
-        text_encoder=spec.Component(MistralModel, "text_encoder", tokenizer="tokenizer", long_text=True, lora=True,
-                                    weight_prefixes=(("model.language_model.", ""), ("language_model.model.", "")),
-                                    blocks=causal_lm.decoder_layers),
+        text_encoder=causal_lm.text_encoder(MistralModel,
+                                            (("model.language_model.", ""), ("language_model.model.", ""))),
         transformer=spec.Component(Flux2Transformer2DModel, "denoiser", kohya_prefix=kohya.PREFIX,
                                    blocks=transformer_blocks),
     ),
@@ -515,8 +514,7 @@ FLUX2_KLEIN = spec.ModelFamily(
         vae=spec.Component(AutoencoderKLFlux2, "vae", blocks=vae_blocks),
         # The released text encoder is Qwen3ForCausalLM, read as its Qwen3Model. diffusers' Flux.2 LoRA loader
         # adapts the transformer alone.
-        text_encoder=spec.Component(Qwen3Model, "text_encoder", tokenizer="tokenizer", long_text=True, lora=True,
-                                    weight_prefixes=(("model.", ""),), blocks=causal_lm.decoder_layers),
+        text_encoder=causal_lm.text_encoder(Qwen3Model, (("model.", ""),)),
         transformer=spec.Component(Flux2Transformer2DModel, "denoiser", kohya_prefix=kohya.PREFIX,
                                    blocks=transformer_blocks),
     ),

@@ -379,9 +379,7 @@ KREA2 = spec.ModelFamily(
         vae=spec.Component(AutoencoderKLQwenImage, "vae"),
         # The released text encoder is Qwen3-VL (Qwen3VLModel, or the whole Qwen3VLForConditionalGeneration), its
         # language tower under language_model. (model.language_model.), its vision tower beside it.
-        text_encoder=spec.Component(Qwen3VLTextModel, "text_encoder", tokenizer="tokenizer", long_text=True,
-                                    lora=True, weight_prefixes=(("model.language_model.", ""), ("language_model.", "")),
-                                    blocks=causal_lm.decoder_layers),
+        text_encoder=causal_lm.text_encoder(Qwen3VLTextModel, (("model.language_model.", ""), ("language_model.", ""))),
         # The transformer's adapters in Krea's module names (see file layouts), as ComfyUI reads them.
         transformer=spec.Component(Krea2Transformer2DModel, "denoiser", kohya_prefix="lora_unet_",
                                    blocks=transformer_blocks),

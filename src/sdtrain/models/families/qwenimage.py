@@ -278,9 +278,7 @@ QWEN_IMAGE = spec.ModelFamily(
         vae=spec.Component(AutoencoderKLQwenImage, "vae"),
         # The released text encoder is the whole vision-language model (Qwen2_5_VLForConditionalGeneration), its
         # language tower under model. (or model.language_model. as transformers 5 names it).
-        text_encoder=spec.Component(Qwen2_5_VLTextModel, "text_encoder", tokenizer="tokenizer", long_text=True,
-                                    lora=True, weight_prefixes=(("model.language_model.", ""), ("model.", "")),
-                                    blocks=causal_lm.decoder_layers),
+        text_encoder=causal_lm.text_encoder(Qwen2_5_VLTextModel, (("model.language_model.", ""), ("model.", ""))),
         # Qwen's own module names are diffusers' (nothing fused): kohya's names are the paths, as diffusers' and
         # ComfyUI's Qwen-Image LoRA loaders read them.
         transformer=spec.Component(QwenImageTransformer2DModel, "denoiser", kohya_prefix="lora_unet_",

@@ -388,8 +388,7 @@ ZIMAGE = spec.ModelFamily(
         vae=spec.Component(AutoencoderKL, "vae", blocks=vae_blocks),
         # The released text encoder is Qwen3ForCausalLM, read as its Qwen3Model. diffusers' Z-Image LoRA loader
         # adapts the transformer alone.
-        text_encoder=spec.Component(Qwen3Model, "text_encoder", tokenizer="tokenizer", long_text=True, lora=True,
-                                    weight_prefixes=(("model.", ""),), blocks=causal_lm.decoder_layers),
+        text_encoder=causal_lm.text_encoder(Qwen3Model, (("model.", ""),)),
         # The transformer's adapters alone (no text encoder is adapted), named as the authors' modules: see LoRA
         # files.
         transformer=spec.Component(ZImageTransformer2DModel, "denoiser", kohya_prefix=kohya.PREFIX,
