@@ -266,7 +266,7 @@ def summary(path: Path, root: Path | None = None) -> RunSummary:
         name=str(path.relative_to(root)) if root is not None else path.name, path=path,
         stage=config.get("stage"), family=(newest_meta or {}).get("family") or model.get("family"),
         mode="+".join(mode) if isinstance(mode, list) else mode,
-        status=status(path, last.get("step"), train.get("max_steps")),
+        status=status(path, last.get("step"), train.get("max_steps"), saved=bool(checkpoints)),
         step=last.get("step"), max_steps=train.get("max_steps") if isinstance(train.get("max_steps"), int) else None,
         samples=last.get("samples") if is_number(last.get("samples")) else None,
         loss=last.get("loss") if is_number(last.get("loss")) else None,
@@ -275,7 +275,9 @@ def summary(path: Path, root: Path | None = None) -> RunSummary:
         problem="; ".join(problems) or None)
 
 
-def status(path: Path, step: int | None = None, max_steps: Any = None) -> str:
+def status(path: Path, step: int | None = None, max_steps: Any = None, saved: bool | None = None) -> str:
+    """Where the run stands (`RunSummary.status`); `saved`: whether it has a complete checkpoint, where the caller
+    has listed them already (else they are listed here)."""
     if is_locked(path / LOCK):
         return "running"
     events = read_events(path)
@@ -284,7 +286,7 @@ def status(path: Path, step: int | None = None, max_steps: Any = None) -> str:
         return "finished"
     if last == "error":
         return "failed"
-    if last in ("stop", "save", "start", "validation") or checkpoint_folders(path):
+    if last in ("stop", "save", "start", "validation") or (saved if saved is not None else checkpoint_folders(path)):
         return "stopped"
     return "new"
 
@@ -293,15 +295,14 @@ def is_locked(lock: Path) -> bool:
     """Whether a trainer holds this run's lock, asked without taking it (a lock taken even briefly could refuse a
     trainer starting at that instant): from the kernel's table of flock locks where it has one."""
     try:
-        inode = lock.stat().st_ino
+        found = lock.stat()
     except OSError:
         return False
     try:
         table = Path("/proc/locks").read_text()
     except OSError:
         return _holder_alive(lock)
-    device = lock.stat().st_dev
-    wanted = f"{os.major(device):02x}:{os.minor(device):02x}:{inode}"
+    wanted = f"{os.major(found.st_dev):02x}:{os.minor(found.st_dev):02x}:{found.st_ino}"
     return any(line.split()[1] == "FLOCK" and line.split()[5] == wanted for line in table.splitlines()
                if len(line.split()) > 5)
 
