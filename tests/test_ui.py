@@ -17,9 +17,9 @@ pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
 
 from sdtrain.cli.main import main  # noqa: E402
+from sdtrain.runview import thin  # noqa: E402
 from sdtrain.ui import jobs  # noqa: E402
 from sdtrain.ui.app import create_app  # noqa: E402
-from sdtrain.ui.runs import thin  # noqa: E402
 
 PNG = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
                     "1f15c4890000000d4944415478da63f8cfc0f01f0005000201a5f7f1a30000000049454e44ae426082")

@@ -21,7 +21,7 @@ from typing import Any
 from sdtrain import __version__
 from sdtrain.errors import UserError
 from sdtrain.paths import FIRST_BATCH
-from sdtrain.runview import Metrics, Run, environment, is_number, load_run
+from sdtrain.runview import Metrics, Run, environment, is_number, load_run, thin
 
 # A run of months logs hundreds of grids; past these the page would weigh more than the run's story is worth.
 MAX_IMAGES = 12
@@ -143,19 +143,6 @@ def _smoothed(values: list[float]) -> list[float]:
     return out
 
 
-def _thinned(points: list[tuple[int, float]], limit: int = 2000) -> list[tuple[int, float]]:
-    """At most about `limit` points, keeping each stretch's lowest and highest so spikes stay visible."""
-    if len(points) <= limit:
-        return points
-    size = math.ceil(len(points) / (limit // 2))
-    kept: list[tuple[int, float]] = []
-    for start in range(0, len(points), size):
-        chunk = points[start:start + size]
-        low, high = min(chunk, key=lambda p: p[1]), max(chunk, key=lambda p: p[1])
-        kept.extend(sorted({low, high}))
-    return kept
-
-
 _INK = "#5d6677"  # axes and labels: a grey that reads on the page's light and dark themes alike
 
 
@@ -219,8 +206,7 @@ def _draw_series(axes: Any, points: list[tuple[int, float]], color: str, smooth:
     """Draws a series and its hover marks; returns the marks' titles."""
     if not points:
         return []
-    shown = _thinned(points)
-    steps, values = [s for s, _ in shown], [v for _, v in shown]
+    steps, values = thin([s for s, _ in points], [v for _, v in points])
     faint = smooth and len(points) >= 20
     axes.plot(steps, values, color=color, linewidth=1 if faint else 1.8, alpha=.35 if faint else 1, label=key)
     if faint:

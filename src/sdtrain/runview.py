@@ -32,6 +32,8 @@ NOT_PLOTTED = {"step", "time", "timestamp"}
 # The newest record of a metrics file lies in its last lines: a summary reads no more than this of it.
 _TAIL_BYTES = 64 * 1024
 _MAX_DEPTH = 3
+SCREEN_POINTS = 2000
+"""About as many points as a plot is pixels wide: what a series is thinned to for drawing."""
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -104,6 +106,30 @@ def read_metrics(path: Path) -> Metrics:
     metrics.restarts = sum(1 for a, b in pairwise(order) if b < a)
     metrics.records = [merged[step] for step in sorted(merged)]
     return metrics
+
+
+def thin(xs: list[float], ys: list[float], points: int = SCREEN_POINTS) -> tuple[list[float], list[float]]:
+    """At most about `points` points: the first and last, and each bucket's lowest and highest value in order,
+    so a chart of the thinned series shows the same envelope (spikes and dips) as the full one."""
+    n = len(xs)
+    if n <= points:
+        return xs, ys
+    buckets = max(points // 2 - 1, 1)
+    keep = {0, n - 1}
+    size = (n - 2) / buckets
+    for b in range(buckets):
+        start, end = 1 + int(b * size), 1 + int((b + 1) * size)
+        if start >= end:
+            continue
+        chunk = range(start, end)
+        finite = [i for i in chunk if math.isfinite(ys[i])]
+        if len(finite) < len(chunk):  # a NaN or inf is what the chart must show, not what min() skips
+            keep.update(i for i in chunk if not math.isfinite(ys[i]))
+        if finite:
+            keep.add(min(finite, key=ys.__getitem__))
+            keep.add(max(finite, key=ys.__getitem__))
+    order = sorted(keep)
+    return [xs[i] for i in order], [ys[i] for i in order]
 
 
 def _last_records(path: Path) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from sdtrain import runview
 # A run's id is its folder relative to the root; runview finds runs down to this depth.
 MAX_DEPTH = 3
 # Enough points for a chart as wide as a screen; spikes survive because each bucket keeps its min and its max.
-DEFAULT_POINTS = 2000
+DEFAULT_POINTS = runview.SCREEN_POINTS
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$")
 # Files that make a folder a run, whoever started it (the UI writes its config and job before the trainer starts).
 _RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints", "events.jsonl", "train.log", "ui-config.yaml",
@@ -198,7 +198,7 @@ class Runs:
         for key in keys:
             xs, ys = _series(loaded.records, key, by)
             xs, ys = _window(xs, ys, lo, hi)
-            series[key] = dict(zip(("x", "y"), thin(xs, ys, points)))
+            series[key] = dict(zip(("x", "y"), runview.thin(xs, ys, points)))
         return clean({"by": by, "keys": available, "series": series})
 
     def compare(self, runs: list[Path]) -> dict[str, Any]:
@@ -257,30 +257,6 @@ def _window(xs: list[float], ys: list[float], lo: float | None, hi: float | None
     start = max(bisect.bisect_left(xs, lo) - 1, 0) if lo is not None else 0
     end = min(bisect.bisect_right(xs, hi) + 1, len(xs)) if hi is not None else len(xs)
     return xs[start:end], ys[start:end]
-
-
-def thin(xs: list[float], ys: list[float], points: int = DEFAULT_POINTS) -> tuple[list[float], list[float]]:
-    """At most about `points` points: the first and last, and each bucket's lowest and highest value in order,
-    so a chart of the thinned series shows the same envelope (spikes and dips) as the full one."""
-    n = len(xs)
-    if n <= points:
-        return xs, ys
-    buckets = max(points // 2 - 1, 1)
-    keep = {0, n - 1}
-    size = (n - 2) / buckets
-    for b in range(buckets):
-        start, end = 1 + int(b * size), 1 + int((b + 1) * size)
-        if start >= end:
-            continue
-        chunk = range(start, end)
-        finite = [i for i in chunk if math.isfinite(ys[i])]
-        if len(finite) < len(chunk):  # a NaN or inf is what the chart must show, not what min() skips
-            keep.update(i for i in chunk if not math.isfinite(ys[i]))
-        if finite:
-            keep.add(min(finite, key=ys.__getitem__))
-            keep.add(max(finite, key=ys.__getitem__))
-    order = sorted(keep)
-    return [xs[i] for i in order], [ys[i] for i in order]
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
