@@ -201,7 +201,9 @@ class FlowMatching:
         height, width). From `generator`, in this order: the noise (like `latents`, in its dtype), then one
         sigma per sample (`sample_sigmas`), so a resumed run draws the same noise."""
         noise = torch.randn(latents.shape, generator=generator, device=self.device, dtype=latents.dtype)
-        tokens = (latents.shape[-2] // self.patch_size) * (latents.shape[-1] // self.patch_size)
+        # A clip's tokens are those of each latent frame times its frames.
+        tokens = math.prod(latents.shape[2:-2]) * (latents.shape[-2] // self.patch_size) \
+            * (latents.shape[-1] // self.patch_size)
         sigmas = self.sample_sigmas(latents.shape[0], generator, tokens)
         return self.draw_at(latents, noise, sigmas)
 

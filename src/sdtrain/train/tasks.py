@@ -303,7 +303,7 @@ class AutoencoderTask(Task):
         # The LDM recipe weights a per-sample KL sum against a per-sample pixel sum; dividing both by
         # the pixel count keeps that balance with a mean-reduced reconstruction loss.
         mean, logvar = mean.float(), logvar.float()
-        kl = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).sum(dim=(1, 2, 3)).mean() / pixels[0].numel()
+        kl = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).sum(dim=_sample_dims(mean)).mean() / pixels[0].numel()
         loss = rec + cfg.kl_weight * kl
         with torch.no_grad():
             axes = [0, *range(2, mean.dim())]
@@ -641,12 +641,14 @@ class DiffusionTask(Task):
         output = self.family.denoising.denoise(self.denoiser, given, timesteps, condition)
         prediction = self.objective.prediction(output.float(), noisy, timesteps)
         error = F.mse_loss(prediction, target.float(), reduction="none")
+        dims = _sample_dims(error)
         if mask is None:
-            loss = error.mean(dim=(1, 2, 3))
+            loss = error.mean(dim=dims)
         else:
-            # A sample whose mask counts nothing adds no loss (rather than dividing by zero).
-            counted = mask.sum(dim=(1, 2, 3)) * error.shape[1]
-            loss = (error * mask).sum(dim=(1, 2, 3)) / counted.clamp_min(1e-6)
+            # A sample whose mask counts nothing adds no loss (rather than dividing by zero). A clip's mask spans
+            # its frames: each latent frame counts where it does.
+            counted = mask.expand(*mask.shape[:2], *error.shape[2:]).sum(dim=dims) * error.shape[1]
+            loss = (error * mask).sum(dim=dims) / counted.clamp_min(1e-6)
         return self.objective.weight(loss, timesteps)
 
     def conditioning(self, batch, generator: torch.Generator | None = None) -> dict[str, Any]:
@@ -773,12 +775,23 @@ def sources_of(batch: dict[str, Any]) -> torch.Tensor:
 
 
 def latent_mask(batch: dict[str, Any], latents: torch.Tensor) -> torch.Tensor | None:
-    """The batch's loss masks (data.alpha_mask, ``mask.png``) averaged down to the `latents`' grid, or None."""
+    """The batch's loss masks (data.alpha_mask, ``mask.png``) averaged down to the `latents`' grid, or None: (B, 1,
+    h, w) for images; for clips (B, 1, t, h, w), a mask of every frame or one mask for all (B, 1, 1, h, w)."""
     mask = batch.get("mask")
     if mask is None:
         return None
     mask = mask.to(latents.device, torch.float32, non_blocking=True)
+    if latents.dim() == 5:
+        if mask.dim() == 4:
+            mask = mask.unsqueeze(2)  # one mask for every frame
+        size = (mask.shape[2] if mask.shape[2] == 1 else latents.shape[2], *latents.shape[-2:])
+        return mask if mask.shape[2:] == size else F.interpolate(mask, size=size, mode="area")
     return mask if mask.shape[-2:] == latents.shape[-2:] else F.interpolate(mask, size=latents.shape[-2:], mode="area")
+
+
+def _sample_dims(values: torch.Tensor) -> tuple[int, ...]:
+    """Every dimension of `values` but the batch's: (C, H, W) of images, (C, T, H, W) of clips."""
+    return tuple(range(1, values.dim()))
 
 
 def _placed(module: nn.Module, device: torch.device) -> nn.Module:

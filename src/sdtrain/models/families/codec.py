@@ -23,6 +23,12 @@ class LatentCodec(ABC):
     """Whether `normalize` reads statistics the VAE holds in its weights (Flux.2's BatchNorm buffers), not its
     config: training on encoded shards then keeps the VAE's weights."""
 
+    def clip_frames(self, vae_config: Any) -> int | None:
+        """None for a codec of still images; for one of clips (pixels (B, 3, T, H, W) in, latents (B, C, t, h, w)
+        out), how many frames one latent frame spans after the first: a clip has 1 + k times that many frames (Wan's
+        4n + 1). A still image is then a clip of one frame."""
+        return None
+
     @abstractmethod
     def channels(self, vae_config: Any) -> int:
         """The channels of the latents `encode` gives."""
