@@ -49,6 +49,9 @@ class DataConfig:
     ``data/shard-{000000..000009}.tar``."""
     resolution: int = 64
     """Square side in pixels that images are resized (shorter side) and cropped to."""
+    frames: int = 17
+    """For a video family (Wan): the frames of each clip of the synthetic data a benchmark serves or writes (4n+1
+    for Wan). Real clips keep the frames ``prepare folder --frames`` gave them."""
     resize: bool = True
     """Resize the shorter side to ``resolution`` before cropping. False crops windows of the images at
     their own size: autoencoders train on such crops several times faster and still work at full size."""
@@ -781,6 +784,10 @@ class ValidationConfig:
     3.5 for a Flux.1 transformer with a guidance embedding, none (1) for a step-distilled model (Flux.1-schnell, a
     distilled Flux.2 klein, Z-Image-Turbo: classifier-free guidance would double the cost and over-saturate), else
     the family's (4 for Flux.2 and Qwen-Image, 5 for the others)."""
+    frames: int | None = None
+    """Frames of each validation clip, for a video family (Wan: 4n+1). Unset: as many as the run's clips (those of
+    the batch validation sees); 1 draws a still image per prompt instead of a clip, the cheap preview where a clip's
+    sampling costs too much."""
 
 
 @dataclass

@@ -14,7 +14,7 @@ from sdtrain.models import build, families, hub
 from sdtrain.models.pipeline import DEFAULT_STEPS, read_sampling, run_sampling, sample_images, sampler_from
 from sdtrain.models.single_file import TRUST_PICKLE_ENV, trust_pickle_from_env
 from sdtrain.run import resolve_device
-from sdtrain.utils import make_grid, save_image_atomic, save_images
+from sdtrain.utils import make_grid, save_image_atomic, save_images, still
 
 
 def local_model(model: str | Path, tokenizer: str | Path | None = None) -> tuple[str, str | None]:
@@ -171,13 +171,14 @@ def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int | 
              embeddings: Sequence[str | Path] = (), tokenizer: str | Path | None = None,
              size: int | None = None, controlnet: str | Path | None = None,
              control_images: Sequence[str | Path] = (), control_scale: float = 1.0,
-             images: Sequence[str | Path] = ()) -> list[Path]:
+             images: Sequence[str | Path] = (), frames: int | None = None) -> list[Path]:
     """Images of `prompts` into `out`, one file each plus a grid. Unset `size`, `steps` and `guidance` are, for a run
     or a pipeline its export recorded them in, those its validation images sampled with (so they match image for
     image: prompt i from seed + i), else the pipeline's default size and the model's own (see sample_images). With
     `controlnet` (a ControlNetModel folder), each prompt is drawn following one of `control_images` in turn; with
     `images`, a model that edits (Flux.1 Kontext's pipeline, InstructPix2Pix's) edits one of them per prompt in
-    turn."""
+    turn. A video model draws a clip per prompt (`frames` of them; unset: what the run's validation drew, else its
+    pipeline's count), written as an mp4, the grid showing a strip of its frames."""
     if not prompts:
         raise UserError("no prompts: pass --prompt TEXT or --prompts FILE with one prompt per line")
     recorded = run_sampling_of(model)
@@ -209,9 +210,11 @@ def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int | 
     images = sample_images(pipe, prompts, seed=seed, steps=steps, guidance=guidance,
                            negative_prompt=negative_prompt, size=size,
                            default_steps=recorded.get("default_steps", DEFAULT_STEPS), inputs=inputs, fixed=fixed,
-                           edits_at_own_size=bool(recorded and size), distilled=recorded.get("distilled"))
+                           edits_at_own_size=bool(recorded and size), distilled=recorded.get("distilled"),
+                           frames=frames or recorded.get("frames"))
     out = Path(out)
     paths = save_images(images, prompts, out)
     rows = max(1, round(len(images) ** 0.5))
-    paths.append(save_image_atomic(make_grid(images, rows=rows, labels=prompts), out / "grid.png"))
+    paths.append(save_image_atomic(make_grid([still(image) for image in images], rows=rows, labels=prompts),
+                                   out / "grid.png"))
     return paths

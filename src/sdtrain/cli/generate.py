@@ -36,6 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--size", type=int, default=None,
                         help="image side in pixels (default: a run's, or an sdtrain export's, training resolution, "
                         "else the pipeline's default: Flux.1's is 1024 whatever it trained on)")
+    parser.add_argument("--frames", type=int, default=None,
+                        help="a video model's frames per clip (Wan: 4n+1; default: what the run's validation drew, "
+                             "else the pipeline's own)")
     parser.add_argument("--scheduler", default="euler", choices=["euler", "ddim", "dpmpp"],
                         help="sampler of DDPM-schedule models; flow-matching ones (SD3, Flux.1) use their Euler")
     parser.add_argument("--negative-prompt", default=None)
@@ -70,12 +73,17 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--steps: must be at least 1")
     if args.size is not None and (args.size < 8 or args.size % 8):
         raise UserError(f"--size: {args.size} is not a positive multiple of 8")
+    if args.frames is not None and args.frames < 1:
+        raise UserError("--frames: must be at least 1")
     # A Hub id is fetched (or found in the cache) once, here: generate reads the folder it becomes.
     model, tokenizer = local_model(args.model, args.tokenizer)
     paths = generate(model, prompts, args.out, steps=args.steps, guidance=args.guidance, seed=args.seed,
                      scheduler=args.scheduler, ema=args.ema, device=args.device,
                      negative_prompt=args.negative_prompt, loras=args.lora, lora_scale=args.lora_scale,
                      embeddings=args.embedding, tokenizer=tokenizer, size=args.size, controlnet=args.controlnet,
-                     control_images=args.control_image, control_scale=args.control_scale, images=args.image)
-    print(f"wrote {len(paths) - 1} images and {paths[-1]}")
+                     control_images=args.control_image, control_scale=args.control_scale, images=args.image,
+                     frames=args.frames)
+    clips = sum(path.suffix == ".mp4" for path in paths)
+    print(f"wrote {len(paths) - 1 - clips} images, {clips} clips and {paths[-1]}" if clips
+          else f"wrote {len(paths) - 1} images and {paths[-1]}")
     return 0

@@ -60,13 +60,11 @@ class SyntheticBatches:
         # read them: encoded shards keep them too.
         self.batch["conditioning_pixels"] = torch.rand(count, 3, size, size, generator=generator)
         self.batch["source_pixels"] = torch.rand(count, 3, size, size, generator=generator) * 2 - 1
+        frames = clip_frames(config, task)
         if not encoded:
-            self.batch["pixel_values"] = torch.rand(count, 3, size, size, generator=generator) * 2 - 1
+            self.batch["pixel_values"] = torch.rand(count, 3, *frames, size, size, generator=generator) * 2 - 1
             return
-        vae = task.vae.config
-        side = size // task.family.codec.downsampling(vae)
-        self.batch["latent_mean"] = torch.randn(count, task.family.codec.channels(vae), side, side,
-                                                generator=generator)
+        self.batch["latent_mean"] = torch.randn(count, *latent_shape(size, task, frames), generator=generator)
         self.batch["latent_std"] = torch.full_like(self.batch["latent_mean"], 0.1)
 
     def next(self) -> dict[str, Any]:
@@ -96,7 +94,7 @@ def write_synthetic_shards(out: Path, config: DataConfig, task: Any, samples: in
             if encoding is None:
                 sample["jpg"] = _image_bytes(image, "JPEG", quality=90)
             else:
-                sample |= _encoded_fields(encoding, task, rng)
+                sample |= _encoded_fields(encoding, task, rng, clip_frames(config, task))
             if task.encodes_images():  # a ControlNet's map and an edit's source, the image of another sample
                 companion = _image_bytes(render_shapes_sample(rng, config.resolution)[0], "PNG")
                 sample |= {CONDITIONING_IMAGE: companion, SOURCE_IMAGE: companion}
@@ -127,9 +125,23 @@ def text_shapes(task: Any) -> dict[str, tuple[int, ...]]:
     return task.family.conditioner.text_shapes(configs, [tokenizer.model_max_length for tokenizer in task.tokenizers])
 
 
-def _encoded_fields(encoding: dict[str, Any], task: Any, rng: np.random.Generator) -> dict[str, bytes]:
-    side = encoding["resolution"] // task.family.codec.downsampling(task.vae.config)
-    shape = (encoding["latent_channels"], side, side)
+def clip_frames(config: DataConfig, task: Any) -> tuple[int, ...]:
+    """(``data.frames``,) for a family whose codec reads clips, () for one of still images: the frame axis of its
+    pixels."""
+    return (config.frames,) if task.family.codec.clip_frames(task.vae.config) is not None else ()
+
+
+def latent_shape(size: int, task: Any, frames: tuple[int, ...]) -> tuple[int, ...]:
+    """The latents' shape of one sample of `size` px (and `frames`, a clip's): (C, h, w), or (C, t, h, w)."""
+    vae, codec = task.vae.config, task.family.codec
+    side = size // codec.downsampling(vae)
+    time = tuple((count - 1) // codec.clip_frames(vae) + 1 for count in frames)
+    return (codec.channels(vae), *time, side, side)
+
+
+def _encoded_fields(encoding: dict[str, Any], task: Any, rng: np.random.Generator, frames: tuple[int, ...] = ()
+                    ) -> dict[str, bytes]:
+    shape = latent_shape(encoding["resolution"], task, frames)
     fields = {LATENT_MEAN: npy_bytes(rng.standard_normal(shape).astype(np.float16)),
               LATENT_STD: npy_bytes(np.full(shape, 0.1, dtype=np.float16))}
     if encoding["text_encoder"] is not None:

@@ -67,7 +67,7 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
                   seeds: Sequence[int] | None = None, size: int | None = None,
                   default_steps: int = DEFAULT_STEPS, inputs: dict[str, Sequence[Any]] | None = None,
                   fixed: dict[str, Any] | None = None, edits_at_own_size: bool = False,
-                  distilled: bool | None = None) -> list[Image.Image]:
+                  distilled: bool | None = None, frames: int | None = None) -> list[Image.Image | list[Image.Image]]:
     """One image per prompt; prompt i uses seed + i (or ``seeds[i]``), so adding prompts never changes earlier
     images. ``batch`` prompts run through the model together, each from the noise of its own seed: the same
     images up to floating-point rounding, several times faster for small models on a CPU. `size`: the side in
@@ -77,7 +77,8 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
     `inputs`: a list per pipeline argument, one entry per prompt (a ControlNet pipeline's ``image``); `fixed`:
     arguments every call takes as they are (``controlnet_conditioning_scale``). `edits_at_own_size`: a pipeline that
     edits by reference edits each source (``inputs["image"]``) at the source's own size, drawing at that size,
-    rather than resize it to the sizes its release prefers (a run's model, which learnt at its training size)."""
+    rather than resize it to the sizes its release prefers (a run's model, which learnt at its training size).
+    A video pipeline (Wan's) draws a clip per prompt, a list of frames: `frames` of them (None: its own count)."""
     pipe.set_progress_bar_config(disable=True)
     family = families.of_pipeline(pipe)
     if distilled is None:
@@ -92,6 +93,8 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
         raise UserError(f"{family.title} edits images and draws none from a prompt alone: give it the image to edit "
                         "(`generate --image BEFORE.png`)")
     shape = {"height": size, "width": size} if size and {"height", "width"} <= parameters else {}
+    if frames and "num_frames" in parameters:
+        shape["num_frames"] = frames
     seeds = list(seeds) if seeds is not None else [seed + i for i in range(len(prompts))]
     images = []
     for start in range(0, len(prompts), batch):
@@ -115,7 +118,8 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
         with editing as own_size:
             result = pipe(prompt=chunk, num_inference_steps=steps, generator=generators, output_type="pil", **drawn,
                           **arguments, **given, **(fixed or {}), **own_size)
-        images += result.images
+        # A video pipeline's output holds each prompt's frames.
+        images += [list(clip) for clip in result.frames] if hasattr(result, "frames") else result.images
     return images
 
 
@@ -135,7 +139,7 @@ def run_sampling(config: RunConfig, distilled: bool = False) -> dict[str, Any]:
     whether the model is step-distilled (`distilled`: its base is, `is_distilled`)."""
     val = config.validation
     return {"size": config.data.resolution, "steps": val.steps, "guidance": val.guidance,
-            "default_steps": PREVIEW_STEPS, "distilled": distilled}
+            "default_steps": PREVIEW_STEPS, "distilled": distilled, "frames": val.frames}
 
 
 def sampling_steps(family: families.ModelFamily, denoiser_config: Any, settings: dict[str, Any]) -> int:
@@ -170,7 +174,7 @@ def read_sampling(folder: Path) -> dict[str, Any]:
         return {}
     if not isinstance(recorded, dict):
         return {}
-    keep = {"size": int, "steps": int, "guidance": (int, float), "default_steps": int}
+    keep = {"size": int, "steps": int, "guidance": (int, float), "default_steps": int, "frames": int}
     return {**{key: value for key, value in recorded.items()
                if key in keep and isinstance(value, keep[key]) and not isinstance(value, bool)},
             **({"distilled": recorded["distilled"]} if isinstance(recorded.get("distilled"), bool) else {})}

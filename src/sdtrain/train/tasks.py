@@ -703,12 +703,25 @@ class DiffusionTask(Task):
     def validates(self, batch):
         return bool(self.config.validation.prompts)
 
+    clip_length: int | None = None
+    """The frames of the run's clips, as validation last saw them (None: a family of still images)."""
+
     def validate(self, modules, out, batch):
         prompts = self.config.validation.prompts
         if not prompts:
             return None
+        self.clip_length = self.frames_of(batch) or self.clip_length
         inputs = self.part.sampling_inputs(batch, len(prompts))
         return self.render(modules, out, self.part.validation_prompts(prompts), prompts, inputs)
+
+    def frames_of(self, batch: dict[str, Any] | None) -> int | None:
+        """The frames of a batch's clips (its pixels', or those its latents encode); None for images or no batch."""
+        step = self.family.codec.clip_frames(self.vae.config)
+        if step is None or batch is None:
+            return None
+        if "pixel_values" in batch:
+            return batch["pixel_values"].shape[2]
+        return (batch["latent_mean"].shape[2] - 1) * step + 1 if "latent_mean" in batch else None
 
     def pipeline(self, modules: dict[str, nn.Module]) -> Any:
         """A pipeline of the given trained modules and this task's frozen ones."""
@@ -742,7 +755,7 @@ class DiffusionTask(Task):
             images = sample_images(pipe, prompts, seed=val.seed, steps=settings["steps"],
                                    guidance=settings["guidance"], size=settings["size"],
                                    default_steps=settings["default_steps"], inputs=inputs, edits_at_own_size=True,
-                                   distilled=self.distilled)
+                                   distilled=self.distilled, frames=settings["frames"] or self.clip_length)
         if out is None:
             return None
         save_images(images, labels, out.with_suffix(""))
