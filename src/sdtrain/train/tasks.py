@@ -236,6 +236,13 @@ class Task:
         """Whether `validate` would render anything, so the trainer builds its modules only then."""
         return False
 
+    @property
+    def reads_clips(self) -> bool:
+        """Whether the model reads clips (B, 3, T, H, W), a still image being a clip of one frame: its VAE's codec
+        says so (`LatentCodec.clip_frames`)."""
+        vae = getattr(self, "vae", None)
+        return vae is not None and self.family.codec.clip_frames(vae.config) is not None
+
     def encodes_images(self) -> bool:
         """Whether training reads images the samples carry beside their own (a ControlNet's maps, an edit's
         sources)."""
