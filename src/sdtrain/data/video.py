@@ -5,10 +5,10 @@ PyAV is the decoder because its wheels bundle FFmpeg and depend on no torch rele
 built against one torch version, so upgrading torch could break reading data), and it reads every container and
 codec FFmpeg does (.mp4, .mov, .webm, .mkv; H.264, HEVC, VP9, AV1, ProRes...).
 
-**Resampling.** A clip is first brought to `fps` frames a second by its timestamps, as FFmpeg's ``fps`` filter does:
-a source frame shown at time t (counted from the first frame) falls on output frame ``round(t * fps)``, and output
-frame k shows the last source frame that fell on or before it. Faster sources drop frames, slower ones repeat them,
-and a variable frame rate is evened out. A clip of duration d (its last frame's time plus one frame) has
+**Resampling.** A clip is first brought to `fps` frames a second by its timestamps: output frame k shows the source
+frame whose time is nearest to k / fps seconds after the first frame's (of two equally near, the earlier). Faster
+sources drop frames, slower ones repeat them, a variable frame rate is evened out, and timestamps rounded by their
+container (webm's milliseconds) change nothing. A clip of duration d (its last frame's time plus one frame) has
 ``round(d * fps)`` frames. ``fps`` 0 keeps every source frame as it is.
 
 **Windows.** The resampled clip is cut into windows of `frames` frames (``FrameRule``; musubi-tuner's video datasets
@@ -23,15 +23,15 @@ offer the same modes, so a dataset set up there translates):
 A clip shorter than one window gives none. Video models take frame counts of one rule (Wan: 4n + 1, one latent frame
 for the first frame and one per 4 after it): ``step`` checks `frames` against it.
 
-**Storage.** Each window is an H.264 stream (libx264, CRF 12, 4:2:0) in an MP4 member (``mp4``). H.264 keeps the exact
-frame count, every decoder reads it, and at CRF 12 it is visually lossless, its error far below what the source's own
-compression left, at a tenth or less of a lossless codec's size (FFV1, or x264's lossless mode, which few players
-read). 4:2:0 is what nearly every source already is. Frames are converted with BT.709 limited range and the stream
-is tagged so, which the loader's decoder (and any player) reads back. The encoder runs on one thread with FFmpeg's
-bitexact flags, and timestamps are the frame numbers: the same frames give the same bytes on every run. 4:2:0 needs
-even sides: an odd side is padded by repeating its last row or column, and the loader crops back to the width and
-height the sample's json gives. Frames are turned upright by the source's display rotation (phone videos) before
-anything else, as images are by their EXIF orientation.
+**Storage.** Each window is an H.264 stream (libx264 at CRF 12, 4:2:0; ``X264_OPTIONS``) in an MP4 member (``mp4``).
+H.264 keeps the exact frame count and every decoder reads it; at CRF 12 it is visually lossless, its error well below
+what the source's own compression left, at a fraction of what a lossless codec (FFV1, x264's lossless mode, which few
+players read) takes to keep sensor noise bit for bit. 4:2:0 is what nearly every source already is. Frames are
+converted with BT.709 in limited range and the stream is tagged so, which the loader's decoder (and any player) reads
+back. The encoder runs on one thread with FFmpeg's bitexact flags and the frame numbers as timestamps: the same frames
+give the same bytes on every run. 4:2:0 needs even sides: an odd side is padded by repeating its last row or column,
+and the loader crops back to the width and height the sample's json gives. Frames are turned upright by the source's
+display rotation (phone videos) before anything else, as images are by their EXIF orientation.
 """
 
 from __future__ import annotations
@@ -58,8 +58,10 @@ DEFAULT_FRAMES = 81
 DEFAULT_FPS = 16.0
 DEFAULT_FRAME_STEP = 4
 DEFAULT_WINDOWS = 4
-CRF = "12"
-PRESET = "medium"
+X264_OPTIONS = {"crf": "12", "preset": "medium", "x264-params": "mbtree=0"}
+"""How windows are encoded (see the module docstring). Macroblock-tree rate control is off: with it, x264 (as PyAV's
+wheels bundle it) encoded the same frames to other bytes about once in twenty clips, even on one thread; without it,
+never in our trials, at a few percent more size."""
 TRUNCATED_SHARE = 0.9
 """A video whose frames end before this share of the length its container declares broke off (a download cut short):
 webm and mkv files keep playing up to the break, so nothing else would tell."""
@@ -159,7 +161,7 @@ class Timeline:
 
     def length(self, rate: Fraction | None) -> int:
         """Frames once resampled to `rate` (None: the source's own)."""
-        return self.frames if rate is None else _tick(self.duration, rate)
+        return self.frames if rate is None else math.floor(self.duration * rate + Fraction(1, 2))
 
 
 @dataclass(frozen=True)
@@ -186,11 +188,6 @@ def json_number(value: float | Fraction) -> int | float:
     """A rate or time as a sample's json records it: an integer where it is one, else rounded to a microsecond."""
     value = float(value)
     return int(value) if value.is_integer() else round(value, 6)
-
-
-def _tick(time: Fraction, rate: Fraction) -> int:
-    """The output frame a moment `time` seconds after the first frame falls on, rounding halves up."""
-    return math.floor(time * rate + Fraction(1, 2))
 
 
 class VideoFile:
@@ -254,8 +251,9 @@ class VideoFile:
         packets promised (``video_truncated``)."""
         rate = rule.rate
         ends = [start + rule.frames for start in starts]
+        # Frames of windows still to finish, ready to encode, by resampled frame number: a window's worth at a time
+        # unless windows overlap.
         held: dict[int, av.VideoFrame] = {}
-        """Frames of windows still to finish, ready to encode, by resampled frame number."""
         pending = list(zip(range(len(starts)), starts, ends))
 
         def wanted(tick: int) -> bool:
@@ -266,7 +264,7 @@ class VideoFile:
 
         def fill(upto: int) -> Iterator[Window]:
             """Resampled frames `filled`..`upto` - 1 show the previous source frame."""
-            nonlocal filled, pending
+            nonlocal filled
             assert previous is not None
             frame, ready = previous
             for tick in range(filled, upto):
@@ -283,19 +281,19 @@ class VideoFile:
                     for old in [t for t in held if t < keep]:
                         del held[old]
 
+        shown = timeline.first
         with self._open() as (_, stream):
             try:
                 for number, frame in enumerate(_decoded(stream)):
+                    known = frame.pts is not None and frame.time_base
+                    time = frame.time_base * frame.pts if known else number / timeline.rate
                     if previous is not None:
-                        if rate is None:
-                            tick = number
-                        else:
-                            shown = frame.time_base * frame.pts if frame.pts is not None else number / timeline.rate
-                            tick = max(filled, _tick(shown - timeline.first, rate))
-                        yield from fill(tick)
+                        # The previous frame is the nearest up to halfway to this one.
+                        halfway = (shown + time) / 2 - timeline.first
+                        yield from fill(number if rate is None else max(filled, math.floor(halfway * rate) + 1))
                     if not pending:
                         return
-                    previous = (frame, [None])
+                    previous, shown = (frame, [None]), time
             except av.FFmpegError as exc:
                 raise ClipSkipped("video_unreadable", first_line(exc)) from None
             if previous is not None:
@@ -368,7 +366,7 @@ def encode_clip(frames: list[av.VideoFrame], rate: Fraction) -> bytes:
     for the same frames (see the module docstring)."""
     buffer = io.BytesIO()
     with av.open(buffer, "w", format="mp4", options={"fflags": "+bitexact"}) as output:
-        stream = output.add_stream("libx264", rate=rate, options={"crf": CRF, "preset": PRESET})
+        stream = output.add_stream("libx264", rate=rate, options=dict(X264_OPTIONS))
         stream.width, stream.height, stream.pix_fmt = frames[0].width, frames[0].height, "yuv420p"
         context = stream.codec_context
         context.thread_count = 1
