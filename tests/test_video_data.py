@@ -188,6 +188,50 @@ def test_unreadable_cut_short_silent_and_too_short_videos_are_skipped_and_named(
                                                           "too_short": 1}
 
 
+def test_a_video_damaged_part_way_keeps_the_windows_before_the_damage(tmp_path: Path, capsys) -> None:
+    data = bytearray(write_video(tmp_path / "src" / "hurt.mp4").read_bytes())
+    for i in range(len(data) * 6 // 10, len(data) * 6 // 10 + 300):
+        data[i] ^= 0x5A
+    (tmp_path / "src" / "hurt.mp4").write_bytes(bytes(data))
+    (tmp_path / "src" / "hurt.txt").write_text("hurt")
+    lines = prepare(capsys, tmp_path / "src", tmp_path / "out", "--frames", "5", "--frame-rule", "chunk")
+    kept = sorted(samples(tmp_path / "out"))
+    assert kept and kept == [f"hurt_w{i:03d}" for i in range(len(kept))] and len(kept) < 6
+    assert lines[-1] == "skipped (video damaged or cut short part-way, the windows before the damage kept): 1: hurt.mp4"
+
+
+def test_metadata_rows_name_videos_and_reshard_keeps_their_windows(clip_folder: Path, tmp_path: Path,
+                                                                    capsys) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "clips").mkdir()
+    (src / "clips" / "walk.mp4").write_bytes((clip_folder / "walk.mp4").read_bytes())
+    (src / "red.png").write_bytes(png("red"))
+    (src / "metadata.jsonl").write_text('{"file_name": "clips/walk.mp4", "text": "a walk", "mood": "calm"}\n'
+                                        '{"file_name": "red.png", "text": "red"}\n')
+    prepare(capsys, src, tmp_path / "out", "--frames", "9", "--frame-rule", "chunk")
+    written = samples(tmp_path / "out")
+    assert sorted(written) == ["clips/walk_w000", "clips/walk_w001", "clips/walk_w002", "red"]
+    meta = json.loads(written["clips/walk_w001"]["json"])
+    assert meta["mood"] == "calm" and meta["file_name"] == "clips/walk.mp4"
+    assert written["clips/walk_w001"]["txt"] == b"a walk"
+    assert main(["prepare", "reshard", str(tmp_path / "out"), "--out", str(tmp_path / "even"),
+                 "--samples-per-shard", "2", "--min-width", "30"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == ["filtered (min_width=30): 1"]  # the 20 px image
+    resharded = samples(tmp_path / "even")
+    assert sorted(resharded) == ["clips/walk_w000", "clips/walk_w001", "clips/walk_w002"]
+    assert resharded["clips/walk_w002"]["mp4"] == written["clips/walk_w002"]["mp4"]
+
+
+def test_the_command_line_defaults_are_the_librarys() -> None:
+    from sdtrain.cli import prepare as cli
+    from sdtrain.data import video
+
+    assert (cli.VIDEO_EXTENSIONS, cli.FRAME_RULES, cli.DEFAULT_FRAMES, cli.DEFAULT_FPS, cli.DEFAULT_FRAME_STEP,
+            cli.DEFAULT_WINDOWS) == (video.VIDEO_EXTENSIONS, video.FRAME_RULES, video.DEFAULT_FRAMES,
+                                     video.DEFAULT_FPS, video.DEFAULT_FRAME_STEP, video.DEFAULT_WINDOWS)
+
+
 def test_the_pixel_limit_refuses_a_video_from_its_header(clip_folder: Path, tmp_path: Path, capsys) -> None:
     lines = prepare(capsys, clip_folder, tmp_path / "out", "--frames", "9", "--max-pixels", "959")
     assert lines[-1] == "skipped (video frames over 959 pixels): 1: walk.mp4"

@@ -23,7 +23,8 @@ Videos (``.mp4``, ``.mov``, ``.webm``, ``.mkv``) are decoded, resampled and cut 
 ``FrameRule`` (see ``sdtrain.data.video``, which also says how a window is stored): each window is a sample of its
 own, keyed ``sub/a`` under the ``head`` rule and ``sub/a_w000``, ``sub/a_w001``... under rules that may give several.
 A video's frame size is checked against ``max_pixels`` from its header before anything is decoded; one that does not
-decode, broke off, has no video stream or is shorter than one window is skipped, counted and named in the report.
+decode, broke off, has no video stream or is shorter than one window is skipped, counted and named in the report;
+one damaged part-way keeps the windows cut before the damage (and is named too).
 The exact-bytes dedup compares video files as it does images (the perceptual one, their first frames); the filters
 see a video's upright width and height. Masks and conditioning images beside a video are not read.
 """
@@ -108,6 +109,7 @@ SKIP_REASONS = {
     "no_video": "file without a video stream",
     "video_too_large": "video frames over the pixel limit",
     "too_short": "video shorter than one window (--frames at --fps)",
+    "video_damaged": "video damaged or cut short part-way, the windows before the damage kept",
     "duplicate_video": "video with the same bytes as an earlier one",
     "near_duplicate_video": "video whose first frame nearly repeats an earlier one's (--dedup perceptual)",
 }
@@ -302,16 +304,17 @@ class _Job:
         keep()
         return ext
 
-    def clip(self, data: bytes, meta: dict[str, Any], caption: str, rule: FrameRule, name: str
-             ) -> list[Window] | None:
-        """Check a video and cut it into windows by `rule`; None when it gives none (counted, and a skipped one named
-        in the report by `name`).
+    def clip(self, data: bytes, meta: dict[str, Any], caption: str, rule: FrameRule, name: str) -> Iterator[Window]:
+        """Check a video and yield its windows by `rule` as they are cut; a video that gives none is counted, and named
+        in the report by `name`.
 
         The pixel limit is checked on the header's frame size, the window count on the packets' timestamps, then the
         first frame is decoded: ``meta`` gets the upright ``width``/``height`` and the ``source`` (the file's frame
         size, rate, frames, duration and codec) before the filters see it; the rest is decoded only for a video that
-        passes them and the dedup.
+        passes them and the dedup. A video whose decoding fails part-way keeps the windows cut before (a long
+        video's windows are not all held in memory), counted as damaged.
         """
+        cut = 0
         try:
             video = VideoFile(data)
             if video.width * video.height > self.max_pixels:
@@ -331,20 +334,22 @@ class _Job:
             reason = self.filters.check(meta, caption)
             if reason is not None:
                 self.report.filtered[reason] += 1
-                return None
+                return
             duplicate, keep = self.duplicates.check(data, lambda: first.image)
             if duplicate is not None:
                 raise ClipSkipped(VIDEO_DUPLICATES[duplicate])
-            windows = list(video.windows(rule, timeline, starts))
+            for window in video.windows(rule, timeline, starts):
+                if not cut:
+                    keep()
+                    self.report.videos += 1
+                cut += 1
+                self.report.windows += 1
+                yield window
         except ClipSkipped as skipped:
-            log.warning("%s: %s%s; skipped", name, SKIP_REASONS[skipped.reason],
-                        f" ({skipped.detail})" if skipped.detail else "")
-            self.skip(skipped.reason, name)
-            return None
-        keep()
-        self.report.videos += 1
-        self.report.windows += len(windows)
-        return windows
+            reason = "video_damaged" if cut else skipped.reason
+            log.warning("%s: %s%s; %s", name, SKIP_REASONS[reason], f" ({skipped.detail})" if skipped.detail else "",
+                        f"its first {cut} windows kept" if cut else "skipped")
+            self.skip(reason, name)
 
     def clip_member(self, data: bytes, meta: dict[str, Any], caption: str, name: str) -> bool:
         """Check a clip a shard already holds (its size from the header, the filters, the dedup on its bytes); False
@@ -582,7 +587,7 @@ def prepare_folder(
                         f"captions come from the .{caption_ext} files beside the images")
     entries = _read_metadata(metadata, missing_caption, caption_columns) if metadata else _walk_inputs(src)
     if not entries:
-        what = f"{metadata} lists no images" if metadata else \
+        what = f"{metadata} lists no images or videos" if metadata else \
             f"{src}: no {'/'.join(IMAGE_EXTENSIONS)} images found (nor {'/'.join(VIDEO_EXTENSIONS)} videos)"
         raise UserError(f"{what}; nothing to prepare")
     log.info("%s: %d images and videos listed%s", src, len(entries), f" in {metadata.name}" if metadata else "")
@@ -597,7 +602,8 @@ def prepare_folder(
             stem = entry.rel.rsplit(".", 1)[0] if "." in PurePosixPath(entry.rel).name else entry.rel
             key = sample_key(stem)
             video = entry.rel.lower().endswith(VIDEO_EXTENSIONS)
-            if (CLIP_KEY.format(key=key, index=0) if video and clips.several else key) in job.keys:
+            first_key = CLIP_KEY.format(key=key, index=0) if video and clips.several else key
+            if first_key in job.keys:
                 job.skip("duplicate")
                 continue
             try:
@@ -649,8 +655,7 @@ def _write_clip(job: _Job, src: Path, rel: str, stem: str, key: str, data: bytes
     if beside:
         log.warning("%s: masks and conditioning images of videos are not read; %s ignored", rel,
                     ", ".join(path.name for path in beside))
-    windows = job.clip(data, meta, caption, rule, rel)
-    for window in windows or []:
+    for window in job.clip(data, meta, caption, rule, rel):
         name = CLIP_KEY.format(key=key, index=window.index) if rule.several else key
         if name in job.keys:
             job.skip("duplicate")
