@@ -13,8 +13,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "preview", help="a grid of the first samples exactly as training receives them, with their captions",
         description="Reads data.shards as a run of this config would (decoding, orientation, background, crop, "
                     "flip, aspect buckets, the caption drawn for each sample, tag shuffling, caption dropout) and "
-                    "tiles the first samples with their captions; prints how many samples were skipped "
-                    "(undecodable) or filtered on the way. Nothing is trained or loaded but the data.")
+                    "tiles the first samples with their captions, a clip (video) as a strip of evenly spaced "
+                    "frames; prints how many samples were skipped (undecodable) or filtered on the way. Nothing is "
+                    "trained or loaded but the data.")
     preview.add_argument("config", type=Path, help="a training YAML config")
     preview.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     preview.add_argument("--num", type=int, default=16, metavar="N", help="samples to show (default 16)")

@@ -17,6 +17,13 @@ OUT_HELP = "output folder for shards and manifest.json (shards of an earlier run
 DEFAULT_MAX_PIXELS = 89_478_485
 MISSING_CAPTION = ("skip", "empty")
 DEDUP_MODES = ("exact", "perceptual", "none")
+# sdtrain.data.video's, likewise (it imports PyAV).
+VIDEO_EXTENSIONS = (".mp4", ".mov", ".webm", ".mkv")
+FRAME_RULES = ("head", "chunk", "slide", "uniform")
+DEFAULT_FRAMES = 81
+DEFAULT_FPS = 16.0
+DEFAULT_FRAME_STEP = 4
+DEFAULT_WINDOWS = 4
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,8 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--missing-caption", choices=MISSING_CAPTION, default="skip",
                        help="a sample without a caption (or an empty one) is skipped (default) or kept with ''")
         p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, metavar="N",
-                       help="skip images with more pixels than this, read from the header before decoding "
-                            f"(default {DEFAULT_MAX_PIXELS})")
+                       help="skip images (and videos whose frames have) more pixels than this, read from the header "
+                            f"before decoding (default {DEFAULT_MAX_PIXELS})")
         p.add_argument("--filter", action="append", default=[], metavar="KEY=COND", help=FILTER_HELP)
         p.add_argument("--dedup", choices=DEDUP_MODES, default="exact",
                        help="drop images that repeat an earlier one: exact (the same bytes; default), perceptual "
@@ -52,12 +59,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--min-height", type=int, metavar="N", help="same as --filter min_height=N")
 
     folder = kinds.add_parser(
-        "folder", help="a folder of images with captions beside them, or with a metadata.jsonl/metadata.csv",
-        description="Images (jpg, jpeg, png, webp, gif, tif; nested folders) with a caption file beside each (a.jpg + "
-                    "a.txt; several lines are several captions), "
+        "folder", help="a folder of images and videos with captions beside them, or with a metadata.jsonl/metadata.csv",
+        description="Images (jpg, jpeg, png, webp, gif, tif; nested folders) and videos (mp4, mov, webm, mkv) with a "
+                    "caption file beside each (a.jpg + a.txt; several lines are several captions), "
                     "or a metadata.jsonl / metadata.csv at the folder's root with file_name, text (or caption) "
-                    "and any other columns. Images are stored unchanged; corrupt, oversized, uncaptioned and "
-                    "duplicate ones are skipped and counted.")
+                    "and any other columns. Images are stored unchanged; videos are resampled to --fps and cut into "
+                    "windows of --frames frames by --frame-rule, each window a sample. Corrupt, oversized, "
+                    "uncaptioned and duplicate inputs (and videos shorter than one window) are skipped and counted.")
     folder.add_argument("src", type=Path, metavar="SRC", help="the image folder")
     folder.add_argument("--out", type=Path, required=True, metavar="DIR", help=OUT_HELP)
     folder.add_argument("--samples-per-shard", type=int, default=1000, metavar="N", help="default 1000")
@@ -70,6 +78,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="give each sample without a KEY.cond.png a conditioning image computed from its image: "
                              "canny (edge maps, for ControlNet training; pip install 'sdtrain[control]')")
     add_checks(folder)
+    clips = folder.add_argument_group(
+        "videos", f"how {', '.join(VIDEO_EXTENSIONS)} files become clips: resampled to --fps by their timestamps, "
+                  "then cut into windows of --frames frames, each window a sample")
+    clips.add_argument("--frames", type=int, default=DEFAULT_FRAMES, metavar="N",
+                       help=f"frames per window (default {DEFAULT_FRAMES}: 5 s at 16 fps); 1 + a multiple of "
+                            "--frame-step")
+    clips.add_argument("--fps", type=float, default=DEFAULT_FPS, metavar="F",
+                       help=f"frame rate videos are resampled to, dropping or repeating frames by their timestamps "
+                            f"(default {DEFAULT_FPS:g}, Wan's); 0 keeps every frame of the source")
+    clips.add_argument("--frame-rule", choices=FRAME_RULES, default="head",
+                       help="which windows of a video: head (the first; default), chunk (consecutive windows, the "
+                            "rest dropped), slide (a window every --frame-stride frames), uniform (--windows windows "
+                            "spread evenly over the video); all but head key each window KEY_w000, KEY_w001, ...")
+    clips.add_argument("--windows", type=int, default=DEFAULT_WINDOWS, metavar="K",
+                       help=f"--frame-rule uniform: windows per video (default {DEFAULT_WINDOWS})")
+    clips.add_argument("--frame-stride", type=int, metavar="S",
+                       help="--frame-rule slide: frames from one window's start to the next's (default: --frames, "
+                            "windows that touch)")
+    clips.add_argument("--frame-step", type=int, default=DEFAULT_FRAME_STEP, metavar="K",
+                       help=f"window lengths are 1 + a multiple of this (default {DEFAULT_FRAME_STEP}: Wan's 4n + 1; "
+                            "1 allows any)")
     folder.set_defaults(run=run_folder)
 
     resh = kinds.add_parser(
@@ -192,12 +221,15 @@ def _print_report(report) -> None:
 
 def run_folder(args: argparse.Namespace) -> int:
     from sdtrain.data.prepare import prepare_folder
+    from sdtrain.data.video import FrameRule
 
+    clips = FrameRule(frames=args.frames, fps=args.fps, rule=args.frame_rule, windows=args.windows,
+                      stride=args.frame_stride, step=args.frame_step)
     report = prepare_folder(args.src, args.out, samples_per_shard=args.samples_per_shard,
                             caption_ext=args.caption_ext, missing_caption=args.missing_caption,
                             max_pixels=args.max_pixels, filters=filters_from_args(args),
                             caption_columns=args.caption_column or None, duplicates=duplicates_from_args(args),
-                            conditioning=args.conditioning)
+                            conditioning=args.conditioning, clips=clips)
     _print_report(report)
     return 0
 

@@ -1,5 +1,9 @@
 """From a raw WebDataset sample to tensors: the image cropped to its bucket, the caption (class prompts,
-templates, dropout), or a pre-encoded sample's latents and text embedding; filters applied."""
+templates, dropout), or a pre-encoded sample's latents and text embedding; filters applied.
+
+A decoder made with ``clips=True`` (for a model of clips) also reads clips (``sdtrain.data.video``): every frame of
+one is given the same resize, crop and flip, as an image's mask and companions are, into pixels (3, T, H, W); an
+image then becomes a clip of one frame. Without it, a clip is a mistake in the data, said in one line."""
 
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from sdtrain.data.encoded import (
 from sdtrain.data.filters import parse_filters
 from sdtrain.data.images import parse_background, rgb_image
 from sdtrain.data.prepare import DEFAULT_MAX_PIXELS
+from sdtrain.data.video import CLIP_FIELD, read_clip
 from sdtrain.errors import UserError
 
 
@@ -94,6 +99,31 @@ def _chw(img: Image.Image, signed: bool) -> torch.Tensor:
     return torch.from_numpy(array.transpose(2, 0, 1).copy())
 
 
+def clip_refused(key: str) -> str:
+    """The one line for a clip in the data of a model of still images."""
+    return (f"data.shards: sample {key} is a clip (video), and this model trains on still images; train a video "
+            "family (such as model.family: wan) on it, or prepare the folder again without its videos")
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Where a picture lands in its bucket: the size it is resized to (None: kept), the box cropped from that, whether
+    it is flipped, and its size ids. Everything that goes with the picture (its mask, companion images, a clip's
+    other frames) is given the same."""
+
+    size: tuple[int, int] | None
+    box: tuple[int, int, int, int]
+    flip: bool
+    size_ids: torch.Tensor
+
+    def apply(self, img: Image.Image, resample: Image.Resampling = Image.Resampling.BICUBIC) -> Image.Image:
+        """`img` resized (with `resample`), cropped and flipped as the placement says."""
+        if self.size is not None:
+            img = img.resize(self.size, resample)
+        img = img.crop(self.box)
+        return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if self.flip else img
+
+
 @dataclass(frozen=True)
 class Filtered:
     """A sample that data.filters rejected, and why."""
@@ -105,11 +135,16 @@ class SampleDecoder:
     """Turns a raw WebDataset sample into tensors; returns None for samples that cannot be used and
     `Filtered` for samples the configured filters reject."""
 
-    def __init__(self, config: DataConfig, tokenizer: Any | None, seed: int, encoded: bool = False):
+    def __init__(self, config: DataConfig, tokenizer: Any | None, seed: int, encoded: bool = False,
+                 clips: bool = False, frame_step: int = 1):
+        """`clips`: read clips (see the module docstring), for a model of clips whose frame counts are 1 + a multiple
+        of `frame_step` (Wan's 4); a clip of another count is one line naming it."""
         self.config = config
         self.tokenizer = tokenizer
         self.seed = seed
         self.encoded = encoded
+        self.clips = clips
+        self.frame_step = frame_step
         self.image_keys = [k.strip() for k in config.image_key.split(";") if k.strip()]
         self.filters = parse_filters(config.filters)
         self.buckets = make_buckets(config) if config.aspect_buckets else []
@@ -158,13 +193,18 @@ class SampleDecoder:
 
     def __call__(self, raw: dict[str, Any], place: tuple[int, int, int]) -> dict[str, Any] | Filtered | None:
         rng = np.random.default_rng([self.seed, *place, 0xDA7A])
+        image_bytes = next((raw[k] for k in self.image_keys if k in raw), None)
+        clip = image_bytes is None and CLIP_FIELD in raw
+        if clip and not self.clips:
+            raise UserError(clip_refused(raw["__key__"]))
         drawn = self._caption(raw, rng)
         if drawn is None or isinstance(drawn, Filtered):
             return drawn
         caption, line = drawn
         if self.encoded:
             return self._encoded(raw, rng, caption, line)
-        image_bytes = next((raw[k] for k in self.image_keys if k in raw), None)
+        if clip:
+            return self._clip(raw, rng, caption)
         if image_bytes is None:
             return None
         try:
@@ -180,14 +220,44 @@ class SampleDecoder:
             companions = {name: self._companion(raw, field, image.size, background)
                           for name, field in COMPANION_FIELDS.items() if field in raw}
             bucket = self._bucket(image.size)
-            target = self.buckets[bucket] if self.buckets else (self.config.resolution,) * 2
-            pixels, size_ids, mask, companions = self._transform(image, rng, target, mask, companions)
+            pixels, size_ids, mask, companions = self._transform(image, rng, self._target(bucket), mask, companions)
         except (OSError, ValueError, Image.DecompressionBombError, SyntaxError):
             return None
         draw = rng.random()
-        sample = {"pixel_values": pixels, "size_ids": size_ids, "key": raw["__key__"], "bucket": bucket,
+        if self.clips:
+            pixels = pixels.unsqueeze(1)  # a clip of one frame
+        # Batches never mix sizes nor frame counts.
+        sample = {"pixel_values": pixels, "size_ids": size_ids, "key": raw["__key__"], "bucket": (bucket, 1),
                   **self._dropped(caption, draw), **companions}
         return sample if mask is None else {**sample, "mask": mask}
+
+    def _target(self, bucket: int) -> tuple[int, int]:
+        """The (width, height) a picture of `bucket` is cropped to."""
+        return self.buckets[bucket] if self.buckets else (self.config.resolution,) * 2
+
+    def _clip(self, raw: dict[str, Any], rng: np.random.Generator, caption: str) -> dict[str, Any] | None:
+        """A clip: its frames (cropped back to the size its json gives, see sdtrain.data.video) all placed as the first
+        is, as pixels (3, T, H, W) in [-1, 1]. A mask or companion image beside it is not read."""
+        try:
+            meta = json.loads(raw.get("json", b"{}"))
+        except ValueError:
+            meta = {}
+        size = None
+        if isinstance(meta, dict) and isinstance(meta.get("width"), int) and isinstance(meta.get("height"), int):
+            size = (meta["width"], meta["height"])
+        try:
+            frames = read_clip(raw[CLIP_FIELD], DEFAULT_MAX_PIXELS, size)
+        except ValueError:
+            return None
+        if (len(frames) - 1) % self.frame_step:
+            raise UserError(f"data.shards: sample {raw['__key__']} is a clip of {len(frames)} frames, and this model "
+                            f"reads 1 + a multiple of {self.frame_step}; prepare its videos again with --frame-step "
+                            f"{self.frame_step} and --frames such a count")
+        bucket = self._bucket(frames[0].size)
+        placement = self._placement(frames[0].size, rng, self._target(bucket))
+        pixels = torch.stack([_chw(placement.apply(frame), signed=True) for frame in frames], dim=1)
+        return {"pixel_values": pixels, "size_ids": placement.size_ids, "key": raw["__key__"],
+                "bucket": (bucket, len(frames)), **self._dropped(caption, rng.random())}
 
     @staticmethod
     def _companion(raw: dict[str, Any], field: str, size: tuple[int, int],
@@ -248,7 +318,9 @@ class SampleDecoder:
             sample.update(self._encoded_companions(raw, sample["size_ids"]))
         except (OSError, ValueError, IndexError, Image.DecompressionBombError, SyntaxError):
             return None
-        return {**sample, **self._dropped(caption, rng.random()), "key": raw["__key__"], "bucket": 0}
+        # A clip's latents (C, t, h, w) batch with those of as many latent frames.
+        frames = sample["latent_mean"].shape[1] if sample["latent_mean"].dim() == 4 else 1
+        return {**sample, **self._dropped(caption, rng.random()), "key": raw["__key__"], "bucket": (0, frames)}
 
     def _dropped(self, caption: str, draw: float) -> dict[str, Any]:
         """The sample's caption, empty where its `draw` (uniform in [0, 1), one per sample from its place) falls
@@ -277,37 +349,39 @@ class SampleDecoder:
             companions[name] = _chw(img, signed=name in SIGNED_COMPANIONS)
         return companions
 
+    def _placement(self, size: tuple[int, int], rng: np.random.Generator, target: tuple[int, int]) -> Placement:
+        """How a picture of `size` (width, height) becomes `target`: resized (only up, without data.resize) so it
+        covers it, cropped (centre, or at a position drawn from `rng`) and flipped (drawn, with data.random_flip); its
+        size ids are the original height and width, the crop's top and left in the resized picture (mirrored when
+        flipped, so they still say what was cut off) and the target height and width."""
+        width, height = target
+        original = (size[1], size[0])
+        scale = max(width / size[0], height / size[1])
+        resized = None
+        if scale != 1.0 and (self.config.resize or scale > 1.0):
+            resized = size = (max(width, round(size[0] * scale)), max(height, round(size[1] * scale)))
+        if self.config.center_crop:
+            left, top = (size[0] - width) // 2, (size[1] - height) // 2
+        else:
+            left = int(rng.integers(0, size[0] - width + 1))
+            top = int(rng.integers(0, size[1] - height + 1))
+        box = (left, top, left + width, top + height)
+        flip = bool(self.config.random_flip and rng.random() < 0.5)
+        if flip:
+            left = size[0] - left - width
+        return Placement(resized, box, flip, torch.tensor([*original, top, left, height, width]))
+
     def _transform(self, img: Image.Image, rng: np.random.Generator, target: tuple[int, int],
                    mask: Image.Image | None = None, companions: dict[str, Image.Image] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
-        """The image resized and cropped to `target`, its size ids (original height and width, the crop's top and
-        left in the resized image, mirrored when flipped so they still say what was cut off, and the target height
-        and width), its `mask` given the same resize, crop and flip (1xHxW in [0, 1]), and its `companions` too
-        (3xHxW: a conditioning image in [0, 1], as ControlNets read it; a source image in [-1, 1], as the image)."""
-        width, height = target
-        original = (img.height, img.width)
-        companions = dict(companions or {})
-        scale = max(width / img.width, height / img.height)
-        if scale != 1.0 and (self.config.resize or scale > 1.0):
-            new_size = (max(width, round(img.width * scale)), max(height, round(img.height * scale)))
-            img = img.resize(new_size, Image.Resampling.BICUBIC)
-            mask = mask.resize(new_size, Image.Resampling.BILINEAR) if mask is not None else None
-            companions = {name: c.resize(new_size, Image.Resampling.BICUBIC) for name, c in companions.items()}
-        if self.config.center_crop:
-            left, top = (img.width - width) // 2, (img.height - height) // 2
-        else:
-            left = int(rng.integers(0, img.width - width + 1))
-            top = int(rng.integers(0, img.height - height + 1))
-        resized_width = img.width
-        box = (left, top, left + width, top + height)
-        img, mask = img.crop(box), mask.crop(box) if mask is not None else None
-        companions = {name: c.crop(box) for name, c in companions.items()}
-        if self.config.random_flip and rng.random() < 0.5:
-            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-            mask = mask.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if mask is not None else None
-            companions = {name: c.transpose(Image.Transpose.FLIP_LEFT_RIGHT) for name, c in companions.items()}
-            left = resized_width - left - width
-        size_ids = torch.tensor([*original, top, left, height, width])
-        weights = torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)[None] if mask is not None else None
-        companions = {name: _chw(c, signed=name in SIGNED_COMPANIONS) for name, c in companions.items()}
-        return _chw(img, signed=True), size_ids, weights, companions
+        """The image placed in `target` (`_placement`), its size ids, its `mask` given the same resize, crop and flip
+        (1xHxW in [0, 1]), and its `companions` too (3xHxW: a conditioning image in [0, 1], as ControlNets read it; a
+        source image in [-1, 1], as the image)."""
+        placement = self._placement(img.size, rng, target)
+        weights = None
+        if mask is not None:
+            mask = placement.apply(mask, Image.Resampling.BILINEAR)
+            weights = torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)[None]
+        placed = {name: _chw(placement.apply(c), signed=name in SIGNED_COMPANIONS)
+                  for name, c in (companions or {}).items()}
+        return _chw(placement.apply(img), signed=True), placement.size_ids, weights, placed

@@ -36,11 +36,22 @@ log = logging.getLogger(__name__)
 
 
 class TrainBatches:
-    """Iterates training batches from a DataLoader over a ShardStream, tracking the data position."""
+    """Iterates training batches from a DataLoader over a ShardStream, tracking the data position.
+
+    A batch holds ``pixel_values`` (B, 3, H, W) in [-1, 1], or with `clips` (a model of clips) (B, 3, T, H, W),
+    images being clips of one frame; its samples share one bucket: one size and, with clips, one frame count. Encoded
+    shards give ``latent_mean``/``latent_std`` instead, (B, C, h, w), or a clip's (B, C, t, h, w), likewise bucketed
+    by t. Besides: ``captions``, ``keys``, ``size_ids``, ``caption_draws``, ``places`` and, where samples have them,
+    ``mask`` and companion images; the tokenizer's fields when there is one.
+    """
 
     def __init__(self, config: DataConfig, tokenizer: Any | None, seed: int, rank: int = 0, world_size: int = 1,
-                 pin_memory: bool = False, encoded: bool = False):
+                 pin_memory: bool = False, encoded: bool = False, clips: bool = False, frame_step: int = 1):
+        """`clips`: the model reads clips, whose frame counts are 1 + a multiple of `frame_step` (Wan: 4); without it
+        a clip in the data is a one-line error naming it (see SampleDecoder)."""
         self.config = config
+        self.clips = clips
+        self.frame_step = frame_step
         self.pin_memory = pin_memory
         self.tokenizer = tokenizer
         self.seed = seed
@@ -48,9 +59,9 @@ class TrainBatches:
         self.world_size = world_size
         self.shards = resolve_shards(config.shards)
         self.position = DataPosition(self.num_samples, config.batch_size, rank, world_size)
-        # Samples read, not yet batched: (place, stacked batch, row) per bucket in the order read; full buckets
-        # wait in `ready` for their turn.
-        self._waiting: dict[int, list[tuple[int, dict[str, Any], int]]] = {}
+        # Samples read, not yet batched: (place, stacked batch, row) per bucket (and frame count) in the order read;
+        # full buckets wait in `ready` for their turn.
+        self._waiting: dict[tuple[int, int], list[tuple[int, dict[str, Any], int]]] = {}
         self._ready: list[list[tuple[int, dict[str, Any], int]]] = []
         self._stream: ShardStream | None = None
         self._iterator: Iterator[dict[str, Any]] | None = None
@@ -81,7 +92,7 @@ class TrainBatches:
         self._stream = stream = ShardStream(
             self.shards, self.config, self.tokenizer, self.seed, self.rank, self.world_size,
             start=self.position.next, pending=list(self.position.pending), done=list(self.position.done),
-            empty_caption=self.empty_caption,
+            empty_caption=self.empty_caption, clips=self.clips, frame_step=self.frame_step,
         )
         self._waiting, self._ready = {}, []
         workers = self.config.num_workers
@@ -134,7 +145,8 @@ class TrainBatches:
             if barren > limit:
                 raise UserError(
                     f"data.shards: no sample of '{self.config.shards}' could be decoded with "
-                    f"data.image_key={self.config.image_key!r}; check the image field names and the files"
+                    f"data.image_key={self.config.image_key!r}{' or as a clip' if self.clips else ''}; check the "
+                    "image field names and the files"
                 )
         entries = self._ready.pop(0)
         self.position.batches += 1
@@ -156,11 +168,12 @@ class TrainBatches:
         self.position.skipped += item["skipped"]
         self.position.filtered += item["filtered"]
         for group in item["groups"]:
+            key = tuple(group["bucket"])  # (bucket, frames), a list once the loader has handed it over
             for row, place in enumerate(group["places"]):
-                bucket = self._waiting.setdefault(group["bucket"], [])
+                bucket = self._waiting.setdefault(key, [])
                 bucket.append((place, group["batch"], row))
                 if len(bucket) == self.config.batch_size:
-                    self._ready.append(self._waiting.pop(group["bucket"]))
+                    self._ready.append(self._waiting.pop(key))
 
     def state_dict(self) -> dict[str, Any]:
         return self.position.state_dict()

@@ -1,9 +1,9 @@
-"""Turning image folders and foreign shards into checked, evenly sized sdtrain shards.
+"""Turning image and video folders and foreign shards into checked, evenly sized sdtrain shards.
 
-``prepare_folder`` reads a folder of images with captions beside them (``a.jpg`` + ``a.txt``), or a
+``prepare_folder`` reads a folder of images and videos with captions beside them (``a.jpg`` + ``a.txt``), or a
 ``metadata.jsonl`` / ``metadata.csv`` at its root (Hugging Face imagefolder style: ``file_name`` relative to
 the folder, a ``text`` or ``caption`` column, any other columns). ``reshard`` re-tars existing WebDataset
-shards (img2dataset output, say) into shards of an even size. Both
+shards (img2dataset output, say) into shards of an even size. For images, both
 
 - keep the image bytes as they are (the tar member is named after the format PIL detects: jpg, png, webp, gif, tif),
 - check every image: the size is read from the header and images over ``max_pixels`` are rejected before
@@ -18,6 +18,15 @@ Sample keys in ``prepare_folder`` come from the relative path without its extens
 ``sub/a``); characters other than letters, digits, ``_``, ``-`` and ``/`` become ``_`` and such keys get a
 short hash of the original path appended, so keys stay unique, free of dots and the same on every run.
 Inputs are read in sorted order of their relative paths.
+
+Videos (``.mp4``, ``.mov``, ``.webm``, ``.mkv``) are decoded, resampled and cut into windows of frames by a
+``FrameRule`` (see ``sdtrain.data.video``, which also says how a window is stored): each window is a sample of its
+own, keyed ``sub/a`` under the ``head`` rule and ``sub/a_w000``, ``sub/a_w001``... under rules that may give several.
+A video's frame size is checked against ``max_pixels`` from its header before anything is decoded; one that does not
+decode, broke off, has no video stream or is shorter than one window is skipped, counted and named in the report;
+one damaged part-way keeps the windows cut before the damage (and is named too).
+The exact-bytes dedup compares video files as it does images (the perceptual one, their first frames); the filters
+see a video's upright width and height. Masks and conditioning images beside a video are not read.
 """
 
 from __future__ import annotations
@@ -48,6 +57,16 @@ from sdtrain.data.images import describe, rgb_image
 from sdtrain.data.remote import is_remote
 from sdtrain.data.shards import MANIFEST_NAME, ShardInfo, ShardWriter, tar_samples, write_manifest
 from sdtrain.data.sources import expand_spec
+from sdtrain.data.video import (
+    CLIP_FIELD,
+    VIDEO_EXTENSIONS,
+    ClipSkipped,
+    FrameRule,
+    VideoFile,
+    Window,
+    clip_size,
+    json_number,
+)
 from sdtrain.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
@@ -85,7 +104,21 @@ SKIP_REASONS = {
     "duplicate": "duplicate key",
     "duplicate_image": "image with the same bytes as an earlier one",
     "near_duplicate": "image nearly the same as an earlier one (--dedup perceptual)",
+    "video_unreadable": "video the decoder cannot read: corrupt, truncated or not a video",
+    "video_truncated": "video that ends before the length its file declares (cut short)",
+    "no_video": "file without a video stream",
+    "video_too_large": "video frames over the pixel limit",
+    "too_short": "video shorter than one window (--frames at --fps)",
+    "video_damaged": "video damaged or cut short part-way, the windows before the damage kept",
+    "duplicate_video": "video with the same bytes as an earlier one",
+    "near_duplicate_video": "video whose first frame nearly repeats an earlier one's (--dedup perceptual)",
 }
+VIDEO_DUPLICATES = {"duplicate_image": "duplicate_video", "near_duplicate": "near_duplicate_video"}
+"""The dedup's reasons, as a video's."""
+NAMED_AT_MOST = 10
+"""Skipped videos the report names per reason (each is also logged)."""
+CLIP_KEY = "{key}_w{index:03d}"
+"""The key of a window of a video under a rule that may give several."""
 
 _KEY_BAD = re.compile(r"[^A-Za-z0-9_\-/]")
 _OUR_SHARD = re.compile(rf"^{SHARD_PREFIX}-\d{{6}}\.tar$")
@@ -113,6 +146,12 @@ class Report:
     skipped: Counter = field(default_factory=Counter)
     filtered: Counter = field(default_factory=Counter)
     read_errors: list[str] = field(default_factory=list)
+    named: dict[str, list[str]] = field(default_factory=dict)
+    """The videos skipped, by reason."""
+    frame_rule: FrameRule | None = None
+    videos: int = 0
+    """Videos cut into windows."""
+    windows: int = 0
 
     @property
     def written(self) -> int:
@@ -131,11 +170,23 @@ class Report:
     def lines(self) -> list[str]:
         """The summary: one line for what was written, one per reason anything was left out."""
         lines = [f"written: {self.written} samples in {len(self.shards)} shards to {self.out_dir}"]
+        if self.videos and self.frame_rule is not None:
+            rule = self.frame_rule
+            rate = f"{json_number(rule.fps)} fps" if rule.fps else "the source's frame rate"
+            lines.append(f"clips: {self.videos} videos cut into {self.windows} windows of {rule.frames} frames at "
+                         f"{rate} (--frame-rule {rule.rule})")
         for reason, text in SKIP_REASONS.items():
             if self.skipped[reason]:
                 if reason == "too_large":
                     text = f"image over {self.max_pixels} pixels"
-                lines.append(f"skipped ({text}): {self.skipped[reason]}")
+                elif reason == "video_too_large":
+                    text = f"video frames over {self.max_pixels} pixels"
+                line = f"skipped ({text}): {self.skipped[reason]}"
+                names = self.named.get(reason, [])
+                if names:
+                    more = self.skipped[reason] - len(names)
+                    line += ": " + ", ".join(names) + (f" and {more} more" if more > 0 else "")
+                lines.append(line)
         for reason, count in self.filtered_in_order():
             lines.append(f"filtered ({self.filters.describe(reason)}): {count}")
         if self.read_errors:
@@ -184,8 +235,13 @@ class _Job:
         (self.out_dir / MANIFEST_NAME).unlink(missing_ok=True)
         self.writer = ShardWriter(out_dir, samples_per_shard, SHARD_PREFIX, manifest=False)
 
-    def skip(self, reason: str) -> None:
+    def skip(self, reason: str, name: str | None = None) -> None:
+        """Count a skipped input; `name` it in the report (videos are, being few and each many samples)."""
         self.report.skipped[reason] += 1
+        if name is not None:
+            named = self.report.named.setdefault(reason, [])
+            if len(named) < NAMED_AT_MOST:
+                named.append(name)
 
     def caption(self, caption: str | None) -> str | None:
         """The caption to write, or None (counted) when the sample is skipped for lack of one."""
@@ -248,6 +304,81 @@ class _Job:
         keep()
         return ext
 
+    def clip(self, data: bytes, meta: dict[str, Any], caption: str, rule: FrameRule, name: str) -> Iterator[Window]:
+        """Check a video and yield its windows by `rule` as they are cut; a video that gives none is counted, and named
+        in the report by `name`.
+
+        The pixel limit is checked on the header's frame size, the window count on the packets' timestamps, then the
+        first frame is decoded: ``meta`` gets the upright ``width``/``height`` and the ``source`` (the file's frame
+        size, rate, frames, duration and codec) before the filters see it; the rest is decoded only for a video that
+        passes them and the dedup. A video whose decoding fails part-way keeps the windows cut before (a long
+        video's windows are not all held in memory), counted as damaged.
+        """
+        cut = 0
+        try:
+            video = VideoFile(data)
+            if video.width * video.height > self.max_pixels:
+                raise ClipSkipped("video_too_large", f"{video.width}x{video.height} pixels")
+            timeline = video.timeline()
+            length = timeline.length(rule.rate)
+            starts = rule.starts(length)
+            if not starts:
+                raise ClipSkipped("too_short", f"{length} frames, fewer than --frames {rule.frames}")
+            first = video.picture()
+            meta["width"], meta["height"] = first.image.size
+            if first.rotation:
+                meta["decode"] = {"rotation": first.rotation * 90}
+            meta["source"] = {"width": video.width, "height": video.height, "fps": json_number(timeline.rate),
+                              "frames": timeline.frames, "duration": json_number(timeline.duration),
+                              "codec": first.codec}
+            reason = self.filters.check(meta, caption)
+            if reason is not None:
+                self.report.filtered[reason] += 1
+                return
+            duplicate, keep = self.duplicates.check(data, lambda: first.image)
+            if duplicate is not None:
+                raise ClipSkipped(VIDEO_DUPLICATES[duplicate])
+            for window in video.windows(rule, timeline, starts):
+                if not cut:
+                    keep()
+                    self.report.videos += 1
+                cut += 1
+                self.report.windows += 1
+                yield window
+        except ClipSkipped as skipped:
+            reason = "video_damaged" if cut else skipped.reason
+            log.warning("%s: %s%s; %s", name, SKIP_REASONS[reason], f" ({skipped.detail})" if skipped.detail else "",
+                        f"its first {cut} windows kept" if cut else "skipped")
+            self.skip(reason, name)
+
+    def clip_member(self, data: bytes, meta: dict[str, Any], caption: str, name: str) -> bool:
+        """Check a clip a shard already holds (its size from the header, the filters, the dedup on its bytes); False
+        when it is skipped (counted, and named by `name`). ``meta`` gets ``width``/``height`` where it has none."""
+        try:
+            width, height = clip_size(data)
+        except ValueError:
+            self.skip("video_unreadable", name)
+            return False
+        if width * height > self.max_pixels:
+            self.skip("video_too_large", name)
+            return False
+        meta.setdefault("width", width)
+        meta.setdefault("height", height)
+        reason = self.filters.check(meta, caption)
+        if reason is not None:
+            self.report.filtered[reason] += 1
+            return False
+        try:
+            duplicate, keep = self.duplicates.check(data, lambda: VideoFile(data).picture().image)
+        except ClipSkipped:
+            self.skip("video_unreadable", name)
+            return False
+        if duplicate is not None:
+            self.skip(VIDEO_DUPLICATES[duplicate], name)
+            return False
+        keep()
+        return True
+
     def write(self, sample: dict[str, Any]) -> None:
         self.keys.add(sample["__key__"])
         self.writer.write(sample)
@@ -271,6 +402,8 @@ class _Job:
         extra["skipped"] = {k: v for k, v in self.report.skipped.items() if v}
         extra["filtered"] = dict(self.report.filtered_in_order())
         extra["filters"] = {f.name: f.describe() for f in self.filters.filters}
+        if self.report.videos and self.report.frame_rule is not None:
+            extra["clips"] = self.report.frame_rule.describe()
         write_manifest(self.out_dir, self.report.shards, extra)
         return self.report
 
@@ -324,12 +457,12 @@ def _read_companion(path: Path, size: tuple[int, int], what: str) -> bytes | boo
     return data
 
 
-def _walk_images(src: Path) -> list[_Entry]:
+def _walk_inputs(src: Path) -> list[_Entry]:
     entries = []
     for root, dirs, files in os.walk(src):
         dirs[:] = [d for d in dirs if not d.startswith(".")]  # .git, .ipynb_checkpoints, ...
         for name in files:
-            if not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS) \
+            if not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS) \
                     and not name.lower().endswith(tuple(COMPANIONS)):
                 rel = Path(root, name).relative_to(src).as_posix()
                 entries.append(_Entry(rel, None, {}))
@@ -416,8 +549,9 @@ def prepare_folder(
     caption_columns: list[str] | None = None,
     duplicates: Duplicates | None = None,
     conditioning: str | None = None,
+    clips: FrameRule | None = None,
 ) -> Report:
-    """Write the images of ``src`` (and their captions) as shards in ``out_dir``; see the module docstring.
+    """Write the images and videos of ``src`` (and their captions) as shards in ``out_dir``; see the module docstring.
     Beside an image, ``{stem}.mask.png`` (a loss mask), ``{stem}.cond.png`` (a conditioning image: a ControlNet's
     map) and ``{stem}.src.png`` (a source image, for editing) go into its sample, each the image's size; with
     `conditioning` (``canny``), a sample without a conditioning image gets one computed from its image.
@@ -427,10 +561,18 @@ def prepare_folder(
     Each sample holds the image bytes (``jpg``/``png``/``webp``), ``txt`` (the caption) and ``json``: the
     metadata columns, if any, then ``width``, ``height`` (as read from the image) and ``file_name`` (the
     image's path relative to ``src``).
+
+    Videos are cut into windows by `clips` (default: ``FrameRule()``, the first 81 frames at 16 fps). A window's
+    sample holds ``mp4`` (the window, see ``sdtrain.data.video``), ``txt`` and ``json``: the metadata columns, then
+    ``width``, ``height`` (of its frames, upright), ``source`` (the video file's ``width``, ``height``, ``fps``,
+    ``frames``, ``duration`` in seconds and ``codec``), ``decode`` (``rotation``, where it was turned upright),
+    ``frames``, ``fps``, ``start`` (the time of its first frame in the video, in seconds), ``window`` (its number,
+    under rules that may give several) and ``file_name``.
     """
     src, out_dir = Path(src), Path(out_dir)
+    clips = clips or FrameRule()
     if not src.is_dir():
-        raise UserError(f"{src}: not a folder; point prepare folder at a folder of images")
+        raise UserError(f"{src}: not a folder; point prepare folder at a folder of images or videos")
     if conditioning:
         require_conditioning(conditioning)
     caption_ext = caption_ext.lstrip(".")
@@ -443,21 +585,25 @@ def prepare_folder(
     if caption_columns and not metadata:
         raise UserError(f"--caption-column: {src} has no {' or '.join(METADATA_FILES)} to read columns from; "
                         f"captions come from the .{caption_ext} files beside the images")
-    entries = _read_metadata(metadata, missing_caption, caption_columns) if metadata else _walk_images(src)
+    entries = _read_metadata(metadata, missing_caption, caption_columns) if metadata else _walk_inputs(src)
     if not entries:
-        what = f"{metadata} lists no images" if metadata else f"{src}: no {'/'.join(IMAGE_EXTENSIONS)} images found"
+        what = f"{metadata} lists no images or videos" if metadata else \
+            f"{src}: no {'/'.join(IMAGE_EXTENSIONS)} images found (nor {'/'.join(VIDEO_EXTENSIONS)} videos)"
         raise UserError(f"{what}; nothing to prepare")
-    log.info("%s: %d images listed%s", src, len(entries), f" in {metadata.name}" if metadata else "")
+    log.info("%s: %d images and videos listed%s", src, len(entries), f" in {metadata.name}" if metadata else "")
 
     extra = {"source": "folder", "input": str(src.resolve()),
              "captions": metadata.name if metadata else f"*.{caption_ext}"}
     job = _Job(out_dir, samples_per_shard, missing_caption, max_pixels, filters, extra, duplicates)
+    job.report.frame_rule = clips
     with _own_pixel_limit(), job.writer:
         for entry in entries:
             job.progress()
             stem = entry.rel.rsplit(".", 1)[0] if "." in PurePosixPath(entry.rel).name else entry.rel
             key = sample_key(stem)
-            if key in job.keys:
+            video = entry.rel.lower().endswith(VIDEO_EXTENSIONS)
+            first_key = CLIP_KEY.format(key=key, index=0) if video and clips.several else key
+            if first_key in job.keys:
                 job.skip("duplicate")
                 continue
             try:
@@ -479,6 +625,9 @@ def prepare_folder(
                 job.skip("corrupt")
                 continue
             meta = dict(entry.columns)
+            if video:
+                _write_clip(job, src, entry.rel, stem, key, data, meta, caption, clips)
+                continue
             ext = job.image(data, meta, caption, fill_size=True)
             if ext is None:
                 continue
@@ -497,6 +646,26 @@ def prepare_folder(
                 job.write({"__key__": key, ext: data, "txt": caption, "json": body,
                            **{field: value for field, value in companions.items() if value}})
     return job.finish()
+
+
+def _write_clip(job: _Job, src: Path, rel: str, stem: str, key: str, data: bytes, meta: dict[str, Any],
+                caption: str, rule: FrameRule) -> None:
+    """The windows of the video at `rel` as samples (see `prepare_folder`), unless it is skipped."""
+    beside = [src / f"{stem}{suffix}" for suffix in COMPANIONS if (src / f"{stem}{suffix}").is_file()]
+    if beside:
+        log.warning("%s: masks and conditioning images of videos are not read; %s ignored", rel,
+                    ", ".join(path.name for path in beside))
+    for window in job.clip(data, meta, caption, rule, rel):
+        name = CLIP_KEY.format(key=key, index=window.index) if rule.several else key
+        if name in job.keys:
+            job.skip("duplicate")
+            continue
+        fields = {**meta, "frames": rule.frames, "fps": json_number(rule.fps) if rule.fps else meta["source"]["fps"],
+                  "start": round(window.time, 6), **({"window": window.index} if rule.several else {})}
+        fields.pop("file_name", None)
+        fields["file_name"] = rel
+        body = json.dumps(fields, ensure_ascii=False, default=str).encode("utf-8")
+        job.write({"__key__": name, CLIP_FIELD: window.data, "txt": caption, "json": body})
 
 
 # ---------------------------------------------------------------------------------------------------- reshard
@@ -576,7 +745,7 @@ def _reshard_sample(job: _Job, raw: dict[str, Any]) -> None:
         job.skip("duplicate")
         return
     image_field = next((f for f in IMAGE_FIELDS if f in fields), None)
-    if image_field is None:
+    if image_field is None and CLIP_FIELD not in fields:
         job.skip("no_image")
         return
     caption = job.caption(fields["txt"].decode("utf-8", "replace") if "txt" in fields else None)
@@ -588,6 +757,9 @@ def _reshard_sample(job: _Job, raw: dict[str, Any]) -> None:
         with contextlib.suppress(ValueError):
             loaded = json.loads(fields["json"])
             meta = dict(loaded) if isinstance(loaded, Mapping) else {}
-    if job.image(fields[image_field], meta, caption, fill_size=False) is None:
+    if image_field is None:
+        if not job.clip_member(fields[CLIP_FIELD], meta, caption, key):
+            return
+    elif job.image(fields[image_field], meta, caption, fill_size=False) is None:
         return
     job.write({"__key__": key, **fields})

@@ -34,7 +34,10 @@ class ShardStream(IterableDataset):
         pending: list[int] | None = None,
         done: list[int] | None = None,
         empty_caption: dict[str, torch.Tensor] | None = None,
+        clips: bool = False,
+        frame_step: int = 1,
     ):
+        """`clips`, `frame_step`: what the model reads, see SampleDecoder."""
         self.shards = shards
         self.config = config
         self.tokenizer = tokenizer
@@ -46,7 +49,8 @@ class ShardStream(IterableDataset):
         self.done = set(done or [])
         # Pre-encoded shards: caption dropout swaps in the empty caption's embeddings (text field -> tensor).
         self.empty_caption = empty_caption
-        self.decoder = SampleDecoder(config, tokenizer, seed, encoded=empty_caption is not None)
+        self.decoder = SampleDecoder(config, tokenizer, seed, encoded=empty_caption is not None, clips=clips,
+                                     frame_step=frame_step)
         self.total = sum(s.samples for s in shards)
         self._layouts: dict[int, tuple[list[int], np.ndarray]] = {}
         self._read: dict[int, list[dict[str, Any]]] = {}
@@ -55,8 +59,8 @@ class ShardStream(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Worker w of k decodes the rank's units start + w, start + w + k, ...: the loader, taking one item
         from each worker in turn, hands them over in order. An item holds the unit's usable samples and their
-        places, stacked per bucket, and counts those skipped and filtered; the first also holds the samples a
-        resumed rank had waiting, decoded again."""
+        places, stacked per bucket (of one size and frame count), and counts those skipped and filtered; the
+        first also holds the samples a resumed rank had waiting, decoded again."""
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         local = self.start + worker
