@@ -423,9 +423,11 @@ def run_sweep(config_path: Path, overrides: list[str], sweeps: list[str], steps:
     return keys, results
 
 
-def loader_rate(config: RunConfig, tokenizer: Any | None, batches: int, warmup: int, encoded: bool) -> dict[str, Any]:
-    """Samples per second the configured loader delivers on its own (this rank of one)."""
-    data = TrainBatches(config.data, tokenizer, config.seed, encoded=encoded)
+def loader_rate(config: RunConfig, tokenizer: Any | None, batches: int, warmup: int, encoded: bool,
+                clips: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Samples per second the configured loader delivers on its own (this rank of one); `clips`: what it is told of
+    the clips the model reads (`Task.clip_reading`)."""
+    data = TrainBatches(config.data, tokenizer, config.seed, encoded=encoded, **(clips or {}))
     try:
         for _ in range(warmup):
             data.next()
@@ -456,7 +458,7 @@ def benchmark_data(config: RunConfig, worker_counts: list[int], batches: int, tr
             variant = dataclasses.replace(config, data=dataclasses.replace(config.data, num_workers=workers))
             log.info("loader with %d workers", workers)
             rates.append(loader_rate(variant, trainer.task.caption_tokenizer, batches, warmup=max(1, workers),
-                                     encoded=stage_reads_encoded))
+                                     encoded=stage_reads_encoded, clips=trainer.task.clip_reading()))
         consumption = trainer.measure(train_steps, warmup=2, peak_seconds=0.2, save=False)["images_per_s"] \
             if train_steps else None
     finally:

@@ -142,7 +142,9 @@ def encode_dataset(src: str, out: Path, encoder: Encoder, batch_size: int = 32, 
     # Transparency is kept as a mask of its own (alpha.npy) whether or not a run uses it (data.alpha_mask).
     config = DataConfig(shards=src, resolution=encoder.resolution, center_crop=True, random_flip=False,
                         caption_dropout=0.0, image_key=image_key, caption_key=caption_key, alpha_mask=True)
-    decoder = SampleDecoder(config, None, seed=0)
+    # A codec of clips reads each clip (and each image, as a one-frame clip) whole.
+    step = encoder.codec.clip_frames(encoder.vae.config)
+    decoder = SampleDecoder(config, None, seed=0, clips=step is not None, frame_step=step or 1)
     for index in range(rank, len(shards), world_size):
         if (out / output_name(index)).exists():
             log.info("%s: already encoded, skipped", output_name(index))
@@ -182,6 +184,16 @@ def _embed(encoder: Encoder, lines: list[list[str]]) -> list[dict[str, np.ndarra
             for each in found]
 
 
+def _latents_of(encoder: Encoder, pixels: list[torch.Tensor]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each sample's posterior mean and deviation: images encoded together; clips one at a time, as clips of
+    several lengths share no batch and one clip already holds many frames."""
+    if pixels[0].dim() == 3:
+        mean, std = encoder.latents(torch.stack(pixels))
+        return list(mean), list(std)
+    encoded = [encoder.latents(clip[None]) for clip in pixels]
+    return [mean[0] for mean, _ in encoded], [std[0] for _, std in encoded]
+
+
 def _encode_shard(url: str, decoder: SampleDecoder, encoder: Encoder, index: int, out: Path,
                   batch_size: int) -> tuple[int, int]:
     raw = read_shard(url)
@@ -195,7 +207,7 @@ def _encode_shard(url: str, decoder: SampleDecoder, encoder: Encoder, index: int
             dropped += len(decoded) - len(usable)
             if not usable:
                 continue
-            mean, std = encoder.latents(torch.stack([d["pixel_values"] for _, d in usable]))
+            mean, std = _latents_of(encoder, [d["pixel_values"] for _, d in usable])
             lines = [caption_lines(sample.get(decoder.config.caption_key, b"")) or [""] for sample, _ in usable]
             embeddings = _embed(encoder, lines)
             for i, (sample, decoded_sample) in enumerate(usable):

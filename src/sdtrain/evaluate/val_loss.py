@@ -96,7 +96,7 @@ class ValLoss:
         self.data = dataclasses.replace(base, shards=self.spec, caption_dropout=0.0, random_flip=False,
                                         center_crop=True, aspect_buckets=False, filters={})
         self.encoded, self.text_embeddings = self._check_encoding(base)
-        self.decoder = SampleDecoder(self.data, None, seed=0, encoded=self.encoded)
+        self.decoder = SampleDecoder(self.data, None, seed=0, encoded=self.encoded, **task.clip_reading())
         self._vae: nn.Module | None = None
 
     def _check_encoding(self, base: DataConfig) -> tuple[bool, bool]:

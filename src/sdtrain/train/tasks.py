@@ -237,11 +237,16 @@ class Task:
         return False
 
     @property
-    def reads_clips(self) -> bool:
-        """Whether the model reads clips (B, 3, T, H, W), a still image being a clip of one frame: its VAE's codec
-        says so (`LatentCodec.clip_frames`)."""
+    def clip_step(self) -> int | None:
+        """None for a model of still images; for one of clips (B, 3, T, H, W), a still image being a clip of one
+        frame, the frame step of their lengths (1 + k times it): its VAE's codec says (`LatentCodec.clip_frames`)."""
         vae = getattr(self, "vae", None)
-        return vae is not None and self.family.codec.clip_frames(vae.config) is not None
+        return None if vae is None else self.family.codec.clip_frames(vae.config)
+
+    def clip_reading(self) -> dict[str, Any]:
+        """What the loader is told of the clips the model reads (`TrainBatches`' and `SampleDecoder`'s arguments)."""
+        step = self.clip_step
+        return {"clips": step is not None, "frame_step": step or 1}
 
     def encodes_images(self) -> bool:
         """Whether training reads images the samples carry beside their own (a ControlNet's maps, an edit's
@@ -723,7 +728,7 @@ class DiffusionTask(Task):
 
     def frames_of(self, batch: dict[str, Any] | None) -> int | None:
         """The frames of a batch's clips (its pixels', or those its latents encode); None for images or no batch."""
-        step = self.family.codec.clip_frames(self.vae.config)
+        step = self.clip_step
         if step is None or batch is None:
             return None
         if "pixel_values" in batch:

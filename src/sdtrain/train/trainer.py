@@ -351,7 +351,7 @@ class Trainer:
         def batches(config: DataConfig) -> TrainBatches:
             return TrainBatches(config, self.task.caption_tokenizer, self.config.seed, self.topology.rank,
                                 self.topology.world_size, pin_memory=self.device.type == "cuda",
-                                encoded=self.task.reads_encoded and config.use_encoded)
+                                encoded=self.task.reads_encoded and config.use_encoded, **self.task.clip_reading())
 
         data = self.task.make_data(batches)
         self.task.use_encoded(data.encoding)
