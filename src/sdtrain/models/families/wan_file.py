@@ -145,7 +145,8 @@ def transformer_config(shapes: Mapping[str, tuple[int, ...]], metadata: Mapping[
     width, channels, *patch = need("patch_embedding.weight")
     head = int(settings["attention_head_dim"])
     if width % head:
-        raise ValueError(f"its width {width} is not a whole number of {head}-wide heads")
+        raise ValueError(f"its width {width} is not a whole number of {head}-wide heads, and its metadata "
+                         f"{LAYOUT_CONFIG_KEY} says no other attention_head_dim")
     image = "img_emb.proj.1.weight" in shapes
     config = {**{k: v for k, v in settings.items() if k not in SHAPE_KEYS},
               "patch_size": tuple(patch), "num_attention_heads": width // head, "in_channels": channels,
