@@ -214,9 +214,10 @@ def lora_name(path: str) -> str:
 def lora_state(layers: Mapping[str, tuple[Tensor, Tensor, float]]) -> dict[str, Tensor]:
     """LoRA factors (down, up, alpha; scale alpha / rank) by diffusers module path -> a LoRA file's state dict in the
     names ComfyUI's Wan loader applies whole and diffusers' Wan loader converts: ``<name>.lora_down.weight``,
-    ``.lora_up.weight`` and, in the blocks, ``.alpha``. diffusers reads the blocks' attention and FFN layers, the
-    text, time and image embeddings, the time projection and the head; ComfyUI any layer (the patch embedding
-    too)."""
+    ``.lora_up.weight`` and, in the blocks, ``.alpha``. ComfyUI applies any layer's; diffusers' converter knows the
+    blocks' attention (I2V's image keys as a pair) and FFN layers, the text, time and image embeddings, the time
+    projection and the head, and refuses a file with any other (the patch embedding's); ValueError for a module
+    Wan's layout has no place for."""
     state = {}
     for path, (down, up, alpha) in layers.items():
         name = lora_name(path)
