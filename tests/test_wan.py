@@ -9,6 +9,7 @@ spec-level guarantees are the conformance suite's, tests/test_family_conformance
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -318,3 +319,54 @@ def test_the_lora_recipe_loads_once_its_paths_are_given(tmp_path):
     assert config.mode == "lora" and config.model.family == "wan" and config.diffusion.flow.shift == 3.0
     assert {"to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"} <= set(config.lora.target_modules)
     assert wan.TEXT_LENGTH == 512 and WAN.conditioner.long_text_length("wan2.1-t2v-14b") == 512
+
+
+def test_a_transformer_from_scratch_starts_as_wans_training_code_starts_it(tiny):
+    """``model.denoiser_init`` reference (auto's choice for Wan): WanModel.init_weights on diffusers' modules, the
+    output projection zero (the model starts predicting zero velocity), every linear bias zero, the embedders'
+    weights N(0, 0.02) and the rest Xavier-uniform; library keeps diffusers' own."""
+    config = tiny["config"]
+    encoders = {"text_encoder": tiny["components"]["text_encoder"]}
+    transformer = build.build_denoiser(config, 16, 8, encoders)
+    assert not transformer.proj_out.weight.any()
+    linears = [m for m in transformer.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(not m.bias.any() for m in linears if m.bias is not None)
+    bound = (6 / sum(transformer.blocks[0].ffn.net[2].weight.shape)) ** 0.5
+    assert transformer.blocks[0].ffn.net[2].weight.abs().max() <= bound
+    library = build.build_denoiser(dataclasses.replace(config, denoiser_init="library"), 16, 8, encoders)
+    assert library.proj_out.weight.any()
+
+
+@pytest.mark.parametrize("kind", ["dora", "lokr"])
+def test_its_dora_and_lokr_adapters_load_as_they_trained_on_clips(tiny, kind, tmp_path):
+    """DoRA's and LoKr's adapters on the attention, written as the trainer writes them and loaded as `generate
+    --lora` loads them: on a clip's latents the pipeline's transformer computes what the trained one did."""
+    from sdtrain.config import LoraConfig
+    from sdtrain.generate import load_adapters
+    from sdtrain.loaders.adapters import add_lora
+    from sdtrain.loaders.writers import save_lora
+    from sdtrain.train.modes.lora import lora_settings
+
+    torch.manual_seed(2)
+    base = copy.deepcopy(tiny["components"]["transformer"]).requires_grad_(False)
+    with torch.no_grad():  # a trained base: the reference initialisation's zero output would hide the adapters
+        for parameter in base.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.01)
+    trained = copy.deepcopy(base)
+    add_lora(trained, lora_settings(LoraConfig(type=kind, rank=2, alpha=3, target_modules=["to_q", "to_k", "to_v"])),
+             "lora.target_modules")
+    with torch.no_grad():
+        for name, parameter in trained.named_parameters():
+            if "lora_" in name or "lokr_" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    save_lora({"transformer": trained}, {"transformer": trained.state_dict()}, tmp_path, WAN)
+    noise = sampler_from(build.build_noise_scheduler(DiffusionConfig(), tiny["config"]), "euler")
+    pipe = WAN.sampling.assemble({**tiny["components"], "transformer": copy.deepcopy(base)}, tiny["tokenizers"], noise)
+    load_adapters(pipe, tmp_path, None, "trained")
+    latents = torch.randn(1, 16, 2, 8, 8, generator=torch.Generator().manual_seed(0))
+    condition = WAN.denoising.condition(_text(pipe, ["a red circle"]), {}, torch.device("cpu"))
+    with torch.no_grad():
+        expected, loaded, plain = (WAN.denoising.denoise(model, latents, torch.tensor([500.0]), condition)
+                                   for model in (trained, pipe.transformer, base))
+    assert not torch.allclose(expected, plain)
+    torch.testing.assert_close(loaded, expected, rtol=1e-4, atol=1e-5)

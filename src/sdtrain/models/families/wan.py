@@ -127,6 +127,25 @@ class Call(spec.DenoiserCall):
         # The transformer patches the latents itself, and RoPE has no fixed table of sizes (see max_latent_side).
         return {"in_channels": latent_channels, "out_channels": latent_channels}
 
+    def initialise(self, denoiser: nn.Module) -> bool:
+        # Wan's own (WanModel.init_weights) on diffusers' modules, in their order: Xavier-uniform weights and zero
+        # biases for every linear layer; the patch embedding Xavier-uniform over its flattened kernel (its bias
+        # kept); N(0, 0.02) for the text and time embedders' layers; the output projection (head.head) zero. The
+        # modulation tables keep the N(0, 1 / width) they are built with, as Wan's are.
+        for module in denoiser.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        with torch.no_grad():
+            nn.init.xavier_uniform_(denoiser.patch_embedding.weight.view(denoiser.patch_embedding.weight.shape[0], -1))
+        embedders = denoiser.condition_embedder
+        for module in (*embedders.text_embedder.modules(), *embedders.time_embedder.modules()):
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+        nn.init.zeros_(denoiser.proj_out.weight)
+        return True
+
     def downsampling(self, denoiser_config: Any) -> int:
         # A latent side must be whole patches (1x2x2: the frames are not patched).
         _, height, width = denoiser_config.patch_size
