@@ -1,15 +1,18 @@
-"""Wan-2.1's causal 3D autoencoder (diffusers' AutoencoderKLQwenImage) read as an image autoencoder, shared by the
-families that condition their denoiser on its latents (Qwen-Image and its edit models, Krea 2): 16 channels, 8x
-smaller, each channel normalised by its own mean and deviation, a still image a one-frame video."""
+"""Wan-2.1's causal 3D autoencoder, shared by the families that condition their denoiser on its latents: read as an
+image autoencoder (diffusers' AutoencoderKLQwenImage: Qwen-Image and its edit models, Krea 2), 16 channels, 8x
+smaller, each channel normalised by its own mean and deviation, a still image a one-frame video; and read as the
+video autoencoder it is (diffusers' AutoencoderKLWan: Wan 2.1), clips of 4n + 1 frames to 1 + n latent frames."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from torch import nn
 
+from sdtrain.errors import UserError
 from sdtrain.models.families.codec import ChannelStatistics, LatentCodec
 
 WAN_VAE: dict[str, Any] = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
@@ -45,3 +48,78 @@ class WanImageCodec(ChannelStatistics, LatentCodec):
 
 
 WAN_CODEC = WanImageCodec()
+
+
+# ------------------------------------------------------------------------------------------------------- clips
+WAN_LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715, 0.5517,
+                    -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]
+"""Each latent channel's mean over the released autoencoder's training videos (Wan-AI's vae/config.json)."""
+WAN_LATENTS_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526, 2.8652, 1.5579,
+                   1.6382, 1.1253, 2.8251, 1.9160]
+"""Each latent channel's deviation, the same way."""
+WAN_VIDEO_VAE: dict[str, Any] = dict(
+    base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True],
+    latents_mean=WAN_LATENTS_MEAN, latents_std=WAN_LATENTS_STD, scale_factor_temporal=4, scale_factor_spatial=8)
+"""The released video autoencoder (Wan-AI/Wan2.1-T2V-1.3B-Diffusers' and -14B-Diffusers' vae/config.json, the
+same): 8x smaller a side, 4x fewer frames after the first; the scale factors are what WanPipeline sizes latents by."""
+TINY_WAN_VIDEO_VAE: dict[str, Any] = dict(
+    base_dim=16, z_dim=16, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[True, True],
+    latents_mean=[0.0] * 16, latents_std=[1.0] * 16, scale_factor_temporal=4, scale_factor_spatial=4)
+"""The released structure at a size tests train: both of its two downsamplings halve the frames too (4x, as the
+released one's two temporal ones do: diffusers' encoder reads 4 frames a chunk), 4x smaller a side; latents neither
+shifted nor scaled until an autoencoder run measures them."""
+
+CHUNK_FRAMES = 4
+"""The frames AutoencoderKLWan encodes a chunk after the first frame (its ``_encode`` loop's fixed 4)."""
+
+
+class WanVideoCodec(ChannelStatistics, LatentCodec):
+    """Wan 2.1's causal 3D autoencoder (AutoencoderKLWan) as the video codec it is: clips (B, 3, T, H, W) in [-1, 1],
+    T = 4n + 1 (a still image T = 1), to a posterior over latents (B, 16, 1 + n, H / 8, W / 8), each channel
+    normalised by the config's ``latents_mean`` and ``latents_std`` as WanPipeline normalises them.
+
+    A long clip's memory: the encoder reads the first frame, then 4 frames at a time, each chunk's causal
+    convolutions given the cached last two frames of the chunk before (its decoder, one latent frame at a time), so
+    what it computes at once is a chunk's activations at the clip's full size, whatever the clip's length; the clip
+    and its latents are held whole. Spatial tiling (diffusers' ``enable_tiling``: 256 px tiles blended over 64 px) is
+    not turned on here: it changes the latents at the seams from those the released pipeline's untiled encoder gives,
+    and the sizes trained (480p, 720p) fit a chunk's activations in memory; a VAE the caller tiled is read tiled.
+    """
+
+    released = {"scaling_factor": 1.0, "shift_factor": None}
+
+    def clip_frames(self, vae_config: Any) -> int:
+        # Each temporal downsampling halves the frames after the first.
+        return 2 ** sum(bool(halves) for halves in vae_config.temperal_downsample)
+
+    def channels(self, vae_config: Any) -> int:
+        return vae_config.z_dim
+
+    def downsampling(self, vae_config: Any) -> int:
+        # Every level but the last halves the side; a patchifying autoencoder (Wan 2.2's) folds pixels first.
+        return 2 ** len(vae_config.temperal_downsample) * (getattr(vae_config, "patch_size", None) or 1)
+
+    def encode(self, vae: nn.Module, pixels: torch.Tensor) -> DiagonalGaussianDistribution:
+        _check_clip(pixels, math.lcm(CHUNK_FRAMES, self.clip_frames(vae.config)))
+        return vae.encode(pixels).latent_dist
+
+    def decode(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        if latents.dim() != 5:
+            raise UserError(f"Wan 2.1's autoencoder decodes clips' latents (B, C, t, h, w), not a tensor of shape "
+                            f"{tuple(latents.shape)}")
+        return vae.decode(latents).sample
+
+
+def _check_clip(pixels: torch.Tensor, step: int) -> None:
+    """One line for what the autoencoder cannot read whole: no clip (B, 3, T, H, W), or T not 1 + k `step`."""
+    if pixels.dim() != 5:
+        raise UserError(f"Wan 2.1's autoencoder reads clips (B, 3, T, H, W), a still image as T = 1, not a tensor of "
+                        f"shape {tuple(pixels.shape)}")
+    frames = pixels.shape[2]
+    if (frames - 1) % step:
+        raise UserError(f"a clip of {frames} frames: Wan 2.1's autoencoder reads {step}n + 1 (1, {1 + step}, "
+                        f"{1 + 2 * step}, ...), the frames after the first in whole chunks of {step}; trim it to "
+                        f"{1 + (frames - 1) // step * step}")
+
+
+WAN_VIDEO_CODEC = WanVideoCodec()
