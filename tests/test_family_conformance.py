@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -104,20 +105,29 @@ def test_the_loader_tokens_are_picklable_and_the_conditioner_gives_the_shapes_it
             assert tuple(tensor.shape) == (len(captions), *declared[key]), key
 
 
+def frames(tiny: Tiny) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The frame axis of the pixels and of the latents a family reads: none for still images; for clips, those of a
+    clip of two latent frames (Wan's 5 frames)."""
+    step = tiny.family.codec.clip_frames(tiny.vae.config)
+    return ((), ()) if step is None else ((1 + step,), (2,))
+
+
 def test_the_latent_codec_encodes_images_to_the_latents_the_denoiser_reads_and_back(tiny):
-    """Images in, a posterior over (B, C, h, w) latents out, decoded back to images; the normalisation an
-    autoencoder run fits to its latents gives the denoiser latents of unit scale."""
+    """Images (or clips) in, a posterior over (B, C, h, w) latents (B, C, t, h, w for clips) out, decoded back; the
+    normalisation an autoencoder run fits to its latents gives the denoiser latents of unit scale."""
     family, vae = tiny.family, tiny.vae
     channels, factor = family.codec.channels(vae.config), family.codec.downsampling(vae.config)
-    pixels = torch.rand(2, 3, 32, 32) * 2 - 1
+    pixel_frames, latent_frames = frames(tiny)
+    pixels = torch.rand(2, 3, *pixel_frames, 32, 32) * 2 - 1
     with torch.no_grad():
         posterior = family.codec.encode(vae, pixels)
-        assert posterior.mean.shape == (2, channels, 32 // factor, 32 // factor)
+        assert posterior.mean.shape == (2, channels, *latent_frames, 32 // factor, 32 // factor)
         assert posterior.sample(torch.Generator().manual_seed(0)).shape == posterior.mean.shape
         assert family.codec.decode(vae, posterior.mode()).shape == pixels.shape
     centre, spread = torch.linspace(-2, 2, channels), torch.linspace(0.5, 3, channels)
-    latents = centre.view(1, -1, 1, 1) + spread.view(1, -1, 1, 1) * torch.randn(64, channels, 8, 8)
-    axes = (0, 2, 3)
+    shape = (1, -1, *[1] * (len(latent_frames) + 2))
+    latents = centre.view(shape) + spread.view(shape) * torch.randn(64, channels, *latent_frames, 8, 8)
+    axes = (0, *range(2, latents.dim()))
     fitted = copy.deepcopy(vae)
     family.codec.fit_normalization(fitted, latents.mean(dim=axes), latents.square().mean(dim=axes))
     normalized = family.codec.normalize(latents, fitted)
@@ -126,7 +136,7 @@ def test_the_latent_codec_encodes_images_to_the_latents_the_denoiser_reads_and_b
 
 
 def test_a_denoiser_step_predicts_the_latents_shape_and_trains_every_weight(tiny):
-    latents = torch.randn(2, tiny.family.codec.channels(tiny.vae.config), LATENT_SIDE, LATENT_SIDE)
+    latents = torch.randn(2, tiny.family.codec.channels(tiny.vae.config), *frames(tiny)[1], LATENT_SIDE, LATENT_SIDE)
     with torch.no_grad():
         text = tiny.text(["a red circle", "a blue square"])
     batch = {"size_ids": torch.tensor([[64, 64, 0, 0, 64, 64]] * 2)}
@@ -223,7 +233,7 @@ def test_its_lycoris_adapters_load_in_diffusers_as_they_trained(tiny, kind, tmp_
                                     tiny.tokenizers,
                            sampler_from(noise, "euler"))
     load_adapters(pipe, tmp_path, None, "trained")
-    latents = torch.randn(1, family.codec.channels(tiny.vae.config), LATENT_SIDE, LATENT_SIDE)
+    latents = torch.randn(1, family.codec.channels(tiny.vae.config), *frames(tiny)[1], LATENT_SIDE, LATENT_SIDE)
     with torch.no_grad():
         condition = family.denoising.condition(tiny.text(["a red circle"]),
                                                {"size_ids": torch.tensor([[64, 64, 0, 0, 64, 64]])},
@@ -377,14 +387,18 @@ def test_its_lora_file_loads_whole_through_the_pipelines_own_loader(tiny, tmp_pa
         torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-# A variant whose module another registered family shares (Qwen-Image's edit models, Flux.2 klein) resumes with the
-# slow tests: its module's first family runs by default, which keeps the suite within 15 minutes.
-_SHARED_MODULE = {name for name in FAMILIES if any(type(families.get(other)).__module__
-                                                   == type(families.get(name)).__module__
-                                                   for other in FAMILIES[:FAMILIES.index(name)])}
+def _reads_clips(name: str) -> bool:
+    family = families.get(name)
+    return family.codec.clip_frames(SimpleNamespace(**family.preset("tiny", "vae"))) is not None
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in _SHARED_MODULE else name
+# The kill -9 resume (about 35 s a family) runs by default for the first family of still images and the first of
+# clips, whose loaders, latents and checkpoints differ; every other family's with the slow tests, which keeps the
+# default suite within 15 minutes.
+_RESUMES_BY_DEFAULT = {next(name for name in FAMILIES if _reads_clips(name) is clips) for clips in (False, True)}
+
+
+@pytest.mark.parametrize("name", [name if name in _RESUMES_BY_DEFAULT else pytest.param(name, marks=pytest.mark.slow)
                                   for name in FAMILIES])
 def test_a_run_from_scratch_resumes_bitwise_after_kill_9(name, tmp_path, tiny_scratch_command):
     """Every text encoder and the denoiser trained from the tiny preset, SIGKILLed after its second checkpoint,
