@@ -3,6 +3,8 @@ reports showing a strip of each clip's frames, and the loss of clip latents redu
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import av
 import pytest
 import torch
@@ -10,6 +12,8 @@ from PIL import Image
 
 from sdtrain.train.tasks import _sample_dims, latent_mask
 from sdtrain.utils import save_grid, save_images, still, to_pil
+
+from .conftest import resumes_bitwise_after_kill_9
 
 
 def _frames(count: int, size: tuple[int, int] = (33, 17)) -> list[Image.Image]:
@@ -48,3 +52,70 @@ def test_a_clip_mask_for_every_frame_or_one_for_all_counts_on_the_latents_grid(f
     assert found.shape == (2, 1, frames, 4, 4)
     assert _sample_dims(latents) == (1, 2, 3, 4)
     assert found[0].sum() == 0 and found[1].min() == 1
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory) -> Path:
+    """Two captioned videos and a still image, prepared into clips of 5 frames at 8 fps (and a one-frame clip)."""
+    from sdtrain.cli.main import main
+
+    from .test_video_data import write_video
+
+    src = tmp_path_factory.mktemp("videos")
+    for name, caption, frames in (("walk", "a square walks", 40), ("run", "a square runs", 44)):
+        write_video(src / f"{name}.mp4", frames=frames, fps=16, size=(40, 32))
+        (src / f"{name}.txt").write_text(caption)
+    Image.new("RGB", (40, 32), "red").save(src / "still.png")
+    (src / "still.txt").write_text("a red field")
+    out = tmp_path_factory.mktemp("clips")
+    assert main(["prepare", "folder", str(src), "--out", str(out), "--frames", "5", "--fps", "8",
+                 "--frame-rule", "chunk"]) == 0
+    return out
+
+
+def test_a_clip_run_from_scratch_resumes_bitwise_after_kill_9(clips, tmp_path, tiny_scratch_command):
+    resumes_bitwise_after_kill_9(lambda run: tiny_scratch_command("wan", run, 3, f"data.shards={clips}",
+                                                                  "checkpoint.every=1", "data.caption_dropout=0.25",
+                                                                  "model.t5_text_length=16"), tmp_path)
+
+
+def test_videos_in_a_folder_train_a_wan_model_that_draws_clips_and_a_lora_diffusers_and_comfyui_read(
+        clips, tmp_path, tiny_scratch_command):
+    """What a user runs from the README: a folder of videos (and a still image) with captions prepared into clips,
+    Wan 2.1 trained from scratch on them with validation clips written as mp4, exported as a WanPipeline folder that
+    `generate` draws clips from, then a LoRA on that folder whose files diffusers and ComfyUI's names both hold."""
+    from diffusers import WanPipeline
+    from safetensors import safe_open
+
+    from sdtrain.cli.main import main
+
+    run = tmp_path / "run"
+    assert main(tiny_scratch_command("wan", run, 2, f"data.shards={clips}", "validation.prompts=[a square walks]",
+                                     "validation.steps=2", "model.t5_text_length=16")) == 0
+    validation = sorted((run / "samples").glob("step_*/*.mp4"))
+    assert validation, "no validation clip"
+    with av.open(str(validation[-1])) as container:
+        assert sum(1 for _ in container.decode(video=0)) == 5  # the run's clips' length
+
+    export = tmp_path / "export"
+    assert main(["export", str(run), "--out", str(export)]) == 0
+    assert isinstance(WanPipeline.from_pretrained(export), WanPipeline)
+    drawn = tmp_path / "drawn"
+    assert main(["generate", "--model", str(export), "--prompt", "a square runs", "--frames", "9", "--steps", "2",
+                 "--out", str(drawn)]) == 0
+    with av.open(str(next(drawn.glob("*.mp4")))) as container:
+        assert sum(1 for _ in container.decode(video=0)) == 9
+
+    lora = tmp_path / "lora"
+    assert main(["train", "src/sdtrain/configs/wan-lora.yaml", f"model.pretrained={export}", f"data.shards={clips}",
+                 f"run_dir={lora}", "data.resolution=32", "data.aspect_buckets=false", "data.num_workers=0",
+                 "train.max_steps=2", "train.mixed_precision=fp32", "lora.rank=2", "logging.tensorboard=false",
+                 "logging.progress=false"]) == 0
+    adapters = tmp_path / "adapters"
+    assert main(["export", str(lora), "--out", str(adapters)]) == 0
+    with safe_open(str(adapters / "lora_kohya.safetensors"), framework="pt") as file:
+        names = list(file.keys())
+    assert names and all(name.startswith("diffusion_model.blocks.") for name in names)
+    pipe = WanPipeline.from_pretrained(export)
+    pipe.load_lora_weights(adapters)
+    assert pipe.get_active_adapters()

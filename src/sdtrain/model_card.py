@@ -270,8 +270,15 @@ def _tags(export: _Export) -> list[str]:
         modes.append("textual-inversion")
     if export.kind == "controlnet":
         modes += ["controlnet", *(["lora"] if export.task.get("lora") else [])]
-    return ["text-to-image", "diffusers", *(export.family.hub_tags or [export.family.name]), *modes,
+    tags = [tag for tag in export.family.hub_tags or [export.family.name] if tag != "text-to-video"]
+    return [_task(export.family), "diffusers", *tags, *modes,
             "sdtrain"]
+
+
+def _task(family: Any) -> str:
+    """The Hub's pipeline tag of a family's models: text-to-video where its tags say so (Wan's), else
+    text-to-image."""
+    return "text-to-video" if "text-to-video" in family.hub_tags else "text-to-image"
 
 
 def _header(export: _Export) -> ModelCardData:
@@ -281,7 +288,7 @@ def _header(export: _Export) -> ModelCardData:
     if export.image and export.family is not None:
         extra["widget"] = [{"text": _prompt(export), "output": {"url": export.image}}]
     return ModelCardData(base_model=export.base.hub_id, library_name="diffusers", **licence, tags=_tags(export),
-                         pipeline_tag="text-to-image" if export.family is not None else None, **extra)
+                         pipeline_tag=_task(export.family) if export.family is not None else None, **extra)
 
 
 def _summary(export: _Export) -> str:

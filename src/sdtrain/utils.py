@@ -78,6 +78,7 @@ def save_video(frames: Sequence[Image.Image], path: Path, fps: int = VIDEO_FPS) 
             picture = av.VideoFrame.from_image(frame.convert("RGB").crop((0, 0, width, height)))
             container.mux(stream.encode(picture))
         container.mux(stream.encode())
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(Path(path), buffer.getvalue())
     return Path(path)
 

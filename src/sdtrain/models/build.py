@@ -116,6 +116,9 @@ def _flow_scheduler(config: DiffusionConfig, model: ModelConfig, family: familie
     folder = Path(model.pretrained) / "scheduler" if model.pretrained else None
     if folder is not None and (folder / "scheduler_config.json").is_file():
         settings = dict(FlowMatchEulerDiscreteScheduler.load_config(folder))
+        if "shift" not in settings and settings.get("flow_shift") is not None:
+            # A flow sampler of another class (Wan's UniPC) keeps the shift its model trained at as flow_shift.
+            settings["shift"] = settings["flow_shift"]
     elif model.pretrained and single_file.looks_like_single_file(model.pretrained):
         # A single file holds no scheduler: the one its model was released with, which its keys tell.
         settings = family.files.file_scheduler(model.pretrained, trusts_pickle(model)) or \
