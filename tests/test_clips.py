@@ -8,8 +8,10 @@ from pathlib import Path
 import av
 import pytest
 import torch
+import webdataset as wds
 from PIL import Image
 
+from sdtrain.data.encoded import load_npy
 from sdtrain.train.tasks import _sample_dims, latent_mask
 from sdtrain.utils import save_grid, save_images, still, to_pil
 
@@ -106,8 +108,16 @@ def test_videos_in_a_folder_train_a_wan_model_that_draws_clips_and_a_lora_diffus
     with av.open(str(next(drawn.glob("*.mp4")))) as container:
         assert sum(1 for _ in container.decode(video=0)) == 9
 
+    # The LoRA trains on the clips' latents and text embeddings, encoded once: each clip whole, by latent frames.
+    encoded = tmp_path / "encoded"
+    assert main(["prepare", "encode", str(clips), "--model", str(export), "--out", str(encoded), "--resolution",
+                 "32", "--t5-text-length", "16"]) == 0
+    latents = {sample["__key__"]: load_npy(sample["latent_mean.npy"]).shape
+               for shard in sorted(encoded.glob("*.tar")) for sample in wds.WebDataset(str(shard), shardshuffle=False)}
+    assert sorted(set(latents.values())) == [(16, 1, 8, 8), (16, 2, 8, 8)]  # the still image; the 5-frame clips
     lora = tmp_path / "lora"
-    assert main(["train", "src/sdtrain/configs/wan-lora.yaml", f"model.pretrained={export}", f"data.shards={clips}",
+    assert main(["train", "src/sdtrain/configs/wan-lora.yaml", f"model.pretrained={export}", f"data.shards={encoded}",
+                 "data.use_encoded=true", "model.t5_text_length=16",
                  f"run_dir={lora}", "data.resolution=32", "data.aspect_buckets=false", "data.num_workers=0",
                  "train.max_steps=2", "train.mixed_precision=fp32", "lora.rank=2", "logging.tensorboard=false",
                  "logging.progress=false"]) == 0
