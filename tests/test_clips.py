@@ -129,3 +129,12 @@ def test_videos_in_a_folder_train_a_wan_model_that_draws_clips_and_a_lora_diffus
     pipe = WanPipeline.from_pretrained(export)
     pipe.load_lora_weights(adapters)
     assert pipe.get_active_adapters()
+
+
+def test_clips_given_to_a_family_of_still_images_stop_the_run_in_one_line_naming_a_clip(clips, tmp_path, capsys,
+                                                                                         tiny_scratch_command):
+    from sdtrain.cli.main import main
+
+    assert main(tiny_scratch_command("sd", tmp_path / "run", 1, f"data.shards={clips}")) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "_w00" in errors[0] and "wan" in errors[0], errors
