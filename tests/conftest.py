@@ -107,6 +107,24 @@ def flat_tensors(value, prefix: str = "") -> dict[str, torch.Tensor]:
     return {k: v for key, item in items for k, v in flat_tensors(item, f"{prefix}/{key}").items()}
 
 
+def t5_tokenizer(folder: Path, captions: list[str], length: int):
+    """A T5TokenizerFast (SentencePiece Unigram, ``</s>`` after every caption, ``<pad>`` id 0) learnt from
+    `captions`, saved to `folder` as a released T5 (or umT5) tokenizer folder is laid out, and read back."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import T5TokenizerFast
+
+    unigram = Tokenizer(models.Unigram())
+    unigram.pre_tokenizer = pre_tokenizers.Metaspace()
+    unigram.decoder = decoders.Metaspace()
+    unigram.train_from_iterator(captions * 8, trainers.UnigramTrainer(
+        vocab_size=64, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>"))
+    unigram.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    tokenizer = T5TokenizerFast(tokenizer_object=unigram, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                                extra_ids=0, model_max_length=length)
+    tokenizer.save_pretrained(folder)
+    return T5TokenizerFast.from_pretrained(folder)
+
+
 def config_path(name: str) -> Path:
     return Path(__file__).resolve().parents[1] / "configs" / "demo" / name
 

@@ -20,31 +20,13 @@ from sdtrain.errors import UserError
 from sdtrain.models import families
 from sdtrain.models.families import chroma
 
-from .conftest import FINE_TUNE_MODES, TINY_CLI, config_path, resumes_bitwise_after_kill_9
+from .conftest import FINE_TUNE_MODES, TINY_CLI, config_path, resumes_bitwise_after_kill_9, t5_tokenizer
 
 CONFIGS = config_path("diffusion.yaml").parents[1]
 TEXT_LENGTH = 24
 COMMON = [*TINY_CLI, f"model.t5_text_length={TEXT_LENGTH}"]
 MODES = FINE_TUNE_MODES
 CAPTIONS = [f"a {c} {s}" for c in ("red", "green", "blue", "yellow") for s in ("circle", "square", "triangle")]
-
-
-def _t5_tokenizer(folder: Path):
-    """A T5TokenizerFast (SentencePiece Unigram, ``</s>`` after every caption, ``<pad>`` id 0) learnt from the
-    shapes' words, as a released T5 tokenizer folder is laid out."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import T5TokenizerFast
-
-    unigram = Tokenizer(models.Unigram())
-    unigram.pre_tokenizer = pre_tokenizers.Metaspace()
-    unigram.decoder = decoders.Metaspace()
-    unigram.train_from_iterator(CAPTIONS * 8, trainers.UnigramTrainer(
-        vocab_size=64, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>"))
-    unigram.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    tokenizer = T5TokenizerFast(tokenizer_object=unigram, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
-                                extra_ids=0, model_max_length=TEXT_LENGTH)
-    tokenizer.save_pretrained(folder)
-    return T5TokenizerFast.from_pretrained(folder)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +38,7 @@ def released(tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("chroma") / "pipeline"
     torch.manual_seed(0)
-    tokenizer = _t5_tokenizer(folder.parent / "tokenizer")
+    tokenizer = t5_tokenizer(folder.parent / "tokenizer", CAPTIONS, TEXT_LENGTH)
     encoder = T5EncoderModel(T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2,
                                       num_heads=4, relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
                                       dropout_rate=0.0, pad_token_id=0, eos_token_id=1))

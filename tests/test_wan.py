@@ -24,29 +24,11 @@ from sdtrain.models.families import wan, wan_vae
 from sdtrain.models.pipeline import sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer
 
-from .conftest import TINY, config_path
+from .conftest import TINY, config_path, t5_tokenizer
 
 WAN = families.get("wan")
 TEXT_LENGTH = 16
 CAPTIONS = [f"a {c} {s}" for c in ("red", "green", "blue", "yellow") for s in ("circle", "square", "triangle")]
-
-
-def _umt5_tokenizer(folder: Path):
-    """A T5TokenizerFast (SentencePiece Unigram, ``</s>`` after every caption, ``<pad>`` id 0) learnt from the
-    shapes' words, as the released umT5 tokenizer folder is laid out."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import T5TokenizerFast
-
-    unigram = Tokenizer(models.Unigram())
-    unigram.pre_tokenizer = pre_tokenizers.Metaspace()
-    unigram.decoder = decoders.Metaspace()
-    unigram.train_from_iterator(CAPTIONS * 8, trainers.UnigramTrainer(
-        vocab_size=64, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>"))
-    unigram.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    tokenizer = T5TokenizerFast(tokenizer_object=unigram, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
-                                extra_ids=0, model_max_length=TEXT_LENGTH)
-    tokenizer.save_pretrained(folder)
-    return T5TokenizerFast.from_pretrained(folder)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +40,7 @@ def released(tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("wan") / "pipeline"
     torch.manual_seed(0)
-    tokenizer = _umt5_tokenizer(folder.parent / "tokenizer")
+    tokenizer = t5_tokenizer(folder.parent / "tokenizer", CAPTIONS, TEXT_LENGTH)
     encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2,
                                           num_heads=4, relative_attention_num_buckets=8,
                                           relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
@@ -316,9 +298,17 @@ def test_a_training_step_on_clips_reaches_every_trained_weight(released, shapes_
 def test_the_lora_recipe_loads_once_its_paths_are_given(tmp_path):
     recipe = Path(__file__).resolve().parents[1] / "configs" / "wan-lora.yaml"
     config = load_config(recipe, [f"run_dir={tmp_path}", "data.shards=data", "model.pretrained=wan"])
-    assert config.mode == "lora" and config.model.family == "wan" and config.diffusion.flow.shift == 3.0
+    # The shift is the folder's own (3.0 for 1.3B, 5.0 for 14B): see the next test.
+    assert config.mode == "lora" and config.model.family == "wan" and config.diffusion.flow.shift is None
     assert {"to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"} <= set(config.lora.target_modules)
     assert wan.TEXT_LENGTH == 512 and WAN.conditioner.long_text_length("wan2.1-t2v-14b") == 512
+
+
+def test_a_released_folder_trains_at_the_shift_its_unipc_sampler_keeps_as_flow_shift(released):
+    schedule = build.build_noise_scheduler(DiffusionConfig(), ModelConfig(pretrained=str(released)))
+    assert schedule.config.shift == 3.0 and not schedule.config.use_dynamic_shifting
+    assert build.build_noise_scheduler(dataclasses.replace(DiffusionConfig(), flow=dataclasses.replace(
+        DiffusionConfig().flow, shift=5.0)), ModelConfig(pretrained=str(released))).config.shift == 5.0
 
 
 def test_a_transformer_from_scratch_starts_as_wans_training_code_starts_it(tiny):
