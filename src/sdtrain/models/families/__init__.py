@@ -29,11 +29,13 @@ from sdtrain.models.families.sd3 import SD3
 from sdtrain.models.families.sdxl import SDXL
 from sdtrain.models.families.spec import ModelFamily
 from sdtrain.models.families.wan import WAN
+from sdtrain.models.families.wan22 import WAN22_TI2V
 from sdtrain.models.families.zimage import ZIMAGE
 
 FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (
     SD, SDXL, SD3, FLUX, ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS,
     FLUX2, FLUX2_KLEIN, KREA2, CHROMA, QWEN_IMAGE_21, WAN,
+    WAN22_TI2V,
 )}
 
 
