@@ -137,6 +137,12 @@ def test_the_low_noise_expert_trains_alone_and_exports_beside_the_base_high_nois
                   guidance_scale_2=3.0, max_sequence_length=16, output_type="np",
                   generator=torch.Generator().manual_seed(0)).frames[0]
     assert frames.shape == (5, 32, 32, 3) and bool(torch.isfinite(torch.as_tensor(frames)).all())
+    # `generate` samples it as the release does: each expert at its own guidance.
+    assert families.of_pipeline(pipe) is WAN22_A14B
+    assert WAN22_A14B.sampling.arguments(pipe, 4.0, None)["guidance_scale_2"] == 3.0
+    assert main(["generate", "--model", str(out), "--prompt", "a red circle", "--frames", "5", "--steps", "2",
+                 "--out", str(tmp_path / "drawn")]) == 0
+    assert list((tmp_path / "drawn").glob("*.mp4"))
 
 
 def test_a_lora_of_the_low_noise_expert_loads_into_it(base, shapes_dir, tmp_path):
