@@ -14,6 +14,7 @@ import torch
 
 from sdtrain.config import ComponentConfig, DiffusionConfig, ModelConfig
 from sdtrain.models import build, families
+from sdtrain.models.families import spec
 from sdtrain.models.pipeline import sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer
 
@@ -323,10 +324,18 @@ def test_every_preset_sets_every_component(name):
 
 
 def test_families_are_told_apart_by_their_files():
-    """No two families claim the same pipeline class name or single-file key prefix, and each name is its own."""
-    names = [f.sampling.pipeline_names for f in families.FAMILIES.values()]
+    """No two families of one denoiser claim the same pipeline class name or single-file key prefix, and each name
+    is its own; a family of experts shares its pipeline's name and is told by the experts its folder sets."""
+    names = [f.sampling.pipeline_names for f in families.FAMILIES.values() if f.experts is None]
     flat = [n for group in names for n in group]
     assert len(flat) == len(set(flat))
+    for family in families.FAMILIES.values():
+        if family.experts is not None:
+            name = family.sampling.pipeline_names[0]
+            named = [f for f in families.FAMILIES.values() if name in f.sampling.pipeline_names]
+            index = {"_class_name": name, **dict.fromkeys(family.experts.marks(), 1)}
+            assert spec.of_index(named, index) is family
+            assert spec.of_index(named, {"_class_name": index["_class_name"]}) is not family
     for name, family in families.FAMILIES.items():
         assert family.name == name and families.get(name) is family
         assert family.sampling.pipeline_class.__name__ in family.sampling.pipeline_names

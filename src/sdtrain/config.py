@@ -239,6 +239,13 @@ class ModelConfig:
     Xavier-uniform linear weights with zero biases, N(0, 0.02) timestep, guidance and vector embedders); ``auto``:
     ``reference`` for a family that defines one, else ``library``. Weights loaded from a source are never
     re-initialised."""
+    expert: str | None = None
+    """Which expert a run trains, for a model whose denoiser is experts over shares of the timesteps (Wan 2.2 A14B:
+    ``high_noise``, the ``transformer`` that denoises the steps at or above its ``boundary_ratio``, or
+    ``low_noise``, its ``transformer_2``, the rest). Unset: the family's default (``low_noise`` for Wan 2.2 A14B).
+    The expert trains in the denoiser's place (its LoRA and checkpoints under ``transformer``), on sigmas drawn
+    from its share alone; the other is never loaded for training, and comes from ``pretrained`` where the model
+    samples (validation, export, generate). Both experts are two runs. A model without experts refuses it."""
     t5_text_length: int | None = None
     """Tokens per caption for a T5 text encoder (Flux.1's, SD3's). Unset: what the model samples with, 512 for
     Flux.1-dev (a transformer with the guidance embedding), 256 for Flux.1-schnell (Black Forest Labs', kohya's and
@@ -270,6 +277,8 @@ class ModelConfig:
                "streams the weights frozen_precision stores low: set model.frozen_precision=bf16, fp8, nf4 or auto")
         _check(self.denoiser_init in ("auto", "library", "reference"), "model.denoiser_init",
                "must be auto, library or reference")
+        _check(self.expert is None or (isinstance(self.expert, str) and bool(self.expert)), "model.expert",
+               "must name an expert, e.g. low_noise (or be unset: the family's default)")
         _check(self.t5_text_length is None or self.t5_text_length >= 4, "model.t5_text_length",
                "must be at least 4 (or unset: the family's length)")
         _check(self.max_text_length is None or self.max_text_length >= 4, "model.max_text_length",

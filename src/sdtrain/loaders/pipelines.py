@@ -3,6 +3,7 @@ its family's diffusers pipeline."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,24 @@ def base_distilled(config: RunConfig, pinned: dict[str, str]) -> bool:
 def run_distilled(run_dir: Path) -> bool:
     """`base_distilled` of the run at `run_dir`, from the sources its newest checkpoint pinned."""
     return base_distilled(run_config(run_dir), pinned_sources(latest_checkpoint(Path(run_dir))))
+
+
+def place_experts(family: families.ModelFamily, model: ModelConfig, components: dict[str, Any],
+                  source: str | None, load: Callable[[str], Any]) -> tuple[dict[str, Any], float | None]:
+    """For a family of experts (`ModelFamily.experts`), `components` (the trained expert under the denoiser's name)
+    with each expert in its own folder's place: the trained one (`model.expert`) in its expert's, every other
+    loaded with `load` from the base's folder of it (`build.other_experts`; `source`: the trained expert's), or,
+    where the base holds none (a model from scratch), the trained one standing for it too. Returns them and the
+    base's boundary (None: the family's, or a family without experts, whose `components` come back as they are)."""
+    experts = family.experts
+    if experts is None:
+        return components, None
+    trained = components[family.components.denoiser]
+    placed = dict(components)
+    for folder, other in build.other_experts(model, source).items():
+        placed[folder] = trained if other is None else load(other)
+    placed[experts.folder(model.expert)] = trained
+    return placed, experts.boundary(source or model.pretrained)
 
 
 def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None = None,
@@ -65,8 +84,16 @@ def pipeline_from_run(run_dir: Path, ema: bool = True, checkpoint: Path | None =
         for tokenizer in tokenizers:
             tokenizer.add_tokens(added_tokens)
     noise = build.build_noise_scheduler(config.diffusion, model)
-    pipe = family.sampling.assemble({name: component(name) for name in family.components}, tokenizers,
-                           sampler_from(noise, "euler"), distilled=base_distilled(config, pinned))
+    # A model of experts: the one the run trained in its own place, the others from the base it trained on.
+    denoiser = family.components.denoiser
+    components, boundary = place_experts(
+        family, model, {name: component(name) for name in family.components},
+        pinned.get(denoiser) or build.component_source(model, denoiser),
+        lambda source: load_component(denoiser, source, trust_pickle=trust, family=family, served=model))
+    pipe = family.sampling.assemble(components, tokenizers, sampler_from(noise, "euler"),
+                                    distilled=base_distilled(config, pinned))
+    if boundary is not None:
+        pipe.register_to_config(**{family.experts.boundary_key: boundary})
     task = read_meta(checkpoint).get("task", {})
     if task.get(INSTRUCT_PIX2PIX):  # a denoiser that edits: its own pipeline
         pipe = family.instruct.pipeline_class.from_pipe(pipe)

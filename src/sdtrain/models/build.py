@@ -352,7 +352,29 @@ def trusts_pickle(config: ModelConfig) -> bool | None:
 def component_source(config: ModelConfig, name: str) -> str | None:
     """The folder (or single file) a component loads from, or None when it is built from the preset."""
     explicit = config.source(name)
-    return explicit if explicit is not None else config.pretrained
+    if explicit is not None or config.pretrained is None:
+        return explicit
+    # The trained expert, in the denoiser's place, loads from its own folder of a pipeline folder of experts.
+    experts = families.for_model(config).experts
+    if experts is not None and name == experts.folders[0] and (Path(config.pretrained) / "model_index.json").is_file():
+        return str(Path(config.pretrained) / experts.folder(config.expert))
+    return config.pretrained
+
+
+def other_experts(config: ModelConfig, source: str | None) -> dict[str, str | None]:
+    """For a model of experts, each expert's folder but the run's (`model.expert`) -> where it loads from: that
+    folder of the pipeline folder holding `source` (the trained expert's pinned source, else `pretrained`); None
+    where none holds it (a model from scratch: the trained expert then samples its share too). Empty for a model
+    without experts."""
+    experts = families.for_model(config).experts
+    if experts is None:
+        return {}
+    trained = experts.folder(config.expert)
+    folders = [folder for given in (source, config.pretrained) if given and Path(given).is_dir()
+               for folder in (Path(given), Path(given).parent)]  # a pipeline folder, or an expert's folder in one
+    pipeline = next((folder for folder in folders if (folder / "model_index.json").is_file()), None)
+    return {folder: str(pipeline / folder) if pipeline is not None and (pipeline / folder).is_dir() else None
+            for folder in experts.folders if folder != trained}
 
 
 def resolve_sources(config: Any, fetch_weights: bool = True) -> Any:
@@ -362,7 +384,9 @@ def resolve_sources(config: Any, fetch_weights: bool = True) -> Any:
     light = hub.resolve_model(config, fetch_weights=False)
     if not fetch_weights:
         return light
-    return hub.resolve_model(config, weighted=tuple(families.for_model(light.model).components))
+    family = families.for_model(light.model)
+    experts = family.experts.folders if family.experts is not None else ()
+    return hub.resolve_model(config, weighted=tuple(dict.fromkeys((*family.components, *experts))))
 
 
 def overrides_key(name: str) -> str:

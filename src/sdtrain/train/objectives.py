@@ -175,10 +175,17 @@ class FlowMatching:
     name = "flow_matching"
 
     def __init__(self, config: DiffusionConfig, scheduler: FlowMatchEulerDiscreteScheduler, device: torch.device,
-                 patch_size: int = 2, sampling_mu: Callable[[int], float | None] | None = None):
+                 patch_size: int = 2, sampling_mu: Callable[[int], float | None] | None = None,
+                 share: tuple[float, float] | None = None):
         """`patch_size`: the side of the latent patch the denoiser makes one token of (Flux packs 2x2, SD3
         patches 2x2), for the image-token count the dynamic shift depends on. `sampling_mu`: the dynamic shift's
-        mu at an image's token count where it is not the scheduler's linear one (`mu`; None: it is)."""
+        mu at an image's token count where it is not the scheduler's linear one (`mu`; None: it is). `share`: the
+        shifted sigmas [low, high) the denoiser takes, an expert's of a model of experts (high 1 includes 1); None:
+        all."""
+        if share is not None and not 0 <= share[0] < share[1] <= 1:
+            raise UserError(f"an expert's share of the sigmas must lie in [0, 1] and be wider than nothing, not "
+                            f"{share}: fix the model's boundary_ratio")
+        self.share = share
         # These shape the DDPM noise or its loss. The shared fine-tuning recipes set min-SNR for SD, and a Flux or
         # SD3 model fine-tuned with them should train, not stop: said once, then left out.
         ignored = [f"diffusion.ddpm.{name}" for name in ("noise_offset", "input_perturbation", "snr_gamma",
@@ -234,7 +241,30 @@ class FlowMatching:
                       ) -> torch.Tensor:
         """`count` training sigmas in [0, 1], float32: drawn by ``diffusion.timestep_sampling`` from `generator`
         (one draw per sample: a normal for ``logit_normal``, else a uniform), then shifted as the scheduler
-        shifts. `image_tokens`: the image's token count, needed by the dynamic shift only."""
+        shifts. `image_tokens`: the image's token count, needed by the dynamic shift only.
+
+        With a `share` (an expert's), only the shifted sigmas inside it are kept and the rest drawn again, round
+        after round of `count` draws, until every sample has one: the distribution keeps its shape inside the
+        share (musubi-tuner's ``--preserve_distribution_shape``) rather than being squeezed into it, and every
+        round comes from `generator` in order, so a resumed run draws the same sigmas."""
+        sigmas = self._shifted(count, generator, image_tokens)
+        if self.share is None:
+            return sigmas
+        low, high = self.share
+
+        def inside(values: torch.Tensor) -> torch.Tensor:
+            return values[(values >= low) & ((values < high) if high < 1 else (values <= 1))]
+
+        kept = inside(sigmas)
+        for _ in range(_SHARE_ROUNDS):
+            if kept.numel() >= count:
+                return kept[:count]
+            kept = torch.cat([kept, inside(self._shifted(count, generator, image_tokens))])
+        raise UserError(f"diffusion.timestep_sampling: {self.config.timestep_sampling} after the shift draws almost "
+                        f"no sigma in this expert's share [{low:g}, {high:g}); sample more evenly (uniform)")
+
+    def _shifted(self, count: int, generator: torch.Generator, image_tokens: int | None) -> torch.Tensor:
+        """One round of `sample_sigmas`: `count` draws, shifted."""
         cfg = self.config
         # diffusers' own sampler, which takes our generator; cosmap is a map of its uniform draw.
         scheme = "uniform" if cfg.timestep_sampling == "cosmap" else cfg.timestep_sampling
@@ -277,6 +307,10 @@ class FlowMatching:
             # the scheduler's grid, which diffusers' scripts draw from, stops at 1 / num_train_timesteps.
             sigmas = sigmas.clamp(min=1 / self.num_train_timesteps)
         return loss * compute_loss_weighting_for_sd3(self.config.flow.loss_weighting, sigmas)
+
+
+_SHARE_ROUNDS = 1000
+"""Rounds of draws `FlowMatching.sample_sigmas` makes for an expert's share before it says the sampling misses it."""
 
 
 def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

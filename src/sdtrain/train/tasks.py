@@ -24,6 +24,8 @@ from sdtrain.config import DataConfig, DiffusionConfig, ModelConfig, RunConfig
 from sdtrain.data.decode import make_buckets, present
 from sdtrain.data.encoded import TEXT_FIELDS, dataset_encoding
 from sdtrain.errors import UserError
+from sdtrain.loaders.components import load_component
+from sdtrain.loaders.pipelines import place_experts
 from sdtrain.models import build, families
 from sdtrain.models.pipeline import (
     PREVIEW_STEPS,
@@ -45,18 +47,37 @@ log = logging.getLogger(__name__)
 
 
 def make_objective(family: families.ModelFamily, config: DiffusionConfig, scheduler: Any, device: torch.device,
-                   denoiser_config: Any, sampling_steps: int = PREVIEW_STEPS) -> NoisePrediction | FlowMatching:
+                   denoiser_config: Any, sampling_steps: int = PREVIEW_STEPS, share: tuple[float, float] | None = None
+                   ) -> NoisePrediction | FlowMatching:
     """The family's training objective, on `scheduler` (the training noise schedule build_noise_scheduler gives);
     `sampling_steps`: the step count the run's images sample with, whose shift ``diffusion.flow.dynamic_shift:
-    sampling`` trains at."""
+    sampling`` trains at; `share`: the sigmas the trained expert takes (`expert_share`), None: all."""
     if family.denoising.objective == "flow_matching":
         sampling_mu = None
         if config.flow.dynamic_shift == "sampling":
             def sampling_mu(tokens: int) -> float | None:
                 return family.sampling.mu(tokens, sampling_steps)
         return FlowMatching(config, scheduler, device, patch_size=family.denoising.image_token_side(denoiser_config),
-                            sampling_mu=sampling_mu)
+                            sampling_mu=sampling_mu, share=share)
     return NoisePrediction(config, scheduler, device)
+
+
+def expert_share(model: ModelConfig, family: families.ModelFamily, source: str | None) -> tuple[float, float] | None:
+    """The shifted sigmas the run's expert (``model.expert``) denoises, at the boundary of the model its weights
+    come from (`source`, else the family's released one); None for a family without experts."""
+    if family.experts is None:
+        return None
+    return family.experts.share(model.expert, family.experts.boundary(source))
+
+
+def expert_problems(model: ModelConfig, family: families.ModelFamily) -> list[str]:
+    """What ``model.expert`` names that `family` has not: an expert of a family without experts, or none of its."""
+    if family.experts is None:
+        return [] if model.expert is None else [
+            f"model.expert: {family.title} has one denoiser for every timestep, no experts to choose from; remove "
+            "model.expert"]
+    problem = family.experts.problem(model.expert)
+    return [problem] if problem else []
 
 
 def capability_problems(config: RunConfig, family: families.ModelFamily, parts: list[type[TrainedPart]]
@@ -64,7 +85,10 @@ def capability_problems(config: RunConfig, family: families.ModelFamily, parts: 
     """Every key of a diffusion run's `config` that its `family` or its trained `parts` cannot take, one line each,
     from the config, the family's spec and the pretrained denoiser's config.json alone: no weight loads."""
     model = config.model
-    found = component_problems(model, family)
+    found = expert_problems(model, family)
+    if found:  # the components' sources depend on which expert trains
+        return found
+    found += component_problems(model, family)
     built = [name for name in family.components if build.component_source(model, name) is None]
     if built:
         try:
@@ -442,7 +466,8 @@ class DiffusionTask(Task):
         self.distilled = is_distilled(family, self.components.source(family.components.denoiser))
         self.noise_scheduler = build.build_noise_scheduler(config.diffusion, model)
         self.objective = make_objective(family, config.diffusion, self.noise_scheduler, device, denoiser.config,
-                                        sampling_steps(family, denoiser.config, run_sampling(config, self.distilled)))
+                                        sampling_steps(family, denoiser.config, run_sampling(config, self.distilled)),
+                                        expert_share(model, family, self.components.source(family.components.denoiser)))
         self.caption_tokenizer = CaptionTokenizer(self.tokenizers, family)
         if family.instruct is not None and denoiser.config.in_channels > latent[0] and not self.part.gives_source:
             # An InstructPix2Pix (or inpainting) UNet: fed the latents alone, its first step is a shape traceback.
@@ -739,9 +764,18 @@ class DiffusionTask(Task):
         """A pipeline of the given trained modules and this task's frozen ones."""
         components = {name: modules[name] if name in modules else self.frozen(name)
                       for name in ("vae", *self.family.components.text_encoders)}
-        components[self.family.components.denoiser] = modules.get(self.family.components.denoiser, self.denoiser)
+        denoiser = self.family.components.denoiser
+        components[denoiser] = modules.get(denoiser, self.denoiser)
+        # A model of experts samples with the others too, loaded for this pipeline alone (training never holds them).
+        components, boundary = place_experts(
+            self.family, self.config.model, components, self.components.source(denoiser),
+            lambda source: load_component(denoiser, source, trust_pickle=self.components.trust_pickle,
+                                          family=self.family, frozen_precision=self.stored_as(denoiser),
+                                          served=self.config.model).to(self.device).eval().requires_grad_(False))
         pipe = self.family.sampling.assemble(components, self.tokenizers, sampler_from(self.noise_scheduler, "euler"),
                                     distilled=self.distilled)
+        if boundary is not None:
+            pipe.register_to_config(**{self.family.experts.boundary_key: boundary})
         return self.part.pipeline(pipe, modules)
 
     @torch.no_grad()

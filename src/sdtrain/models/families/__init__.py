@@ -27,13 +27,17 @@ from sdtrain.models.families.qwenimage21 import QWEN_IMAGE_21
 from sdtrain.models.families.sd import SD
 from sdtrain.models.families.sd3 import SD3
 from sdtrain.models.families.sdxl import SDXL
-from sdtrain.models.families.spec import ModelFamily
+from sdtrain.models.families.spec import ModelFamily, of_index
 from sdtrain.models.families.wan import WAN
+from sdtrain.models.families.wan22 import WAN22_TI2V
+from sdtrain.models.families.wan_a14b import WAN22_A14B
 from sdtrain.models.families.zimage import ZIMAGE
 
 FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (
     SD, SDXL, SD3, FLUX, ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS,
     FLUX2, FLUX2_KLEIN, KREA2, CHROMA, QWEN_IMAGE_21, WAN,
+    WAN22_A14B,
+    WAN22_TI2V,
 )}
 
 
@@ -113,7 +117,8 @@ def unhosted(family: ModelFamily, mode: str, key: str, cannot: str) -> str | Non
 
 def of_pipeline(pipe: Any) -> ModelFamily:
     """The family whose pipeline class `pipe` is."""
-    return next((family for family in FAMILIES.values() if isinstance(pipe, family.pipeline_classes())), SD)
+    return of_index([family for family in FAMILIES.values() if isinstance(pipe, family.pipeline_classes())],
+                    pipe.config) or SD
 
 
 def codec_of(vae: nn.Module, served: Any = None) -> LatentCodec:
@@ -162,11 +167,12 @@ def detect(source: str | Path) -> ModelFamily:
         return FAMILIES.get(read_meta(checkpoint).get("task", {}).get("family"), SD)
     if (path / "model_index.json").is_file():
         try:
-            found = json.loads((path / "model_index.json").read_text()).get("_class_name")
+            index = json.loads((path / "model_index.json").read_text())
+            found = index.get("_class_name")
         except (OSError, ValueError, AttributeError):
             return SD  # the pipeline loader reports what is wrong with the file
-        known = next((f for f in FAMILIES.values() if found in f.sampling.pipeline_names
-                      or found in (c.__name__ for c in f.pipeline_classes())), None)
+        known = of_index([f for f in FAMILIES.values() if found in f.sampling.pipeline_names
+                          or found in (c.__name__ for c in f.pipeline_classes())], index)
         if known is not None:
             return known
     elif path.is_file() and path.suffix == ".safetensors":

@@ -49,16 +49,8 @@ def index_says(source: str | Path | None, key: str) -> bool:
     """Whether the model_index.json of the pipeline folder at `source` (or of the one holding the component folder
     `source`) sets `key` true, as a pipeline reads a flag its components' configs do not carry (Flux.2 klein's and
     Krea 2's ``is_distilled``). False for a single file, a model from scratch or a folder without one."""
-    if source is None or not Path(source).is_dir():
-        return False
-    folder = Path(source)
-    if not (folder / "model_index.json").is_file():
-        folder = folder.parent  # a component folder inside a pipeline folder
-    try:
-        index = json.loads((folder / "model_index.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(index, dict) and index.get(key) is True
+    index = _index_of(source)
+    return index is not None and index.get(key) is True
 
 
 def construct(cls: Any, key: str, kwargs: dict[str, Any]) -> Any:
@@ -178,6 +170,90 @@ class ReferenceSpec:
     """Whether the text encoder reads the reference too (Qwen-Image-Edit's vision-language model): the conditioning
     is then each sample's own, given the sources (`ModelFamily.encode_text`'s `sources`), never one computed from
     the captions alone (encoded shards' text embeddings, a recipe's fixed prompts)."""
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """How a family's denoiser is two experts over shares of the timesteps (a mixture of experts in time, as Wan 2.2
+    A14B's): a pipeline folder keeps each in a folder of its own, and its sampler hands a step to the first expert
+    at a sigma at or above the boundary, else to the second. A run trains ONE (``model.expert``), in the component
+    table's denoiser's place and under its name, on sigmas drawn from that expert's share alone; the other stays
+    frozen and is loaded only where a pipeline samples (validation, export, generate), from the base's folder of
+    it."""
+
+    folders: tuple[str, str]
+    """Each expert's folder in a pipeline folder (and the pipeline's attribute), the high-noise one first; the first
+    is the component table's denoiser."""
+    names: tuple[str, str]
+    """What ``model.expert`` calls each expert, same order."""
+    default: str
+    """The expert a run trains when ``model.expert`` is unset (one of `names`)."""
+    released_boundary: float
+    """The boundary, as a fraction of the schedule's timesteps, where the pipeline folder says none (a model from
+    scratch)."""
+    boundary_key: str = "boundary_ratio"
+    """The model_index.json key the pipeline keeps the boundary under."""
+
+    def folder(self, expert: str | None) -> str:
+        """The pipeline folder of the expert `model.expert` names (None: `default`)."""
+        return self.folders[self._index(expert)]
+
+    def _index(self, expert: str | None) -> int:
+        problem = self.problem(expert)
+        if problem is not None:
+            raise UserError(problem)
+        return self.names.index(expert or self.default)
+
+    def problem(self, expert: str | None) -> str | None:
+        """The line that says `expert` names none of the experts; None when it names one (or is unset)."""
+        if expert is None or expert in self.names:
+            return None
+        return f"model.expert: '{expert}' is none of this model's experts; choose {' or '.join(self.names)}"
+
+    def boundary(self, source: str | Path | None) -> float:
+        """The boundary of the model at `source` (a pipeline folder, or an expert's folder in one): its
+        model_index.json's, else `released_boundary`."""
+        index = _index_of(source)
+        value = index.get(self.boundary_key) if index else None
+        return float(value) if isinstance(value, (int, float)) else self.released_boundary
+
+    def share(self, expert: str | None, boundary: float) -> tuple[float, float]:
+        """The sigmas expert `expert` denoises, [low, high): the high-noise one [boundary, 1] (1 included), the
+        other [0, boundary), as the pipeline hands each step over."""
+        return (boundary, 1.0) if self._index(expert) == 0 else (0.0, boundary)
+
+    def marks(self) -> tuple[str, ...]:
+        """The model_index.json entries a pipeline folder of such a model sets and one of a single denoiser does not:
+        every expert's folder but the first, and the boundary."""
+        return (*self.folders[1:], self.boundary_key)
+
+
+def _index_of(source: str | Path | None) -> dict[str, Any] | None:
+    """The model_index.json of the pipeline folder at `source`, or of the one holding the component folder
+    `source`; None without one (a single file, a model from scratch)."""
+    if source is None or not Path(source).is_dir():
+        return None
+    folder = Path(source)
+    if not (folder / "model_index.json").is_file():
+        folder = folder.parent  # a component folder inside a pipeline folder
+    try:
+        index = json.loads((folder / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return index if isinstance(index, dict) else None
+
+
+def of_index(candidates: list[ModelFamily], index: Mapping[str, Any]) -> ModelFamily | None:
+    """Of the families whose pipeline class a pipeline folder's is (`candidates`, in registry order), the one its
+    model_index.json (`index`, or a loaded pipeline's config) describes: one with experts whose marks
+    (`ExpertSpec.marks`) it all sets, else the first without experts. Folders of one pipeline class hold different
+    models (WanPipeline's: one transformer, or two experts)."""
+    def setting(key: str) -> bool:
+        value = index.get(key)
+        return value not in (None, False) and not (isinstance(value, (list, tuple)) and not any(value))
+
+    experts = [f for f in candidates if f.experts is not None and all(setting(k) for k in f.experts.marks())]
+    return next(iter(experts or [f for f in candidates if f.experts is None]), None)
 
 
 ROLES = ("vae", "text_encoder", "denoiser", "image_encoder")
@@ -556,13 +632,18 @@ class ModelFamily:
     def __init__(self, *, name: str, title: str, components: Components, presets: dict[str, dict[str, dict]],
                  codec: LatentCodec, conditioner: Conditioner, denoising: DenoiserCall, files: FileInterchange,
                  sampling: Sampling, hub_tags: tuple[str, ...] = (), controlnet: ControlSpec | None = None,
-                 instruct: InstructSpec | None = None, reference: ReferenceSpec | None = None) -> None:
+                 instruct: InstructSpec | None = None, reference: ReferenceSpec | None = None,
+                 experts: ExpertSpec | None = None) -> None:
         self.name = name
         self.title = title
         self.hub_tags = hub_tags
         self.components = components
         self.presets = presets
         self.controlnet, self.instruct, self.reference = controlnet, instruct, reference
+        self.experts = experts
+        if experts is not None and (experts.folders[0] != components.denoiser or experts.default not in experts.names):
+            raise TypeError(f"model family {name}: its first expert is its denoiser ({components.denoiser}) and its "
+                            f"default expert one of {experts.names}")
         given = {"codec": codec, "conditioner": conditioner, "denoising": denoising, "files": files,
                  "sampling": sampling}
         for part, kind in self.PARTS.items():
@@ -605,6 +686,8 @@ class ModelFamily:
     """How the family's denoiser learns InstructPix2Pix's editing; None where this release trains none for it."""
     reference: ReferenceSpec | None
     """How the family's denoiser learns to edit by reference; None where this release trains none for it."""
+    experts: ExpertSpec | None
+    """How its denoiser is experts over shares of the timesteps, a run training one; None: one denoiser for all."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled by name (loader workers receive the conditioner's family): its parts hold callables and lambdas,

@@ -14,29 +14,17 @@ the schedule's 0..1000 scale, as the pipeline calls it: the flow objective's own
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
-from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from torch import nn
-from transformers import UMT5Config, UMT5EncoderModel
 
 from sdtrain.errors import UserError
 from sdtrain.models.families import spec, wan_file
-from sdtrain.models.families.clip import ClipTokenizerFromScratch
-from sdtrain.models.families.spec import construct, ids_key, mask_key
+from sdtrain.models.families.umt5 import TEXT_LENGTH, TINY_UMT5, UMT5_XXL, UMT5Conditioner, umt5_component
 from sdtrain.models.families.wan_vae import TINY_WAN_VIDEO_VAE, WAN_VIDEO_CODEC, WAN_VIDEO_VAE
 
-TEXT_LENGTH = 512
-"""umT5's tokens per caption when ``model.t5_text_length`` is unset: WanPipeline's ``max_sequence_length``."""
-
-# umT5-XXL's encoder (google/umt5-xxl; Wan-AI's text_encoder/config.json): 5,680,910,336 parameters. Trained without
-# dropout, as the other T5 towers here (the released config's 0.1 is for pretraining).
-_UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-                 relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
-                 dropout_rate=0.0, layer_norm_epsilon=1e-6)
 # Wan2.1-T2V-1.3B's transformer (Wan-AI's transformer/config.json): 1,418,996,800 parameters, 1536 wide (12 heads of
 # 128); its text width comes from umT5 (Call.settings), its channels from the latents (Call.shape).
 _WAN_1_3B = dict(patch_size=[1, 2, 2], num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30,
@@ -48,73 +36,23 @@ _WAN_14B = {**_WAN_1_3B, "num_attention_heads": 40, "ffn_dim": 13824, "num_layer
 _SCHEDULER_480P = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
 _SCHEDULER_720P = {**_SCHEDULER_480P, "shift": 5.0}
 
-# The released structure at a size tests train: umT5's gated-GELU blocks with per-layer relative attention, a
-# transformer whose head width splits into RoPE's three axes (8 + 4 + 4), and the tiny video autoencoder.
-_TINY_UMT5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
-                  relative_attention_max_distance=32, feed_forward_proj="gated-gelu", dropout_rate=0.0)
+# The released structure at a size tests train: a transformer whose head width splits into RoPE's three axes
+# (8 + 4 + 4), with umT5's and the video autoencoder's tiny ones.
 _TINY_WAN = dict(patch_size=[1, 2, 2], num_attention_heads=2, attention_head_dim=16, ffn_dim=64, num_layers=2,
                  freq_dim=32, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "tiny": {"vae": TINY_WAN_VIDEO_VAE, "text_encoder": _TINY_UMT5, "transformer": _TINY_WAN,
+    "tiny": {"vae": TINY_WAN_VIDEO_VAE, "text_encoder": TINY_UMT5, "transformer": _TINY_WAN,
              "scheduler": _SCHEDULER_480P},
-    "wan2.1-t2v-1.3b": {"vae": WAN_VIDEO_VAE, "text_encoder": _UMT5_XXL, "transformer": _WAN_1_3B,
+    "wan2.1-t2v-1.3b": {"vae": WAN_VIDEO_VAE, "text_encoder": UMT5_XXL, "transformer": _WAN_1_3B,
                         "scheduler": _SCHEDULER_480P},
-    "wan2.1-t2v-14b": {"vae": WAN_VIDEO_VAE, "text_encoder": _UMT5_XXL, "transformer": _WAN_14B,
+    "wan2.1-t2v-14b": {"vae": WAN_VIDEO_VAE, "text_encoder": UMT5_XXL, "transformer": _WAN_14B,
                        "scheduler": _SCHEDULER_720P},
 }
 
 
 def transformer_blocks(transformer: WanTransformer3DModel) -> list[nn.Module]:
     return list(transformer.blocks)
-
-
-def umt5_blocks(encoder: UMT5EncoderModel) -> list[nn.Module]:
-    return list(encoder.encoder.block)
-
-
-def umt5_config(settings: dict[str, Any], tokenizer: Any, key: str) -> UMT5Config:
-    """An umT5 encoder's config from preset settings; the vocabulary is the tokenizer's unless the preset names
-    umT5's own (the released encoder keeps its 256,384 rows)."""
-    return construct(UMT5Config, key, {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
-                                       "eos_token_id": tokenizer.eos_token_id, "is_encoder_decoder": False,
-                                       "use_cache": False, **settings})
-
-
-class Conditioner(ClipTokenizerFromScratch, spec.Conditioner):
-    # A model from scratch learns CLIP's byte-level BPE from its captions and umT5 reads its ids, as SD3's and
-    # Flux.1's T5 do: the released umT5 SentencePiece model is no layout a run's captions train.
-
-    def tokenize(self, tokenizer: Any, index: int, captions: list[str]) -> dict[str, torch.Tensor]:
-        # As the pipeline tokenizes a prompt: cleaned by its own function (HTML entities, whitespace; ftfy's fixes
-        # where ftfy is installed), its special tokens, padded on the right to the length (whatever the folder's
-        # padding side: the pipeline keeps each caption's first states, which right padding makes the caption's).
-        tokens = tokenizer([prompt_clean(caption) for caption in captions], padding="max_length",
-                           padding_side="right", truncation=True, max_length=tokenizer.model_max_length,
-                           add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
-        return {ids_key(index): tokens.input_ids, mask_key(index): tokens.attention_mask}
-
-    def long_text_length(self, preset: str, denoiser_source: str | Path | None = None) -> int:
-        return TEXT_LENGTH
-
-    def build_text_encoder(self, name: str, settings: dict[str, Any], tokenizer: Any, key: str) -> nn.Module:
-        return UMT5EncoderModel(umt5_config(settings, tokenizer, key))
-
-    def encode_text(self, encoders: list[nn.Module], ids: list[torch.Tensor], captions: list[str] | None,
-                    masks: list[torch.Tensor | None] | None = None, sources: torch.Tensor | None = None
-                    ) -> dict[str, torch.Tensor]:
-        mask = masks[0] if masks else None
-        if mask is None:
-            raise ValueError("Wan 2.1's conditioning reads umT5 under its attention mask: pass the masks `tokenize` "
-                             "makes (ModelFamily.token_inputs)")
-        states = encoders[0](input_ids=ids[0], attention_mask=mask).last_hidden_state
-        mask = mask.to(states.dtype)
-        # The padding's states zeroed, as the pipeline pads each caption's own with zeros: the transformer, which
-        # takes no mask, attends to them as it did in training.
-        return {"text_emb": states * mask.unsqueeze(-1), "text_mask": mask}
-
-    def text_shapes(self, text_encoders: dict[str, Any], lengths: list[int]) -> dict[str, tuple[int, ...]]:
-        return {"text_emb": (lengths[0], text_encoders["text_encoder"].d_model), "text_mask": (lengths[0],)}
 
 
 class Call(spec.DenoiserCall):
@@ -242,13 +180,12 @@ WAN = spec.ModelFamily(
         # recomputing a block (activation checkpointing) would advance twice.
         vae=spec.Component(AutoencoderKLWan, "vae"),
         # diffusers' Wan LoRA loader (and every Wan trainer) adapts the transformer alone; umT5 stays frozen.
-        text_encoder=spec.Component(UMT5EncoderModel, "text_encoder", tokenizer="tokenizer", long_text=True,
-                                    blocks=umt5_blocks),
+        text_encoder=umt5_component(),
         # Its adapters' second file names them as ComfyUI does, diffusion_model.<Wan's path> (see Files).
         transformer=spec.Component(WanTransformer3DModel, "denoiser", kohya_prefix=wan_file.LORA_PREFIX,
                                    blocks=transformer_blocks),
     ),
     # Each channel has its own mean and deviation, in the VAE's config (latents_mean, latents_std).
-    presets=PRESETS, codec=WAN_VIDEO_CODEC, conditioner=Conditioner(), denoising=Call(), files=Files(),
+    presets=PRESETS, codec=WAN_VIDEO_CODEC, conditioner=UMT5Conditioner(), denoising=Call(), files=Files(),
     sampling=Sampling(),
 )

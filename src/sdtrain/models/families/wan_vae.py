@@ -88,6 +88,10 @@ class WanVideoCodec(ChannelStatistics, LatentCodec):
 
     released = {"scaling_factor": 1.0, "shift_factor": None}
 
+    def __init__(self, title: str = "Wan 2.1") -> None:
+        self.title = title
+        """Whose autoencoder it is, in messages (Wan 2.1's and Wan 2.2's are one class, AutoencoderKLWan)."""
+
     def clip_frames(self, vae_config: Any) -> int:
         # Each temporal downsampling halves the frames after the first.
         return 2 ** sum(bool(halves) for halves in vae_config.temperal_downsample)
@@ -100,26 +104,60 @@ class WanVideoCodec(ChannelStatistics, LatentCodec):
         return 2 ** len(vae_config.temperal_downsample) * (getattr(vae_config, "patch_size", None) or 1)
 
     def encode(self, vae: nn.Module, pixels: torch.Tensor) -> DiagonalGaussianDistribution:
-        _check_clip(pixels, math.lcm(CHUNK_FRAMES, self.clip_frames(vae.config)))
+        _check_clip(pixels, math.lcm(CHUNK_FRAMES, self.clip_frames(vae.config)), self.title)
         return vae.encode(pixels).latent_dist
 
     def decode(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
         if latents.dim() != 5:
-            raise UserError(f"Wan 2.1's autoencoder decodes clips' latents (B, C, t, h, w), not a tensor of shape "
+            raise UserError(f"{self.title}'s autoencoder decodes clips' latents (B, C, t, h, w), not a tensor of shape "
                             f"{tuple(latents.shape)}")
         return vae.decode(latents).sample
 
 
-def _check_clip(pixels: torch.Tensor, step: int) -> None:
+def _check_clip(pixels: torch.Tensor, step: int, title: str) -> None:
     """One line for what the autoencoder cannot read whole: no clip (B, 3, T, H, W), or T not 1 + k `step`."""
     if pixels.dim() != 5:
-        raise UserError(f"Wan 2.1's autoencoder reads clips (B, 3, T, H, W), a still image as T = 1, not a tensor of "
+        raise UserError(f"{title}'s autoencoder reads clips (B, 3, T, H, W), a still image as T = 1, not a tensor of "
                         f"shape {tuple(pixels.shape)}")
     frames = pixels.shape[2]
     if (frames - 1) % step:
-        raise UserError(f"a clip of {frames} frames: Wan 2.1's autoencoder reads {step}n + 1 (1, {1 + step}, "
+        raise UserError(f"a clip of {frames} frames: {title}'s autoencoder reads {step}n + 1 (1, {1 + step}, "
                         f"{1 + 2 * step}, ...), the frames after the first in whole chunks of {step}; trim it to "
                         f"{1 + (frames - 1) // step * step}")
 
 
 WAN_VIDEO_CODEC = WanVideoCodec()
+"""Wan 2.1's."""
+
+
+# ------------------------------------------------------------------------------------------- Wan 2.2's clips
+WAN22_LATENTS_MEAN = [
+    -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813, 0.0891,
+    0.1570, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
+    -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230, -0.0313, -0.1649, 0.0117, 0.0723,
+    -0.2839, -0.2083, -0.0520, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667]
+"""Each of the 48 latent channels' mean over Wan 2.2's autoencoder's training videos (Wan-AI/Wan2.2-TI2V-5B-Diffusers'
+vae/config.json)."""
+WAN22_LATENTS_STD = [
+    0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901,
+    0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+    0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944,
+    0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744]
+"""Each channel's deviation, the same way."""
+WAN22_VIDEO_VAE: dict[str, Any] = dict(
+    base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+    temperal_downsample=[False, True, True], is_residual=True, patch_size=2, in_channels=12, out_channels=12,
+    latents_mean=WAN22_LATENTS_MEAN, latents_std=WAN22_LATENTS_STD, scale_factor_temporal=4, scale_factor_spatial=16)
+"""Wan 2.2's video autoencoder (the TI2V-5B's vae/config.json; 704,688,668 parameters): each frame's 2x2 pixel
+patches folded into 12 channels first (``patch_size``), then residual down blocks (``is_residual``) with a wider
+decoder, so 16x smaller a side and 4x fewer frames after the first, into 48 channels."""
+TINY_WAN22_VIDEO_VAE: dict[str, Any] = dict(
+    base_dim=16, decoder_base_dim=24, z_dim=16, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[True, True],
+    is_residual=True, patch_size=2, in_channels=12, out_channels=12, latents_mean=[0.0] * 16, latents_std=[1.0] * 16,
+    scale_factor_temporal=4, scale_factor_spatial=8)
+"""Wan 2.2's structure at a size tests train: the patch fold, residual blocks and a decoder wider than the encoder,
+both downsamplings halving the frames too (4x), 8x smaller a side (the patch's 2 times two halvings); latents neither
+shifted nor scaled until an autoencoder run measures them."""
+
+WAN22_VIDEO_CODEC = WanVideoCodec("Wan 2.2")
+"""Wan 2.2's: the same causal chunks and normalisation as 2.1's; its `downsampling` counts the patch fold."""
