@@ -324,16 +324,19 @@ def test_every_preset_sets_every_component(name):
 
 
 def test_families_are_told_apart_by_their_files():
-    """No two families of one denoiser claim the same pipeline class name or single-file key prefix, and each name
-    is its own; a family of experts shares its pipeline's name and is told by the experts its folder sets."""
-    names = [f.sampling.pipeline_names for f in families.FAMILIES.values() if f.experts is None]
+    """No two unmarked families claim the same pipeline class name, and each name is its own; a family that shares
+    its pipeline's name (WanPipeline's: two experts, or timesteps per token) is told by the marks its folder sets."""
+    def marks(family: spec.ModelFamily) -> tuple[str, ...]:
+        return (*(family.experts.marks() if family.experts is not None else ()), *family.sampling.index_marks)
+
+    names = [f.sampling.pipeline_names for f in families.FAMILIES.values() if not marks(f)]
     flat = [n for group in names for n in group]
     assert len(flat) == len(set(flat))
     for family in families.FAMILIES.values():
-        if family.experts is not None:
+        if marks(family):
             name = family.sampling.pipeline_names[0]
             named = [f for f in families.FAMILIES.values() if name in f.sampling.pipeline_names]
-            index = {"_class_name": name, **dict.fromkeys(family.experts.marks(), 1)}
+            index = {"_class_name": name, **dict.fromkeys(marks(family), 1)}
             assert spec.of_index(named, index) is family
             assert spec.of_index(named, {"_class_name": index["_class_name"]}) is not family
     for name, family in families.FAMILIES.items():

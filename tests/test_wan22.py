@@ -124,8 +124,6 @@ def test_a_clip_conditioned_on_its_first_frame_keeps_it_clean_at_timestep_0_and_
     assert not condition[wan22.FIRST_FRAME].any() and bool((weights == 1).all())
 
 
-@pytest.mark.xfail(strict=True, reason="needs spec.DenoiserCall.conditioned and DiffusionTask.denoising_loss calling "
-                                       "it (the family's noisy latents, conditioning and loss weights)")
 def test_training_calls_the_familys_first_frame_conditioning():
     """The loss reads the family's `conditioned` between the objective's draw and the denoiser's call: every family
     has it (by default the noisy latents, nothing, no weights), and the task multiplies its weights into the loss
@@ -166,8 +164,6 @@ def test_a_model_from_the_tiny_preset_saves_and_draws_from_text_and_from_an_imag
     assert len(drawn[0]) == 5
 
 
-@pytest.mark.xfail(strict=True, reason="needs spec.of_index to read Sampling.index_marks (expand_timesteps) beside "
-                                       "the experts' marks")
 def test_a_folder_is_recognised_by_its_per_token_timesteps(folder):
     assert families.detect(folder) is TI2V
     assert families.of_pipeline(_pipeline(folder)) is TI2V

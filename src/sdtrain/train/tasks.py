@@ -655,8 +655,13 @@ class DiffusionTask(Task):
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
             latents = self._latents(batch, generator)
             noisy, timesteps, target = self.objective.draw(latents, generator)
+            # What the family conditions on of the clean latents (a first frame), and what then leaves the loss.
+            noisy, given, weights = self.family.denoising.conditioned(latents, noisy, generator)
         condition, extra = self.denoiser_inputs(batch, noisy, timesteps, generator)
-        return self.denoising_loss_at(noisy, timesteps, target, condition, latent_mask(batch, latents), extra)
+        mask = latent_mask(batch, latents)
+        if weights is not None:
+            mask = weights if mask is None else mask * weights
+        return self.denoising_loss_at(noisy, timesteps, target, {**condition, **given}, mask, extra)
 
     def denoiser_inputs(self, batch: dict[str, Any], noisy: torch.Tensor, timesteps: torch.Tensor,
                         generator: torch.Generator | None = None) -> tuple[dict[str, Any], torch.Tensor | None]:

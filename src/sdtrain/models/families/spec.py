@@ -245,15 +245,18 @@ def _index_of(source: str | Path | None) -> dict[str, Any] | None:
 
 def of_index(candidates: list[ModelFamily], index: Mapping[str, Any]) -> ModelFamily | None:
     """Of the families whose pipeline class a pipeline folder's is (`candidates`, in registry order), the one its
-    model_index.json (`index`, or a loaded pipeline's config) describes: one with experts whose marks
-    (`ExpertSpec.marks`) it all sets, else the first without experts. Folders of one pipeline class hold different
-    models (WanPipeline's: one transformer, or two experts)."""
+    model_index.json (`index`, or a loaded pipeline's config) describes: one whose marks (its experts'
+    `ExpertSpec.marks` and its `Sampling.index_marks`) it all sets, else the first that has none. Folders of one
+    pipeline class hold different models (WanPipeline's: one transformer, two experts, or timesteps per token)."""
     def setting(key: str) -> bool:
         value = index.get(key)
         return value not in (None, False) and not (isinstance(value, (list, tuple)) and not any(value))
 
-    experts = [f for f in candidates if f.experts is not None and all(setting(k) for k in f.experts.marks())]
-    return next(iter(experts or [f for f in candidates if f.experts is None]), None)
+    def marks(family: ModelFamily) -> tuple[str, ...]:
+        return (*(family.experts.marks() if family.experts is not None else ()), *family.sampling.index_marks)
+
+    marked = [f for f in candidates if marks(f) and all(setting(k) for k in marks(f))]
+    return next(iter(marked or [f for f in candidates if not marks(f)]), None)
 
 
 ROLES = ("vae", "text_encoder", "denoiser", "image_encoder")
@@ -453,6 +456,14 @@ class DenoiserCall(Part):
         model's ``sample`` for its keyword arguments."""
         return denoiser(noisy, timesteps, **condition).sample
 
+    def conditioned(self, latents: torch.Tensor, noisy: torch.Tensor, generator: torch.Generator | None
+                    ) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor | None]:
+        """What a family conditions its denoiser on of the clean `latents` themselves (Wan 2.2 TI2V's first frame):
+        the noisy latents the denoiser then reads, what its conditioning gains, and a loss weight on the latents'
+        grid (None: all count), which multiplies the batch's mask; drawn from `generator` after the objective's
+        draws. By default nothing: `noisy` as it is, and no draw."""
+        return noisy, {}, None
+
     def takes_guidance(self, denoiser_config: Any) -> bool:
         """Whether the denoiser has a guidance embedding (Flux.1-dev's), fed ``condition["guidance"]``."""
         return False
@@ -568,6 +579,9 @@ class Sampling(Part):
     """What the pipeline class's from_pretrained is also given to load a pretrained folder of this family."""
     pipeline_names: tuple[str, ...] = ()
     """model_index.json ``_class_name`` values of pretrained folders of this family, beside its pipelines'."""
+    index_marks: tuple[str, ...] = ()
+    """model_index.json settings a folder of this family sets and one of another family of the same pipeline class
+    does not (Wan 2.2 TI2V's ``expand_timesteps`` among WanPipeline folders; see `of_index`)."""
 
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
                  distilled: bool = False) -> Any:

@@ -113,6 +113,7 @@ class Files(WanTransformerFiles):
 
 class Sampling(spec.Sampling):
     pipeline_class = WanPipeline
+    pipeline_names = ("WanPipeline",)
     image_pipeline_class = WanImageToVideoPipeline
     """The pipeline that draws from an image (``image=``) too: the same components, with ``expand_timesteps``."""
     index_marks = ("expand_timesteps",)
