@@ -13,7 +13,6 @@ the schedule's 0..1000 scale, as the pipeline calls it: the flow objective's own
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -23,6 +22,12 @@ from torch import nn
 from sdtrain.errors import UserError
 from sdtrain.models.families import spec, wan_file
 from sdtrain.models.families.umt5 import TEXT_LENGTH, TINY_UMT5, UMT5_XXL, UMT5Conditioner, umt5_component
+from sdtrain.models.families.wan_transformer import (
+    WanTransformerCall,
+    WanTransformerFiles,
+    check_scale_factors,
+    transformer_blocks,
+)
 from sdtrain.models.families.wan_vae import TINY_WAN_VIDEO_VAE, WAN_VIDEO_CODEC, WAN_VIDEO_VAE
 
 # Wan2.1-T2V-1.3B's transformer (Wan-AI's transformer/config.json): 1,418,996,800 parameters, 1536 wide (12 heads of
@@ -51,52 +56,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-def transformer_blocks(transformer: WanTransformer3DModel) -> list[nn.Module]:
-    return list(transformer.blocks)
-
-
-class Call(spec.DenoiserCall):
-    objective = "flow_matching"
-
-    def settings(self, settings: dict[str, Any], text_encoders: dict[str, nn.Module]) -> dict[str, Any]:
-        return {"text_dim": text_encoders["text_encoder"].config.d_model}
-
-    def shape(self, latent_channels: int, latent_size: int) -> dict[str, Any]:
-        # The transformer patches the latents itself, and RoPE has no fixed table of sizes (see max_latent_side).
-        return {"in_channels": latent_channels, "out_channels": latent_channels}
-
-    def initialise(self, denoiser: nn.Module) -> bool:
-        # Wan's own (WanModel.init_weights) on diffusers' modules, in their order: Xavier-uniform weights and zero
-        # biases for every linear layer; the patch embedding Xavier-uniform over its flattened kernel (its bias
-        # kept); N(0, 0.02) for the text and time embedders' layers; the output projection (head.head) zero. The
-        # modulation tables keep the N(0, 1 / width) they are built with, as Wan's are.
-        for module in denoiser.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.xavier_uniform_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-        with torch.no_grad():
-            nn.init.xavier_uniform_(denoiser.patch_embedding.weight.view(denoiser.patch_embedding.weight.shape[0], -1))
-        embedders = denoiser.condition_embedder
-        for module in (*embedders.text_embedder.modules(), *embedders.time_embedder.modules()):
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=0.02)
-        nn.init.zeros_(denoiser.proj_out.weight)
-        return True
-
-    def downsampling(self, denoiser_config: Any) -> int:
-        # A latent side must be whole patches (1x2x2: the frames are not patched).
-        _, height, width = denoiser_config.patch_size
-        return math.lcm(height, width)
-
-    def max_latent_side(self, denoiser_config: Any) -> int | None:
-        # RoPE's tables cover rope_max_seq_len patches along each axis.
-        return denoiser_config.rope_max_seq_len * min(denoiser_config.patch_size[1:])
-
-    def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
-                  ) -> dict[str, Any]:
-        return {"encoder_hidden_states": text["text_emb"]}
-
+class Call(WanTransformerCall):
     def denoise(self, denoiser: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 condition: dict[str, Any]) -> torch.Tensor:
         if noisy.dim() != 5:
@@ -107,31 +67,8 @@ class Call(spec.DenoiserCall):
                         encoder_hidden_states=condition["encoder_hidden_states"], return_dict=False)[0]
 
 
-class Files(spec.FileInterchange):
+class Files(WanTransformerFiles):
     single_file_keys = wan_file.SINGLE_FILE_KEYS
-    # The transformer alone in Wan's original layout, as Wan-AI's and ComfyUI's files hold it (see wan_file).
-    single_file = wan_file.TRANSFORMER_FILE
-    # The diffusers file keeps peft's names: diffusers' converter renames attention projections alone, which would
-    # leave the feed-forward's adapters (ffn.net.0.proj, ffn.net.2) in another naming the loader drops.
-    denoiser_lora_peft_names = True
-
-    # The second file (lora_kohya.safetensors) is in the names ComfyUI's Wan loader applies whole and diffusers' Wan
-    # loader converts: diffusion_model.<Wan's module path> (wan_file), not kohya's underscored ones.
-    def kohya_lora(self, component: str, layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]], config: Any
-                   ) -> dict[str, torch.Tensor]:
-        if component == self.family.components.denoiser:
-            return wan_file.lora_state(layers)
-        return super().kohya_lora(component, layers, config)
-
-    def kohya_lora_name(self, component: str, path: str, config: Any) -> str:
-        if component == self.family.components.denoiser:
-            return wan_file.lora_name(path)
-        return super().kohya_lora_name(component, path, config)
-
-    def original_module_path(self, component: str, path: str, config: Any) -> str:
-        if component == self.family.components.denoiser:
-            return wan_file.original_module_path(path)
-        return path
 
 
 class Sampling(spec.Sampling):
@@ -151,15 +88,7 @@ class Sampling(spec.Sampling):
                 or pipe.config.get("expand_timesteps"):
             raise UserError("this WanPipeline folder is Wan 2.2's (two transformers, or a timestep per token); "
                             "sdtrain trains Wan 2.1 (a Wan2.1-T2V-1.3B or -14B folder)")
-        # The pipeline sizes its latents by the config's scale factors, not the autoencoder's structure.
-        vae, codec = pipe.vae, self.family.codec
-        told = (vae.config.scale_factor_spatial, vae.config.scale_factor_temporal)
-        built = (codec.downsampling(vae.config), codec.clip_frames(vae.config))
-        if told != built:
-            raise UserError(f"model.components.vae.overrides: the autoencoder downsamples {built[0]}x a side and "
-                            f"{built[1]}x in time, but its scale_factor_spatial and scale_factor_temporal say "
-                            f"{told[0]} and {told[1]}, which WanPipeline sizes latents by; set them to {built[0]} "
-                            f"and {built[1]}")
+        check_scale_factors(pipe.vae, self.family.codec)
         return pipe
 
     def defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
