@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+from diffusers import WanPipeline
 from torch import nn
 
 from sdtrain.errors import UserError
@@ -26,7 +26,8 @@ from sdtrain.models.families.wan_transformer import (
     WanTransformerCall,
     WanTransformerFiles,
     check_scale_factors,
-    transformer_blocks,
+    transformer_component,
+    video_vae_component,
 )
 from sdtrain.models.families.wan_vae import TINY_WAN_VIDEO_VAE, WAN_VIDEO_CODEC, WAN_VIDEO_VAE
 
@@ -105,14 +106,10 @@ class Sampling(spec.Sampling):
 WAN = spec.ModelFamily(
     name="wan", title="Wan 2.1", hub_tags=("wan", "wan2.1", "text-to-video"),
     components=spec.Components(
-        # The autoencoder lists no blocks: its causal convolutions carry a frame cache from call to call, which
-        # recomputing a block (activation checkpointing) would advance twice.
-        vae=spec.Component(AutoencoderKLWan, "vae"),
+        vae=video_vae_component(),
         # diffusers' Wan LoRA loader (and every Wan trainer) adapts the transformer alone; umT5 stays frozen.
         text_encoder=umt5_component(),
-        # Its adapters' second file names them as ComfyUI does, diffusion_model.<Wan's path> (see Files).
-        transformer=spec.Component(WanTransformer3DModel, "denoiser", kohya_prefix=wan_file.LORA_PREFIX,
-                                   blocks=transformer_blocks),
+        transformer=transformer_component(),
     ),
     # Each channel has its own mean and deviation, in the VAE's config (latents_mean, latents_std).
     presets=PRESETS, codec=WAN_VIDEO_CODEC, conditioner=UMT5Conditioner(), denoising=Call(), files=Files(),

@@ -16,17 +16,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
+from diffusers import WanImageToVideoPipeline, WanPipeline
 from torch import nn
 
 from sdtrain.errors import UserError
-from sdtrain.models.families import spec, wan_file
+from sdtrain.models.families import spec
 from sdtrain.models.families.umt5 import TEXT_LENGTH, TINY_UMT5, UMT5_XXL, UMT5Conditioner, umt5_component
 from sdtrain.models.families.wan_transformer import (
     WanTransformerCall,
     WanTransformerFiles,
     check_scale_factors,
-    transformer_blocks,
+    transformer_component,
+    video_vae_component,
 )
 from sdtrain.models.families.wan_vae import TINY_WAN22_VIDEO_VAE, WAN22_VIDEO_CODEC, WAN22_VIDEO_VAE
 
@@ -154,13 +155,9 @@ class Sampling(spec.Sampling):
 WAN22_TI2V = spec.ModelFamily(
     name="wan2.2-ti2v", title="Wan 2.2 TI2V-5B", hub_tags=("wan", "wan2.2", "text-to-video", "image-to-video"),
     components=spec.Components(
-        # The autoencoder lists no blocks: its causal convolutions carry a frame cache from call to call, which
-        # recomputing a block (activation checkpointing) would advance twice.
-        vae=spec.Component(AutoencoderKLWan, "vae"),
+        vae=video_vae_component(),
         text_encoder=umt5_component(),
-        # Its modules are Wan 2.1's, so its adapters' second file names them as ComfyUI does (wan_file).
-        transformer=spec.Component(WanTransformer3DModel, "denoiser", kohya_prefix=wan_file.LORA_PREFIX,
-                                   blocks=transformer_blocks),
+        transformer=transformer_component(),
     ),
     presets=PRESETS, codec=WAN22_VIDEO_CODEC, conditioner=UMT5Conditioner(), denoising=Call(), files=Files(),
     sampling=Sampling(),

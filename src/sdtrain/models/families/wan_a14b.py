@@ -17,17 +17,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+from diffusers import WanPipeline
 from torch import nn
 
 from sdtrain.errors import UserError
-from sdtrain.models.families import spec, wan_file
+from sdtrain.models.families import spec
 from sdtrain.models.families.umt5 import TEXT_LENGTH, TINY_UMT5, UMT5_XXL, UMT5Conditioner, umt5_component
 from sdtrain.models.families.wan_transformer import (
     WanTransformerCall,
     WanTransformerFiles,
     check_scale_factors,
-    transformer_blocks,
+    transformer_component,
+    video_vae_component,
 )
 from sdtrain.models.families.wan_vae import TINY_WAN_VIDEO_VAE, WAN_VIDEO_CODEC, WAN_VIDEO_VAE
 
@@ -117,12 +118,10 @@ class Sampling(spec.Sampling):
 WAN22_A14B = spec.ModelFamily(
     name="wan2.2-a14b", title="Wan 2.2 A14B", hub_tags=("wan", "wan2.2", "text-to-video"),
     components=spec.Components(
-        # As Wan 2.1's: the autoencoder lists no blocks (its causal convolutions cache frames from call to call).
-        vae=spec.Component(AutoencoderKLWan, "vae"),
+        vae=video_vae_component(),
         text_encoder=umt5_component(),
-        # The expert a run trains, whichever it is (EXPERTS), under this name; its second LoRA file in ComfyUI's.
-        transformer=spec.Component(WanTransformer3DModel, "denoiser", kohya_prefix=wan_file.LORA_PREFIX,
-                                   blocks=transformer_blocks),
+        # The expert a run trains, whichever it is (EXPERTS), under this name.
+        transformer=transformer_component(),
     ),
     presets=PRESETS, codec=WAN_VIDEO_CODEC, conditioner=UMT5Conditioner(), denoising=Call(), files=Files(),
     sampling=Sampling(), experts=EXPERTS,

@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 import torch
-from diffusers import WanTransformer3DModel
+from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from torch import nn
 
 from sdtrain.errors import UserError
@@ -21,6 +21,19 @@ from sdtrain.models.families.codec import LatentCodec
 def transformer_blocks(transformer: WanTransformer3DModel) -> list[nn.Module]:
     """The transformer's repeated blocks, in forward order (`spec.Component.blocks`)."""
     return list(transformer.blocks)
+
+
+def transformer_component() -> spec.Component:
+    """A Wan transformer's record: the denoiser, its blocks, and its adapters' second LoRA file in the names ComfyUI
+    gives Wan's modules, diffusion_model.<Wan's path> (see WanTransformerFiles)."""
+    return spec.Component(WanTransformer3DModel, "denoiser", kohya_prefix=wan_file.LORA_PREFIX,
+                          blocks=transformer_blocks)
+
+
+def video_vae_component() -> spec.Component:
+    """A Wan video autoencoder's record. It lists no blocks: its causal convolutions carry a frame cache from call
+    to call, which recomputing a block (activation checkpointing) would advance twice."""
+    return spec.Component(AutoencoderKLWan, "vae")
 
 
 class WanTransformerCall(spec.DenoiserCall):
