@@ -73,6 +73,7 @@ def test_benchmark_times_a_sharded_save_under_fsdp(tmp_path, capsys):
     assert "sharded" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # the loader benchmark's own path; the default suite times the real loader in the step
 def test_benchmark_data_reports_loader_rate_beside_training(tmp_path, shapes_dir, capsys):
     out = tmp_path / "data.json"
     assert main(["benchmark", "data", str(config_path("diffusion.yaml")), f"data.shards={shapes_dir}", *SMALL,

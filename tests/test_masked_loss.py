@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -119,6 +120,8 @@ def _full_fine_tune(run: Path, pretrained: Path, shards: Path, *extra: str) -> l
             "data.alpha_mask=true", *extra]
 
 
+# Slow: the default suite resumes masked batches with the clip and SD runs; this one adds alpha masks.
+@pytest.mark.slow
 def test_a_masked_fine_tune_resumes_bitwise_after_kill_9(tmp_path, pretrained):
     shards = _stickers(tmp_path)
     resumes_bitwise_after_kill_9(lambda run: _full_fine_tune(run, pretrained, shards), tmp_path)

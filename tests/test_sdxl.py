@@ -73,10 +73,11 @@ def _scratch_command(run: Path, vae: Path, shapes_dir: Path, steps: int) -> list
             "checkpoint.every=1", "validation.prompts=[]", "evaluation.every_samples=0", "data.caption_dropout=0.25"]
 
 
-# The default run resumes the two cheapest modes; from scratch, full and DreamBooth (which trains the UNet whole as
-# full does) run with the slow tests.
-@pytest.mark.parametrize("mode", [*(pytest.param(m, marks=pytest.mark.slow) for m in ("scratch", "full", "dreambooth")),
-                                  "lora", "textual_inversion"])
+# The default run resumes the cheapest mode; from scratch, full, DreamBooth (which trains the UNet whole as full
+# does) and textual inversion (SD's runs by default) run with the slow tests.
+@pytest.mark.parametrize("mode", [*(pytest.param(m, marks=pytest.mark.slow) for m in ("scratch", "full", "dreambooth",
+                                                                                      "textual_inversion")),
+                                  "lora"])
 def test_every_mode_resumes_bitwise_after_kill_9(mode, tmp_path, sdxl_pretrained, shapes_dir, autoencoder_run):
     def command(run: Path) -> list[str]:
         if mode == "scratch":
