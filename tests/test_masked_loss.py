@@ -120,7 +120,8 @@ def _full_fine_tune(run: Path, pretrained: Path, shards: Path, *extra: str) -> l
             "data.alpha_mask=true", *extra]
 
 
-# Slow: the default suite resumes masked batches with the clip and SD runs; this one adds alpha masks.
+# Slow: the masked loss, the mask's crop and flip and encoded masks are tested by default above and below; a resume
+# carries no mask state of its own (the loader redraws each sample's mask from its place).
 @pytest.mark.slow
 def test_a_masked_fine_tune_resumes_bitwise_after_kill_9(tmp_path, pretrained):
     shards = _stickers(tmp_path)
