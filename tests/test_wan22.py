@@ -11,6 +11,7 @@ import copy
 import json
 from pathlib import Path
 
+import av
 import pytest
 import torch
 from PIL import Image
@@ -141,10 +142,6 @@ def test_a_model_from_the_tiny_preset_saves_and_draws_from_text_and_from_an_imag
     """Plain diffusers loads the folder (``expand_timesteps`` set) and draws a five-frame video from a prompt; the
     same components as WanImageToVideoPipeline draw one from a first frame."""
     from diffusers import WanImageToVideoPipeline
-    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
-
-    # diffusers 0.42.1's image-to-video pipeline calls ftfy whether or not it is installed (WanPipeline checks).
-    monkeypatch.setattr(pipeline_wan_i2v, "prompt_clean", pipeline_wan.prompt_clean)
 
     index = json.loads((folder / "model_index.json").read_text())
     assert index["_class_name"] == "WanPipeline" and index["expand_timesteps"] is True
@@ -156,8 +153,9 @@ def test_a_model_from_the_tiny_preset_saves_and_draws_from_text_and_from_an_imag
     drawn = pipe("a red circle", num_frames=5, height=32, width=32, num_inference_steps=2, output_type="pil",
                  generator=torch.Generator().manual_seed(0), **arguments).frames
     assert len(drawn[0]) == 5 and drawn[0][0].size == (32, 32)
-    image = TI2V.sampling.image_pipeline(pipe)
+    image = TI2V.sampling.image_pipeline_class.from_pipe(pipe)
     assert isinstance(image, WanImageToVideoPipeline) and image.config.expand_timesteps
+    assert families.of_pipeline(image) is TI2V
     drawn = image(image=Image.new("RGB", (32, 32), "red"), prompt="a red circle", num_frames=5, height=32, width=32,
                   num_inference_steps=2, output_type="pil", generator=torch.Generator().manual_seed(0),
                   **arguments).frames
@@ -236,3 +234,10 @@ def test_videos_train_it_from_scratch_and_it_exports_a_folder_diffusers_loads(cl
     assert main(["export", str(run), "--out", str(export)]) == 0
     pipe = WanPipeline.from_pretrained(export)
     assert pipe.config.expand_timesteps and pipe.transformer.config.in_channels == 16
+    # Image-to-video from the same model: its first frame given, a clip drawn after it.
+    Image.new("RGB", (32, 32), "red").save(tmp_path / "first.png")
+    drawn = tmp_path / "drawn"
+    assert main(["generate", "--model", str(export), "--image", str(tmp_path / "first.png"), "--prompt",
+                 "a red square moves", "--frames", "5", "--steps", "2", "--out", str(drawn)]) == 0
+    with av.open(str(next(drawn.glob("*.mp4")))) as container:
+        assert sum(1 for _ in container.decode(video=0)) == 5

@@ -198,6 +198,9 @@ def generate(model: str | Path, prompts: Sequence[str], out: Path, steps: int | 
         if controlnet is not None:
             raise UserError("--image: a ControlNet draws from text and its maps (--control-image); --image is for a "
                             "model that edits: pass one of the two")
+        drawing = families.of_pipeline(pipe).sampling.image_pipeline_class
+        if "image" not in inspect.signature(pipe.__call__).parameters and drawing is not None:
+            pipe = drawing.from_pipe(pipe)  # image-to-video from the same components (Wan 2.2 TI2V's)
         if "image" not in inspect.signature(pipe.__call__).parameters:
             raise UserError(f"--image: {type(pipe).__name__} edits no image; pass a model that edits (a Flux.1 "
                             "Kontext or InstructPix2Pix one, or a run trained with edit.reference)")

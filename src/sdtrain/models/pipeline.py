@@ -96,6 +96,10 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
     if frames and "num_frames" in parameters:
         shape["num_frames"] = frames
     seeds = list(seeds) if seeds is not None else [seed + i for i in range(len(prompts))]
+    # An image-to-video pipeline (Wan 2.2 TI2V's) takes one first frame a call, not a list.
+    first_frame = family.sampling.image_pipeline_class is not None \
+        and isinstance(pipe, family.sampling.image_pipeline_class)
+    batch = 1 if first_frame else batch
     images = []
     for start in range(0, len(prompts), batch):
         chunk = list(prompts[start:start + batch])
@@ -104,7 +108,8 @@ def sample_images(pipe: Any, prompts: Sequence[str], seed: int = 0, steps: int |
         if arguments.get("negative_prompt") is not None:
             arguments["negative_prompt"] = [arguments["negative_prompt"]] * len(chunk)
         # By name: Flux.2's pipelines take reference images first.
-        given = {name: list(values[start:start + batch]) for name, values in (inputs or {}).items()}
+        given = {name: values[start] if first_frame else list(values[start:start + batch])
+                 for name, values in (inputs or {}).items()}
         drawn, editing = shape, contextlib.nullcontext({})
         if shape and "max_area" in parameters:
             # Kontext's pipeline scales its output to this area (a megapixel else), at the aspect of its height and

@@ -579,6 +579,9 @@ class Sampling(Part):
     """What the pipeline class's from_pretrained is also given to load a pretrained folder of this family."""
     pipeline_names: tuple[str, ...] = ()
     """model_index.json ``_class_name`` values of pretrained folders of this family, beside its pipelines'."""
+    image_pipeline_class: type | None = None
+    """The pipeline that draws from a first image too (image-to-video: Wan 2.2 TI2V's WanImageToVideoPipeline),
+    made from the same components by its ``from_pipe``; None where the family's models draw from text alone."""
     index_marks: tuple[str, ...] = ()
     """model_index.json settings a folder of this family sets and one of another family of the same pipeline class
     does not (Wan 2.2 TI2V's ``expand_timesteps`` among WanPipeline folders; see `of_index`)."""
@@ -750,10 +753,11 @@ class ModelFamily:
         return self.reference is not None and self.reference.pipeline_class is self.sampling.pipeline_class
 
     def pipeline_classes(self) -> tuple[type, ...]:
-        """Every diffusers pipeline class that samples this family's models: its own, and those of the modes it
-        hosts (ControlNet's, InstructPix2Pix's, editing by reference)."""
+        """Every diffusers pipeline class that samples this family's models: its own, those of the modes it hosts
+        (ControlNet's, InstructPix2Pix's, editing by reference) and the one that draws from a first image."""
         modes = (self.controlnet, self.instruct, self.reference)
-        return (self.sampling.pipeline_class, *(mode.pipeline_class for mode in modes if mode is not None))
+        return (self.sampling.pipeline_class, *(mode.pipeline_class for mode in modes if mode is not None),
+                *((self.sampling.image_pipeline_class,) if self.sampling.image_pipeline_class is not None else ()))
 
     def module_classes(self) -> list[type[nn.Module]]:
         """Every class a checkpoint of this family may hold a module of: its components', and its ControlNet's."""

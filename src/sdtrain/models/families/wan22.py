@@ -115,8 +115,8 @@ class Files(WanTransformerFiles):
 class Sampling(spec.Sampling):
     pipeline_class = WanPipeline
     pipeline_names = ("WanPipeline",)
+    # From a first frame (``image=``): the same components, with ``expand_timesteps``, which from_pipe carries over.
     image_pipeline_class = WanImageToVideoPipeline
-    """The pipeline that draws from an image (``image=``) too: the same components, with ``expand_timesteps``."""
     index_marks = ("expand_timesteps",)
     """What a model_index.json of this family's sets and one of another WanPipeline model (Wan 2.1's, 2.2 A14B's)
     does not: the pipeline's per-token timesteps."""
@@ -135,11 +135,6 @@ class Sampling(spec.Sampling):
                             "model.family to the folder's own")
         check_scale_factors(pipe.vae, self.family.codec)
         return pipe
-
-    def image_pipeline(self, pipe: Any) -> Any:
-        """`pipe` as the pipeline that draws a clip from its first frame (``image=``): WanImageToVideoPipeline of
-        the same components and ``expand_timesteps``, which puts the image's latents in the first latent frame."""
-        return WanImageToVideoPipeline.from_pipe(pipe, expand_timesteps=True)
 
     def defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         return {"guidance": GUIDANCE, "steps": STEPS}
