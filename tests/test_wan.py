@@ -24,9 +24,11 @@ from sdtrain.models.families import wan, wan_vae
 from sdtrain.models.pipeline import sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer
 
-from .conftest import TINY, config_path, t5_tokenizer
+from . import test_clips
+from .conftest import FINE_TUNE_MODES, TINY, TINY_CLI, config_path, t5_tokenizer
 
 WAN = families.get("wan")
+clips = test_clips.clips  # two captioned videos and a still image, prepared into clips of 5 frames
 TEXT_LENGTH = 16
 CAPTIONS = [f"a {c} {s}" for c in ("red", "green", "blue", "yellow") for s in ("circle", "square", "triangle")]
 
@@ -361,3 +363,26 @@ def test_its_dora_and_lokr_adapters_load_as_they_trained_on_clips(tiny, kind, tm
                                    for model in (trained, pipe.transformer, base))
     assert not torch.allclose(expected, plain)
     torch.testing.assert_close(loaded, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_a_folder_plain_diffusers_saved_fine_tunes_on_clips_without_being_told_its_family(released, clips, tmp_path,
+                                                                                         mode):
+    """The shared fine-tuning configs on a WanPipeline folder as released (no model.family): recognised from its
+    model_index.json, trained on clips, exported as a folder WanPipeline loads with the trained weights."""
+    from diffusers import WanPipeline
+
+    config, extra = FINE_TUNE_MODES[mode]
+    run, out = tmp_path / "run", tmp_path / "out"
+    assert main(["train", str(config_path("diffusion.yaml").parents[1] / config), f"run_dir={run}", *TINY_CLI,
+                 f"model.pretrained={released}", f"data.shards={clips}", "train.max_steps=2",
+                 f"model.t5_text_length={TEXT_LENGTH}", *extra]) == 0
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    if mode == "lora":
+        pipe = WanPipeline.from_pretrained(released)
+        pipe.load_lora_weights(out)
+        assert pipe.get_active_adapters()
+    else:
+        trained = WanPipeline.from_pretrained(out).transformer.state_dict()
+        base = WanPipeline.from_pretrained(released).transformer.state_dict()
+        assert any(not torch.equal(trained[key], base[key]) for key in base)
