@@ -138,3 +138,44 @@ def test_clips_given_to_a_family_of_still_images_stop_the_run_in_one_line_naming
     assert main(tiny_scratch_command("sd", tmp_path / "run", 1, f"data.shards={clips}")) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "_w00" in errors[0] and "wan" in errors[0], errors
+
+
+def test_a_mask_beside_a_video_weighs_every_frame_of_each_window_through_the_loader_and_encoding(tmp_path,
+                                                                                               tiny_scratch_command):
+    """``walk.mask.png`` beside ``walk.mp4``: each window keeps it, the loader places it as the frames are placed
+    (1, H, W: every frame's), `prepare encode` stores it on the latents' grid, and a run trains on it; a mask of
+    another size skips its video by name."""
+    from sdtrain.cli.main import main
+    from sdtrain.config import DataConfig
+    from sdtrain.data.pipeline import TrainBatches
+
+    from .test_video_data import write_video
+
+    src = tmp_path / "videos"
+    write_video(src / "walk.mp4", frames=40, fps=16, size=(40, 32))
+    (src / "walk.txt").write_text("a square walks")
+    mask = Image.new("L", (40, 32), 0)
+    mask.paste(255, (0, 0, 20, 32))  # the left half counts
+    mask.save(src / "walk.mask.png")
+    write_video(src / "odd.mp4", frames=44, fps=16, size=(40, 32))
+    (src / "odd.txt").write_text("a square runs")
+    Image.new("L", (20, 16), 255).save(src / "odd.mask.png")
+    shards = tmp_path / "clips"
+    assert main(["prepare", "folder", str(src), "--out", str(shards), "--frames", "5", "--fps", "8",
+                 "--frame-rule", "chunk"]) == 0
+    batches = TrainBatches(DataConfig(shards=str(shards), resolution=32, batch_size=2, num_workers=0), None, 0,
+                           clips=True, frame_step=4)
+    batch = batches.next()
+    batches.close()
+    assert batch["pixel_values"].shape == (2, 3, 5, 32, 32) and batch["mask"].shape == (2, 1, 32, 32)
+    assert batch["mask"][:, :, :, :4].min() == 1 and batch["mask"][:, :, :, -4:].max() == 0  # centre crop of 40
+    assert all(key.startswith("walk") for key in batch["keys"])  # odd.mp4's mask is not its size: skipped
+    run = tmp_path / "run"
+    assert main(tiny_scratch_command("wan", run, 1, f"data.shards={shards}", "model.t5_text_length=16")) == 0
+    assert main(["export", str(run), "--out", str(tmp_path / "export")]) == 0
+    encoded = tmp_path / "encoded"
+    assert main(["prepare", "encode", str(shards), "--model", str(tmp_path / "export"), "--out", str(encoded),
+                 "--resolution", "32", "--t5-text-length", "16"]) == 0
+    masks = [load_npy(sample["mask.npy"]) for shard in sorted(encoded.glob("*.tar"))
+             for sample in wds.WebDataset(str(shard), shardshuffle=False)]
+    assert masks and all(mask.shape == (1, 8, 8) and mask[0, :, 0].min() == 1 for mask in masks)

@@ -237,7 +237,8 @@ class SampleDecoder:
 
     def _clip(self, raw: dict[str, Any], rng: np.random.Generator, caption: str) -> dict[str, Any] | None:
         """A clip: its frames (cropped back to the size its json gives, see sdtrain.data.video) all placed as the first
-        is, as pixels (3, T, H, W) in [-1, 1]. A mask or companion image beside it is not read."""
+        is, as pixels (3, T, H, W) in [-1, 1]; its loss mask (every frame's) placed as they are, (1, H, W). A
+        companion image beside it is not read."""
         try:
             meta = json.loads(raw.get("json", b"{}"))
         except ValueError:
@@ -256,8 +257,16 @@ class SampleDecoder:
         bucket = self._bucket(frames[0].size)
         placement = self._placement(frames[0].size, rng, self._target(bucket))
         pixels = torch.stack([_chw(placement.apply(frame), signed=True) for frame in frames], dim=1)
-        return {"pixel_values": pixels, "size_ids": placement.size_ids, "key": raw["__key__"],
-                "bucket": (bucket, len(frames)), **self._dropped(caption, rng.random())}
+        sample = {"pixel_values": pixels, "size_ids": placement.size_ids, "key": raw["__key__"],
+                  "bucket": (bucket, len(frames)), **self._dropped(caption, rng.random())}
+        try:
+            mask = self._mask(raw, frames[0].size, None)  # every frame's
+        except (OSError, ValueError, SyntaxError):
+            return None
+        if mask is None:
+            return sample
+        placed = placement.apply(mask, Image.Resampling.BILINEAR)
+        return {**sample, "mask": torch.from_numpy(np.asarray(placed, dtype=np.float32) / 255.0)[None]}
 
     @staticmethod
     def _companion(raw: dict[str, Any], field: str, size: tuple[int, int],

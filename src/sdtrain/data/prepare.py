@@ -650,12 +650,21 @@ def prepare_folder(
 
 def _write_clip(job: _Job, src: Path, rel: str, stem: str, key: str, data: bytes, meta: dict[str, Any],
                 caption: str, rule: FrameRule) -> None:
-    """The windows of the video at `rel` as samples (see `prepare_folder`), unless it is skipped."""
-    beside = [src / f"{stem}{suffix}" for suffix in COMPANIONS if (src / f"{stem}{suffix}").is_file()]
+    """The windows of the video at `rel` as samples (see `prepare_folder`), unless it is skipped. A loss mask beside
+    it (``KEY.mask.png`` at the video's upright size) is every frame's, kept with each window."""
+    beside = [src / f"{stem}{suffix}" for suffix in COMPANIONS
+              if suffix != MASK_SUFFIX and (src / f"{stem}{suffix}").is_file()]
     if beside:
-        log.warning("%s: masks and conditioning images of videos are not read; %s ignored", rel,
+        log.warning("%s: conditioning and source images of videos are not read; %s ignored", rel,
                     ", ".join(path.name for path in beside))
-    for window in job.clip(data, meta, caption, rule, rel):
+    mask: bytes | None = None
+    for number, window in enumerate(job.clip(data, meta, caption, rule, rel)):
+        if number == 0:  # the video's upright size is known once its first window is cut
+            found = _read_companion(src / f"{stem}{MASK_SUFFIX}", (meta["width"], meta["height"]), "mask")
+            if found is False:
+                job.skip("mask_size")
+                return
+            mask = found
         name = CLIP_KEY.format(key=key, index=window.index) if rule.several else key
         if name in job.keys:
             job.skip("duplicate")
@@ -665,7 +674,8 @@ def _write_clip(job: _Job, src: Path, rel: str, stem: str, key: str, data: bytes
         fields.pop("file_name", None)
         fields["file_name"] = rel
         body = json.dumps(fields, ensure_ascii=False, default=str).encode("utf-8")
-        job.write({"__key__": name, CLIP_FIELD: window.data, "txt": caption, "json": body})
+        job.write({"__key__": name, CLIP_FIELD: window.data, "txt": caption, "json": body,
+                   **({MASK_IMAGE: mask} if mask else {})})
 
 
 # ---------------------------------------------------------------------------------------------------- reshard
