@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from sdtrain.cli.main import main
 
 from .conftest import TINY, config_path
@@ -73,6 +75,8 @@ def test_overrides_may_follow_options(capsys):
         main(["params", str(config_path("diffusion.yaml")), "--bogus"])
 
 
+# Slow: the demo itself runs by default (above) and the budget's arithmetic below; this runs the demo twice.
+@pytest.mark.slow
 def test_the_demo_on_a_time_budget_records_its_budgets_and_a_rerun_keeps_them(tmp_path, monkeypatch, capsys):
     """`demo --minutes M` times each stage's step, gives the autoencoder its share of what is left of M and the
     diffusion stage what is left when it starts, each as train.max_minutes (steps planned as it trains, at most
