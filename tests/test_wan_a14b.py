@@ -161,3 +161,5 @@ def test_a_lora_of_the_low_noise_expert_loads_into_it(base, shapes_dir, tmp_path
     pipe = WanPipeline.from_pretrained(base)
     pipe.load_lora_weights(out, load_into_transformer_2=True)
     assert getattr(pipe.transformer_2, "peft_config", None) and not getattr(pipe.transformer, "peft_config", None)
+    # Its model card loads it as it was loaded here, into the low-noise expert.
+    assert "load_into_transformer_2=True)" in (out / "README.md").read_text()

@@ -381,7 +381,13 @@ def _usage(export: _Export) -> list[str]:
                  f"prefix={json.dumps(family.components.denoiser)}, "
                  f"weight_name={json.dumps(LORA_WEIGHTS)}){comment}"]
     elif export.kind == "lora":
-        lines = [*head, f"pipe = {pipeline}.from_pretrained({base})", f"pipe.load_lora_weights({here}){comment}"]
+        # A model of experts' adapters are the trained expert's: loaded into its own folder's transformer
+        # (diffusers' load_into_transformer_2 for Wan 2.2 A14B's low-noise one).
+        experts = family.experts
+        folder = experts.folder(export.config.model.expert) if experts is not None else None
+        into = f", load_into_{folder}=True" if folder is not None and folder != experts.folders[0] else ""
+        lines = [*head, f"pipe = {pipeline}.from_pretrained({base})",
+                 f"pipe.load_lora_weights({here}{into}){comment}"]
     elif export.kind == "embedding":
         lines = [*head, f"pipe = {pipeline}.from_pretrained({base})"]
         token = json.dumps(_instance_prompt(export), ensure_ascii=False)
