@@ -235,6 +235,13 @@ class _Job:
         (self.out_dir / MANIFEST_NAME).unlink(missing_ok=True)
         self.writer = ShardWriter(out_dir, samples_per_shard, SHARD_PREFIX, manifest=False)
 
+    def filtered(self, meta: dict[str, Any], caption: str) -> bool:
+        """Whether the filters reject a sample of `meta` and `caption`: counted by their reason if so."""
+        reason = self.filters.check(meta, caption)
+        if reason is not None:
+            self.report.filtered[reason] += 1
+        return reason is not None
+
     def skip(self, reason: str, name: str | None = None) -> None:
         """Count a skipped input; `name` it in the report (videos are, being few and each many samples)."""
         self.report.skipped[reason] += 1
@@ -287,9 +294,7 @@ class _Job:
             else:
                 meta.setdefault("width", width)
                 meta.setdefault("height", height)
-            reason = self.filters.check(meta, caption)
-            if reason is not None:
-                self.report.filtered[reason] += 1
+            if self.filtered(meta, caption):
                 return None
             try:
                 img.load()
@@ -331,9 +336,7 @@ class _Job:
             meta["source"] = {"width": video.width, "height": video.height, "fps": json_number(timeline.rate),
                               "frames": timeline.frames, "duration": json_number(timeline.duration),
                               "codec": first.codec}
-            reason = self.filters.check(meta, caption)
-            if reason is not None:
-                self.report.filtered[reason] += 1
+            if self.filtered(meta, caption):
                 return
             duplicate, keep = self.duplicates.check(data, lambda: first.image)
             if duplicate is not None:
@@ -364,9 +367,7 @@ class _Job:
             return False
         meta.setdefault("width", width)
         meta.setdefault("height", height)
-        reason = self.filters.check(meta, caption)
-        if reason is not None:
-            self.report.filtered[reason] += 1
+        if self.filtered(meta, caption):
             return False
         try:
             duplicate, keep = self.duplicates.check(data, lambda: VideoFile(data).picture().image)
