@@ -125,6 +125,26 @@ def t5_tokenizer(folder: Path, captions: list[str], length: int):
     return T5TokenizerFast.from_pretrained(folder)
 
 
+def tiny_components(family: str, folder: Path, captions: list[str], length: int) -> dict:
+    """`family`'s tiny preset as a run from scratch builds it: its tokenizer learnt from `captions` into `folder`
+    (tokens per caption: `length`), then its VAE, text encoder and denoiser. Returns the ModelConfig, the tokenizers
+    and the components by name."""
+    from sdtrain.config import ComponentConfig, ModelConfig
+    from sdtrain.models import build, families
+
+    spec = families.get(family)
+    torch.manual_seed(0)
+    spec.conditioner.train_tokenizer(captions, folder / "tokenizer", 600, length)
+    config = ModelConfig(family=family, preset="tiny", t5_text_length=length,
+                         components={"tokenizer": ComponentConfig(source=str(folder / "tokenizer"))})
+    tokenizers = build.load_text_tokenizers(config)
+    vae = build.build_vae(config)
+    text_encoder = build.build_text_encoder(config, tokenizers[0])
+    denoiser = build.build_denoiser(config, spec.codec.channels(vae.config), 8, {"text_encoder": text_encoder})
+    return {"config": config, "tokenizers": tokenizers,
+            "components": {"vae": vae, "text_encoder": text_encoder, spec.components.denoiser: denoiser}}
+
+
 def config_path(name: str) -> Path:
     return Path(__file__).resolve().parents[1] / "configs" / "demo" / name
 

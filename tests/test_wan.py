@@ -17,15 +17,15 @@ import pytest
 import torch
 
 from sdtrain.cli.main import main
-from sdtrain.config import ComponentConfig, DiffusionConfig, ModelConfig, load_config
+from sdtrain.config import DiffusionConfig, ModelConfig, load_config
 from sdtrain.errors import UserError
 from sdtrain.models import build, families
-from sdtrain.models.families import wan, wan_vae
+from sdtrain.models.families import umt5, wan_vae
 from sdtrain.models.pipeline import sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer
 
 from . import test_clips
-from .conftest import FINE_TUNE_MODES, TINY, TINY_CLI, config_path, t5_tokenizer
+from .conftest import FINE_TUNE_MODES, TINY, TINY_CLI, config_path, t5_tokenizer, tiny_components
 
 WAN = families.get("wan")
 clips = test_clips.clips  # two captioned videos and a still image, prepared into clips of 5 frames
@@ -64,17 +64,7 @@ def released(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> dict:
     """The tiny preset's components as a run from scratch builds them, its tokenizer learnt from captions."""
-    folder = tmp_path_factory.mktemp("wan-tiny")
-    torch.manual_seed(0)
-    WAN.conditioner.train_tokenizer(CAPTIONS, folder / "tokenizer", 600, TEXT_LENGTH)
-    config = ModelConfig(family="wan", preset="tiny", t5_text_length=TEXT_LENGTH,
-                         components={"tokenizer": ComponentConfig(source=str(folder / "tokenizer"))})
-    tokenizers = build.load_text_tokenizers(config)
-    vae = build.build_vae(config)
-    text_encoder = build.build_text_encoder(config, tokenizers[0])
-    transformer = build.build_denoiser(config, WAN.codec.channels(vae.config), 8, {"text_encoder": text_encoder})
-    return {"config": config, "tokenizers": tokenizers,
-            "components": {"vae": vae, "text_encoder": text_encoder, "transformer": transformer}}
+    return tiny_components("wan", tmp_path_factory.mktemp("wan-tiny"), CAPTIONS, TEXT_LENGTH)
 
 
 def _pipeline(folder: Path):
@@ -304,7 +294,7 @@ def test_the_lora_recipe_loads_once_its_paths_are_given(tmp_path):
     # The shift is the folder's own (3.0 for 1.3B, 5.0 for 14B): see the next test.
     assert config.mode == "lora" and config.model.family == "wan" and config.diffusion.flow.shift is None
     assert {"to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"} <= set(config.lora.target_modules)
-    assert wan.TEXT_LENGTH == 512 and WAN.conditioner.long_text_length("wan2.1-t2v-14b") == 512
+    assert umt5.TEXT_LENGTH == 512 and WAN.conditioner.long_text_length("wan2.1-t2v-14b") == 512
 
 
 def test_a_released_folder_trains_at_the_shift_its_unipc_sampler_keeps_as_flow_shift(released):

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from sdtrain.cli.main import main
-from sdtrain.config import ComponentConfig, DiffusionConfig, ModelConfig
+from sdtrain.config import DiffusionConfig, ModelConfig
 from sdtrain.errors import UserError
 from sdtrain.models import build, families
 from sdtrain.models.families import spec, wan22, wan_vae
@@ -25,7 +25,7 @@ from sdtrain.models.pipeline import sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer
 
 from . import test_clips
-from .conftest import config_path
+from .conftest import config_path, tiny_components
 
 TI2V = families.get("wan2.2-ti2v")
 TEXT_LENGTH = 16
@@ -36,17 +36,7 @@ CAPTIONS = [f"a {c} {s}" for c in ("red", "green", "blue", "yellow") for s in ("
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> dict:
     """The tiny preset's components as a run from scratch builds them, its tokenizer learnt from captions."""
-    folder = tmp_path_factory.mktemp("wan22-tiny")
-    torch.manual_seed(0)
-    TI2V.conditioner.train_tokenizer(CAPTIONS, folder / "tokenizer", 600, TEXT_LENGTH)
-    config = ModelConfig(family="wan2.2-ti2v", preset="tiny", t5_text_length=TEXT_LENGTH,
-                         components={"tokenizer": ComponentConfig(source=str(folder / "tokenizer"))})
-    tokenizers = build.load_text_tokenizers(config)
-    vae = build.build_vae(config)
-    text_encoder = build.build_text_encoder(config, tokenizers[0])
-    transformer = build.build_denoiser(config, TI2V.codec.channels(vae.config), 8, {"text_encoder": text_encoder})
-    return {"config": config, "tokenizers": tokenizers,
-            "components": {"vae": vae, "text_encoder": text_encoder, "transformer": transformer}}
+    return tiny_components("wan2.2-ti2v", tmp_path_factory.mktemp("wan22-tiny"), CAPTIONS, TEXT_LENGTH)
 
 
 @pytest.fixture(scope="module")

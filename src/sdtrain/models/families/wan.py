@@ -15,17 +15,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from diffusers import WanPipeline
 from torch import nn
 
 from sdtrain.errors import UserError
 from sdtrain.models.families import spec, wan_file
-from sdtrain.models.families.umt5 import TEXT_LENGTH, TINY_UMT5, UMT5_XXL, UMT5Conditioner, umt5_component
+from sdtrain.models.families.umt5 import TINY_UMT5, UMT5_XXL, UMT5Conditioner, umt5_component
 from sdtrain.models.families.wan_transformer import (
     WanTransformerCall,
     WanTransformerFiles,
     check_scale_factors,
+    guidance_arguments,
     transformer_component,
     video_vae_component,
 )
@@ -57,17 +57,6 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-class Call(WanTransformerCall):
-    def denoise(self, denoiser: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
-                condition: dict[str, Any]) -> torch.Tensor:
-        if noisy.dim() != 5:
-            raise UserError(f"Wan 2.1 denoises clips' latents (B, C, t, h, w), a still image's as t = 1, not a "
-                            f"tensor of shape {tuple(noisy.shape)}")
-        # Timesteps as the pipeline passes them: sigma * 1000, one per sample.
-        return denoiser(hidden_states=noisy, timestep=timesteps,
-                        encoder_hidden_states=condition["encoder_hidden_states"], return_dict=False)[0]
-
-
 class Files(WanTransformerFiles):
     single_file_keys = wan_file.SINGLE_FILE_KEYS
 
@@ -96,11 +85,7 @@ class Sampling(spec.Sampling):
         return {"guidance": 5.0, "steps": 50}
 
     def arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
-        # Classifier-free guidance against the negative prompt (None: the empty caption, which caption dropout
-        # trains); caption tokens as training read them (a folder's tokenizer saying "no limit": the release's 512).
-        length = pipe.tokenizer.model_max_length
-        return {"guidance_scale": guidance, "negative_prompt": negative_prompt,
-                "max_sequence_length": length if length < 100_000 else TEXT_LENGTH}
+        return guidance_arguments(pipe, guidance, negative_prompt)
 
 
 WAN = spec.ModelFamily(
@@ -112,6 +97,6 @@ WAN = spec.ModelFamily(
         transformer=transformer_component(),
     ),
     # Each channel has its own mean and deviation, in the VAE's config (latents_mean, latents_std).
-    presets=PRESETS, codec=WAN_VIDEO_CODEC, conditioner=UMT5Conditioner(), denoising=Call(), files=Files(),
-    sampling=Sampling(),
+    presets=PRESETS, codec=WAN_VIDEO_CODEC, conditioner=UMT5Conditioner(), denoising=WanTransformerCall(),
+    files=Files(), sampling=Sampling(),
 )

@@ -21,11 +21,13 @@ from torch import nn
 
 from sdtrain.errors import UserError
 from sdtrain.models.families import spec
-from sdtrain.models.families.umt5 import TEXT_LENGTH, TINY_UMT5, UMT5_XXL, UMT5Conditioner, umt5_component
+from sdtrain.models.families.umt5 import TINY_UMT5, UMT5_XXL, UMT5Conditioner, umt5_component
 from sdtrain.models.families.wan_transformer import (
     WanTransformerCall,
     WanTransformerFiles,
+    check_clip_latents,
     check_scale_factors,
+    guidance_arguments,
     transformer_component,
     video_vae_component,
 )
@@ -81,9 +83,7 @@ class Call(WanTransformerCall):
 
     def denoise(self, denoiser: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 condition: dict[str, Any]) -> torch.Tensor:
-        if noisy.dim() != 5:
-            raise UserError(f"Wan 2.2 TI2V denoises clips' latents (B, C, t, h, w), a still image's as t = 1, not a "
-                            f"tensor of shape {tuple(noisy.shape)}")
+        check_clip_latents(noisy, self.family.title)
         return denoiser(hidden_states=noisy, timestep=token_timesteps(timesteps, noisy, condition.get(FIRST_FRAME)),
                         encoder_hidden_states=condition["encoder_hidden_states"], return_dict=False)[0]
 
@@ -140,11 +140,7 @@ class Sampling(spec.Sampling):
         return {"guidance": GUIDANCE, "steps": STEPS}
 
     def arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
-        # Classifier-free guidance against the negative prompt (None: the empty caption, which caption dropout
-        # trains); caption tokens as training read them (a folder's tokenizer saying "no limit": the release's 512).
-        length = pipe.tokenizer.model_max_length
-        return {"guidance_scale": guidance, "negative_prompt": negative_prompt,
-                "max_sequence_length": length if length < 100_000 else TEXT_LENGTH}
+        return guidance_arguments(pipe, guidance, negative_prompt)
 
 
 WAN22_TI2V = spec.ModelFamily(

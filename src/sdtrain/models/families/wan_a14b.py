@@ -16,17 +16,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from diffusers import WanPipeline
 from torch import nn
 
-from sdtrain.errors import UserError
 from sdtrain.models.families import spec
-from sdtrain.models.families.umt5 import TEXT_LENGTH, TINY_UMT5, UMT5_XXL, UMT5Conditioner, umt5_component
+from sdtrain.models.families.umt5 import TINY_UMT5, UMT5_XXL, UMT5Conditioner, umt5_component
 from sdtrain.models.families.wan_transformer import (
     WanTransformerCall,
     WanTransformerFiles,
     check_scale_factors,
+    guidance_arguments,
     transformer_component,
     video_vae_component,
 )
@@ -67,17 +66,6 @@ EXPERTS = spec.ExpertSpec(
     default="low_noise", released_boundary=BOUNDARY)
 
 
-class Call(WanTransformerCall):
-    def denoise(self, denoiser: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
-                condition: dict[str, Any]) -> torch.Tensor:
-        if noisy.dim() != 5:
-            raise UserError(f"Wan 2.2 A14B denoises clips' latents (B, C, t, h, w), a still image's as t = 1, not a "
-                            f"tensor of shape {tuple(noisy.shape)}")
-        # One timestep per sample, sigma * 1000, as the pipeline gives either expert.
-        return denoiser(hidden_states=noisy, timestep=timesteps,
-                        encoder_hidden_states=condition["encoder_hidden_states"], return_dict=False)[0]
-
-
 class Files(WanTransformerFiles):
     # Each expert's single file is Wan's transformer file (`export --single-file` of a run: the expert it trained).
     # A file of one expert cannot tell which it is, so files are never taken for this family: Wan 2.1 reads them.
@@ -107,12 +95,9 @@ class Sampling(spec.Sampling):
         return {"guidance": GUIDANCE, "steps": STEPS}
 
     def arguments(self, pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
-        # Classifier-free guidance against the negative prompt (None: the empty caption, which caption dropout
-        # trains), the low-noise expert's at the release's ratio of the two scales (3.0 to 4.0) of the one set;
-        # caption tokens as training read them (a folder's tokenizer saying "no limit": the release's 512).
-        length = pipe.tokenizer.model_max_length
-        return {"guidance_scale": guidance, "guidance_scale_2": guidance * GUIDANCE_2 / GUIDANCE,
-                "negative_prompt": negative_prompt, "max_sequence_length": length if length < 100_000 else TEXT_LENGTH}
+        # The low-noise expert guided at the release's ratio of the two scales (3.0 to 4.0) of the one set.
+        return {**guidance_arguments(pipe, guidance, negative_prompt),
+                "guidance_scale_2": guidance * GUIDANCE_2 / GUIDANCE}
 
 
 WAN22_A14B = spec.ModelFamily(
@@ -123,6 +108,6 @@ WAN22_A14B = spec.ModelFamily(
         # The expert a run trains, whichever it is (EXPERTS), under this name.
         transformer=transformer_component(),
     ),
-    presets=PRESETS, codec=WAN_VIDEO_CODEC, conditioner=UMT5Conditioner(), denoising=Call(), files=Files(),
-    sampling=Sampling(), experts=EXPERTS,
+    presets=PRESETS, codec=WAN_VIDEO_CODEC, conditioner=UMT5Conditioner(), denoising=WanTransformerCall(),
+    files=Files(), sampling=Sampling(), experts=EXPERTS,
 )

@@ -16,6 +16,7 @@ from torch import nn
 from sdtrain.errors import UserError
 from sdtrain.models.families import spec, wan_file
 from sdtrain.models.families.codec import LatentCodec
+from sdtrain.models.families.umt5 import TEXT_LENGTH
 
 
 def transformer_blocks(transformer: WanTransformer3DModel) -> list[nn.Module]:
@@ -79,6 +80,29 @@ class WanTransformerCall(spec.DenoiserCall):
     def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
                   ) -> dict[str, Any]:
         return {"encoder_hidden_states": text["text_emb"]}
+
+    def denoise(self, denoiser: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                condition: dict[str, Any]) -> torch.Tensor:
+        # One timestep per sample, sigma * 1000, as WanPipeline gives its transformer (or either expert).
+        check_clip_latents(noisy, self.family.title)
+        return denoiser(hidden_states=noisy, timestep=timesteps,
+                        encoder_hidden_states=condition["encoder_hidden_states"], return_dict=False)[0]
+
+
+def check_clip_latents(noisy: torch.Tensor, title: str) -> None:
+    """One line where a Wan transformer is given anything but clips' latents (B, C, t, h, w)."""
+    if noisy.dim() != 5:
+        raise UserError(f"{title} denoises clips' latents (B, C, t, h, w), a still image's as t = 1, not a tensor "
+                        f"of shape {tuple(noisy.shape)}")
+
+
+def guidance_arguments(pipe: Any, guidance: float, negative_prompt: str | None) -> dict[str, Any]:
+    """A WanPipeline call's guidance settings: classifier-free guidance against the negative prompt (None: the empty
+    caption, which caption dropout trains), and caption tokens as training read them (a folder's tokenizer saying
+    "no limit": the release's 512)."""
+    length = pipe.tokenizer.model_max_length
+    return {"guidance_scale": guidance, "negative_prompt": negative_prompt,
+            "max_sequence_length": length if length < 100_000 else TEXT_LENGTH}
 
 
 class WanTransformerFiles(spec.FileInterchange):
