@@ -145,6 +145,8 @@ def test_full_and_dreambooth_exports_load_in_diffusers_and_change_the_image(mode
     assert np.abs(_image(_pipeline(out)) - _image(_pipeline(released))).max() > 1e-3
 
 
+# Slow: Flux.1's LoRA resume runs by default (a transformer's adapters over a flow objective), as SD's.
+@pytest.mark.slow
 def test_a_lora_resumes_bitwise_after_kill_9(tmp_path, released, shapes_dir):
     resumes_bitwise_after_kill_9(lambda run: _command("lora", run, released, shapes_dir, 3), tmp_path)
 
