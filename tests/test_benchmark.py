@@ -161,3 +161,26 @@ def test_an_encoded_benchmark_never_builds_the_weights_of_the_text_encoders_its_
     assert (stand_in / "config.json").is_file() and not list(stand_in.glob("*.safetensors"))
     encoding = json.loads((run / "synthetic-shards" / "manifest.json").read_text())["encoding"]
     assert encoding["text_encoder"] == str(stand_in.resolve()) and encoding["latent_channels"] == 16
+
+
+def test_a_plan_says_the_expected_peak_of_a_clip_size_without_running_a_step(tmp_path, capsys, monkeypatch):
+    """`--plan`: the memory planner's figures for a size whose step would take hours here, in the time loading
+    takes: the expected peak grows with the clip, checkpointing is planned where it is auto, no step runs."""
+    from sdtrain.train.trainer import Trainer
+
+    monkeypatch.setattr(Trainer, "train_step", lambda self: pytest.fail("a plan ran a training step"))
+    wan = ["model.pretrained=null", "model.family=wan", "model.preset=tiny", "data.aspect_buckets=false",
+           "data.batch_size=1", "data.num_workers=0", "train.gradient_checkpointing=auto", "--encoded", "--plan"]
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "wan-lora.yaml"
+    peaks = []
+    for size, frames in ((32, 5), (96, 17)):
+        out = tmp_path / f"{size}.json"
+        assert main(["benchmark", "train", str(recipe), f"run_dir={tmp_path / str(size)}",
+                     f"data.resolution={size}", f"data.frames={frames}", *wan, "--out", str(out)]) == 0
+        plan = json.loads(out.read_text())
+        assert plan["plan_only"] and plan["frames"] == frames and plan["fits"]
+        assert plan["gradient_checkpointing"] is False and plan["available_gib"] > plan["estimated_peak_gib"] > 0
+        peaks.append(plan["estimated_peak_gib"])
+        assert f"plan for {size} px x {frames} frames" in capsys.readouterr().out
+    assert peaks[1] > peaks[0]
+    assert main(["benchmark", "train", str(recipe), *wan, "--sweep", "data.frames=5,9"]) == 2

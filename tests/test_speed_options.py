@@ -226,6 +226,34 @@ def test_forcing_another_precision_on_resume_says_so(tmp_path, shapes_dir, autoe
     assert "changes this run's precision from fp32" in caplog.text
 
 
+def test_layer_calls_are_recorded_on_fake_tensors_and_on_real_ones_where_a_forward_reads_a_value():
+    """The planner records a model's layer calls without computing them (a 480p clip of 81 frames through a 14B
+    model is an hour's forward on a CPU); a forward that needs a value (`.item()`) is recorded from a real run, with
+    the same calls."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU(), nn.Conv2d(8, 8, 3, padding=1))
+    batch = torch.randn(1, 3, 16, 16)
+    seen = []
+
+    def forward():
+        out = model(batch)
+        seen.append(isinstance(out, FakeTensor))
+        return out
+
+    def reading_forward():
+        out = forward()
+        return out * out.mean().item()
+
+    calls = autotune.record_layer_calls({"m": model}, forward)
+    assert seen == [True]
+    assert sorted(c.calls for c in calls.values()) == [1, 1, 1]
+    # The first convolution's input: 3 x 16 x 16 fp32 values a sample.
+    assert max(c.activation_bytes for c in calls.values()) == 8 * 16 * 16 * 4
+    assert autotune.record_layer_calls({"m": model}, reading_forward).keys() == calls.keys()
+    assert seen == [True, True, False]
+
+
 def test_measured_precision_times_the_whole_step_and_is_cached_per_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("SDTRAIN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(autotune, "CONTENDED_SHARE", 0.0)  # whatever else the test machine runs meanwhile

@@ -57,8 +57,9 @@ def random_text_encoder(name: str) -> str:
 
 
 class Benchmark(Trainer):
-    def __init__(self, config: RunConfig, encoded: bool = False):
+    def __init__(self, config: RunConfig, encoded: bool = False, plan_only: bool = False):
         self.encoded = encoded
+        self.plan_only = plan_only
         # From before the first weight is loaded: loading has its own peak, which may be the run's highest.
         self.memory = TreePeak(phase="loading").__enter__()
         try:
@@ -112,7 +113,7 @@ class Benchmark(Trainer):
         # process's own high-water mark covers any peak between two samples.
         self.loading_peak = max(self.memory.peak("loading"), own_peak_bytes())
         self.memory.phase("tuning")
-        return super()._tune()
+        return super()._tune(plan_only=self.plan_only)
 
     def _make_data(self) -> TrainBatches:
         if self.encoded and not (self.task.reads_encoded and self.config.data.use_encoded):
@@ -134,8 +135,35 @@ class Benchmark(Trainer):
     def _synthetic_samples(self) -> int:
         data, world = self.config.data, self.topology.world_size
         least = world * max(1, data.num_workers) * data.batch_size  # a batch for every loader slot
+        if self.plan_only:  # no step reads them: a batch for the loader to open is enough
+            return least
         wanted = 8 * world * data.batch_size * self.config.train.grad_accum
         return max(least, min(max(wanted, SYNTHETIC_SAMPLES[0]), SYNTHETIC_SAMPLES[1]))
+
+    def memory_plan(self) -> dict[str, Any]:
+        """The planner's figures for this config, as a run would log them before its first step: its expected
+        peak (training or loading, whichever is higher), whether it needs activation checkpointing and the frozen
+        weights' storage; no step runs, so a size whose step would take hours on this machine is planned in the
+        time loading takes."""
+        data, tuning = self.config.data, self.tuning
+        return {
+            "plan_only": True,
+            "stage": self.config.stage,
+            "encoded": self.encoded,
+            "device": self.device.type,
+            "resolution": data.resolution,
+            "frames": data.frames,
+            "batch_size": data.batch_size,
+            "trainable_parameters": sum(p.numel() for p in self.task.parameters()),
+            "frozen_precision": self.task.frozen_precision,
+            "mixed_precision": tuning.precision,
+            "gradient_checkpointing": tuning.checkpointing,
+            "estimated_peak_gib": tuning.estimated_gib,
+            "loading_peak_memory_gib": self._peak_memory_gib("loading"),
+            "available_gib": tuning.available_gib,
+            "fits": tuning.estimated_gib is not None and tuning.estimated_gib <= tuning.available_gib,
+            "planned_in_s": tuning.seconds,
+        }
 
     def measure(self, steps: int, warmup: int, peak_seconds: float = 2.0, save: bool = True) -> dict[str, Any]:
         """Time the first step on its own, then `steps` steady steps after `warmup` more; count the step's
@@ -259,11 +287,12 @@ class Benchmark(Trainer):
 
 
 def run_benchmark(config: RunConfig, steps: int, warmup: int, encoded: bool = False,
-                  peak_seconds: float = 2.0, save: bool = True) -> dict[str, Any] | None:
-    """Time the config's training step in this process (and its torchrun peers); the main rank's result."""
-    benchmark = Benchmark(config, encoded)
+                  peak_seconds: float = 2.0, save: bool = True, plan_only: bool = False) -> dict[str, Any] | None:
+    """Time the config's training step in this process (and its torchrun peers); the main rank's result.
+    `plan_only`: the planner's figures instead (`Benchmark.memory_plan`), no step run."""
+    benchmark = Benchmark(config, encoded, plan_only)
     try:
-        result = benchmark.measure(steps, warmup, peak_seconds, save=save)
+        result = benchmark.memory_plan() if plan_only else benchmark.measure(steps, warmup, peak_seconds, save=save)
     finally:
         benchmark.data.close()
         benchmark.memory.stop()
@@ -327,6 +356,21 @@ def compare_processes(config_path: Path, overrides: list[str], counts: list[int]
 
 def write_result(path: Path, result: Any) -> None:
     atomic_write_text(path, json.dumps(result, indent=2) + "\n")
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    """The planner's figures (`Benchmark.memory_plan`), one per line."""
+    frames = f" x {plan['frames']} frames" if plan["frames"] else ""
+    loading = plan["loading_peak_memory_gib"]
+    return "\n".join([
+        f"plan for {plan['resolution']} px{frames}, batch {plan['batch_size']} ({plan['stage']}, "
+        f"{'encoded' if plan['encoded'] else 'pixels'}, {plan['device']}; no step run)",
+        f"  expected peak     {plan['estimated_peak_gib']:.2f} GiB of {plan['available_gib']:.2f} GiB usable"
+        f" ({'fits' if plan['fits'] else 'does not fit'}; loading took {loading:.2f} GiB)",
+        f"  checkpointing     {'on' if plan['gradient_checkpointing'] else 'off'}",
+        f"  precision         {plan['mixed_precision']}; frozen weights stored in {plan['frozen_precision']}",
+        f"  trainable         {plan['trainable_parameters']:,} parameters",
+    ])
 
 
 def format_results(results: list[dict[str, Any]], sweep_keys: list[str] = ()) -> str:

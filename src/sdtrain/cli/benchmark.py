@@ -39,6 +39,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--no-save", dest="save", action="store_false",
                        help="skip timing a checkpoint save (for a full-size model it writes weights, EMA and "
                             "optimizer state: many GB)")
+    train.add_argument("--plan", action="store_true",
+                       help="load the model and print the memory planner's figures for the config (expected peak, "
+                            "checkpointing, frozen weights' storage) without running a step: a clip size whose "
+                            "step takes hours is planned in the time loading takes")
     train.add_argument("--out", type=Path, help="also write the result as JSON here")
     train.set_defaults(run=run)
 
@@ -64,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.steps < 1 or args.warmup < 0:
         raise UserError("--steps must be at least 1 and --warmup at least 0")
+    if args.plan and (args.sweep or args.nproc):
+        raise UserError("--plan plans one configuration in this process: drop --sweep and --nproc")
     if args.sweep and args.nproc:
         raise UserError("--sweep and --nproc: choose one; sweep under torchrun by giving the process count a key")
     if args.sweep:
@@ -96,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     config = resolve_sources(config)
     try:
         result = benchmark.run_benchmark(config, args.steps, args.warmup, args.encoded, args.peak_seconds,
-                                         args.save)
+                                         args.save, plan_only=args.plan)
     except BaseException:
         destroy()
         raise
@@ -104,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         if scratch is not None:
             scratch.cleanup()
     if result is not None:
-        print(benchmark.format_results([result]))
+        print(benchmark.format_plan(result) if args.plan else benchmark.format_results([result]))
         print(json.dumps(result))
         if args.out:
             benchmark.write_result(args.out, result)

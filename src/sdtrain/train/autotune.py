@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sdtrain.config import RunConfig
 from sdtrain.distributed import gather_objects
@@ -116,8 +117,29 @@ def _is_attention(module: nn.Module) -> bool:
 def record_layer_calls(modules: dict[str, nn.Module], run_forward: Callable[[], Any]) -> dict[str, LayerCall]:
     """Run `run_forward` once (no gradients) and collect the distinct calls of the modules' layers.
 
+    The forward runs on fake tensors, shapes without values: recording a 14B model's call on a 480p clip of 81
+    frames then takes seconds and no memory, where a real forward takes an hour on a CPU. A forward that reads a
+    value (an image processor turning a tensor into numbers, say) runs again for real.
+
     Attention modules count as one layer: their inner projections run inside them, and the attention
     product between does not belong to any leaf module."""
+    try:
+        return _record_layer_calls(modules, _on_fake_tensors(run_forward))
+    except Exception as exc:  # noqa: BLE001 - whatever an op without a shape rule raises, the real forward answers
+        log.debug("recording the layer calls on fake tensors failed (%s: %s); recording a real forward",
+                  type(exc).__name__, exc)
+        return _record_layer_calls(modules, run_forward)
+
+
+def _on_fake_tensors(run_forward: Callable[[], Any]) -> Callable[[], Any]:
+    def fake_forward() -> Any:
+        # Weights and the batch stay real; what the forward computes from them is fake.
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            run_forward()
+    return fake_forward
+
+
+def _record_layer_calls(modules: dict[str, nn.Module], run_forward: Callable[[], Any]) -> dict[str, LayerCall]:
     calls: dict[str, LayerCall] = {}
     inside_attention: set[int] = set()
     for module in modules.values():
@@ -341,12 +363,14 @@ def run_bytes(step_bytes: int, held_bytes: int, model_bytes: int, baseline_bytes
 
 
 def decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str, Any] | None, device: torch.device,
-           is_main: bool, processes_per_machine: int = 1, baseline_bytes: int = 0) -> Tuning:
+           is_main: bool, processes_per_machine: int = 1, baseline_bytes: int = 0, plan_only: bool = False) -> Tuning:
     """Precision and checkpointing for this run; the main rank measures, every rank gets its answer.
-    `baseline_bytes`: what the process held before it built the models (see `run_bytes`)."""
+    `baseline_bytes`: what the process held before it built the models (see `run_bytes`). `plan_only`: the memory
+    estimate whatever the config says of checkpointing, and no precision timed (that runs steps)."""
     tuning = None
     if is_main:
-        tuning = _decide(config, task, encoded, resumed_meta, device, processes_per_machine, baseline_bytes)
+        tuning = _decide(config, task, encoded, resumed_meta, device, processes_per_machine, baseline_bytes,
+                         plan_only)
         log.info("precision %s (%s%s); gradient checkpointing %s%s%s", tuning.precision, tuning.precision_source,
                  f": fp32 {tuning.fp32_ms:.0f} ms, bf16 {tuning.bf16_ms:.0f} ms per sample forward+backward"
                  if tuning.fp32_ms is not None else "",
@@ -359,7 +383,7 @@ def decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str, 
 
 
 def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str, Any] | None,
-            device: torch.device, processes_per_machine: int, baseline_bytes: int) -> Tuning:
+            device: torch.device, processes_per_machine: int, baseline_bytes: int, plan_only: bool = False) -> Tuning:
     # bf16 weights (optim.weights) compute in bf16: nothing to measure.
     requested = "bf16" if config.optim.weights == "bf16" else config.train.mixed_precision
     previous = (resumed_meta or {}).get("tuning")
@@ -371,8 +395,10 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
     defaulted = staged and requested == "auto" and previous is None
     if defaulted:
         requested = "bf16" if bf16_supported(device) else "fp32"
-    measure_precision = requested == "auto" and previous is None and bf16_supported(device)
-    measure_memory = config.train.gradient_checkpointing == "auto" and not staged
+    measure_precision = requested == "auto" and previous is None and bf16_supported(device) and not plan_only
+    if plan_only and requested == "auto" and previous is None:
+        defaulted, requested = True, "bf16" if bf16_supported(device) else "fp32"
+    measure_memory = (config.train.gradient_checkpointing == "auto" or plan_only) and not staged
     start = time.perf_counter()
     loaded_peak = own_peak_bytes()  # before the layer pass below adds its own
     calls = _record(config, task, encoded) if measure_precision or measure_memory else {}
@@ -381,7 +407,7 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
     checkpointing = config.train.gradient_checkpointing
     if staged and checkpointing == "auto":
         checkpointing = True
-    if checkpointing == "auto":
+    if checkpointing == "auto" or measure_memory:
         trainable = task.parameters()
         ids = {id(p) for p in trainable}
         # Frozen weights stored in low precision (model.frozen_precision) are buffers.
@@ -405,7 +431,8 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
 
         training = whole_run(step)
         available = _usable_bytes(device)
-        checkpointing = training > available
+        if checkpointing == "auto":
+            checkpointing = training > available
         if checkpointing:
             # What the run is then expected to take, logged and later compared with the first step's peak.
             training = least = whole_run(training_bytes(trainable, frozen, per_sample, data.batch_size,
@@ -425,7 +452,8 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
 
     timings: dict[str, float] = {}
     if defaulted:
-        precision, source = requested, "sharded as it reaches the device, so not measured"
+        precision, source = requested, ("not timed: a plan runs no step" if plan_only
+                                        else "sharded as it reaches the device, so not measured")
     elif requested != "auto":
         precision, source = requested, "config"
         if previous is not None and previous["precision"] != requested:

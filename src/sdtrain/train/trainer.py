@@ -341,11 +341,11 @@ class Trainer:
         """One-time work on the main rank before the others build the task (say, a tokenizer)."""
         prepare_task(self.config, self.run_dir)
 
-    def _tune(self) -> autotune.Tuning:
+    def _tune(self, plan_only: bool = False) -> autotune.Tuning:
         """Precision and activation checkpointing: forced by the config, kept from the run's first start, or
-        measured on this machine."""
+        measured on this machine (`plan_only`: the memory plan alone, see `autotune.decide`)."""
         return autotune.decide(self.config, self.task, self.data.encoding is not None, self.resumed_meta, self.device,
-                               self.is_main, self.topology.local_world_size, self.baseline_bytes)
+                               self.is_main, self.topology.local_world_size, self.baseline_bytes, plan_only)
 
     def _make_data(self) -> TrainBatches:
         def batches(config: DataConfig) -> TrainBatches:
