@@ -50,6 +50,13 @@ def test_each_expert_draws_its_sigmas_inside_its_share_and_a_resume_draws_the_sa
     inside = drawn[(drawn >= low) & ((drawn < high) if high < 1 else (drawn <= 1))]
     kept = objective.sample_sigmas(64, torch.Generator().manual_seed(1))
     torch.testing.assert_close(kept[:inside.numel()], inside, rtol=0, atol=0)
+    # The held-out loss at fixed fractions k/N scores the expert inside its share too.
+    latents = torch.zeros(4, 16, 1, 2, 2)
+    noise = torch.ones_like(latents)
+    noisy, timesteps, _ = objective.draw_at(latents, noise, torch.tensor([0.0, 0.25, 0.5, 0.75]))
+    fixed = noisy.flatten(1)[:, 0]  # sigma x noise, noise being ones
+    torch.testing.assert_close(fixed, low + torch.tensor([0.0, 0.25, 0.5, 0.75]) * (high - low))
+    assert bool(((fixed >= low) & (fixed < high)).all()) and timesteps.shape == (4,)
 
 
 def test_a_bad_expert_and_an_expert_of_a_model_without_experts_are_one_line_each():
@@ -145,11 +152,13 @@ def test_the_low_noise_expert_trains_alone_and_exports_beside_the_base_high_nois
     assert list((tmp_path / "drawn").glob("*.mp4"))
 
 
-def test_a_lora_of_the_low_noise_expert_loads_into_it(base, shapes_dir, tmp_path):
+def test_a_lora_of_the_low_noise_expert_loads_into_it(base, shapes_dir, tmp_path, capsys):
     from diffusers import WanPipeline
     from safetensors import safe_open
 
+    from sdtrain.checkpoint import latest_checkpoint
     from sdtrain.cli.main import main
+    from sdtrain.generate import apply_additions
 
     run = tmp_path / "lora"
     assert main(["train", "src/sdtrain/configs/wan22-a14b-lora.yaml", f"run_dir={run}", f"model.pretrained={base}",
@@ -163,3 +172,13 @@ def test_a_lora_of_the_low_noise_expert_loads_into_it(base, shapes_dir, tmp_path
     assert getattr(pipe.transformer_2, "peft_config", None) and not getattr(pipe.transformer, "peft_config", None)
     # Its model card loads it as it was loaded here, into the low-noise expert.
     assert "load_into_transformer_2=True)" in (out / "README.md").read_text()
+    # So does `generate --lora`, told by the file, as is `generate --lora` of the run's own checkpoint folder.
+    for adapters in (out, latest_checkpoint(run)):
+        pipe = WanPipeline.from_pretrained(base)
+        apply_additions(pipe, [adapters])
+        assert getattr(pipe.transformer_2, "peft_config", None) and not getattr(pipe.transformer, "peft_config", None)
+    # The run's checkpoints hold the low-noise expert's adapters: resumed as the high-noise one's, refused.
+    assert main(["train", "src/sdtrain/configs/wan22-a14b-lora.yaml", f"run_dir={run}", f"model.pretrained={base}",
+                 f"data.shards={shapes_dir}", "train.max_steps=3", "lora.rank=2", *FINETUNE,
+                 "model.expert=high_noise"]) == 2
+    assert "this run trains the low_noise expert" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from typing import Any
 
 from sdtrain.errors import UserError, first_line
 from sdtrain.loaders.pipelines import pipeline_from_file, pipeline_from_run, run_config, run_distilled
-from sdtrain.loaders.writers import LORA_WEIGHTS
+from sdtrain.loaders.writers import LOAD_INTO_KEY, LORA_WEIGHTS
 from sdtrain.models import build, families, hub
 from sdtrain.models.pipeline import DEFAULT_STEPS, read_sampling, run_sampling, sample_images, sampler_from
 from sdtrain.models.single_file import TRUST_PICKLE_ENV, trust_pickle_from_env
@@ -58,10 +58,12 @@ def load_adapters(pipe: Any, folder: Path, weight: str | None, name: str) -> Non
     from safetensors import SafetensorError, safe_open
 
     file = folder / (weight or LORA_WEIGHTS)
+    into: dict[str, bool] = {}
     if file.suffix == ".safetensors" and file.is_file():
         try:
             with safe_open(str(file), framework="pt") as handle:
                 keys = list(handle.keys())
+                target = (handle.metadata() or {}).get(LOAD_INTO_KEY)
         except SafetensorError as exc:
             raise ValueError(f"unreadable ({first_line(exc)})") from exc
         if any(key.endswith(".dora_scale") for key in keys):
@@ -74,7 +76,11 @@ def load_adapters(pipe: Any, folder: Path, weight: str | None, name: str) -> Non
                 getattr(pipe, component).load_lora_adapter(folder, prefix=component, weight_name=file.name,
                                                           adapter_name=name, local_files_only=True)
             return
-    pipe.load_lora_weights(folder, weight_name=weight, adapter_name=name, local_files_only=True)
+        if target is not None:
+            if not hasattr(pipe, target):
+                raise ValueError(f"its adapters belong to the pipeline's {target}, which this pipeline has not")
+            into = {f"load_into_{target}": True}  # a model of experts' second expert (diffusers' keyword)
+    pipe.load_lora_weights(folder, weight_name=weight, adapter_name=name, local_files_only=True, **into)
 
 
 def apply_additions(pipe: Any, loras: Sequence[str | Path] = (), lora_scale: float = 1.0,

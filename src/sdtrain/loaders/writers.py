@@ -18,6 +18,7 @@ from peft import LoKrConfig
 from peft.tuners.lokr import LoKrLayer
 from peft.tuners.lora import LoraLayer
 from peft.utils import get_peft_model_state_dict
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -156,12 +157,18 @@ def _is_up(key: str) -> bool:
     return ".lora_B." in key or key.endswith(".up.weight")
 
 
+LOAD_INTO_KEY = "sdtrain.load_into"
+"""The LoRA file's metadata key naming the pipeline attribute its denoiser adapters belong to, where that is not the
+pipeline's first denoiser (a model of experts' second: diffusers' ``load_into_transformer_2``)."""
+
+
 def save_lora(modules: dict[str, nn.Module], weights: dict[str, dict[str, torch.Tensor]], folder: Path,
-              family: ModelFamily) -> Path:
+              family: ModelFamily, load_into: str | None = None) -> Path:
     """Write ``pytorch_lora_weights.safetensors``, which the family pipeline's ``load_lora_weights(folder)``
     loads, and the same adapters as ``lora_kohya.safetensors`` for A1111 and ComfyUI where the family has a kohya
     layout for every adapted component (ComfyUI reads SD3's diffusers file itself); DoRA's in that layout also as
-    ``lora_kohya_lycoris.safetensors``, its magnitudes as LyCORIS reads them."""
+    ``lora_kohya_lycoris.safetensors``, its magnitudes as LyCORIS reads them. `load_into`: the pipeline attribute
+    the denoiser's adapters load into where it is not the first (recorded in the file, `LOAD_INTO_KEY`)."""
     adapted = {name: m for name, m in modules.items() if has_lora(m)}
     layers, metadata = {}, {}
     lokr = any(isinstance(m.peft_config["default"], LoKrConfig) for m in adapted.values())
@@ -187,6 +194,8 @@ def save_lora(modules: dict[str, nn.Module], weights: dict[str, dict[str, torch.
     family.sampling.pipeline_class.save_lora_weights(folder, safe_serialization=True, weight_name=LORA_WEIGHTS,
                                                      **layers,
                                             **metadata)
+    if load_into is not None:
+        _add_metadata(folder / LORA_WEIGHTS, {LOAD_INTO_KEY: load_into})
     dora = any(getattr(m.peft_config["default"], "use_dora", False) for m in adapted.values())
     kohya = all(name in family.components.kohya_prefixes for name in adapted)
     if kohya and (family.files.kohya_names_each_layer or not (lokr or dora)):
@@ -197,16 +206,24 @@ def save_lora(modules: dict[str, nn.Module], weights: dict[str, dict[str, torch.
     else:
         # ComfyUI reads diffusers' file as it is (LoKr's: peft's names, the scale in the first factor), or nothing.
         return folder / LORA_WEIGHTS
-    _save_kohya(state, folder / KOHYA_WEIGHTS, {"ss_network_module": "lycoris.kohya" if lokr else "networks.lora"})
+    _save_atomically(state, folder / KOHYA_WEIGHTS, {"ss_network_module": "lycoris.kohya" if lokr else "networks.lora"})
     if dora and kohya and family.files.kohya_names_each_layer:
         # ComfyUI's dora_scale is not the magnitude LyCORIS's own loader reads; each reader gets a file of its own.
-        _save_kohya(kohya_state(adapted, weights, family, dora_reader="lycoris"), folder / KOHYA_LYCORIS_WEIGHTS,
+        _save_atomically(kohya_state(adapted, weights, family, dora_reader="lycoris"), folder / KOHYA_LYCORIS_WEIGHTS,
                     {"ss_network_module": "lycoris.kohya",
                      "ss_network_args": json.dumps({"algo": "lora", "dora_wd": "True", "wd_on_output": "True"})})
     return folder / LORA_WEIGHTS
 
 
-def _save_kohya(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+def _add_metadata(path: Path, extra: dict[str, str]) -> None:
+    """`path`'s safetensors file again with `extra` in its metadata (diffusers' writer takes no metadata of ours)."""
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = {**(handle.metadata() or {}), **extra}
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 - a file, not a dict
+    _save_atomically(tensors, path, metadata)
+
+
+def _save_atomically(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(state, str(tmp), metadata=metadata)
     tmp.replace(path)
@@ -266,7 +283,10 @@ def save_trained_parts(modules: dict[str, nn.Module], meta: dict[str, Any], fold
         weights = {name: module.state_dict() for name, module in modules.items()}
     written = []
     if task.get("lora"):
-        written.append(save_lora(modules, weights, folder, family))
+        experts = family.experts
+        into = experts.folder(task["expert"]) if experts is not None and task.get("expert") else None
+        written.append(save_lora(modules, weights, folder, family,
+                                 load_into=into if experts is not None and into != experts.folders[0] else None))
     if task.get("tokens"):
         written.append(save_learned_embeds(modules, weights, family, task["placeholder_token"],
                                            folder / LEARNED_EMBEDS))

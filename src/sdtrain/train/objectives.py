@@ -219,11 +219,14 @@ class FlowMatching:
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`draw` at the given `sigmas` (one per sample, or one for all) and `noise`, with no shift and no
         random draw: for a validation loss at fixed timesteps and noise (MLPerf's Flux benchmark evaluates
-        sigma = k/8, k = 0..7)."""
+        sigma = k/8, k = 0..7). An expert's objective (`share`) reads them as fractions of its share: it is scored
+        where it denoises, not on sigmas the other expert takes."""
         # fp32 throughout: in bf16 the small sigmas round away and the target is quantised.
         latents = latents.to(self.device, torch.float32)
         noise = noise.to(self.device, torch.float32)
         sigmas = torch.as_tensor(sigmas, dtype=torch.float32, device=self.device).expand(latents.shape[0])
+        if self.share is not None:
+            sigmas = self.share[0] + sigmas * (self.share[1] - self.share[0])
         sigma = _per_sample(sigmas, latents)
         noisy = (1 - sigma) * latents + sigma * noise
         # Preconditioned, the output becomes an estimate of x0 (`prediction`), so x0 is what it is compared with.

@@ -204,7 +204,22 @@ class Task:
         self.pinned: dict[str, str] = dict((resumed or {}).get("sources", {}))
         self.resumed: dict[str, Any] = dict((resumed or {}).get("task", {}))
         self.family = families.for_model(config.model)
+        self._check_resumed_expert()
         self.components = ComponentPlanner(config, self.family, self.pinned)
+
+    @property
+    def expert(self) -> str | None:
+        """The expert this run trains, for a family of experts (``model.expert``, else the family's default)."""
+        experts = self.family.experts
+        return None if experts is None else self.config.model.expert or experts.default
+
+    def _check_resumed_expert(self) -> None:
+        # The checkpoints hold one expert's weights (or adapters): trained on as the other's, over the other's share
+        # of the timesteps, they would become neither.
+        started = self.resumed.get("expert")
+        if started is not None and self.expert is not None and started != self.expert:
+            raise UserError(f"model.expert: this run trains the {started} expert (its checkpoints hold it); resume "
+                            f"with model.expert={started}, or train the {self.expert} one in a new run_dir")
 
     @property
     def sources(self) -> dict[str, str]:
@@ -247,6 +262,7 @@ class Task:
     def checkpoint_meta(self) -> dict[str, Any]:
         """What a checkpoint's reader needs to rebuild partly trained modules on their base (meta.json)."""
         return {"mode": self.config.mode_name, "family": self.family.name,
+                **({"expert": self.expert} if self.expert is not None else {}),
                 **({"trust_pickle": True} if self.components.trust_pickle else {}),
                 **({"frozen_precision": self.frozen_precision} if self.config.model.frozen_precision == "auto" else {})}
 
