@@ -256,7 +256,7 @@ def test_images_beside_videos_are_kept_as_they_are_and_reruns_write_the_same_byt
                                                                                       tmp_path: Path,
                                                                                       capsys) -> None:
     lines = prepare(capsys, mixed_folder, tmp_path / "one", "--frames", "5", "--frame-rule", "chunk")
-    assert "skipped (video with the same bytes as an earlier one): 1: copy.mp4" in lines
+    assert "skipped (video with the same bytes as an earlier one): 1: copy.mp4 (same as a.mp4)" in lines
     written = samples(tmp_path / "one")
     assert written["red"]["png"] == (mixed_folder / "red.png").read_bytes()
     assert sorted(written) == ["a_w000", "a_w001", "a_w002", "a_w003", "a_w004", "a_w005", "blue", "odd_w000",

@@ -8,8 +8,10 @@ shards (img2dataset output, say) into shards of an even size. For images, both
 - keep the image bytes as they are (the tar member is named after the format PIL detects: jpg, png, webp, gif, tif),
 - check every image: the size is read from the header and images over ``max_pixels`` are rejected before
   anything is decoded; the rest is decoded fully, and files PIL can't read are skipped,
-- skip samples without a caption (or keep them with ``""``), duplicate keys (the first one written wins) and
-  samples rejected by the filters (``sdtrain.data.filters``), counting every skip by reason,
+- skip samples without a caption (or keep them with ``""``), duplicate keys (the first one written wins),
+  samples rejected by the filters (``sdtrain.data.filters``) and repeats of a kept sample (``sdtrain.data.dedup``: its
+  image and the images beside it alike), counting every skip by reason and naming the first repeats beside the
+  samples they repeat, in the report and the manifest's ``duplicates``,
 - write through ``ShardWriter`` (temporary names, renamed when complete) and finish by deleting shards of an
   earlier run that this run did not write, then writing the manifest. An interrupted run leaves no manifest;
   running it again redoes the work and ends with a folder whose manifest lists exactly the shards in it.
@@ -25,14 +27,16 @@ own, keyed ``sub/a`` under the ``head`` rule and ``sub/a_w000``, ``sub/a_w001``.
 A video's frame size is checked against ``max_pixels`` from its header before anything is decoded; one that does not
 decode, broke off, has no video stream or is shorter than one window is skipped, counted and named in the report;
 one damaged part-way keeps the windows cut before the damage (and is named too).
-The exact-bytes dedup compares video files as it does images (the perceptual one, their first frames); the filters
-see a video's upright width and height. Masks and conditioning images beside a video are not read.
+The exact-bytes dedup compares video files as it does images (the perceptual one, their first frames; a mask beside
+a video is not part of what it compares); the filters see a video's upright width and height. Conditioning and source
+images beside a video are not read.
 """
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import hashlib
 import io
 import json
@@ -41,7 +45,7 @@ import os
 import re
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -87,6 +91,9 @@ COMPANIONS = {MASK_SUFFIX: (MASK_IMAGE, "mask", "mask_size"),
               ".src.png": (SOURCE_IMAGE, "source image", "src_size")}
 """The images that may stand beside a sample's image (``photo.cond.png`` for ``photo.jpg``), by suffix: the field
 the shard keeps each in, what it is, and the skip reason when it is not the image's size."""
+COMPANION_FIELDS = tuple(field for field, _, _ in COMPANIONS.values())
+Beside = Callable[[tuple[int, int]], dict[str, bytes] | None]
+"""What gives a sample's other images (by field) once its image's upright size is known; see `_Job.image`."""
 SHARD_PREFIX = "shard"
 PROGRESS_EVERY = 10_000
 
@@ -117,6 +124,9 @@ VIDEO_DUPLICATES = {"duplicate_image": "duplicate_video", "near_duplicate": "nea
 """The dedup's reasons, as a video's."""
 NAMED_AT_MOST = 10
 """Skipped videos the report names per reason (each is also logged)."""
+REPEATS_NAMED = 2
+"""Duplicates the report and the manifest name per reason, each beside the kept sample it repeats: a pair or two
+show what the dedup matched, and a long list of them would bury the rest of the summary."""
 CLIP_KEY = "{key}_w{index:03d}"
 """The key of a window of a video under a rule that may give several."""
 
@@ -148,6 +158,8 @@ class Report:
     read_errors: list[str] = field(default_factory=list)
     named: dict[str, list[str]] = field(default_factory=dict)
     """The videos skipped, by reason."""
+    repeats: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    """The first duplicates dropped, by reason: each one's name and the name of the kept sample it repeats."""
     frame_rule: FrameRule | None = None
     videos: int = 0
     """Videos cut into windows."""
@@ -182,7 +194,8 @@ class Report:
                 elif reason == "video_too_large":
                     text = f"video frames over {self.max_pixels} pixels"
                 line = f"skipped ({text}): {self.skipped[reason]}"
-                names = self.named.get(reason, [])
+                names = self.named.get(reason) or [f"{name} (same as {of})"
+                                                   for name, of in self.repeats.get(reason, [])]
                 if names:
                     more = self.skipped[reason] - len(names)
                     line += ": " + ", ".join(names) + (f" and {more} more" if more > 0 else "")
@@ -250,6 +263,13 @@ class _Job:
             if len(named) < NAMED_AT_MOST:
                 named.append(name)
 
+    def repeated(self, reason: str, name: str, of: str) -> None:
+        """Count a sample dropped by the dedup, and keep the first few of each reason beside the kept `of`."""
+        self.skip(reason)
+        repeats = self.report.repeats.setdefault(reason, [])
+        if len(repeats) < REPEATS_NAMED:
+            repeats.append((name, of))
+
     def caption(self, caption: str | None) -> str | None:
         """The caption to write, or None (counted) when the sample is skipped for lack of one."""
         caption = (caption or "").strip()
@@ -258,12 +278,16 @@ class _Job:
             return None
         return caption
 
-    def image(self, data: bytes, meta: dict[str, Any], caption: str, fill_size: bool) -> str | None:
-        """Check an image and the filters; return its extension, or None (counted) when it is skipped.
+    def image(self, data: bytes, meta: dict[str, Any], caption: str, fill_size: bool, name: str,
+              beside: Beside | None = None) -> tuple[str, dict[str, bytes]] | None:
+        """Check an image, the filters and the dedup; return its extension and the images beside it (by field, from
+        `beside`), or None (counted) when it is skipped.
 
         The size is read from the header; ``meta`` gets ``width``/``height`` (overwriting any given when
         ``fill_size``, else only where missing) before the filters see it, and nothing is decoded unless
-        the image passes the pixel limit and the filters.
+        the image passes the pixel limit and the filters. `beside` is given the upright size and returns the images
+        that go with this one, or None when it skipped the sample for one; the dedup compares them too, so only a
+        sample whose every image repeats a kept sample's is a duplicate (the kept one is named by `name`).
         """
         if not data:
             self.skip("corrupt")
@@ -301,13 +325,16 @@ class _Job:
             except Exception:
                 self.skip("corrupt")
                 return None
+            others = beside((width, height)) if beside else {}
+            if others is None:
+                return None
             # Compared as training sees it (upright, on white), so a rotated or re-saved copy is the same picture.
-            duplicate, keep = self.duplicates.check(data, lambda: rgb_image(img, (255, 255, 255)).image)
-            if duplicate is not None:
-                self.skip(duplicate)
+            repeat, keep = self.duplicates.check(name, data, lambda: rgb_image(img, (255, 255, 255)).image, others)
+            if repeat is not None:
+                self.repeated(repeat.reason, name, repeat.of)
                 return None
         keep()
-        return ext
+        return ext, others
 
     def clip(self, data: bytes, meta: dict[str, Any], caption: str, rule: FrameRule, name: str) -> Iterator[Window]:
         """Check a video and yield its windows by `rule` as they are cut; a video that gives none is counted, and named
@@ -338,9 +365,12 @@ class _Job:
                               "codec": first.codec}
             if self.filtered(meta, caption):
                 return
-            duplicate, keep = self.duplicates.check(data, lambda: first.image)
-            if duplicate is not None:
-                raise ClipSkipped(VIDEO_DUPLICATES[duplicate])
+            repeat, keep = self.duplicates.check(name, data, lambda: first.image)
+            if repeat is not None:
+                log.warning("%s: %s (same as %s); skipped", name, SKIP_REASONS[VIDEO_DUPLICATES[repeat.reason]],
+                            repeat.of)
+                self.repeated(VIDEO_DUPLICATES[repeat.reason], name, repeat.of)
+                return
             for window in video.windows(rule, timeline, starts):
                 if not cut:
                     keep()
@@ -370,12 +400,12 @@ class _Job:
         if self.filtered(meta, caption):
             return False
         try:
-            duplicate, keep = self.duplicates.check(data, lambda: VideoFile(data).picture().image)
+            repeat, keep = self.duplicates.check(name, data, lambda: VideoFile(data).picture().image)
         except ClipSkipped:
             self.skip("video_unreadable", name)
             return False
-        if duplicate is not None:
-            self.skip(VIDEO_DUPLICATES[duplicate], name)
+        if repeat is not None:
+            self.repeated(VIDEO_DUPLICATES[repeat.reason], name, repeat.of)
             return False
         keep()
         return True
@@ -403,6 +433,10 @@ class _Job:
         extra["skipped"] = {k: v for k, v in self.report.skipped.items() if v}
         extra["filtered"] = dict(self.report.filtered_in_order())
         extra["filters"] = {f.name: f.describe() for f in self.filters.filters}
+        if self.report.repeats:
+            extra["duplicates"] = {reason: {"dropped": self.report.skipped[reason],
+                                            "examples": [{"key": name, "same_as": of} for name, of in repeats]}
+                                   for reason, repeats in self.report.repeats.items()}
         if self.report.videos and self.report.frame_rule is not None:
             extra["clips"] = self.report.frame_rule.describe()
         write_manifest(self.out_dir, self.report.shards, extra)
@@ -629,24 +663,32 @@ def prepare_folder(
             if video:
                 _write_clip(job, src, entry.rel, stem, key, data, meta, caption, clips)
                 continue
-            ext = job.image(data, meta, caption, fill_size=True)
-            if ext is None:
+            checked = job.image(data, meta, caption, fill_size=True, name=key,
+                                beside=functools.partial(_companions, job, src, stem))
+            if checked is None:
                 continue
-            companions = {}
-            for suffix, (field, what, reason) in COMPANIONS.items():
-                companions[field] = _read_companion(src / f"{stem}{suffix}", (meta["width"], meta["height"]), what)
-                if companions[field] is False:
-                    job.skip(reason)
-                    break
-            else:
-                if conditioning and companions[CONDITIONING_IMAGE] is None:
-                    companions[CONDITIONING_IMAGE] = canny_map(data)
-                meta.pop("file_name", None)
-                meta["file_name"] = entry.rel
-                body = json.dumps(meta, ensure_ascii=False, default=str).encode("utf-8")
-                job.write({"__key__": key, ext: data, "txt": caption, "json": body,
-                           **{field: value for field, value in companions.items() if value}})
+            ext, companions = checked
+            if conditioning and CONDITIONING_IMAGE not in companions:
+                # After the dedup, which need not see it: a map computed from the image repeats when the image does.
+                companions = {**companions, CONDITIONING_IMAGE: canny_map(data)}
+            meta.pop("file_name", None)
+            meta["file_name"] = entry.rel
+            body = json.dumps(meta, ensure_ascii=False, default=str).encode("utf-8")
+            job.write({"__key__": key, ext: data, "txt": caption, "json": body, **companions})
     return job.finish()
+
+
+def _companions(job: _Job, src: Path, stem: str, size: tuple[int, int]) -> dict[str, bytes] | None:
+    """The images beside the image `stem` (see COMPANIONS) by field, or None (counted) when one is not of `size`."""
+    found = {}
+    for suffix, (member, what, reason) in COMPANIONS.items():
+        data = _read_companion(src / f"{stem}{suffix}", size, what)
+        if data is False:
+            job.skip(reason)
+            return None
+        if isinstance(data, bytes):
+            found[member] = data
+    return found
 
 
 def _write_clip(job: _Job, src: Path, rel: str, stem: str, key: str, data: bytes, meta: dict[str, Any],
@@ -771,6 +813,11 @@ def _reshard_sample(job: _Job, raw: dict[str, Any]) -> None:
     if image_field is None:
         if not job.clip_member(fields[CLIP_FIELD], meta, caption, key):
             return
-    elif job.image(fields[image_field], meta, caption, fill_size=False) is None:
-        return
+    else:
+        # A prepared sample's source, conditioning map and mask are part of what the dedup compares, as they were
+        # when the folder was prepared.
+        companions = {f: fields[f] for f in COMPANION_FIELDS if f in fields}
+        if job.image(fields[image_field], meta, caption, fill_size=False, name=key,
+                     beside=lambda size: companions) is None:
+            return
     job.write({"__key__": key, **fields})
