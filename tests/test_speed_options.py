@@ -245,13 +245,27 @@ def test_layer_calls_are_recorded_on_fake_tensors_and_on_real_ones_where_a_forwa
         out = forward()
         return out * out.mean().item()
 
-    calls = autotune.record_layer_calls({"m": model}, forward)
+    calls = autotune.record_layer_calls({"m": model}, forward).calls
     assert seen == [True]
     assert sorted(c.calls for c in calls.values()) == [1, 1, 1]
-    # The first convolution's input: 3 x 16 x 16 fp32 values a sample.
+    # The norm's input, the largest: 8 x 16 x 16 fp32 values a sample.
     assert max(c.activation_bytes for c in calls.values()) == 8 * 16 * 16 * 4
-    assert autotune.record_layer_calls({"m": model}, reading_forward).keys() == calls.keys()
+    assert autotune.record_layer_calls({"m": model}, reading_forward).calls.keys() == calls.keys()
     assert seen == [True, True, False]
+
+
+def test_with_checkpointing_the_plan_keeps_each_blocks_input_and_one_blocks_inside():
+    """What checkpointing keeps is each block's input plus one block's activations as backward recomputes it, not a
+    fixed share of them all: for a deep model at a long sequence the share said 48 GiB where the blocks need 15."""
+    blocks = [nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(3)]
+    model = nn.Sequential(nn.Linear(4, 64), *blocks, nn.Linear(64, 2))
+    record = autotune.record_layer_calls({"m": model}, lambda: model(torch.randn(5, 10, 4)), blocks)
+    row = 10 * 4  # bytes of one fp32 value for each of a sample's 10 tokens
+    assert record.outside_bytes == (4 + 64) * row and record.block_input_bytes == 3 * 64 * row
+    assert record.largest_block_bytes == (64 + 256) * row
+    assert record.activation_bytes() == (4 + 64 + 3 * (64 + 256)) * row
+    assert record.checkpointed_bytes() == int(autotune.ELEMENTWISE * (4 + 64 + 64 + 256) * row) + 3 * 64 * row
+    assert autotune.record_layer_calls({"m": model}, lambda: model(torch.randn(5, 10, 4))).checkpointed_bytes() is None
 
 
 def test_measured_precision_times_the_whole_step_and_is_cached_per_machine(tmp_path, monkeypatch):
@@ -261,7 +275,7 @@ def test_measured_precision_times_the_whole_step_and_is_cached_per_machine(tmp_p
     monkeypatch.setattr(autotune, "DECISIVE_RATIO", float("inf"))
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU(), nn.Conv2d(8, 8, 3, padding=1))
     batch = torch.randn(4, 3, 16, 16)
-    calls = autotune.record_layer_calls({"m": model}, lambda: model(batch[:1]))
+    calls = autotune.record_layer_calls({"m": model}, lambda: model(batch[:1])).calls
     # Two distinct convolutions and one norm; the layer calls keep their real input shapes.
     assert sorted(c.calls for c in calls.values()) == [1, 1, 1]
     fingerprint = sorted((k, c.calls) for k, c in calls.items())

@@ -159,6 +159,7 @@ class Benchmark(Trainer):
             "mixed_precision": tuning.precision,
             "gradient_checkpointing": tuning.checkpointing,
             "estimated_peak_gib": tuning.estimated_gib,
+            "training_peak_gib": tuning.training_gib,
             "loading_peak_memory_gib": self._peak_memory_gib("loading"),
             "available_gib": tuning.available_gib,
             "fits": tuning.estimated_gib is not None and tuning.estimated_gib <= tuning.available_gib,
@@ -366,7 +367,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"plan for {plan['resolution']} px{frames}, batch {plan['batch_size']} ({plan['stage']}, "
         f"{'encoded' if plan['encoded'] else 'pixels'}, {plan['device']}; no step run)",
         f"  expected peak     {plan['estimated_peak_gib']:.2f} GiB of {plan['available_gib']:.2f} GiB usable"
-        f" ({'fits' if plan['fits'] else 'does not fit'}; loading took {loading:.2f} GiB)",
+        f" ({'fits' if plan['fits'] else 'does not fit'}): training {plan['training_peak_gib']:.2f} GiB, loading "
+        f"took {loading:.2f} GiB",
         f"  checkpointing     {'on' if plan['gradient_checkpointing'] else 'off'}",
         f"  precision         {plan['mixed_precision']}; frozen weights stored in {plan['frozen_precision']}",
         f"  trainable         {plan['trainable_parameters']:,} parameters",

@@ -39,6 +39,7 @@ from sdtrain.distributed import gather_objects
 from sdtrain.errors import UserError
 from sdtrain.flops import cpu_flags
 from sdtrain.memory import TreePeak, own_peak_bytes, tree_bytes
+from sdtrain.models import families
 from sdtrain.paths import cache_dir
 from sdtrain.utils import atomic_write_text
 
@@ -46,6 +47,8 @@ log = logging.getLogger(__name__)
 
 # bf16 rounds every matmul input; it has to buy a clear gain, not a tie within timing noise.
 BF16_MIN_GAIN = 1.05
+# The recorded layer inputs miss the elementwise results autograd keeps between layers (activations, residual sums).
+ELEMENTWISE = 1.5
 DECISIVE_RATIO = 2.0
 _LEAVES = (nn.Conv2d, nn.Linear, nn.GroupNorm, nn.LayerNorm)
 
@@ -68,6 +71,8 @@ class Tuning:
     """What loading the models took at its peak (this process; every process of the machine when several)."""
     seconds: float = 0.0
     """What recording and timing the layers took at this start (0 when nothing was measured)."""
+    training_gib: float | None = None
+    """The training step's expected peak alone (see `run_bytes`), loading aside."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -80,6 +85,31 @@ class LayerCall:
     calls: int
     activation_bytes: int
     """Bytes of the call's tensor inputs per sample, about what autograd keeps for its backward."""
+
+
+@dataclass
+class LayerCalls:
+    """A forward's distinct layer calls, and what activation checkpointing of its blocks would keep of them."""
+
+    calls: dict[str, LayerCall]
+    outside_bytes: int = 0
+    """Per sample, the inputs of the layer calls outside every checkpointed block (embeddings, the final layers)."""
+    block_input_bytes: int = 0
+    """Per sample, the inputs of every checkpointed block call: what checkpointing keeps of the blocks."""
+    largest_block_bytes: int = 0
+    """Per sample, the layer inputs inside the largest block call: what its recomputation holds during backward."""
+
+    def activation_bytes(self) -> int:
+        """Per sample, the inputs of every layer call: about what autograd keeps without checkpointing."""
+        return sum(c.activation_bytes * c.calls for c in self.calls.values())
+
+    def checkpointed_bytes(self) -> int | None:
+        """Per sample, what autograd keeps with the blocks checkpointed: their inputs, everything outside them, and
+        one block's inside at a time as backward recomputes it (with the elementwise results between layers, see
+        `ELEMENTWISE`); None where no block was seen."""
+        if not self.block_input_bytes:
+            return None
+        return int(ELEMENTWISE * (self.outside_bytes + self.largest_block_bytes) + self.block_input_bytes)
 
 
 def _machine_key(device: torch.device) -> str:
@@ -114,8 +144,10 @@ def _is_attention(module: nn.Module) -> bool:
     return type(module).__name__.endswith("Attention")
 
 
-def record_layer_calls(modules: dict[str, nn.Module], run_forward: Callable[[], Any]) -> dict[str, LayerCall]:
-    """Run `run_forward` once (no gradients) and collect the distinct calls of the modules' layers.
+def record_layer_calls(modules: dict[str, nn.Module], run_forward: Callable[[], Any],
+                       blocks: list[nn.Module] = ()) -> LayerCalls:
+    """Run `run_forward` once (no gradients) and collect the distinct calls of the modules' layers, and which run
+    inside the `blocks` activation checkpointing would wrap.
 
     The forward runs on fake tensors, shapes without values: recording a 14B model's call on a 480p clip of 81
     frames then takes seconds and no memory, where a real forward takes an hour on a CPU. A forward that reads a
@@ -124,11 +156,11 @@ def record_layer_calls(modules: dict[str, nn.Module], run_forward: Callable[[], 
     Attention modules count as one layer: their inner projections run inside them, and the attention
     product between does not belong to any leaf module."""
     try:
-        return _record_layer_calls(modules, _on_fake_tensors(run_forward))
+        return _record_layer_calls(modules, _on_fake_tensors(run_forward), blocks)
     except Exception as exc:  # noqa: BLE001 - whatever an op without a shape rule raises, the real forward answers
         log.debug("recording the layer calls on fake tensors failed (%s: %s); recording a real forward",
                   type(exc).__name__, exc)
-        return _record_layer_calls(modules, run_forward)
+        return _record_layer_calls(modules, run_forward, blocks)
 
 
 def _on_fake_tensors(run_forward: Callable[[], Any]) -> Callable[[], Any]:
@@ -139,23 +171,49 @@ def _on_fake_tensors(run_forward: Callable[[], Any]) -> Callable[[], Any]:
     return fake_forward
 
 
-def _record_layer_calls(modules: dict[str, nn.Module], run_forward: Callable[[], Any]) -> dict[str, LayerCall]:
-    calls: dict[str, LayerCall] = {}
+def _per_sample_bytes(args: tuple, kwargs: dict[str, Any]) -> int:
+    batch = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 1), 1)
+    return (_tensors_bytes(args) + _tensors_bytes(kwargs)) // max(batch, 1)
+
+
+def _record_layer_calls(modules: dict[str, nn.Module], run_forward: Callable[[], Any],
+                        blocks: list[nn.Module]) -> LayerCalls:
+    record = LayerCalls({})
     inside_attention: set[int] = set()
     for module in modules.values():
         for sub in module.modules():
             if _is_attention(sub):
                 inside_attention.update(id(m) for m in sub.modules() if m is not sub)
+    # The block call running now (the outermost: checkpointing an outer block recomputes the inner ones with it).
+    running: list[nn.Module] = []
+    inside = [0]
+
+    def enter_block(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        running.append(module)
+        if len(running) == 1:
+            record.block_input_bytes += _per_sample_bytes(args, kwargs)
+            inside[0] = 0
+
+    def leave_block(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        running.pop()
+        if not running:
+            record.largest_block_bytes = max(record.largest_block_bytes, inside[0])
 
     def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        size = _per_sample_bytes(args, kwargs)
+        if running:
+            inside[0] += size
+        else:
+            record.outside_bytes += size
         key = _signature(module, args, kwargs)
-        if key in calls:
-            calls[key].calls += 1
-            return
-        batch = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 1), 1)
-        calls[key] = LayerCall(1, (_tensors_bytes(args) + _tensors_bytes(kwargs)) // max(batch, 1))
+        if key in record.calls:
+            record.calls[key].calls += 1
+        else:
+            record.calls[key] = LayerCall(1, size)
 
-    handles = []
+    handles = [handle for block in blocks for handle in (
+        block.register_forward_pre_hook(enter_block, with_kwargs=True),
+        block.register_forward_hook(leave_block, with_kwargs=True))]
     for module in modules.values():
         for sub in module.modules():
             if id(sub) in inside_attention:
@@ -168,7 +226,7 @@ def _record_layer_calls(modules: dict[str, nn.Module], run_forward: Callable[[],
     finally:
         for handle in handles:
             handle.remove()
-    return calls
+    return record
 
 
 def _synchronize(device: torch.device) -> None:
@@ -277,22 +335,26 @@ OPTIMIZER_STATE_RATIO = {"adamw": 2.0, "adamw8bit": 0.5, "adafactor": 0.0}
 
 def training_bytes(trainable: list[nn.Parameter], frozen: list[nn.Parameter], activation_bytes_per_sample: int,
                    batch_size: int, ema: bool, checkpointing: bool, bf16: bool = False, optimizer: str = "adamw",
-                   in_backward: bool = False, weight_size: int | None = None) -> int:
+                   in_backward: bool = False, weight_size: int | None = None,
+                   checkpointed_bytes_per_sample: int | None = None) -> int:
     """Estimated peak of a training step: the trained weights and their gradients (none held together when stepped
     in backward), at `weight_size` bytes each (None: as they are now), the optimizer's state of the trained
     parameters (plus their average with EMA), the frozen weights, and the
     activations autograd keeps; under bf16 autocast also the bf16 copies of the weights it casts, which it keeps
-    for the backward. The recorded layer inputs miss the elementwise results between layers (activations,
-    residual sums), hence the factor 1.5; with checkpointing about one block's worth stays, bounded here by a
-    quarter."""
+    for the backward. The recorded layer inputs miss the elementwise results between layers (`ELEMENTWISE`); with
+    checkpointing what `LayerCalls.checkpointed_bytes` says stays (`checkpointed_bytes_per_sample`), or where the
+    blocks are unknown a quarter of it all."""
     # The optimizer's state and the EMA are fp32 whatever the weights' precision (optim.weights).
     weights = sum(p.numel() * (weight_size or p.element_size()) for p in trainable) * (1 if in_backward else 2)
     state = weights + sum(p.numel() * 4 for p in trainable) * (OPTIMIZER_STATE_RATIO[optimizer] + (1 if ema else 0))
     state += sum(p.numel() * p.element_size() for p in frozen)
     if bf16:
         state += sum(p.numel() * 2 for p in [*trainable, *frozen] if p.dtype == torch.float32)
-    activations = 1.5 * activation_bytes_per_sample * batch_size
-    return int(state + (activations / 4 if checkpointing else activations))
+    activations = ELEMENTWISE * activation_bytes_per_sample * batch_size
+    if checkpointing:
+        activations = activations / 4 if checkpointed_bytes_per_sample is None \
+            else checkpointed_bytes_per_sample * batch_size
+    return int(state + activations)
 
 
 # At most this share of the memory for the stored frozen weights and the trained state, when the planner picks their
@@ -401,9 +463,9 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
     measure_memory = (config.train.gradient_checkpointing == "auto" or plan_only) and not staged
     start = time.perf_counter()
     loaded_peak = own_peak_bytes()  # before the layer pass below adds its own
-    calls = _record(config, task, encoded) if measure_precision or measure_memory else {}
+    calls = _record(config, task, encoded) if measure_precision or measure_memory else LayerCalls({})
 
-    estimated = available = loading = None
+    estimated = available = loading = training_gib = None
     checkpointing = config.train.gradient_checkpointing
     if staged and checkpointing == "auto":
         checkpointing = True
@@ -413,11 +475,12 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
         # Frozen weights stored in low precision (model.frozen_precision) are buffers.
         frozen = [p for m in _all_modules(task) for p in (*m.parameters(), *m.buffers())
                   if id(p) not in ids and not p.is_meta]
-        per_sample = sum(c.activation_bytes * c.calls for c in calls.values())
+        per_sample, checkpointed = calls.activation_bytes(), calls.checkpointed_bytes()
         data = config.data
         # Before precision is measured, bf16 stays possible: its weight copies are counted unless fp32 is certain.
         maybe_bf16 = bf16_supported(device) and requested != "fp32" and (previous or {}).get("precision") != "fp32"
-        optimizer = dict(optimizer=config.optim.name, in_backward=config.optim.in_backward)
+        optimizer = dict(optimizer=config.optim.name, in_backward=config.optim.in_backward,
+                         checkpointed_bytes_per_sample=checkpointed)
         step = training_bytes(trainable, frozen, per_sample, data.batch_size, config.ema.enabled, checkpointing=False,
                               bf16=maybe_bf16, **optimizer)
         weights = sum(p.numel() * p.element_size() for p in [*trainable, *frozen])
@@ -447,6 +510,7 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
                             "bf16)", least / 2**30, available / 2**30)
         loading = processes_per_machine * loaded_peak if host else None
         estimated = max(training, loading or 0)
+        training_gib = training / 2**30
         estimated, available = estimated / 2**30, available / 2**30
         loading = loading / 2**30 if loading is not None else None
 
@@ -467,12 +531,12 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
     else:
         # Where the full micro-batch would not fit without checkpointing, one sample stands in for it.
         samples = 1 if checkpointing else config.data.batch_size
-        fingerprint = sorted((k, c.calls) for k, c in calls.items())
+        fingerprint = sorted((k, c.calls) for k, c in calls.calls.items())
         with _synthetic_step(config, task, encoded, samples) as step:
             timings, source = measured_precision(fingerprint, step, _parameters(task), device, samples)
         precision = "bf16" if timings["bf16"] * BF16_MIN_GAIN < timings["fp32"] else "fp32"
     return Tuning(precision, bool(checkpointing), source, timings.get("fp32"), timings.get("bf16"), estimated,
-                  available, loading, round(time.perf_counter() - start, 2) if calls else 0.0)
+                  available, loading, round(time.perf_counter() - start, 2) if calls.calls else 0.0, training_gib)
 
 
 def _all_modules(task: Any) -> list[nn.Module]:
@@ -515,10 +579,12 @@ def _synthetic_step(config: RunConfig, task: Any, encoded: bool, samples: int) -
         torch.set_rng_state(rng)
 
 
-def _record(config: RunConfig, task: Any, encoded: bool) -> dict[str, LayerCall]:
-    """The distinct layer calls of the modules backward runs through on one synthetic sample."""
+def _record(config: RunConfig, task: Any, encoded: bool) -> LayerCalls:
+    """The distinct layer calls of the modules backward runs through on one synthetic sample, and those inside the
+    blocks of the trained modules, which activation checkpointing wraps (train/parallel.py)."""
+    blocks = [block for module in task.parallel_modules().values() for block in families.blocks(module)]
     with _synthetic_step(config, task, encoded, 1) as step:
-        return record_layer_calls(task.backward_modules(), step)
+        return record_layer_calls(task.backward_modules(), step, blocks)
 
 
 class FirstStepMemory:
