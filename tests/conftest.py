@@ -127,8 +127,8 @@ def t5_tokenizer(folder: Path, captions: list[str], length: int):
 
 def tiny_components(family: str, folder: Path, captions: list[str], length: int) -> dict:
     """`family`'s tiny preset as a run from scratch builds it: its tokenizer learnt from `captions` into `folder`
-    (tokens per caption: `length`), then its VAE, text encoder and denoiser. Returns the ModelConfig, the tokenizers
-    and the components by name."""
+    (tokens per caption: `length`), then its VAE, text encoders and denoiser. Returns the ModelConfig, the
+    tokenizers and the components by name."""
     from sdtrain.config import ComponentConfig, ModelConfig
     from sdtrain.models import build, families
 
@@ -139,10 +139,11 @@ def tiny_components(family: str, folder: Path, captions: list[str], length: int)
                          components={"tokenizer": ComponentConfig(source=str(folder / "tokenizer"))})
     tokenizers = build.load_text_tokenizers(config)
     vae = build.build_vae(config)
-    text_encoder = build.build_text_encoder(config, tokenizers[0])
-    denoiser = build.build_denoiser(config, spec.codec.channels(vae.config), 8, {"text_encoder": text_encoder})
+    text_encoders = {name: build.build_text_encoder(config, tokenizer, name)
+                     for name, tokenizer in zip(spec.components.text_encoders, tokenizers)}
+    denoiser = build.build_denoiser(config, spec.codec.channels(vae.config), 8, text_encoders)
     return {"config": config, "tokenizers": tokenizers,
-            "components": {"vae": vae, "text_encoder": text_encoder, spec.components.denoiser: denoiser}}
+            "components": {"vae": vae, **text_encoders, spec.components.denoiser: denoiser}}
 
 
 def config_path(name: str) -> Path:

@@ -100,9 +100,10 @@ FAMILY_NAMES_OUTSIDE = {
 # The most members each part of a family's spec may have: a part that must grow past this is a part to split
 # (a family is composed of small parts, each of one concern), not a longer list. The video families grew four:
 # LatentCodec (clip_frames), ModelFamily (experts), DenoiserCall (conditioned: a first frame), Sampling (index_marks,
-# image_pipeline_class: image-to-video).
+# image_pipeline_class: image-to-video). Sampling grew one more beside `distilled`, which reads a folder for which
+# released model it is: `variant` (Flux.1 Kontext, Qwen-Image-Edit-2511), what a run records.
 SPEC_MEMBERS = {"ModelFamily": 23, "Components": 11, "Component": 8, "LatentCodec": 9, "Conditioner": 10,
-                "DenoiserCall": 14, "FileInterchange": 16, "Sampling": 15, "ControlSpec": 8, "InstructSpec": 3,
+                "DenoiserCall": 14, "FileInterchange": 16, "Sampling": 16, "ControlSpec": 8, "InstructSpec": 3,
                 "ReferenceSpec": 4, "SingleFileLayout": 9, "ExpertSpec": 10}
 
 

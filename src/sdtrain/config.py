@@ -171,7 +171,14 @@ class ModelConfig:
     """The model family, one of those docs/families/ describes (``sd`` for Stable Diffusion 1.x/2.x, ``sdxl``,
     ``sd3``, ``flux``, ...; an unknown name is one line listing them).
     Unset: the pretrained model's own (from its model_index.json or single-file keys), else the family whose
-    presets alone name ``preset`` (``sdxl``, ``sd3-medium``, ``flux-dev``...), else ``sd``."""
+    presets alone name ``preset`` (``sdxl``, ``sd3-medium``, ``flux-dev``...), else ``sd``. A run logs the family
+    it recognised, and what told it, and its config.yaml records it."""
+    variant: str | None = None
+    """Which released model ``pretrained`` is, where the family stands for several: ``dev``, ``schnell`` or
+    ``kontext`` for ``flux``, ``2509`` or ``2511`` for ``qwen-image-edit-plus``, as the model's files tell it. A run
+    logs it and records it beside the family in its config.yaml; it changes nothing the run does (the files do). Set
+    (a run's saved config given again), it must be what the files tell. Unset: what they tell, or nothing (a single
+    file two of them share, a model from scratch, a family of one model)."""
     preset: str = "tiny"
     """Architecture for components built from scratch, one of the family's presets: ``tiny`` (tests, demo) in
     every family, and the released architectures its page in docs/families/ lists (``sd2``: the Stable Diffusion 2
@@ -277,6 +284,8 @@ class ModelConfig:
                "streams the weights frozen_precision stores low: set model.frozen_precision=bf16, fp8, nf4 or auto")
         _check(self.denoiser_init in ("auto", "library", "reference"), "model.denoiser_init",
                "must be auto, library or reference")
+        _check(self.variant is None or (isinstance(self.variant, str) and bool(self.variant)), "model.variant",
+               "must name a variant, e.g. kontext (or be unset: the pretrained model's own)")
         _check(self.expert is None or (isinstance(self.expert, str) and bool(self.expert)), "model.expert",
                "must name an expert, e.g. low_noise (or be unset: the family's default)")
         _check(self.t5_text_length is None or self.t5_text_length >= 4, "model.t5_text_length",

@@ -11,6 +11,7 @@ folder in the Hub cache before it gets here (``sdtrain.models.hub``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -380,13 +381,19 @@ def other_experts(config: ModelConfig, source: str | None) -> dict[str, str | No
 def resolve_sources(config: Any, fetch_weights: bool = True) -> Any:
     """A copy of RunConfig `config` with its model's Hub ids resolved to local folders (`hub.resolve_model`),
     fetching the weights of its family's components alone: the family is read from the configs and tokenizers,
-    fetched first, so a family's own components (an image encoder, a second transformer) need no list here."""
-    light = hub.resolve_model(config, fetch_weights=False)
-    if not fetch_weights:
-        return light
-    family = families.for_model(light.model)
-    experts = family.experts.folders if family.experts is not None else ()
-    return hub.resolve_model(config, weighted=tuple(dict.fromkeys((*family.components, *experts))))
+    fetched first, so a family's own components (an image encoder, a second transformer) need no list here. The
+    copy names the family and variant recognised (`families.recognise`), which is logged: a run's config.yaml then
+    says what it trained, and the model's files, read again on resume or export, agree with it."""
+    resolved = hub.resolve_model(config, fetch_weights=False)
+    recognised = families.recognise(resolved.model)
+    log.info("%s", recognised.line())
+    if fetch_weights:
+        family = recognised.family
+        experts = family.experts.folders if family.experts is not None else ()
+        resolved = hub.resolve_model(config, weighted=tuple(dict.fromkeys((*family.components, *experts))))
+    variant = recognised.variant.name if recognised.variant is not None else None
+    model = dataclasses.replace(resolved.model, family=recognised.family.name, variant=variant)
+    return dataclasses.replace(resolved, model=model)
 
 
 def overrides_key(name: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from sdtrain.models.families.qwenimage21 import QWEN_IMAGE_21
 from sdtrain.models.families.sd import SD
 from sdtrain.models.families.sd3 import SD3
 from sdtrain.models.families.sdxl import SDXL
-from sdtrain.models.families.spec import ModelFamily, of_index
+from sdtrain.models.families.spec import ModelFamily, Variant, of_index
 from sdtrain.models.families.wan import WAN
 from sdtrain.models.families.wan22 import WAN22_TI2V
 from sdtrain.models.families.wan_a14b import WAN22_A14B
@@ -56,17 +57,61 @@ def named(config: Any) -> ModelFamily | None:
     """The family a model config (a ModelConfig) names: ``model.family`` when set (checked against a pretrained
     model's own files), else the pretrained model's, else the family whose presets alone name ``model.preset``;
     None when nothing says."""
-    found = detect(config.pretrained) if config.pretrained else None
+    return _naming(config)[0]
+
+
+def _naming(config: Any) -> tuple[ModelFamily | None, str]:
+    """`named`'s family and what said it, as a log line words it."""
+    found, told = _detected(config.pretrained) if config.pretrained else (None, None)
+    said = f"recognised from {told}" if told is not None else None
     if config.family:
         family = get(config.family)
         if found is not None and found is not family:
             raise UserError(f"model.family: {family.name}, but model.pretrained {config.pretrained} is {found.title}; "
                             f"set model.family={found.name} or leave it unset")
-        return family
+        return family, said or "as model.family names it"
     if found is not None:
-        return found
+        return found, said or f"the default: nothing in {config.pretrained} names a family"
     owners = [family for family in FAMILIES.values() if config.preset in family.presets]
-    return owners[0] if len(owners) == 1 else None
+    if len(owners) == 1:
+        return owners[0], f"as model.preset={config.preset} names it"
+    return None, "the default: neither model.pretrained, model.family nor model.preset names a family"
+
+
+@dataclass(frozen=True)
+class Recognised:
+    """What a run's model is (`recognise`)."""
+
+    family: ModelFamily
+    variant: Variant | None
+    """Which of the released models the family's title stands for it is; None where the title names one, or
+    nothing tells."""
+    said: str
+    """What told the family, as the log line words it (``recognised from FOLDER/model_index.json``)."""
+
+    def line(self) -> str:
+        title = self.variant.title if self.variant else self.family.title
+        variant = f", variant {self.variant.name}" if self.variant else ""
+        return f"model: {title} (family {self.family.name}{variant}, {self.said})"
+
+
+def recognise(config: Any) -> Recognised:
+    """The family of a model config (a ModelConfig) as `for_model` reads it, and the variant the pretrained model's
+    files tell (`Sampling.variant`), which a set ``model.variant`` (a run's saved config given again) must be."""
+    family, said = _naming(config)
+    family = family or SD
+    found = family.sampling.variant(config.pretrained) if config.pretrained else None
+    if config.variant is not None and (found is None or found.name != config.variant):
+        fix = "leave it unset"
+        if found is not None:
+            problem = f"model.pretrained {config.pretrained} is {found.title}"
+            fix = f"set model.variant={found.name} or {fix}"
+        elif config.pretrained:
+            problem = f"the files of model.pretrained {config.pretrained} do not tell which {family.title} model it is"
+        else:
+            problem = "no model.pretrained is set for it to name"
+        raise UserError(f"model.variant: {config.variant}, but {problem}; {fix}")
+    return Recognised(family, found, said)
 
 
 def latent_constants(config: Any) -> tuple[dict[str, float | None], str] | None:
@@ -161,32 +206,38 @@ def detect(source: str | Path) -> ModelFamily:
     class in model_index.json; a single file's key names; the family a run's checkpoint records). Other sources
     (a component folder, a run of an earlier release) are taken for Stable Diffusion. A model of no model
     family this release knows is one line naming what was found."""
+    return _detected(source)[0]
+
+
+def _detected(source: str | Path) -> tuple[ModelFamily, Path | None]:
+    """`detect`'s family of `source`, and the file that told it (None: taken for Stable Diffusion)."""
     path = Path(source)
     checkpoint = path if (path / "meta.json").is_file() else latest_checkpoint(path) if path.is_dir() else None
     if checkpoint is not None:
-        return FAMILIES.get(read_meta(checkpoint).get("task", {}).get("family"), SD)
+        recorded = FAMILIES.get(read_meta(checkpoint).get("task", {}).get("family"))
+        return (SD, None) if recorded is None else (recorded, checkpoint / "meta.json")
     if (path / "model_index.json").is_file():
         try:
             index = json.loads((path / "model_index.json").read_text())
             found = index.get("_class_name")
         except (OSError, ValueError, AttributeError):
-            return SD  # the pipeline loader reports what is wrong with the file
+            return SD, None  # the pipeline loader reports what is wrong with the file
         known = of_index([f for f in FAMILIES.values() if found in f.sampling.pipeline_names
                           or found in (c.__name__ for c in f.pipeline_classes())], index)
         if known is not None:
-            return known
+            return known, path / "model_index.json"
     elif path.is_file() and path.suffix == ".safetensors":
         try:
             with safe_open(str(path), framework="pt") as file:
                 keys = list(file.keys())
         except (OSError, SafetensorError):
-            return SD  # the single-file loader reports what is wrong with the file
+            return SD, None  # the single-file loader reports what is wrong with the file
         known = family_of_keys(keys)
         if known is not None:
-            return known
+            return known, path
         found = f"keys such as {', '.join(keys[:3])}"
     else:
-        return SD
+        return SD, None
     trained = ", ".join(f.title for f in FAMILIES.values())
     raise UserError(f"model.pretrained: {path} is of no model family this release knows ({found}); sdtrain trains "
                     f"{trained}")

@@ -340,6 +340,16 @@ class Sampling(spec.Sampling):
     pipeline_class = FluxPipeline
     pipeline_names = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
 
+    def variant(self, source: str | Path) -> spec.Variant | None:
+        # Kontext's folder names its editing pipeline; its transformer is dev's architecture, so a file with the
+        # guidance embedding is dev's or Kontext's and says not which. Schnell's has none.
+        if spec.pipeline_name(source) == FluxKontextPipeline.__name__:
+            return spec.Variant("kontext", "Flux.1 Kontext")
+        guided = _guidance_embedding(source)
+        if guided is False:
+            return spec.Variant("schnell", "Flux.1-schnell")
+        return spec.Variant("dev", "Flux.1-dev") if guided and spec.pipeline_name(source) is not None else None
+
     def assemble(self, components: dict[str, nn.Module], tokenizers: list[Any], scheduler: Any,
                  distilled: bool = False) -> Any:
         return FluxPipeline(scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],

@@ -533,6 +533,14 @@ class PlusSampling(EditSampling):
     pipeline_class = QwenImageEditPlusPipeline
     pipeline_names = ("QwenImageEditPlusPipeline",)
 
+    def variant(self, source: str | Path) -> spec.Variant | None:
+        # Both name the Plus pipeline: 2511's transformer is the one that modulates the source at timestep zero.
+        settings = spec.component_settings(source, "transformer")
+        if settings is None:
+            return None
+        release = "2511" if settings.get("zero_cond_t") else "2509"
+        return spec.Variant(release, f"Qwen-Image-Edit-{release}")
+
 
 # Qwen-Image-Edit's Plus models (2509, 2511), one source image an edit; trained with ``edit.reference``.
 QWEN_IMAGE_EDIT_PLUS = spec.ModelFamily(

@@ -173,6 +173,17 @@ class ReferenceSpec:
 
 
 @dataclass(frozen=True)
+class Variant:
+    """One of the released models a family's title stands for (`Sampling.variant`): what a run records of it. It
+    changes nothing a run does; the model's files do."""
+
+    name: str
+    """Its ``model.variant`` value (``kontext``)."""
+    title: str
+    """What users call it (Flux.1 Kontext)."""
+
+
+@dataclass(frozen=True)
 class ExpertSpec:
     """How a family's denoiser is two experts over shares of the timesteps (a mixture of experts in time, as Wan 2.2
     A14B's): a pipeline folder keeps each in a folder of its own, and its sampler hands a step to the first expert
@@ -241,6 +252,25 @@ def _index_of(source: str | Path | None) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return index if isinstance(index, dict) else None
+
+
+def pipeline_name(source: str | Path | None) -> str | None:
+    """The pipeline class (``_class_name``) the model_index.json of the pipeline folder at `source` names; None
+    without one."""
+    name = (_index_of(source) or {}).get("_class_name")
+    return name if isinstance(name, str) else None
+
+
+def component_settings(source: str | Path | None, name: str) -> dict[str, Any] | None:
+    """The config.json of component `name` in the pipeline folder at `source`; None without one (a single file, a
+    run, a model from scratch) or where it cannot be read (its loader says why)."""
+    if source is None or not (Path(source) / "model_index.json").is_file():
+        return None
+    try:
+        settings = json.loads((Path(source) / name / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return settings if isinstance(settings, dict) else None
 
 
 def of_index(candidates: list[ModelFamily], index: Mapping[str, Any]) -> ModelFamily | None:
@@ -615,6 +645,12 @@ class Sampling(Part):
         None: a model from scratch) is step-distilled, sampling in a few steps without classifier-free guidance,
         which its denoiser's config does not say. False by default."""
         return False
+
+    def variant(self, source: str | Path) -> Variant | None:
+        """Which of the released models the family's title stands for the pretrained model at `source` (a pipeline
+        folder, a single file, a run) is, from its files alone, where the title stands for several (Flux.1's dev,
+        schnell and Kontext); None where it names one, or the files do not tell (a file two of them share)."""
+        return None
 
     def defaults(self, denoiser_config: Any, distilled: bool = False) -> dict[str, Any]:
         """What the model samples with where the user sets nothing: ``guidance`` (its scale), and ``steps`` where
