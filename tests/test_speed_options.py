@@ -266,6 +266,14 @@ def test_with_checkpointing_the_plan_keeps_each_blocks_input_and_one_blocks_insi
     assert record.activation_bytes() == (4 + 64 + 3 * (64 + 256)) * row
     assert record.checkpointed_bytes() == int(autotune.ELEMENTWISE * (4 + 64 + 64 + 256) * row) + 3 * 64 * row
     assert autotune.record_layer_calls({"m": model}, lambda: model(torch.randn(5, 10, 4))).checkpointed_bytes() is None
+    # Under bf16 autocast each block's weight copies are cast again as it is recomputed: one block's stay, not all.
+    block_casts = 2 * sum(p.numel() for p in blocks[0].parameters())
+    assert autotune._spared_cast_bytes(blocks) == 2 * block_casts
+    params = list(model.parameters())
+    plain, checkpointed = (autotune.training_bytes(
+        [], params, 0, 1, ema=False, checkpointing=on, bf16=True, checkpointed_bytes_per_sample=0,
+        spared_cast_bytes=2 * block_casts) for on in (False, True))
+    assert plain - checkpointed == 2 * block_casts
 
 
 def test_measured_precision_times_the_whole_step_and_is_cached_per_machine(tmp_path, monkeypatch):

@@ -98,6 +98,9 @@ class LayerCalls:
     """Per sample, the inputs of every checkpointed block call: what checkpointing keeps of the blocks."""
     largest_block_bytes: int = 0
     """Per sample, the layer inputs inside the largest block call: what its recomputation holds during backward."""
+    spared_cast_bytes: int = 0
+    """The bf16 copies of the blocks' fp32 weights that bf16 autocast keeps for backward without checkpointing, and
+    with it not (each block's are cast again as it is recomputed), but for the largest block's."""
 
     def activation_bytes(self) -> int:
         """Per sample, the inputs of every layer call: about what autograd keeps without checkpointing."""
@@ -336,20 +339,21 @@ OPTIMIZER_STATE_RATIO = {"adamw": 2.0, "adamw8bit": 0.5, "adafactor": 0.0}
 def training_bytes(trainable: list[nn.Parameter], frozen: list[nn.Parameter], activation_bytes_per_sample: int,
                    batch_size: int, ema: bool, checkpointing: bool, bf16: bool = False, optimizer: str = "adamw",
                    in_backward: bool = False, weight_size: int | None = None,
-                   checkpointed_bytes_per_sample: int | None = None) -> int:
+                   checkpointed_bytes_per_sample: int | None = None, spared_cast_bytes: int = 0) -> int:
     """Estimated peak of a training step: the trained weights and their gradients (none held together when stepped
     in backward), at `weight_size` bytes each (None: as they are now), the optimizer's state of the trained
     parameters (plus their average with EMA), the frozen weights, and the
     activations autograd keeps; under bf16 autocast also the bf16 copies of the weights it casts, which it keeps
     for the backward. The recorded layer inputs miss the elementwise results between layers (`ELEMENTWISE`); with
     checkpointing what `LayerCalls.checkpointed_bytes` says stays (`checkpointed_bytes_per_sample`), or where the
-    blocks are unknown a quarter of it all."""
+    blocks are unknown a quarter of it all, and of the bf16 copies all but `spared_cast_bytes`."""
     # The optimizer's state and the EMA are fp32 whatever the weights' precision (optim.weights).
     weights = sum(p.numel() * (weight_size or p.element_size()) for p in trainable) * (1 if in_backward else 2)
     state = weights + sum(p.numel() * 4 for p in trainable) * (OPTIMIZER_STATE_RATIO[optimizer] + (1 if ema else 0))
     state += sum(p.numel() * p.element_size() for p in frozen)
     if bf16:
         state += sum(p.numel() * 2 for p in [*trainable, *frozen] if p.dtype == torch.float32)
+        state -= spared_cast_bytes if checkpointing else 0
     activations = ELEMENTWISE * activation_bytes_per_sample * batch_size
     if checkpointing:
         activations = activations / 4 if checkpointed_bytes_per_sample is None \
@@ -480,7 +484,7 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
         # Before precision is measured, bf16 stays possible: its weight copies are counted unless fp32 is certain.
         maybe_bf16 = bf16_supported(device) and requested != "fp32" and (previous or {}).get("precision") != "fp32"
         optimizer = dict(optimizer=config.optim.name, in_backward=config.optim.in_backward,
-                         checkpointed_bytes_per_sample=checkpointed)
+                         checkpointed_bytes_per_sample=checkpointed, spared_cast_bytes=calls.spared_cast_bytes)
         step = training_bytes(trainable, frozen, per_sample, data.batch_size, config.ema.enabled, checkpointing=False,
                               bf16=maybe_bf16, **optimizer)
         weights = sum(p.numel() * p.element_size() for p in [*trainable, *frozen])
@@ -584,7 +588,17 @@ def _record(config: RunConfig, task: Any, encoded: bool) -> LayerCalls:
     blocks of the trained modules, which activation checkpointing wraps (train/parallel.py)."""
     blocks = [block for module in task.parallel_modules().values() for block in families.blocks(module)]
     with _synthetic_step(config, task, encoded, 1) as step:
-        return record_layer_calls(task.backward_modules(), step, blocks)
+        record = record_layer_calls(task.backward_modules(), step, blocks)
+    record.spared_cast_bytes = _spared_cast_bytes(blocks)
+    return record
+
+
+def _spared_cast_bytes(blocks: list[nn.Module]) -> int:
+    """`LayerCalls.spared_cast_bytes` of the `blocks` (nested ones counted with the block around them)."""
+    inner = {id(sub) for block in blocks for sub in block.modules() if sub is not block}
+    casts = [sum(p.numel() * 2 for p in block.parameters() if p.dtype == torch.float32)
+             for block in blocks if id(block) not in inner]
+    return sum(casts) - max(casts, default=0)
 
 
 class FirstStepMemory:
