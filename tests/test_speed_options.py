@@ -254,6 +254,32 @@ def test_layer_calls_are_recorded_on_fake_tensors_and_on_real_ones_where_a_forwa
     assert seen == [True, True, False]
 
 
+def test_a_recording_on_fake_tensors_leaves_no_fake_tensor_in_a_models_caches():
+    """Diffusers' Qwen-Image caches its rotary frequencies in an lru_cache of a method; others on an attribute or in
+    a dict: the real steps after a recording must not read the recording's fake tensors from them."""
+    import functools
+
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.table: dict[int, torch.Tensor] = {}
+
+        @functools.cache  # noqa: B019 - as diffusers caches, by instance
+        def frequencies(self, n: int) -> torch.Tensor:
+            return torch.arange(n, dtype=torch.float32)
+
+        def forward(self, x):
+            self.last = self.table.setdefault(x.shape[0], torch.ones(x.shape[0], 1))
+            return self.proj(x) * self.frequencies(x.shape[-1]) * self.last
+
+    model = Cached()
+    x = torch.randn(2, 4)
+    autotune.record_layer_calls({"m": model}, lambda: model(x))
+    torch.testing.assert_close(model(x), model.proj(x) * torch.arange(4.0))
+    assert not hasattr(Cached, "last") and type(model.table[2]) is torch.Tensor
+
+
 def test_with_checkpointing_the_plan_keeps_each_blocks_input_and_one_blocks_inside():
     """What checkpointing keeps is each block's input plus one block's activations as backward recomputes it, not a
     fixed share of them all: for a deep model at a long sequence the share said 48 GiB where the blocks need 15."""

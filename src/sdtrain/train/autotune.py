@@ -159,19 +159,69 @@ def record_layer_calls(modules: dict[str, nn.Module], run_forward: Callable[[], 
     Attention modules count as one layer: their inner projections run inside them, and the attention
     product between does not belong to any leaf module."""
     try:
-        return _record_layer_calls(modules, _on_fake_tensors(run_forward), blocks)
+        return _record_layer_calls(modules, _on_fake_tensors(run_forward, modules), blocks)
     except Exception as exc:  # noqa: BLE001 - whatever an op without a shape rule raises, the real forward answers
         log.debug("recording the layer calls on fake tensors failed (%s: %s); recording a real forward",
                   type(exc).__name__, exc)
         return _record_layer_calls(modules, run_forward, blocks)
 
 
-def _on_fake_tensors(run_forward: Callable[[], Any]) -> Callable[[], Any]:
+def _on_fake_tensors(run_forward: Callable[[], Any], modules: dict[str, nn.Module]) -> Callable[[], Any]:
     def fake_forward() -> Any:
         # Weights and the batch stay real; what the forward computes from them is fake.
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with _forgetting_caches(modules), FakeTensorMode(allow_non_fake_inputs=True):
             run_forward()
     return fake_forward
+
+
+@contextlib.contextmanager
+def _forgetting_caches(modules: dict[str, nn.Module]) -> Iterator[None]:
+    """The modules' own state as it was before, afterwards: what a forward caches (rotary frequencies on an attribute,
+    in a dict, or in an lru_cache of a method, as diffusers' Qwen-Image keeps them) would otherwise hand the fake
+    tensors of a recording to the real steps after it."""
+    layers = list({id(sub): sub for module in modules.values() for sub in module.modules()}.values())
+    before = [(layer, dict(vars(layer)), {key: _shallow(value) for key, value in vars(layer).items()})
+              for layer in layers]
+    try:
+        yield
+    finally:
+        for layer, attributes, contents in before:
+            for key in [key for key in vars(layer) if key not in attributes]:
+                delattr(layer, key)
+            for key, value in attributes.items():
+                object.__setattr__(layer, key, value)
+                if isinstance(contents[key], dict):
+                    value.clear()
+                    value.update(contents[key])
+                elif isinstance(contents[key], list):
+                    value[:] = contents[key]
+        for clear in _method_caches(layers):
+            clear()
+
+
+def _shallow(value: Any) -> Any:
+    return dict(value) if type(value) is dict else list(value) if type(value) is list else None
+
+
+def _method_caches(layers: list[nn.Module]) -> list[Callable[[], None]]:
+    """The ``cache_clear`` of every lru_cache on the layers' classes' methods, wrapped or not."""
+    found: dict[int, Callable[[], None]] = {}
+    for cls in {klass for layer in layers for klass in type(layer).__mro__}:
+        for attribute in vars(cls).values():
+            for candidate in (attribute, *(cell.cell_contents for cell in getattr(attribute, "__closure__", None) or ()
+                                           if _filled(cell))):
+                clear = getattr(candidate, "cache_clear", None)
+                if callable(clear):
+                    found[id(candidate)] = clear
+    return list(found.values())
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
 
 
 def _per_sample_bytes(args: tuple, kwargs: dict[str, Any]) -> int:
