@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import ast
 import faulthandler
 import hashlib
 import json
+import logging
 import os
+import re
 import sys
 import tempfile
 import threading
+import warnings
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -144,6 +150,62 @@ def tiny_components(family: str, folder: Path, captions: list[str], length: int)
     denoiser = build.build_denoiser(config, spec.codec.channels(vae.config), 8, text_encoders)
     return {"config": config, "tokenizers": tokenizers,
             "components": {"vae": vae, **text_encoders, spec.components.denoiser: denoiser}}
+
+
+def run_card(export: Path, base: Path | None = None, sample: dict[str, Any] | None = None, **loading: Any
+             ) -> tuple[Any, dict[str, Any]]:
+    """An export's model card as the Hub reads it (its front matter) and what its python code makes, run as written
+    beside the export (the code names it by its folder's name): a local base's stand-in replaced by `base` (given
+    `loading` too), and each image it loads made under the name it loads it by. Its last statement, the sample, is
+    left out, or with `sample` run with those arguments added to the pipeline's call (a tiny size, one step).
+    Returns the card's metadata and the code's variables."""
+    from huggingface_hub import ModelCard
+    from PIL import Image
+
+    card = ModelCard.load(export / "README.md")
+    code = card.text.split("```python\n", 1)[1].split("```", 1)[0]
+    if base is not None:
+        code = re.sub(r'"path/to/[^"]*"', "BASE, **LOADING", code)
+    tree = ast.parse(code)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "load_image":
+            Image.new("RGB", (32, 32), (230, 30, 30)).save(export.parent / node.args[0].value)
+    if sample is None:
+        tree.body.pop()
+    else:
+        call = next(node for node in ast.walk(tree.body[-1])
+                    if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "pipe")
+        call.keywords += [ast.keyword(arg=key, value=ast.Constant(value)) for key, value in sample.items()]
+        ast.fix_missing_locations(tree)
+    variables: dict[str, Any] = {"BASE": str(base), "LOADING": loading}
+    here = os.getcwd()
+    os.chdir(export.parent)
+    try:
+        exec(compile(tree, "README.md", "exec"), variables)  # noqa: S102 - the card's own code, written by the export
+    finally:
+        os.chdir(here)
+    return card.data, variables
+
+
+@contextmanager
+def warns_nothing(caplog) -> Iterator[None]:
+    """Every warning an error within, and none logged by diffusers, which warns of a config's keys through its own
+    logger (one that does not propagate to the root, where caplog listens)."""
+    logger = logging.getLogger("diffusers")
+    logger.addHandler(caplog.handler)
+    start = len(caplog.records)
+    try:
+        with caplog.at_level(logging.WARNING, logger="diffusers"), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            # diffusers' FluxControlNetModel builds its position embedder from the name diffusers deprecated: a
+            # FutureWarning at every construction, whatever the folder holds.
+            warnings.filterwarnings("ignore", "`FluxPosEmbed` is deprecated", FutureWarning)
+            yield
+    finally:
+        logger.removeHandler(caplog.handler)
+    logged = [record.getMessage() for record in caplog.records[start:]
+              if record.name.startswith("diffusers") and record.levelno >= logging.WARNING]
+    assert not logged, logged
 
 
 def config_path(name: str) -> Path:

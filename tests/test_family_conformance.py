@@ -18,7 +18,7 @@ from sdtrain.models.families import spec
 from sdtrain.models.pipeline import sampler_from
 from sdtrain.models.tokenizer import CaptionTokenizer
 
-from .conftest import resumes_bitwise_after_kill_9
+from .conftest import resumes_bitwise_after_kill_9, warns_nothing
 
 FAMILIES = list(families.FAMILIES)
 TEXT_LENGTH = 12
@@ -201,6 +201,24 @@ def test_its_controlnet_starts_at_the_base_model_and_then_steers_it(tiny):
     untouched = [n for n, p in controlnet.named_parameters()
                  if p.grad is None and not _declared_unused(tiny.family, "controlnet", controlnet, n)]
     assert not untouched, f"{tiny.family.name}: no gradient reaches the ControlNet's {untouched}"
+
+
+def test_its_exported_controlnet_loads_in_diffusers_without_a_warning(tiny, tmp_path, caplog):
+    """A ControlNet as `sdtrain export` writes it (the module rebuilt from its checkpoint's spec, saved), made from
+    a denoiser read from a folder as a run's base is (its config then states every setting, unset ones too):
+    diffusers' own class loads the folder without a warning, its config holding only what that class takes."""
+    from sdtrain.checkpoint import module_spec
+    from sdtrain.loaders.components import instantiate
+
+    spec = tiny.family.controlnet
+    if spec is None:
+        pytest.skip(f"{tiny.family.title} hosts no ControlNet in this release")
+    tiny.denoiser.save_pretrained(tmp_path / "denoiser")
+    denoiser = type(tiny.denoiser).from_pretrained(tmp_path / "denoiser")
+    controlnet = spec.from_denoiser(denoiser, tiny.family.codec.downsampling(tiny.vae.config))
+    instantiate(module_spec(controlnet)).save_pretrained(tmp_path / "controlnet")
+    with warns_nothing(caplog):
+        spec.model_class.from_pretrained(tmp_path / "controlnet")
 
 
 @pytest.mark.parametrize("kind", ["dora", "lokr"])

@@ -18,7 +18,7 @@ from sdtrain.export import export_run
 from sdtrain.models import families
 from sdtrain.models.families.patches import pack, unpack
 
-from .conftest import TINY_CLI, config_path, resumes_bitwise_after_kill_9
+from .conftest import TINY_CLI, config_path, resumes_bitwise_after_kill_9, run_card, warns_nothing
 
 CONFIGS = config_path("diffusion.yaml").parents[1]
 FAMILIES = ["flux", "sd3"]
@@ -160,7 +160,7 @@ def test_lora_files_load_in_diffusers_and_change_the_image(family, tmp_path, pre
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_controlnet_trains_beside_the_frozen_transformer_and_exports_what_diffusers_samples_with(
-        family, tmp_path, pretrained, layouts):
+        family, tmp_path, pretrained, layouts, caplog):
     """SD3's and Flux.1's ControlNets: made from the transformer's first blocks, they read the maps' latents, train
     alone, draw the validation images with the last batch's maps, and export a folder diffusers' own ControlNet
     pipeline and `sdtrain generate --controlnet` sample with."""
@@ -176,11 +176,16 @@ def test_a_controlnet_trains_beside_the_frozen_transformer_and_exports_what_diff
     assert weights and all(k.startswith("controlnet.") for k in weights)  # the base is not the run's to save
     assert (run / "samples" / "step_00000002.png").is_file()
 
-    controlnet = spec.model_class.from_pretrained(export_run(run, tmp_path / "out") / "controlnet")
+    out = export_run(run, tmp_path / "out")
+    with warns_nothing(caplog):  # its config is all the ControlNet class's own
+        controlnet = spec.model_class.from_pretrained(out / "controlnet")
     for key, value in controlnet.state_dict().items():
         torch.testing.assert_close(value, weights[f"controlnet.{key}"], rtol=0, atol=0, msg=key)
-    cls = FluxControlNetPipeline if family == "flux" else StableDiffusion3ControlNetPipeline
-    pipe = cls.from_pretrained(pretrained[family], controlnet=controlnet, local_files_only=True)
+    # The model card's code loads it into the family's ControlNet pipeline on the base: the pipeline sampled below.
+    data, made = run_card(out, pretrained[family])
+    pipe = made["pipe"]
+    assert data.pipeline_tag == "text-to-image" and "controlnet" in data.tags
+    assert type(pipe) is (FluxControlNetPipeline if family == "flux" else StableDiffusion3ControlNetPipeline)
     pipe.set_progress_bar_config(disable=True)
     layout = Image.new("RGB", (32, 32))
     layout.paste((230, 30, 30), (4, 8, 14, 18))
@@ -252,19 +257,20 @@ def test_flux_learns_to_edit_by_reference_as_kontext_and_its_files_load_in_konte
                     max_area=32 * 32, _auto_resize=False, max_sequence_length=_t5_length(pipe), output_type="np",
                     generator=torch.Generator().manual_seed(0)).images[0]
 
-    card = (out / "README.md").read_text()  # the card loads the LoRA into Kontext's pipeline and edits an image
-    assert "FluxKontextPipeline.from_pretrained" in card and 'image=load_image("before.png")' in card
+    # The model card lists an editor, and its code loads the LoRA into the pipeline a full run exports (below) on
+    # the base, then gives it the image to edit: it edits otherwise than the base.
+    data, made = run_card(out, pretrained["flux"])
+    assert data.pipeline_tag == "image-to-image" and 'image=load_image("before.png")' in (out / "README.md").read_text()
     pipe = FluxKontextPipeline.from_pretrained(pretrained["flux"], local_files_only=True)
     before = edit(pipe)
-    _edits_as_the_pipeline_does(FluxKontextPipeline.from_pretrained(pretrained["flux"], local_files_only=True), source)
-    pipe.load_lora_weights(out)
-    assert np.abs(edit(pipe) - before).max() > 1e-4
+    assert type(made["pipe"]) is FluxKontextPipeline and np.abs(edit(made["pipe"]) - before).max() > 1e-4
+    _edits_as_the_pipeline_does(pipe, source)
 
     full = tmp_path / "full"
     assert main(["train", str(CONFIGS / "finetune-full.yaml"), f"run_dir={full}", *common, f"data.shards={edits}",
                  "edit.reference=true", "optim.warmup_steps=0"]) == 0
     folder = export_run(full, tmp_path / "full-out")
-    assert json.loads((folder / "model_index.json").read_text())["_class_name"] == "FluxKontextPipeline"
+    assert json.loads((folder / "model_index.json").read_text())["_class_name"] == type(made["pipe"]).__name__
     source.resize((64, 16)).save(tmp_path / "source.png")  # wider than tall, as a bucketed run's may be
     assert main(["generate", "--model", str(folder), "--image", str(tmp_path / "source.png"), "--prompt",
                  "make it blue", "--steps", "2", "--out", str(tmp_path / "images")]) == 0

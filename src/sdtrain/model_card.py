@@ -31,18 +31,12 @@ from huggingface_hub import ModelCard, ModelCardData, try_to_load_from_cache
 
 from sdtrain.checkpoint import read_meta
 from sdtrain.config import RunConfig, load_config
-from sdtrain.loaders.writers import (
-    CONTROLNET,
-    INSTRUCT_PIX2PIX,
-    KOHYA_LYCORIS_WEIGHTS,
-    KOHYA_WEIGHTS,
-    LEARNED_EMBEDS,
-    LORA_WEIGHTS,
-    REFERENCE_EDIT,
-)
+from sdtrain.loaders.writers import CONTROLNET, KOHYA_LYCORIS_WEIGHTS, KOHYA_WEIGHTS, LEARNED_EMBEDS, LORA_WEIGHTS
 from sdtrain.models import build, families, hub
 from sdtrain.models.families.spec import ModelFamily
 from sdtrain.models.single_file import tokenizer_folder
+from sdtrain.train.modes import make_part
+from sdtrain.train.parts import IMAGE_TO_IMAGE, CardExample
 from sdtrain.utils import atomic_write_bytes, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -209,14 +203,19 @@ class _Export:
         self.family = families.get(self.task.get("family") or "sd") if diffusion else None
         self.base = _base(self.config, self.family)
         self.modes = self.config.modes if diffusion else ("full",)
+        # What the run trained, as its modes have it: the card's task and code are theirs to say.
+        self.part = make_part(self.config, self.family) if diffusion else None
 
     @property
-    def editor(self) -> Any:
-        """The spec of the editing mode the run trained its denoiser for (InstructPix2Pix's, editing by reference),
-        whose pipeline samples it with the image to edit; None for a denoiser that draws from text alone."""
-        if self.task.get(INSTRUCT_PIX2PIX):
-            return self.family.instruct
-        return self.family.reference if self.task.get(REFERENCE_EDIT) else None
+    def example(self) -> CardExample | None:
+        """How the card's code samples with what the run trained (an editor's pipeline given the image to edit, a
+        ControlNet's given its map); None: the family's pipeline, from text alone."""
+        return self.part.card_example() if self.part is not None else None
+
+    @property
+    def edits(self) -> bool:
+        """Whether the run's model edits the image it is given (InstructPix2Pix's, editing by reference)."""
+        return self.part is not None and self.part.hub_task == IMAGE_TO_IMAGE
 
     @property
     def lokr(self) -> bool:
@@ -271,14 +270,15 @@ def _tags(export: _Export) -> list[str]:
     if export.kind == "controlnet":
         modes += ["controlnet", *(["lora"] if export.task.get("lora") else [])]
     tags = [tag for tag in export.family.hub_tags or [export.family.name] if tag != "text-to-video"]
-    return [_task(export.family), "diffusers", *tags, *modes,
-            "sdtrain"]
+    # Once each: a family's own tags may name its task too (Qwen-Image 2.1's text-to-image).
+    return list(dict.fromkeys([_task(export), "diffusers", *tags, *modes, "sdtrain"]))
 
 
-def _task(family: Any) -> str:
-    """The Hub's pipeline tag of a family's models: text-to-video where its tags say so (Wan's), else
-    text-to-image."""
-    return "text-to-video" if "text-to-video" in family.hub_tags else "text-to-image"
+def _task(export: _Export) -> str:
+    """The Hub's pipeline tag of the exported model: its trained part's task (an editor's image-to-image), else
+    the family's: text-to-video where its tags say so (Wan's), else text-to-image."""
+    own = export.part.hub_task if export.part is not None else None
+    return own or ("text-to-video" if "text-to-video" in export.family.hub_tags else "text-to-image")
 
 
 def _header(export: _Export) -> ModelCardData:
@@ -288,7 +288,7 @@ def _header(export: _Export) -> ModelCardData:
     if export.image and export.family is not None:
         extra["widget"] = [{"text": _prompt(export), "output": {"url": export.image}}]
     return ModelCardData(base_model=export.base.hub_id, library_name="diffusers", **licence, tags=_tags(export),
-                         pipeline_tag=_task(export.family) if export.family is not None else None, **extra)
+                         pipeline_tag=_task(export) if export.family is not None else None, **extra)
 
 
 def _summary(export: _Export) -> str:
@@ -312,7 +312,7 @@ def _summary(export: _Export) -> str:
         kind = next(iter({_adapter_kind(s) for s in (export.task.get("lora") or {}).values()}), "LoRA")
         what = f"DreamBooth {kind} adapters" if "dreambooth" in export.modes else f"{kind} adapters"
         subject = f" on a subject: prompt with `{prompt}`" if "dreambooth" in export.modes else ""
-        edits = ", to edit an image as its prompt instructs" if export.editor is not None else ""
+        edits = ", to edit an image as its prompt instructs" if export.edits else ""
         return f"{what}{rank} for {target} ({family.title}), trained with sdtrain{subject}{edits}."
     if export.kind == "embedding":
         vectors = len(export.task.get("tokens") or []) or export.config.textual_inversion.num_vectors
@@ -322,7 +322,7 @@ def _summary(export: _Export) -> str:
            "lora": f"fine-tuned {start} with sdtrain, LoRA adapters merged in",
            "textual_inversion": f"fine-tuned {start} with sdtrain by textual inversion, the token `{prompt}` added",
            }.get(export.modes[0], f"{'fine-tuned' if base.source else 'trained'} {start} with sdtrain")
-    if export.editor is not None:
+    if export.edits:
         how += ", to edit an image as its prompt instructs"
     if export.kind != "file":
         return f"A {family.title} pipeline for diffusers, {how}."
@@ -355,24 +355,22 @@ def _usage(export: _Export) -> list[str]:
         if export.kind == "file":
             out += ["ComfyUI: put the file in `ComfyUI/models/vae/` and pick it in a Load VAE node.", ""]
         return out
-    editor = export.editor
-    pipeline = (editor.pipeline_class if editor is not None else family.sampling.pipeline_class).__name__
+    example = export.example
+    pipeline = (example.pipeline_class if example is not None else family.sampling.pipeline_class).__name__
     head = [f"from diffusers import {pipeline}", ""]
     call = f"image = pipe({prompt}).images[0]"
-    if editor is not None:
+    if example is not None:
         head = [f"from diffusers import {pipeline}", "from diffusers.utils import load_image", ""]
-        call = f"image = pipe(prompt={prompt}, image=load_image(\"before.png\")).images[0]"
+        call = (f"image = pipe(prompt={prompt}, {example.image_argument}="
+                f"load_image({json.dumps(example.image_file)})).images[0]")
     if export.kind == "controlnet":
-        spec = family.controlnet
-        model = spec.model_class.__name__
-        pipeline = spec.pipeline_class.__name__
-        folder = json.dumps(f"{name}/{CONTROLNET}")
+        assert example is not None and example.module is not None  # a ControlNet folder is a ControlNet run's
+        model, folder = example.module[0].__name__, example.module[1]
         lines = [f"from diffusers import {model}, {pipeline}", "from diffusers.utils import load_image", "",
-                 f"controlnet = {model}.from_pretrained({folder}){comment}",
-                 f"pipe = {pipeline}.from_pretrained({base}, controlnet=controlnet)",
+                 f"{folder} = {model}.from_pretrained({json.dumps(f'{name}/{folder}')}){comment}",
+                 f"pipe = {pipeline}.from_pretrained({base}, {folder}={folder})",
                  *([f"pipe.load_lora_weights({here})  # the adapters trained beside it"]
                    if export.task.get("lora") else [])]
-        call = f"image = pipe({prompt}, {spec.image_argument}=load_image(\"map.png\")).images[0]"
     elif export.kind == "pipeline":
         lines = [*head, f"pipe = {pipeline}.from_pretrained({here}){comment}"]
     elif export.kind == "lora" and export.lokr:

@@ -6,6 +6,7 @@ files each part exports are written in the loaders layer (loaders/writers.py).""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,6 +15,24 @@ from torch import nn
 from sdtrain.config import DataConfig, RunConfig
 from sdtrain.models import families
 from sdtrain.models.families.spec import ModelFamily
+
+IMAGE_TO_IMAGE = "image-to-image"
+"""The Hub's task of a model that edits the image it is given (`TrainedPart.hub_task`)."""
+
+
+@dataclass(frozen=True)
+class CardExample:
+    """How a model card's code samples with what a part trained: the pipeline it loads, and the image it gives it."""
+
+    pipeline_class: type
+    """The diffusers pipeline the code loads the base (or the exported pipeline) with."""
+    image_argument: str = "image"
+    """The pipeline call's argument for the image."""
+    image_file: str = "before.png"
+    """What the code calls the image it loads."""
+    module: tuple[type, str] | None = None
+    """A model of the part's own (its class, and the export's folder of it, also the pipeline's argument for it),
+    loaded beside the base: a ControlNet; None: the base's components or the exported pipeline hold it all."""
 
 
 class TrainedPart:
@@ -33,6 +52,10 @@ class TrainedPart:
     """Whether the denoiser's call is given a source image's latents beside the noisy ones (`denoiser_extra`,
     InstructPix2Pix's), which a released editing denoiser reads: without them only one that reads the latents alone
     trains."""
+
+    hub_task: str | None = None
+    """The Hub's task of what the part makes of the family's model, a model card's ``pipeline_tag``: an editor's
+    `IMAGE_TO_IMAGE`; None: the family's own (text-to-image, or text-to-video)."""
 
     def __init__(self, config: RunConfig, family: ModelFamily):
         self.config = config
@@ -119,6 +142,11 @@ class TrainedPart:
         maps, from the last `batch`); nothing here."""
         return {}
 
+    def card_example(self) -> CardExample | None:
+        """How a model card's code samples with what this part trained; None: the family's own pipeline, from text
+        alone."""
+        return None
+
 
 class Together(TrainedPart):
     """Several trained parts in one run (``mode: [controlnet, lora]``): each hook asks every part, in the order of the
@@ -129,6 +157,7 @@ class Together(TrainedPart):
         self.parts = parts
         self.through_frozen_denoiser = any(part.through_frozen_denoiser for part in parts)
         self.gives_source = any(part.gives_source for part in parts)
+        self.hub_task = next((part.hub_task for part in parts if part.hub_task), None)
 
     @property
     def pieces(self) -> list[TrainedPart]:
@@ -180,3 +209,6 @@ class Together(TrainedPart):
 
     def sampling_inputs(self, batch: dict[str, Any] | None, count: int) -> dict[str, list[Any]]:
         return {key: value for part in self.parts for key, value in part.sampling_inputs(batch, count).items()}
+
+    def card_example(self) -> CardExample | None:
+        return next((example for part in self.parts if (example := part.card_example()) is not None), None)

@@ -11,6 +11,7 @@ none. An empty caption (caption dropout) is encoded like any other, as the pipel
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from diffusers import (
     FluxPipeline,
     FluxTransformer2DModel,
 )
+from diffusers.configuration_utils import FrozenDict
 from diffusers.models.normalization import RMSNorm
 from safetensors import SafetensorError, safe_open
 from torch import nn
@@ -113,6 +115,12 @@ def controlnet_from_transformer(transformer: FluxTransformer2DModel, latent_fact
     controlnet = FluxControlNetModel.from_transformer(
         transformer, num_layers=min(4, config.num_layers), num_single_layers=min(10, config.num_single_layers),
         attention_head_dim=config.attention_head_dim, num_attention_heads=config.num_attention_heads)
+    # from_transformer builds it from the transformer's whole config, and diffusers keeps the settings the ControlNet
+    # does not take beside its own (out_channels, null in a transformer read from a folder): saved with them, the
+    # ControlNet's folder would warn at every load. Its config is replaced as register_to_config replaces it.
+    takes = inspect.signature(FluxControlNetModel.__init__).parameters
+    controlnet._internal_dict = FrozenDict({key: value for key, value in controlnet.config.items()
+                                            if key in takes or key.startswith("_")})
     return controlnet.to(next(transformer.parameters()).dtype)
 
 

@@ -16,7 +16,7 @@ from sdtrain.config import DataConfig
 from sdtrain.errors import UserError
 from sdtrain.loaders.writers import CONTROLNET
 from sdtrain.models.families.spec import ControlSpec
-from sdtrain.train.parts import TrainedPart
+from sdtrain.train.parts import CardExample, TrainedPart
 from sdtrain.utils import to_pil
 
 
@@ -28,6 +28,8 @@ class ControlNetPart(TrainedPart):
 
     host = ("controlnet", "mode", "hosts no ControlNet")
     spec: ControlSpec
+    # hub_task stays the family's: the Hub lists ControlNets under their base's task (text-to-image) with the tag
+    # controlnet beside, as diffusers' own ControlNet training scripts write their cards.
 
     def keeps_frozen(self, name: str) -> bool:
         # The denoiser loads in full precision: the ControlNet copies its weights first; stored low afterwards.
@@ -79,3 +81,7 @@ class ControlNetPart(TrainedPart):
         maps = to_pil(batch["conditioning_pixels"] * 2 - 1)  # maps are in [0, 1]
         return {self.spec.image_argument: [maps[i % len(maps)] for i in range(count)]}
 
+    def card_example(self) -> CardExample:
+        """The family's ControlNet pipeline on the base, given the exported ControlNet and a conditioning map."""
+        return CardExample(self.spec.pipeline_class, self.spec.image_argument, "map.png",
+                           module=(self.spec.model_class, CONTROLNET))

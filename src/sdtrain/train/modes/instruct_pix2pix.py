@@ -23,7 +23,7 @@ from sdtrain.data.decode import present
 from sdtrain.errors import UserError
 from sdtrain.loaders.writers import INSTRUCT_PIX2PIX
 from sdtrain.models.families.spec import InstructSpec
-from sdtrain.train.parts import TrainedPart
+from sdtrain.train.parts import IMAGE_TO_IMAGE, CardExample, TrainedPart
 from sdtrain.utils import to_pil
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ class InstructPix2PixPart(TrainedPart):
     image's latents."""
 
     gives_source = True
+    hub_task = IMAGE_TO_IMAGE
 
     host = ("instruct", "mode", "learns no InstructPix2Pix editing")
     spec: InstructSpec
@@ -100,3 +101,7 @@ class InstructPix2PixPart(TrainedPart):
             return {}
         sources = to_pil(batch["source_pixels"])
         return {"image": [sources[i % len(sources)] for i in range(count)]}
+
+    def card_example(self) -> CardExample:
+        """The family's InstructPix2Pix pipeline, given the image to edit."""
+        return CardExample(self.spec.pipeline_class)

@@ -13,7 +13,7 @@ from torch import nn
 
 from sdtrain.loaders.writers import REFERENCE_EDIT
 from sdtrain.models.families.spec import ReferenceSpec
-from sdtrain.train.parts import TrainedPart
+from sdtrain.train.parts import IMAGE_TO_IMAGE, CardExample, TrainedPart
 from sdtrain.train.tasks import sources_of
 from sdtrain.utils import to_pil
 
@@ -23,6 +23,7 @@ class ReferencePart(TrainedPart):
 
     host = ("reference", "edit.reference", "learns no editing by reference")
     spec: ReferenceSpec
+    hub_task = IMAGE_TO_IMAGE
 
     def keeps_frozen(self, name: str) -> bool:
         return True  # it trains nothing: what trains is the other part's to say
@@ -55,3 +56,7 @@ class ReferencePart(TrainedPart):
             return {}
         sources = to_pil(batch["source_pixels"])
         return {"image": [sources[i % len(sources)] for i in range(count)]}
+
+    def card_example(self) -> CardExample:
+        """The family's editing pipeline (Kontext's, Qwen-Image-Edit's), given the reference to edit."""
+        return CardExample(self.spec.pipeline_class)
