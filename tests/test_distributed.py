@@ -244,3 +244,20 @@ def test_launcher_environments_are_recognised():
                                              ("cpu-2,cpu-3", "cpu-2")])
 def test_first_slurm_host(nodelist, first):
     assert first_slurm_host(nodelist) == first
+
+
+@pytest.mark.dist
+def test_a_ddp_step_runs_one_collective_of_its_own(tmp_path, shapes_dir):
+    """The step's non-finite check and the loop's stop signal travel in one all-reduce (one device sync): each
+    collective a step costs every rank a round trip, which at many ranks is most of a small model's step."""
+    run, counts = tmp_path / "ae", tmp_path / "counts"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "tests.collectives", str(counts), "train", str(config_path("autoencoder.yaml")),
+               f"run_dir={run}", f"data.shards={shapes_dir}", *TINY, "train.max_steps=4", "checkpoint.every=0",
+               "logging.every=100"]
+    result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                            timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        steps = json.loads((counts / f"rank{rank}.json").read_text())
+        assert steps == [["all_reduce"]] * 3  # the steps before the last, whose window holds the run's end

@@ -230,13 +230,13 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank when `flag` is true on at least one (e.g. a preemption signal)."""
-    if not dist.is_initialized():
-        return flag
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+def any_ranks(flags: list[bool | torch.Tensor], device: torch.device) -> list[bool]:
+    """For each flag (a bool, or a one-element tensor on `device`), True on every rank when it is true on at least
+    one: several flags in one all-reduce, read with one device sync."""
+    values = torch.stack([torch.as_tensor(flag, device=device).reshape(()).float() for flag in flags])
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [bool(value) for value in values.tolist()]
 
 
 def mean_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:

@@ -32,7 +32,7 @@ from sdtrain.data.pipeline import TrainBatches
 from sdtrain.data.preview import batch_grid
 from sdtrain.distributed import (
     RankFailure,
-    any_rank,
+    any_ranks,
     barrier,
     describe_progress,
     detect_topology,
@@ -232,6 +232,8 @@ class Trainer:
         self.last_batch: dict[str, Any] | None = None
         self.saved: tuple[int, Path] | None = None
         self.stop_signal: int | None = None
+        self.stop_heard = False
+        """Whether any rank was asked to stop by the last step's exchange (`_agree`)."""
         self.evaluator: Evaluator | None = None
         """Scores generated images (fid, clip, adherence); built at the first evaluation point that needs it."""
 
@@ -291,8 +293,7 @@ class Trainer:
                 self.faults.after_step(self.state.step)
                 self.checkpointer.poll()
                 record_progress(self.state.step, finished=True)
-                requested = self._stop_requested()
-                if any_rank(self.stop_signal is not None or requested, self.device):
+                if self.stop_heard:
                     self.save()
                     self.checkpointer.finish_writing()
                     cause = "by a signal" if self.stop_signal is not None else "on request"
@@ -410,8 +411,8 @@ class Trainer:
             totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.task.parameters(), self.config.optim.grad_clip)
         step = self.state.step + 1
         if self.config.optim.in_backward:  # each parameter was stepped during backward: nothing to skip
-            self._count_bad_step(step, not self._finite(totals["loss"]), can_skip=False)
-        elif self._count_bad_step(step, not self._finite(totals["loss"], totals.get("grad_norm"))):
+            self._count_bad_step(step, not self._agree(totals["loss"]), can_skip=False)
+        elif self._count_bad_step(step, not self._agree(totals["loss"], totals.get("grad_norm"))):
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()
@@ -429,16 +430,19 @@ class Trainer:
         batch_grid(list(batch["pixel_values"]), list(batch.get("captions", [""] * len(batch["pixel_values"]))),
                    self.run_dir / FIRST_BATCH, list(batch["mask"]) if "mask" in batch else None)
 
-    def _finite(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> bool:
-        """Whether this step's loss and gradients are finite on every rank. Costs one device sync a step,
-        as a loss scaler's check does."""
+    def _agree(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> bool:
+        """Whether this step's loss and gradients are finite on every rank; in the same all-reduce, whether any rank
+        was asked to stop (a signal, a stop request), which the step's end reads (`stop_heard`). One collective and
+        one device sync a step, as a loss scaler's check costs."""
         if grad_norm is None and not self.config.optim.in_backward:
             grads = [p.grad for p in self.task.parameters() if p.grad is not None]
             grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         values = [loss] + ([grad_norm] if grad_norm is not None else [])
         values = [v.full_tensor() if isinstance(v, DTensor) else v for v in values]
-        finite = bool(torch.stack([v.detach().float().to(self.device) for v in values]).isfinite().all())
-        return not any_rank(not finite, self.device)
+        finite = torch.stack([v.detach().float().to(self.device) for v in values]).isfinite().all()
+        broken, self.stop_heard = any_ranks([~finite, self.stop_signal is not None or self._stop_requested()],
+                                            self.device)
+        return not broken
 
     def _count_bad_step(self, step: int, bad: bool, can_skip: bool = True) -> bool:
         """Count a non-finite step; True when it is to be skipped. Stops the run when too many come in a row."""
