@@ -259,6 +259,13 @@ class Trainer:
         request.unlink(missing_ok=True)
         return True
 
+    def _stop_now(self) -> bool:
+        """Whether the run stops after this step. Ranks must stop together: what the step's exchange heard
+        (`_agree`), a signal or request after it waiting for the next step's; a process alone stops at once."""
+        if self.topology.distributed:
+            return self.stop_heard
+        return self.stop_heard or self.stop_signal is not None or self._stop_requested()
+
     def _train(self) -> Path:
         resume = self.resume_from
         if resume is not None:
@@ -293,7 +300,7 @@ class Trainer:
                 self.faults.after_step(self.state.step)
                 self.checkpointer.poll()
                 record_progress(self.state.step, finished=True)
-                if self.stop_heard:
+                if self._stop_now():
                     self.save()
                     self.checkpointer.finish_writing()
                     cause = "by a signal" if self.stop_signal is not None else "on request"
