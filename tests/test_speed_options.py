@@ -14,7 +14,7 @@ from torch import nn
 
 from sdtrain.checkpoint import latest_checkpoint, read_meta
 from sdtrain.cli.main import main
-from sdtrain.config import EMAConfig, OptimConfig
+from sdtrain.config import EMAConfig, OptimConfig, RunConfig
 from sdtrain.train import autotune
 from sdtrain.train.ema import EMA
 from sdtrain.train.optim import allocate_state, build_optimizer
@@ -442,3 +442,24 @@ def test_only_the_denoiser_fsdp_shards_on_gpus_waits_in_host_memory(monkeypatch)
     assert not FrozenStorage(config, cpu, FLUX2, lambda name: True, {}).stages("transformer")  # already there
     config.parallel.strategy = "ddp"
     assert not FrozenStorage(config, cuda, FLUX2, lambda name: True, {}).stages("transformer")
+
+
+def test_a_training_step_allows_no_cudnn_attention_unless_asked(tmp_path, shapes_dir, monkeypatch):
+    """cuDNN's SDPA backward returns NaN gradients on H100/H200 with a mask at sequence lengths of 64 mod 128
+    (pytorch/pytorch#196678): a step allows flash, efficient and math attention on CUDA, what the config lists."""
+    from sdtrain.train.trainer import Trainer, allow_attention_kernels
+
+    cuda = torch.backends.cuda
+    seen = []
+    step = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", lambda self: seen.append(
+        (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.cudnn_sdp_enabled(),
+         cuda.math_sdp_enabled())) or step(self))
+    common = ["train", str(config_path("autoencoder.yaml")), f"data.shards={shapes_dir}", *TINY, "train.max_steps=1"]
+    try:
+        assert main([*common, f"run_dir={tmp_path / 'default'}"]) == 0
+        assert main([*common, f"run_dir={tmp_path / 'math'}", "train.attention_kernels=[math,cudnn]"]) == 0
+    finally:
+        allow_attention_kernels(RunConfig().train.attention_kernels)  # the switches are process-wide
+    assert seen == [(True, True, False, True), (False, False, True, True)]
+    assert main([*common, f"run_dir={tmp_path / 'bad'}", "train.attention_kernels=[fast]"]) == 2

@@ -666,6 +666,10 @@ class EMAConfig:
         _check(self.every >= 1, "ema.every", "must be at least 1")
 
 
+ATTENTION_KERNELS = ("flash", "efficient", "cudnn", "math")
+"""`TrainConfig.attention_kernels`' names of torch's SDPA kernels."""
+
+
 @dataclass
 class TrainConfig:
     max_steps: int = 1000
@@ -708,6 +712,12 @@ class TrainConfig:
     """On CUDA, only deterministic kernels (``torch.use_deterministic_algorithms``, cuDNN's deterministic
     convolutions, cuBLAS's fixed workspace): two runs, or a run and its resume, agree bit for bit, at some speed.
     An operation with no deterministic kernel stops the run and is named. CPU kernels are deterministic already."""
+    attention_kernels: list[str] = field(default_factory=lambda: ["flash", "efficient", "math"])
+    """The scaled-dot-product attention kernels a run may use on CUDA (``flash``, ``efficient``, ``cudnn``,
+    ``math``; torch picks the fastest of them for each call). cuDNN's is left out by default: on H100 and H200 its
+    backward returns NaN query gradients for a call with an explicit mask at sequence lengths of 64 mod 128
+    (pytorch/pytorch#196678, torch 2.11 to 2.13; trl and pocket-tts leave it out too, pocket-tts measuring no loss of
+    throughput). Set process-wide as a run starts; CPUs read the flash and math switches too."""
     threads: Union[int, str] = 0  # noqa: UP007 (OmegaConf reads typing.Union)
     """torch intra-op threads on CPU; 0 keeps torch's default. ``auto`` starts at torch's default and, between
     logging points, moves the count as other processes take or free the run's cores, keeping a change only when
@@ -723,6 +733,8 @@ class TrainConfig:
         _check(self.gradient_checkpointing in (True, False, "auto"), "train.gradient_checkpointing",
                "must be auto, true or false")
         _check(self.device in ("auto", "cpu", "cuda"), "train.device", "must be auto, cpu or cuda")
+        _check(bool(self.attention_kernels) and set(self.attention_kernels) <= set(ATTENTION_KERNELS),
+               "train.attention_kernels", f"must list some of {', '.join(ATTENTION_KERNELS)}")
         _check(self.threads == "auto" or (isinstance(self.threads, int) and self.threads >= 0), "train.threads",
                "must be a thread count, 0 (torch's default) or auto")
 

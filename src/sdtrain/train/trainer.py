@@ -161,6 +161,16 @@ class TrainState:
             torch.cuda.set_rng_state_all(rng["cuda"])
 
 
+def allow_attention_kernels(kernels: list[str]) -> None:
+    """`train.attention_kernels`: the SDPA kernels torch may dispatch a CUDA attention call to, process-wide (the
+    flags are the CUDA dispatcher's, set alike on a machine without a GPU)."""
+    cuda = torch.backends.cuda
+    switches = {"flash": cuda.enable_flash_sdp, "efficient": cuda.enable_mem_efficient_sdp,
+                "cudnn": cuda.enable_cudnn_sdp, "math": cuda.enable_math_sdp}
+    for name, switch in switches.items():
+        switch(name in kernels)
+
+
 class Trainer:
     def __init__(self, config: RunConfig):
         # What the process holds before any model: the floor of what it holds beside them while training.
@@ -172,6 +182,7 @@ class Trainer:
         if config.train.threads != "auto" and config.train.threads and self.device.type == "cpu":
             torch.set_num_threads(config.train.threads)
         self.threads = ThreadTuner.for_run(config.train.threads, self.device)
+        allow_attention_kernels(config.train.attention_kernels)
         if self.device.type == "cuda":
             # Process-wide; off unless asked for (`make gpu-check` measures what each pays).
             torch.set_float32_matmul_precision("high" if config.train.tf32 else "highest")
