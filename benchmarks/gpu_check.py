@@ -27,6 +27,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,6 +58,8 @@ class Case:
     config: str
     overrides: list[str]
     encoded: bool = False
+    family: str = "sd"
+    """The model family, for the dry run's tiny stand-in."""
     steps: int = 10
     warmup: int = 3
     timeout: int = 150
@@ -90,33 +93,55 @@ def cuda_cases(memory_gib: float) -> list[Case]:
            "model.frozen_precision=bf16", "model.t5_text_length=512",
            "model.components.text_encoder.overrides={num_layers: 1}",
            "train.gradient_checkpointing=true"]
+    lora_1024 = ["model.pretrained=null", "data.resolution=1024", "data.aspect_buckets=false", "data.batch_size=1",
+                 "train.mixed_precision=bf16", "model.frozen_precision=bf16", "model.t5_text_length=512",
+                 "train.gradient_checkpointing=true"]
+    one_gpu = dict(encoded=True, steps=5, warmup=2)
+    # Cheapest and most asked first: a case the time budget does not reach is listed as not run. SimpleTuner's H100
+    # LoRA steps at 1024 px: SDXL 0.61 s, Z-Image 0.24 s, Qwen-Image 1.20 s (checkpointing).
     return [
         Case("sd2-512-online", "SD2-base UNet, 512 px, batch 32, EMA, bf16, VAE in the step (MosaicML: 48.2 img/s "
              "per H100)", "sd2-256.yaml", sd2),
         Case("sd2-512-encoded", "the same on pre-encoded latents (MLPerf SD2: about 137.6 img/s per H100)",
              "sd2-256.yaml", sd2, encoded=True),
+        Case("sdxl-lora-1024", "SDXL LoRA, 1024 px, batch 1, bf16, encoded (SimpleTuner H100: 0.61 s/step)",
+             "sdxl-lora.yaml",
+             ["model.pretrained=null", "model.family=sdxl", "model.preset=sdxl", "data.resolution=1024",
+              "data.aspect_buckets=false", "data.batch_size=1", "train.mixed_precision=bf16",
+              "model.tokenizer_vocab_size=49408"], family="sdxl", **one_gpu),
+        Case("z-image-lora-1024", "Z-Image LoRA rank 16, 1024 px, batch 1, bf16 base, checkpointing, encoded "
+             "(SimpleTuner H100: 0.24 s/step)", "lora.yaml",
+             [*lora_1024, "model.family=z-image", "model.preset=z-image", "lora.rank=16"], family="z-image",
+             **one_gpu),
+        Case("flux-dev-lora-bf16", "Flux.1-dev LoRA rank 16, 1024 px, batch 1, bf16 base, encoded", "flux-lora.yaml",
+             [*flux_lora, "model.frozen_precision=bf16"], family="flux", **one_gpu),
+        Case("flux2-klein-lora-1024", "Flux.2 klein-4B LoRA rank 16, 1024 px, batch 1, bf16 base, checkpointing, "
+             "encoded", "flux2-lora.yaml",
+             [*lora_1024, "model.family=flux2-klein", "model.preset=flux2-klein-4b", "lora.rank=16"],
+             family="flux2-klein", **one_gpu),
+        Case("qwen-image-lora-1024", "Qwen-Image LoRA rank 16, 1024 px, batch 1, bf16 base, checkpointing, encoded "
+             "(SimpleTuner H100: 1.20 s/step)", "lora.yaml",
+             [*lora_1024, "model.family=qwen-image", "model.preset=qwen-image", "lora.rank=16"],
+             family="qwen-image", **one_gpu),
+        Case("sd3-lora-1024", "SD3-medium LoRA rank 16, 1024 px, batch 1, bf16 base, checkpointing, encoded",
+             "sd3-lora.yaml", [*lora_1024, "model.family=sd3", "model.preset=sd3-medium", "lora.rank=16"],
+             family="sd3", **one_gpu),
         Case("flux-schnell-256", f"MLPerf Flux.1-schnell transformer, {double} double + {single} single blocks (of "
              "19 + 38, what fits the card), 256 px, batch 16, bf16, full training, encoded",
              "mlperf-flux1-schnell-256.yaml",
              ["parallel.strategy=ddp", "data.batch_size=16",
               f"model.components.transformer.overrides={{num_layers: {double}, num_single_layers: {single}}}",
               SHALLOW_T5, "train.gradient_checkpointing=auto"],
-             encoded=True),
-        Case("flux-dev-lora-bf16", "Flux.1-dev LoRA rank 16, 1024 px, batch 1, bf16 base, encoded", "flux-lora.yaml",
-             [*flux_lora, "model.frozen_precision=bf16"], encoded=True, steps=5, warmup=2),
-        Case("flux-dev-lora-fp8", "the same over an fp8 base", "flux-lora.yaml",
-             [*flux_lora, "model.frozen_precision=fp8"], encoded=True, steps=5, warmup=2),
-        Case("sdxl-lora-1024", "SDXL LoRA, 1024 px, batch 1, bf16, encoded", "sdxl-lora.yaml",
-             ["model.pretrained=null", "model.family=sdxl", "model.preset=sdxl", "data.resolution=1024",
-              "data.aspect_buckets=false", "data.batch_size=1", "train.mixed_precision=bf16",
-              "model.tokenizer_vocab_size=49408"], encoded=True, steps=5, warmup=2),
+             encoded=True, family="flux"),
+        Case("flux-dev-lora-fp8", "Flux.1-dev LoRA over an fp8 base", "flux-lora.yaml",
+             [*flux_lora, "model.frozen_precision=fp8"], family="flux", **one_gpu),
         # Wan 2.1 at 480p x 81 frames (the release's 5 s at 16 fps), square at 480x832's area: SimpleTuner reports
         # about 1.4 s/step for the 1.3B LoRA and 7.2 s/step for the 14B one with checkpointing on an H100.
         Case("wan-1.3b-lora-480p-81", "Wan 2.1 T2V 1.3B LoRA rank 16, 624 px x 81 frames, batch 1, bf16, encoded",
-             "wan-lora.yaml", [*wan, "model.preset=wan2.1-t2v-1.3b"], encoded=True, steps=5, warmup=2),
+             "wan-lora.yaml", [*wan, "model.preset=wan2.1-t2v-1.3b"], family="wan", **one_gpu),
         Case("wan-14b-lora-480p-81", "Wan 2.1 T2V 14B LoRA rank 16, 624 px x 81 frames, batch 1, bf16 base, "
              "checkpointing, encoded", "wan-lora.yaml", [*wan, "model.preset=wan2.1-t2v-14b"], encoded=True,
-             steps=3, warmup=1, timeout=240),
+             family="wan", steps=3, warmup=1, timeout=240),
         Case("sd2-512-online-tuned", "sd2-512-online with cuDNN autotuning and TF32 (train.cudnn_benchmark, "
              "train.tf32): kept as defaults only where they pay", "sd2-256.yaml",
              [*sd2, "train.cudnn_benchmark=true", "train.tf32=true"]),
@@ -133,12 +158,11 @@ def dry_cases() -> list[Case]:
     for case in cuda_cases(80):
         if case.name.endswith("-tuned"):
             continue
-        family = {"flux-schnell-256": "flux", "flux-dev-lora-bf16": "flux", "flux-dev-lora-fp8": "flux",
-                  "sdxl-lora-1024": "sdxl"}.get(case.name, "wan" if case.name.startswith("wan-") else "sd")
+        family = case.family
         kept = [o for o in case.overrides if o.startswith(("model.frozen_precision", "model.pretrained", "ema.",
                                                            "data.aspect_buckets"))]
         overrides = [*kept, f"model.family={family}", *tiny,
-                     *(["model.t5_text_length=8"] if family in ("flux", "wan") else []),
+                     *(["model.t5_text_length=8"] if family not in ("sd", "sdxl") else []),
                      *(["data.frames=5"] if family == "wan" else []),
                      *(["parallel.strategy=ddp"] if case.name == "flux-schnell-256" else [])]
         cases.append(Case(case.name, f"tiny stand-in for: {case.what}", case.config, overrides, case.encoded,
@@ -312,6 +336,9 @@ def run_case(case: Case, scratch: Path, seconds_left: float) -> dict[str, Any]:
     record["log_tail"] = tail
     record["seconds"] = round(time.perf_counter() - start, 1)
     if failure is not None:
+        if status is not None:  # a crash, not a time limit: once more with every launch synchronous
+            record["blocking_rerun"] = _blocking_rerun(command, scratch / f"{case.name}-blocking.log",
+                                                       min(timeout, seconds_left - (time.perf_counter() - start)))
         return {**record, "ok": False, "error": failure}
     result = json.loads(out.read_text())
     step_s = result["step_ms"] / 1000
@@ -319,8 +346,21 @@ def run_case(case: Case, scratch: Path, seconds_left: float) -> dict[str, Any]:
             "mfu": result["mfu"], "batch_size": result["batch_size"], "resolution": result["resolution"],
             "mixed_precision": result["mixed_precision"], "gradient_checkpointing": result["gradient_checkpointing"],
             "trainable_parameters": result["trainable_parameters"],
+            "attention_kernels": result.get("attention_kernels"),
             "device_peak_memory_gib": result.get("device_peak_memory_gib"),
             "host_peak_memory_gib": result["peak_memory_gib"], "benchmark": result}
+
+
+def _blocking_rerun(command: list[str], log: Path, timeout: float) -> dict[str, Any]:
+    """A crashed case run again with CUDA_LAUNCH_BLOCKING=1: the error is then raised by the call that launched the
+    failing kernel, not by a later one; its traceback's last frame of torch or sdtrain code is recorded."""
+    if timeout < 10:
+        return {"error": "not run: the time budget (--budget) was spent"}
+    status, tail = _run_logged(command, log, timeout, env={"CUDA_LAUNCH_BLOCKING": "1"})
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', tail)
+    last = frames[-1] if frames else None
+    return {"status": status, "log_tail": tail,
+            "failing_call": f"{last[2]} ({Path(last[0]).name}:{last[1]}): {last[3]}" if last else None}
 
 
 # --------------------------------------------------------------------------------------------------- report
@@ -346,11 +386,14 @@ def table(results: dict[str, Any]) -> str:
     for case in results["benchmarks"]:
         if case["ok"]:
             gpu = case["device_peak_memory_gib"]
+            attention = ", ".join(case.get("attention_kernels") or []) or "math"
             lines.append(f"| {case['name']} | {case['images_per_s']:.3g} | {case['s_per_step']:.3g} | "
                          f"{case['mfu']:.1%} | {'-' if gpu is None else f'{gpu:.1f}'} | "
-                         f"{case['host_peak_memory_gib']:.1f} | {case['what']} |")
+                         f"{case['host_peak_memory_gib']:.1f} | {case['what']}; attention: {attention} |")
         else:
-            lines.append(f"| {case['name']} | - | - | - | - | - | FAILED: {case['error'].splitlines()[-1][:120]} |")
+            blocking = (case.get("blocking_rerun") or {}).get("failing_call")
+            lines.append(f"| {case['name']} | - | - | - | - | - | FAILED: {case['error'].splitlines()[-1][:120]}"
+                         f"{f'; with CUDA_LAUNCH_BLOCKING=1 in {blocking[:120]}' if blocking else ''} |")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sdtrain.flops import count_flops, cpu_flags, measure_peak_flops, mfu, sdpa_backward_flops, sdpa_forward_flops
 
@@ -134,6 +135,14 @@ def test_cpu_attention_is_counted():
     forward = 2 * 2 * 2 * 4 * 64 * 77 * 8
     assert count_flops(lambda: F.scaled_dot_product_attention(q, k, v)) == forward
     assert count_flops(lambda: F.scaled_dot_product_attention(q, k, v).sum().backward()) == forward * 7 // 2
+    # Which fused kernel ran, as `benchmark train` and `make gpu-check` record it: none where the math path ran.
+    kernels: set[str] = set()
+    count_flops(lambda: F.scaled_dot_product_attention(q, k, v).sum().backward(), kernels)
+    assert kernels == {"flash"}
+    with sdpa_kernel([SDPBackend.MATH]):
+        kernels.clear()
+        count_flops(lambda: F.scaled_dot_product_attention(q, k, v), kernels)
+    assert kernels == set()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -41,6 +41,7 @@ def test_the_dry_run_goes_through_every_step_and_writes_its_results(tmp_path):
     for case in results["benchmarks"]:
         assert case["ok"], case.get("error")
         assert case["images_per_s"] > 0 and 0 < case["mfu"] < 1 and case["s_per_step"] > 0
+        assert set(case["attention_kernels"]) <= {"flash", "efficient", "cudnn"}  # what the step ran
     # The markdown table comes last, a row per case.
     table = done.stdout[done.stdout.index("| case |"):]
     assert all(f"| {name} |" in table for name in names)
@@ -73,3 +74,15 @@ def test_the_wheels_are_what_the_cuda_image_lacks_at_the_versions_tested_here(tm
 
     assert f"diffusers=={importlib.metadata.version('diffusers')}" in command
     assert {c.split("==")[0] for c in command if "==" in c} == set(gpu_check.CARRIED)
+
+
+def test_a_crashed_case_runs_again_with_synchronous_launches_naming_the_failing_call(tmp_path):
+    """A CUDA fault surfaces at a later call unless every launch is synchronous: a crashed case runs once more with
+    CUDA_LAUNCH_BLOCKING=1, and the call that raised there is recorded."""
+    script = tmp_path / "crash.py"
+    script.write_text("import os\n\ndef attention():\n"
+                      "    raise RuntimeError('CUDA error: an illegal memory access was encountered, blocking='\n"
+                      "                       + os.environ['CUDA_LAUNCH_BLOCKING'])\n\nattention()\n")
+    rerun = gpu_check._blocking_rerun([sys.executable, str(script)], tmp_path / "crash.log", 60)
+    assert rerun["status"] == 1 and "blocking=1" in rerun["log_tail"]
+    assert rerun["failing_call"].startswith("attention (crash.py:4): raise RuntimeError")

@@ -179,8 +179,9 @@ class Benchmark(Trainer):
         first = self._timed_step()
         for _ in range(max(warmup - 1, 0)):
             self.train_step()
+        attention: set[str] = set()
         with uncounted_recomputation():  # model FLOPs: a checkpointed block's second forward is not the model's work
-            step_flops = flops.count_flops(self.train_step)
+            step_flops = flops.count_flops(self.train_step, attention)
         times = [self._timed_step() for _ in range(steps)]
         training_peak = self._peak_memory_gib("training")
         peaks.append(flops.measure_peak_flops(dtype, self.device, threads, peak_seconds))
@@ -200,6 +201,9 @@ class Benchmark(Trainer):
             "strategy": self.config.parallel.strategy if world > 1 else "single",
             "mixed_precision": self.tuning.precision,
             "precision_choice": self.tuning.as_dict(),
+            # The fused SDPA kernels the step ran (none: attention took the math path, or the model has none).
+            "attention_kernels": sorted(attention),
+            "attention_allowed": list(self.config.train.attention_kernels),
             "gradient_checkpointing": self.tuning.checkpointing,
             "ema": self.ema is not None,
             "ema_every": self.config.ema.every,

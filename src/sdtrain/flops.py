@@ -83,8 +83,18 @@ def _missing_formulas() -> dict[Any, Callable[..., int]]:
     return formulas
 
 
-def count_flops(fn: Callable[[], Any]) -> int:
+SDPA_KERNELS = {
+    "_scaled_dot_product_flash_attention": "flash", "_scaled_dot_product_flash_attention_for_cpu": "flash",
+    "_scaled_dot_product_efficient_attention": "efficient", "_scaled_dot_product_cudnn_attention": "cudnn",
+    "_flash_attention_forward": "flash", "_efficient_attention_forward": "efficient",
+}
+"""The fused attention kernel each of torch's SDPA ops (forward, and with ``_backward`` its backward) runs: a call
+none of them ran went through the math path, as a plain softmax of matmuls."""
+
+
+def count_flops(fn: Callable[[], Any], attention: set[str] | None = None) -> int:
     """Run `fn()` and return the FLOPs torch counts in it: matmuls, convolutions and attention, forward and backward.
+    `attention`, where given, gets the fused SDPA kernels that ran (`SDPA_KERNELS`' names).
 
     A multiply-add counts as 2 FLOPs; normalisations, activations, softmax and optimizer updates count as 0.
     Run it on a step after warm-up, outside timing: the counter's dispatch mode slows every op down.
@@ -93,6 +103,11 @@ def count_flops(fn: Callable[[], Any]) -> int:
     counter.mod_tracker = _TotalsOnly()
     with counter:
         fn()
+    if attention is not None:
+        for op in counter.get_flop_counts().get("Global", {}):
+            name = str(op).removeprefix("aten.").removesuffix("_backward")
+            if name in SDPA_KERNELS:
+                attention.add(SDPA_KERNELS[name])
     return int(counter.get_total_flops())
 
 
