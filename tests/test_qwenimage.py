@@ -262,3 +262,14 @@ def test_params_counts_the_released_architecture(capsys):
     report = capsys.readouterr().out
     # The released transformer, autoencoder and Qwen2.5-VL-7B's language tower.
     assert "20,430,401,088" in report and "126,892,531" in report and "7,070,619,136" in report
+
+
+def test_a_text_mask_with_no_padding_is_passed_as_none_as_the_pipeline_passes_it():
+    """QwenImagePipeline drops a prompt mask that is all True; an explicit mask is also what cuDNN's SDPA backward
+    on Hopper answers with NaN gradients (pytorch/pytorch#196678): the training call passes none either."""
+    call = families.get("qwen-image").denoising
+    states = torch.zeros(2, 5, 8)
+    full = call.condition({"text_emb": states, "text_mask": torch.ones(2, 5, dtype=torch.long)}, {}, "cpu")
+    assert full["encoder_hidden_states_mask"] is None
+    padded = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    assert call.condition({"text_emb": states, "text_mask": padded}, {}, "cpu")["encoder_hidden_states_mask"] is padded

@@ -209,7 +209,11 @@ class Call(spec.DenoiserCall):
 
     def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
                   ) -> dict[str, Any]:
-        return {"encoder_hidden_states": text["text_emb"], "encoder_hidden_states_mask": text["text_mask"]}
+        mask = text["text_mask"]
+        # An all-True mask is none, as the pipelines pass it: attention then takes no explicit mask, which cuDNN's
+        # SDPA backward on Hopper answers with NaN gradients at some lengths (pytorch/pytorch#196678).
+        return {"encoder_hidden_states": text["text_emb"],
+                "encoder_hidden_states_mask": None if bool(mask.all()) else mask}
 
     def denoise(self, denoiser: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 condition: dict[str, Any]) -> torch.Tensor:
