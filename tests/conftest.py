@@ -38,6 +38,8 @@ TINY = [
     # The demo configs follow the cores other processes leave; a test's runs keep one thread count to compare.
     "train.threads=0",
     "train.gradient_checkpointing=false",
+    # Likewise the autoencoder's encode in a step (measured per machine otherwise).
+    "train.encode=fp32",
 ]
 # A family's tests through the CLI: TINY in batches of 2, no validation previews and no evaluation unless asked.
 TINY_CLI = [*TINY, "data.batch_size=2", "validation.prompts=[]", "evaluation.every_samples=0"]

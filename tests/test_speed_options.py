@@ -463,3 +463,38 @@ def test_a_training_step_allows_no_cudnn_attention_unless_asked(tmp_path, shapes
         allow_attention_kernels(RunConfig().train.attention_kernels)  # the switches are process-wide
     assert seen == [(True, True, False, True), (False, False, True, True)]
     assert main([*common, f"run_dir={tmp_path / 'bad'}", "train.attention_kernels=[fast]"]) == 2
+
+
+def test_the_encode_is_the_fastest_way_whose_latents_agree_with_fp32s():
+    timings = {"fp32": 100.0, "bf16": 60.0, "fp32+channels_last": 80.0, "bf16+channels_last": 40.0}
+    errors = {"fp32": 0.0, "bf16": 0.004, "fp32+channels_last": 1e-7, "bf16+channels_last": 0.004}
+    assert autotune.choose_encoding(timings, errors) == "bf16+channels_last"
+    # Latents too far from fp32's are not kept however fast; a gain within timing noise does not switch.
+    assert autotune.choose_encoding(timings, {**errors, "bf16+channels_last": 0.05}) == "bf16"
+    assert autotune.choose_encoding({**timings, "bf16": 97.0, "fp32+channels_last": 99.0,
+                                     "bf16+channels_last": 98.0}, errors) == "fp32"
+
+
+def test_a_run_measures_its_encode_records_it_and_a_resume_keeps_it(tmp_path, shapes_dir, autoencoder_run,
+                                                                    monkeypatch, caplog):
+    monkeypatch.setenv("SDTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    # Whatever this machine measures, bf16 in the channels_last layout is made the fastest.
+    real = autotune.time_encodings
+
+    def timed(encode_with, device, samples, repeats=2):
+        timings, errors = real(encode_with, device, samples, repeats=0)
+        return {**timings, "bf16+channels_last": 0.0}, errors
+
+    monkeypatch.setattr(autotune, "time_encodings", timed)
+    run = tmp_path / "run"
+    args = ["train", str(config_path("diffusion.yaml")), f"run_dir={run}", f"data.shards={shapes_dir}",
+            f"model.vae={autoencoder_run}", *TINY, "train.encode=auto", "validation.prompts=[]", "checkpoint.every=1"]
+    with caplog.at_level("INFO", logger="sdtrain"):
+        assert main([*args, "train.max_steps=1"]) == 0
+    tuning = read_meta(latest_checkpoint(run))["tuning"]
+    assert (tuning["encode"], tuning["encode_source"]) == ("bf16+channels_last", "measured")
+    assert "train.encode=auto: bf16+channels_last" in caplog.text
+    monkeypatch.setattr(autotune, "time_encodings", lambda *a, **k: pytest.fail("measured again on resume"))
+    assert main([*args, "train.max_steps=2"]) == 0
+    tuning = read_meta(latest_checkpoint(run))["tuning"]
+    assert (tuning["encode"], tuning["encode_source"]) == ("bf16+channels_last", "checkpoint")

@@ -666,6 +666,8 @@ class EMAConfig:
         _check(self.every >= 1, "ema.every", "must be at least 1")
 
 
+ENCODINGS = ("fp32", "bf16", "fp32+channels_last", "bf16+channels_last")
+"""`TrainConfig.encode`'s ways for the autoencoder to encode a step's images."""
 ATTENTION_KERNELS = ("flash", "efficient", "cudnn", "math")
 """`TrainConfig.attention_kernels`' names of torch's SDPA kernels."""
 
@@ -712,6 +714,12 @@ class TrainConfig:
     """On CUDA, only deterministic kernels (``torch.use_deterministic_algorithms``, cuDNN's deterministic
     convolutions, cuBLAS's fixed workspace): two runs, or a run and its resume, agree bit for bit, at some speed.
     An operation with no deterministic kernel stops the run and is named. CPU kernels are deterministic already."""
+    encode: str = "auto"
+    """How the frozen autoencoder encodes the images of a step that reads pixels: ``fp32``, ``bf16`` (under
+    autocast), or either with ``+channels_last`` (``fp32+channels_last``). ``auto`` times the four on this machine
+    at the first start, on a batch of the run's size, and keeps the fastest whose latents agree with fp32's within
+    2% (RMS), by 5% or more; cached per machine, kept for the life of the run. Clips, and steps on encoded shards,
+    encode in fp32 (nothing to choose)."""
     attention_kernels: list[str] = field(default_factory=lambda: ["flash", "efficient", "math"])
     """The scaled-dot-product attention kernels a run may use on CUDA (``flash``, ``efficient``, ``cudnn``,
     ``math``; torch picks the fastest of them for each call). cuDNN's is left out by default: on H100 and H200 its
@@ -733,6 +741,8 @@ class TrainConfig:
         _check(self.gradient_checkpointing in (True, False, "auto"), "train.gradient_checkpointing",
                "must be auto, true or false")
         _check(self.device in ("auto", "cpu", "cuda"), "train.device", "must be auto, cpu or cuda")
+        _check(self.encode == "auto" or self.encode in ENCODINGS, "train.encode",
+               f"must be auto or one of {', '.join(ENCODINGS)}")
         _check(bool(self.attention_kernels) and set(self.attention_kernels) <= set(ATTENTION_KERNELS),
                "train.attention_kernels", f"must list some of {', '.join(ATTENTION_KERNELS)}")
         _check(self.threads == "auto" or (isinstance(self.threads, int) and self.threads >= 0), "train.threads",

@@ -73,6 +73,12 @@ class Tuning:
     """What recording and timing the layers took at this start (0 when nothing was measured)."""
     training_gib: float | None = None
     """The training step's expected peak alone (see `run_bytes`), loading aside."""
+    encode: str = "fp32"
+    """How the frozen autoencoder encodes a step's images (``train.encode``)."""
+    encode_source: str = "default"
+    """config, measured, cache, checkpoint, or default (nothing to choose: encoded shards, clips)."""
+    encode_ms: dict[str, float] | None = None
+    """Milliseconds per sample of each way measured (`time_encodings`)."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -517,6 +523,11 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
     measure_memory = (config.train.gradient_checkpointing == "auto" or plan_only) and not staged
     start = time.perf_counter()
     loaded_peak = own_peak_bytes()  # before the layer pass below adds its own
+    # Decided first, and applied: the precision timing below then times the step's encode the way it will run.
+    encode, encode_source, encode_ms = _decide_encoding(config, task, encoded, previous, device) \
+        if not plan_only else ("fp32", "default", None)
+    if hasattr(task, "use_encoding"):
+        task.use_encoding(encode)
     calls = _record(config, task, encoded) if measure_precision or measure_memory else LayerCalls({})
 
     estimated = available = loading = training_gib = None
@@ -590,7 +601,112 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
             timings, source = measured_precision(fingerprint, step, _parameters(task), device, samples)
         precision = "bf16" if timings["bf16"] * BF16_MIN_GAIN < timings["fp32"] else "fp32"
     return Tuning(precision, bool(checkpointing), source, timings.get("fp32"), timings.get("bf16"), estimated,
-                  available, loading, round(time.perf_counter() - start, 2) if calls.calls else 0.0, training_gib)
+                  available, loading, round(time.perf_counter() - start, 2) if calls.calls else 0.0, training_gib,
+                  encode, encode_source, encode_ms)
+
+
+ENCODE_TOLERANCE = 0.02
+"""The most a way of encoding's latents may differ from fp32's (RMS of the difference over RMS of fp32's) and be
+kept: bf16 rounds each conv's inputs to 8 bits of mantissa, channels_last sums in another order."""
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """A way for the frozen autoencoder to encode a step's images (``train.encode``): fp32 or bf16 autocast, in the
+    contiguous or the channels_last layout."""
+
+    way: str = "fp32"
+
+    def place(self, vae: nn.Module) -> None:
+        """The autoencoder's weights in this way's layout."""
+        channels_last = self.way.endswith("+channels_last")
+        vae.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+    def encode(self, codec: Any, vae: nn.Module, pixels: torch.Tensor) -> Any:
+        """`codec`'s posterior of `pixels` through `vae` (placed) this way."""
+        if self.way.endswith("+channels_last"):
+            pixels = pixels.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(pixels.device.type, dtype=torch.bfloat16, enabled=self.way.startswith("bf16")):
+            return codec.encode(vae, pixels)
+
+
+def time_encodings(encode_with: Callable[[str], torch.Tensor], device: torch.device, samples: int,
+                   repeats: int = 2) -> tuple[dict[str, float], dict[str, float]]:
+    """Milliseconds per sample of each of ENCODINGS's ways (`encode_with(way)`: the latents), alternating, the first
+    round a warm-up, each way's best kept; and each way's difference from fp32's latents (see ENCODE_TOLERANCE)."""
+    from sdtrain.config import ENCODINGS
+
+    best = dict.fromkeys(ENCODINGS, float("inf"))
+    errors: dict[str, float] = {}
+    reference = None
+    with torch.no_grad():
+        for attempt in range(repeats + 1):
+            for way in ENCODINGS:
+                started = time.perf_counter()
+                latents = encode_with(way).float()
+                _synchronize(device)
+                seconds = time.perf_counter() - started
+                if attempt:
+                    best[way] = min(best[way], seconds)
+                if reference is None:
+                    reference = latents
+                errors[way] = float((latents - reference).square().mean().sqrt()
+                                    / reference.square().mean().sqrt().clamp_min(1e-12))
+    return {way: 1000 * seconds / samples for way, seconds in best.items()}, errors
+
+
+def choose_encoding(timings: dict[str, float], errors: dict[str, float]) -> str:
+    """The fastest way whose latents agree with fp32's (ENCODE_TOLERANCE), by BF16_MIN_GAIN at least; else fp32."""
+    agreeing = [way for way in timings if errors[way] <= ENCODE_TOLERANCE]
+    fastest = min(agreeing, key=timings.__getitem__)
+    return fastest if timings[fastest] * BF16_MIN_GAIN < timings["fp32"] else "fp32"
+
+
+def _decide_encoding(config: RunConfig, task: Any, encoded: bool, previous: dict[str, Any] | None,
+                     device: torch.device) -> tuple[str, str, dict[str, float] | None]:
+    """`train.encode` for this run: the config's, the run's first start's, measured (cached per machine), or fp32
+    where nothing is to choose (no encode in the step, clips)."""
+    requested = config.train.encode
+    if encoded or config.stage != "diffusion" or getattr(task, "vae", None) is None or task.clip_reading()["clips"]:
+        return "fp32", "default", None
+    if requested != "auto":
+        return requested, "config", None
+    if previous is not None and "encode" in previous:
+        return previous["encode"], "checkpoint", previous.get("encode_ms")
+    data = config.data
+    shape = (data.batch_size, 3, data.resolution, data.resolution)
+    pixels = (torch.rand(shape, generator=torch.Generator().manual_seed(0)) * 2 - 1).to(task.device)
+    vae = task.vae
+    identity = json.dumps(["encode-v1", _machine_key(device), torch.__version__, data.batch_size, data.resolution,
+                           type(vae).__name__, sum(p.numel() for p in vae.parameters())])
+    key = hashlib.sha256(identity.encode()).hexdigest()[:24]
+    path = cache_dir() / "encode.json"
+    cached = _load_cache(path).get(key)
+    if cached is not None:
+        return cached["choice"], "cache", cached["ms"]
+
+    def encode_with(way: str) -> torch.Tensor:
+        Encoding(way).place(vae)
+        return Encoding(way).encode(task.family.codec, vae, pixels).mode()
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+        timings, errors = time_encodings(encode_with, device, data.batch_size)
+    finally:
+        Encoding().place(vae)  # back to the contiguous layout until the choice is applied
+    share = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9) / torch.get_num_threads()
+    choice = choose_encoding(timings, errors)
+    log.info("train.encode=auto: %s (ms per image: %s; latents against fp32's: %s)", choice,
+             ", ".join(f"{way} {ms:.0f}" for way, ms in timings.items()),
+             ", ".join(f"{way} {error:.1e}" for way, error in errors.items()))
+    if device.type == "cpu" and share < CONTENDED_SHARE:  # as measured_precision: shared cores decide nothing later
+        return choice, "measured", timings
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({**_load_cache(path), key: {"choice": choice, "ms": timings}}, indent=1))
+    except OSError as exc:
+        log.warning("cannot cache the encode timings in %s (%s)", path, exc.strerror)
+    return choice, "measured", timings
 
 
 def _all_modules(task: Any) -> list[nn.Module]:

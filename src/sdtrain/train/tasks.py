@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from diffusers.configuration_utils import FrozenDict
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from torch import nn
 
 from sdtrain.config import DataConfig, DiffusionConfig, ModelConfig, RunConfig
@@ -37,6 +38,7 @@ from sdtrain.models.pipeline import (
     sampling_steps,
 )
 from sdtrain.models.tokenizer import CaptionTokenizer
+from sdtrain.train import autotune
 from sdtrain.train.components import ComponentPlanner
 from sdtrain.train.objectives import FlowMatching, NoisePrediction, option_problems
 from sdtrain.train.parts import TrainedPart
@@ -433,6 +435,8 @@ class DiffusionTask(Task):
 
     needs_captions = True
     reads_encoded = True
+    encoding = autotune.Encoding()
+    """How the frozen autoencoder encodes a step's images (`use_encoding`)."""
 
     def __init__(self, config: RunConfig, device: torch.device, run_dir: Path, resumed: dict[str, Any] | None, *,
                  part: TrainedPart, recipe: DataRecipe):
@@ -657,9 +661,18 @@ class DiffusionTask(Task):
                 std = batch["latent_std"].to(self.device, non_blocking=True)
                 latents = latents + std * torch.randn(latents.shape, generator=generator, device=self.device)
         else:
-            posterior = self.family.codec.encode(self.vae, batch["pixel_values"].to(self.device, non_blocking=True))
+            pixels = batch["pixel_values"].to(self.device, non_blocking=True)
+            posterior = self.encoding.encode(self.family.codec, self.vae, pixels)
+            if isinstance(posterior, DiagonalGaussianDistribution) and posterior.parameters.dtype != torch.float32:
+                # Drawn from in fp32 whatever the encode's precision: the noise of a bf16 draw is quantised.
+                posterior = DiagonalGaussianDistribution(posterior.parameters.float())
             latents = posterior.sample(generator) if sample else posterior.mode()
         return self.family.codec.normalize(latents, self.vae)
+
+    def use_encoding(self, way: str) -> None:
+        """Encode each step's images `way` (``train.encode``, as autotune decided it)."""
+        self.encoding = autotune.Encoding(way)
+        self.encoding.place(self.vae)
 
     def loss(self, batch, generator):
         return self.recipe.loss(self.denoising_loss(batch, generator), batch)

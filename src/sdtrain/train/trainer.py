@@ -215,6 +215,8 @@ class Trainer:
             keep_in_bf16(self.task.parameters())
         self.data = self._make_data()
         self.tuning = self._tune()
+        if hasattr(self.task, "use_encoding"):  # on every rank, as the main rank decided it
+            self.task.use_encoding(self.tuning.encode)
         self.bf16 = self.tuning.precision == "bf16"
         evaluation = config.evaluation
         # Built now, so that held-out shards that do not fit the run stop it before its first step.
