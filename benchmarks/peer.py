@@ -79,7 +79,7 @@ def build_assets(size: str, work: Path, num_images: int, settings: dict[str, Any
     import numpy as np
     import torch
 
-    from sdtrain.config import DdpmConfig, DiffusionConfig, ModelConfig
+    from sdtrain.config import ComponentConfig, DdpmConfig, DiffusionConfig, ModelConfig
     from sdtrain.data.shapes import render_shapes_sample
     from sdtrain.models import families
     from sdtrain.models.build import build_noise_scheduler, build_text_encoder, build_unet, build_vae
@@ -104,11 +104,13 @@ def build_assets(size: str, work: Path, num_images: int, settings: dict[str, Any
     torch.manual_seed(0)
     tokenizer = train_clip_tokenizer(captions, work / "tokenizer", vocab_size=settings["vocab_size"],
                                      max_length=settings["max_text_length"])
-    model = ModelConfig(preset=settings["preset"], text_encoder_overrides=settings["text_encoder_overrides"],
-                        unet_overrides=settings["unet_overrides"])
-    vae = build_vae(ModelConfig(preset=settings["vae_preset"], vae_overrides=settings["vae_overrides"]))
+    model = ModelConfig(preset=settings["preset"], components={
+        "text_encoder": ComponentConfig(overrides=settings["text_encoder_overrides"]),
+        "unet": ComponentConfig(overrides=settings["unet_overrides"])})
+    vae = build_vae(ModelConfig(preset=settings["vae_preset"],
+                                components={"vae": ComponentConfig(overrides=settings["vae_overrides"])}))
     text_encoder = build_text_encoder(model, tokenizer)
-    latent = res // families.SD.latent_downsampling(vae.config)
+    latent = res // families.SD.codec.downsampling(vae.config)
     unet = build_unet(model, vae.config.latent_channels, latent, text_encoder.config.hidden_size)
     scheduler = build_noise_scheduler(DiffusionConfig(ddpm=DdpmConfig(prediction_type=settings["prediction_type"])))
     pipe = assemble_pipeline(vae, text_encoder, tokenizer, unet, scheduler)
