@@ -395,3 +395,15 @@ def test_params_counts_the_released_architecture(capsys):
     report = capsys.readouterr().out
     # The released transformer, Wan's autoencoder and Qwen3-VL-4B's language tower.
     assert "12,820,073,036" in report and "126,892,531" in report and "4,022,468,096" in report
+
+
+def test_a_text_mask_with_no_padding_is_passed_as_none():
+    """An explicit attention mask is what cuDNN's SDPA backward on Hopper answers with NaN gradients at some lengths
+    (pytorch/pytorch#196678): a caption with no padding is attended without one."""
+    call = families.get("krea2").denoising
+    states = torch.zeros(2, 5, 8)
+    full = call.condition({"text_emb": states, "text_mask": torch.ones(2, 5, dtype=torch.long)}, {}, "cpu")
+    assert full["encoder_attention_mask"] is None
+    padded = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    mask = call.condition({"text_emb": states, "text_mask": padded}, {}, "cpu")["encoder_attention_mask"]
+    assert torch.equal(mask, padded.bool())
