@@ -475,14 +475,27 @@ def test_the_encode_is_the_fastest_way_whose_latents_agree_with_fp32s():
                                      "bf16+channels_last": 98.0}, errors) == "fp32"
 
 
+def test_an_autoencoder_of_3d_convolutions_encodes_in_the_contiguous_layout_alone():
+    """A video codec's (Qwen-Image's, Wan's) 3D convolutions have no channels_last layout: auto does not time it, and
+    asking for it is one line."""
+    from sdtrain.errors import UserError
+
+    planar, volumetric = nn.Sequential(nn.Conv2d(3, 4, 3)), nn.Sequential(nn.Conv3d(3, 4, 3))
+    assert autotune.encoding_ways(planar) == ("fp32", "bf16", "fp32+channels_last", "bf16+channels_last")
+    assert autotune.encoding_ways(volumetric) == ("fp32", "bf16")
+    with pytest.raises(UserError, match="3D"):
+        autotune.Encoding("bf16+channels_last").place(volumetric)
+    autotune.Encoding("bf16").place(volumetric)
+
+
 def test_a_run_measures_its_encode_records_it_and_a_resume_keeps_it(tmp_path, shapes_dir, autoencoder_run,
                                                                     monkeypatch, caplog):
     monkeypatch.setenv("SDTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     # Whatever this machine measures, bf16 in the channels_last layout is made the fastest.
     real = autotune.time_encodings
 
-    def timed(encode_with, device, samples, repeats=2):
-        timings, errors = real(encode_with, device, samples, repeats=0)
+    def timed(encode_with, device, samples, ways, repeats=2):
+        timings, errors = real(encode_with, device, samples, ways, repeats=0)
         return {**timings, "bf16+channels_last": 0.0}, errors
 
     monkeypatch.setattr(autotune, "time_encodings", timed)

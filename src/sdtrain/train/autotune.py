@@ -620,6 +620,9 @@ class Encoding:
     def place(self, vae: nn.Module) -> None:
         """The autoencoder's weights in this way's layout."""
         channels_last = self.way.endswith("+channels_last")
+        if channels_last and self.way not in encoding_ways(vae):
+            raise UserError(f"train.encode: {self.way}: this autoencoder's convolutions are 3D, which have no "
+                            "channels_last layout; use fp32, bf16 or auto")
         vae.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
     def encode(self, codec: Any, vae: nn.Module, pixels: torch.Tensor) -> Any:
@@ -630,18 +633,26 @@ class Encoding:
             return codec.encode(vae, pixels)
 
 
-def time_encodings(encode_with: Callable[[str], torch.Tensor], device: torch.device, samples: int,
-                   repeats: int = 2) -> tuple[dict[str, float], dict[str, float]]:
-    """Milliseconds per sample of each of ENCODINGS's ways (`encode_with(way)`: the latents), alternating, the first
-    round a warm-up, each way's best kept; and each way's difference from fp32's latents (see ENCODE_TOLERANCE)."""
+def encoding_ways(vae: nn.Module) -> tuple[str, ...]:
+    """The ways `vae` can encode: channels_last only where its convolutions are 2D (a video codec's, 3D, have no
+    such layout: Qwen-Image's and Wan's)."""
     from sdtrain.config import ENCODINGS
 
-    best = dict.fromkeys(ENCODINGS, float("inf"))
+    planar = all(p.dim() != 5 for p in vae.parameters())
+    return ENCODINGS if planar else tuple(way for way in ENCODINGS if not way.endswith("+channels_last"))
+
+
+def time_encodings(encode_with: Callable[[str], torch.Tensor], device: torch.device, samples: int,
+                   ways: tuple[str, ...], repeats: int = 2) -> tuple[dict[str, float], dict[str, float]]:
+    """Milliseconds per sample of each of `ways` (the first fp32's; `encode_with(way)`: the latents), alternating,
+    the first round a warm-up, each way's best kept; and each way's difference from fp32's latents (see
+    ENCODE_TOLERANCE)."""
+    best = dict.fromkeys(ways, float("inf"))
     errors: dict[str, float] = {}
     reference = None
     with torch.no_grad():
         for attempt in range(repeats + 1):
-            for way in ENCODINGS:
+            for way in ways:
                 started = time.perf_counter()
                 latents = encode_with(way).float()
                 _synchronize(device)
@@ -691,7 +702,7 @@ def _decide_encoding(config: RunConfig, task: Any, encoded: bool, previous: dict
 
     wall, cpu = time.perf_counter(), time.process_time()
     try:
-        timings, errors = time_encodings(encode_with, device, data.batch_size)
+        timings, errors = time_encodings(encode_with, device, data.batch_size, encoding_ways(vae))
     finally:
         Encoding().place(vae)  # back to the contiguous layout until the choice is applied
     share = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9) / torch.get_num_threads()
