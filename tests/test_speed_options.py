@@ -493,6 +493,21 @@ def test_an_autoencoder_of_3d_convolutions_encodes_in_the_contiguous_layout_alon
     autotune.Encoding("bf16").place(volumetric)
 
 
+def test_a_run_started_before_the_encode_was_chosen_resumes_encoding_in_fp32(monkeypatch):
+    """Its checkpoint's tuning names no encode: it encoded in fp32, and resumes so, measuring nothing."""
+    class Task:
+        vae = nn.Conv2d(3, 4, 3)
+
+        def clip_reading(self):
+            return {"clips": False, "frame_step": 1}
+
+    monkeypatch.setattr(autotune, "time_encodings", lambda *a, **k: pytest.fail("measured on resume"))
+    config = RunConfig()
+    config.stage, config.train.encode = "diffusion", "auto"
+    assert autotune._decide_encoding(config, Task(), False, {"precision": "bf16"}, torch.device("cpu")) == \
+        ("fp32", "checkpoint", None)
+
+
 def test_a_run_measures_its_encode_records_it_and_a_resume_keeps_it(tmp_path, shapes_dir, autoencoder_run,
                                                                     monkeypatch, caplog):
     monkeypatch.setenv("SDTRAIN_CACHE_DIR", str(tmp_path / "cache"))

@@ -356,13 +356,18 @@ def measured_precision(fingerprint: list[Any], step: Callable[[], torch.Tensor],
         log.warning("precision timings not cached: while measuring, this process ran %.0f%% of the time its %d "
                     "threads had (another job on the cores?)", 100 * share, torch.get_num_threads())
         return timings, "measured"
+    _cache(path, key, timings, "precision timings")
+    return timings, "measured"
+
+
+def _cache(path: Path, key: str, value: Any, what: str) -> None:
+    """`value` under `key` in the JSON cache at `path`, beside what other runs keep there."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Re-read: another run may have added its own entry meanwhile.
-        atomic_write_text(path, json.dumps({**_load_cache(path), key: timings}, indent=1))
+        atomic_write_text(path, json.dumps({**_load_cache(path), key: value}, indent=1))
     except OSError as exc:
-        log.warning("cannot cache the precision timings in %s (%s)", path, exc.strerror)
-    return timings, "measured"
+        log.warning("cannot cache the %s in %s (%s)", what, path, exc.strerror)
 
 
 def bf16_supported(device: torch.device) -> bool:
@@ -682,8 +687,8 @@ def _decide_encoding(config: RunConfig, task: Any, encoded: bool, previous: dict
         return "fp32", "default", None
     if requested != "auto":
         return requested, "config", None
-    if previous is not None and "encode" in previous:
-        return previous["encode"], "checkpoint", previous.get("encode_ms")
+    if previous is not None:  # a run started before the encode was chosen encoded in fp32: it resumes so
+        return previous.get("encode", "fp32"), "checkpoint", previous.get("encode_ms")
     data = config.data
     shape = (data.batch_size, 3, data.resolution, data.resolution)
     pixels = (torch.rand(shape, generator=torch.Generator().manual_seed(0)) * 2 - 1).to(task.device)
@@ -712,11 +717,7 @@ def _decide_encoding(config: RunConfig, task: Any, encoded: bool, previous: dict
              ", ".join(f"{way} {error:.1e}" for way, error in errors.items()))
     if device.type == "cpu" and share < CONTENDED_SHARE:  # as measured_precision: shared cores decide nothing later
         return choice, "measured", timings
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps({**_load_cache(path), key: {"choice": choice, "ms": timings}}, indent=1))
-    except OSError as exc:
-        log.warning("cannot cache the encode timings in %s (%s)", path, exc.strerror)
+    _cache(path, key, {"choice": choice, "ms": timings}, "encode timings")
     return choice, "measured", timings
 
 
