@@ -31,7 +31,14 @@ from huggingface_hub import ModelCard, ModelCardData, try_to_load_from_cache
 
 from sdtrain.checkpoint import read_meta
 from sdtrain.config import RunConfig, load_config
-from sdtrain.loaders.writers import CONTROLNET, KOHYA_LYCORIS_WEIGHTS, KOHYA_WEIGHTS, LEARNED_EMBEDS, LORA_WEIGHTS
+from sdtrain.loaders.writers import (
+    CONTROLNET,
+    KOHYA_LYCORIS_WEIGHTS,
+    KOHYA_WEIGHTS,
+    LEARNED_EMBEDS,
+    LORA_WEIGHTS,
+    lora_load_into,
+)
 from sdtrain.models import build, families, hub
 from sdtrain.models.families.spec import ModelFamily
 from sdtrain.models.single_file import tokenizer_folder
@@ -379,13 +386,10 @@ def _usage(export: _Export) -> list[str]:
                  f"prefix={json.dumps(family.components.denoiser)}, "
                  f"weight_name={json.dumps(LORA_WEIGHTS)}){comment}"]
     elif export.kind == "lora":
-        # A model of experts' adapters are the trained expert's: loaded into its own folder's transformer
-        # (diffusers' load_into_transformer_2 for Wan 2.2 A14B's low-noise one).
-        experts = family.experts
-        folder = experts.folder(export.config.model.expert) if experts is not None else None
-        into = f", load_into_{folder}=True" if folder is not None and folder != experts.folders[0] else ""
+        # A model of experts' adapters are the trained expert's: loaded into its own folder's transformer.
+        into = lora_load_into(family, export.config.model.expert)
         lines = [*head, f"pipe = {pipeline}.from_pretrained({base})",
-                 f"pipe.load_lora_weights({here}{into}){comment}"]
+                 f"pipe.load_lora_weights({here}{f', load_into_{into}=True' if into else ''}){comment}"]
     elif export.kind == "embedding":
         lines = [*head, f"pipe = {pipeline}.from_pretrained({base})"]
         token = json.dumps(_instance_prompt(export), ensure_ascii=False)

@@ -162,6 +162,17 @@ LOAD_INTO_KEY = "sdtrain.load_into"
 pipeline's first denoiser (a model of experts' second: diffusers' ``load_into_transformer_2``)."""
 
 
+def lora_load_into(family: ModelFamily, expert: str | None) -> str | None:
+    """The pipeline attribute the LoRA of `family`'s `expert` (None: its default) loads into where that is not the
+    pipeline's first denoiser (Wan 2.2 A14B's low-noise expert: diffusers' ``load_into_transformer_2``); None for
+    the first, and for a family of one denoiser."""
+    experts = family.experts
+    if experts is None:
+        return None
+    folder = experts.folder(expert)
+    return None if folder == experts.folders[0] else folder
+
+
 def save_lora(modules: dict[str, nn.Module], weights: dict[str, dict[str, torch.Tensor]], folder: Path,
               family: ModelFamily, load_into: str | None = None) -> Path:
     """Write ``pytorch_lora_weights.safetensors``, which the family pipeline's ``load_lora_weights(folder)``
@@ -283,10 +294,8 @@ def save_trained_parts(modules: dict[str, nn.Module], meta: dict[str, Any], fold
         weights = {name: module.state_dict() for name, module in modules.items()}
     written = []
     if task.get("lora"):
-        experts = family.experts
-        into = experts.folder(task["expert"]) if experts is not None and task.get("expert") else None
-        written.append(save_lora(modules, weights, folder, family,
-                                 load_into=into if experts is not None and into != experts.folders[0] else None))
+        into = lora_load_into(family, task.get("expert"))
+        written.append(save_lora(modules, weights, folder, family, load_into=into))
     if task.get("tokens"):
         written.append(save_learned_embeds(modules, weights, family, task["placeholder_token"],
                                            folder / LEARNED_EMBEDS))

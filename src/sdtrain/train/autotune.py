@@ -347,17 +347,28 @@ def measured_precision(fingerprint: list[Any], step: Callable[[], torch.Tensor],
     cached = _load_cache(path).get(key)
     if cached is not None:
         return cached, "cache"
-    wall, cpu = time.perf_counter(), time.process_time()
+    started = _clocks()
     timings = time_precisions(step, params, device, samples)
-    # On a CPU, timings taken while another job held the cores would decide every later run: measured, not kept.
-    share = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9) / torch.get_num_threads()
-    log.debug("precision timings took %.0f%% of %d threads' time", 100 * share, torch.get_num_threads())
-    if device.type == "cpu" and share < CONTENDED_SHARE:
-        log.warning("precision timings not cached: while measuring, this process ran %.0f%% of the time its %d "
-                    "threads had (another job on the cores?)", 100 * share, torch.get_num_threads())
-        return timings, "measured"
-    _cache(path, key, timings, "precision timings")
+    if _ran_alone(started, device, "precision timings"):
+        _cache(path, key, timings, "precision timings")
     return timings, "measured"
+
+
+def _clocks() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _ran_alone(started: tuple[float, float], device: torch.device, what: str) -> bool:
+    """Whether timings measured since `started` (`_clocks`) may be kept: on a CPU, timings taken while another job
+    held the cores would decide every later run."""
+    wall, cpu = started
+    share = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9) / torch.get_num_threads()
+    log.debug("%s took %.0f%% of %d threads' time", what, 100 * share, torch.get_num_threads())
+    if device.type == "cpu" and share < CONTENDED_SHARE:
+        log.warning("%s not cached: while measuring, this process ran %.0f%% of the time its %d threads had (another "
+                    "job on the cores?)", what, 100 * share, torch.get_num_threads())
+        return False
+    return True
 
 
 def _cache(path: Path, key: str, value: Any, what: str) -> None:
@@ -705,19 +716,17 @@ def _decide_encoding(config: RunConfig, task: Any, encoded: bool, previous: dict
         Encoding(way).place(vae)
         return Encoding(way).encode(task.family.codec, vae, pixels).mode()
 
-    wall, cpu = time.perf_counter(), time.process_time()
+    started = _clocks()
     try:
         timings, errors = time_encodings(encode_with, device, data.batch_size, encoding_ways(vae))
     finally:
         Encoding().place(vae)  # back to the contiguous layout until the choice is applied
-    share = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9) / torch.get_num_threads()
     choice = choose_encoding(timings, errors)
     log.info("train.encode=auto: %s (ms per image: %s; latents against fp32's: %s)", choice,
              ", ".join(f"{way} {ms:.0f}" for way, ms in timings.items()),
              ", ".join(f"{way} {error:.1e}" for way, error in errors.items()))
-    if device.type == "cpu" and share < CONTENDED_SHARE:  # as measured_precision: shared cores decide nothing later
-        return choice, "measured", timings
-    _cache(path, key, {"choice": choice, "ms": timings}, "encode timings")
+    if _ran_alone(started, device, "encode timings"):
+        _cache(path, key, {"choice": choice, "ms": timings}, "encode timings")
     return choice, "measured", timings
 
 
