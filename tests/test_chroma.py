@@ -368,3 +368,23 @@ def test_a_single_file_export_is_a_training_source_and_diffusers_layout(tmp_path
     assert main(["generate", "--model", str(single), "--prompt", "a red circle", "--out", str(tmp_path / "x")]) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "transformer alone" in error[0] and str(single) in error[0]
+
+
+def _calls(received: list[dict]):
+    def denoiser(**kwargs):
+        received.append(kwargs)
+        return (torch.zeros_like(kwargs["hidden_states"]),)
+    return denoiser
+
+
+def test_captions_that_fill_t5s_length_are_attended_with_no_mask():
+    """An explicit mask (all True included) is what cuDNN's SDPA backward on Hopper answers with NaN gradients
+    (pytorch/pytorch#196678): where nothing is masked the call passes none; padding is masked."""
+    call, received = families.get("chroma").denoising, []
+    noisy, states = torch.zeros(2, 4, 8, 8), torch.zeros(2, 5, 8)
+    for lengths in ([5, 5], [5, 2]):
+        mask = (torch.arange(5)[None, :] < torch.tensor(lengths)[:, None]).float()
+        condition = call.condition({"text_emb": states, "text_mask": mask}, {}, "cpu")
+        call.denoise(_calls(received), noisy, torch.tensor([500.0, 500.0]), condition)
+    full, padded = (kwargs["attention_mask"] for kwargs in received)
+    assert full is None and not bool(padded.all()) and padded.shape == (2, 5 + 16)

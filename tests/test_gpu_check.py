@@ -36,12 +36,16 @@ def test_the_dry_run_goes_through_every_step_and_writes_its_results(tmp_path):
     # The compile test (inductor minutes on a cold cache) runs after the benchmark cases, with the time they leave.
     assert results["late_tests"]["skipped"] == 1 and "error" not in results["late_tests"]
     names = [case.name for case in gpu_check.dry_cases()]
-    assert set(names) == {case.name for case in gpu_check.cuda_cases(80)} - {"sd2-512-online-tuned"}
+    assert set(names) == {case.name for case in gpu_check.cuda_cases(80)}
     assert [case["name"] for case in results["benchmarks"]] == names
     for case in results["benchmarks"]:
         assert case["ok"], case.get("error")
         assert case["images_per_s"] > 0 and 0 < case["mfu"] < 1 and case["s_per_step"] > 0
         assert set(case["attention_kernels"]) <= {"flash", "efficient", "cudnn"}  # what the step ran
+    # The tuned path's loss curve is its eager twin's, step by step, within the stated tolerance.
+    tuned = [case for case in results["benchmarks"] if case["name"].endswith("-tuned")]
+    assert len(tuned) == 2 and all(case["follows"]["ok"] and case["follows"]["steps"] >= 3 for case in tuned)
+    assert all(case["benchmark"]["precision_choice"]["channels_last_source"] in ("measured", "cache") for case in tuned)
     # The markdown table comes last, a row per case.
     table = done.stdout[done.stdout.index("| case |"):]
     assert all(f"| {name} |" in table for name in names)
@@ -86,3 +90,12 @@ def test_a_crashed_case_runs_again_with_synchronous_launches_naming_the_failing_
     rerun = gpu_check._blocking_rerun([sys.executable, str(script)], tmp_path / "crash.log", 60)
     assert rerun["status"] == 1 and "blocking=1" in rerun["log_tail"]
     assert rerun["failing_call"].startswith("attention (crash.py:4): raise RuntimeError")
+
+
+def test_a_tuned_case_follows_its_eager_twin_only_within_the_tolerance():
+    eager = {"losses": [1.0, 0.9, 0.8], "mixed_precision": "fp32"}
+    close = gpu_check.follows({"losses": [1.0, 0.9002, 0.8], "mixed_precision": "fp32"}, eager)
+    assert close["ok"] and close["steps"] == 3 and close["max_relative_difference"] == pytest.approx(2e-4 / 0.9)
+    assert not gpu_check.follows({"losses": [1.0, 0.91, 0.8], "mixed_precision": "fp32"}, eager)["ok"]
+    assert gpu_check.follows({"losses": [1.0, 0.91, 0.8], "mixed_precision": "bf16"}, eager)["ok"]  # bf16's rounding
+    assert not gpu_check.follows({"losses": [], "mixed_precision": "fp32"}, eager)["ok"]  # nothing compared

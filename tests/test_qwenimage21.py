@@ -283,3 +283,21 @@ def test_params_counts_the_released_architecture(capsys):
     report = capsys.readouterr().out
     # The released transformer (about 7B), RGBA autoencoder and the whole Qwen3-VL-8B.
     assert "7,115,124,736" in report and "337,740,404" in report and "8,767,123,696" in report
+
+
+def test_a_batch_whose_captions_are_as_long_passes_no_text_mask():
+    """The text is cut to the batch's longest caption, so a batch of one masks nothing: the call passes no mask then
+    (an explicit one is what cuDNN's SDPA backward on Hopper answers with NaN, pytorch/pytorch#196678)."""
+    call, received = families.get("qwen-image-2.1").denoising, []
+
+    def denoiser(**kwargs):
+        received.append(kwargs)
+        return (torch.zeros_like(kwargs["hidden_states"]),)
+
+    noisy, states = torch.zeros(2, 4, 4, 4), torch.zeros(2, 6, 8)
+    for lengths in ([3, 3], [3, 1]):
+        mask = (torch.arange(6)[None, :] < torch.tensor(lengths)[:, None]).float()
+        condition = call.condition({"text_emb": states, "text_mask": mask}, {}, "cpu")
+        call.denoise(denoiser, noisy, torch.tensor([500.0, 500.0]), condition)
+    full, padded = (kwargs["encoder_hidden_states_mask"] for kwargs in received)
+    assert full is None and padded.tolist() == [[1, 1, 1], [1, 0, 0]]

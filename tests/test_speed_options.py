@@ -531,3 +531,82 @@ def test_a_run_measures_its_encode_records_it_and_a_resume_keeps_it(tmp_path, sh
     assert main([*args, "train.max_steps=2"]) == 0
     tuning = read_meta(latest_checkpoint(run))["tuning"]
     assert (tuning["encode"], tuning["encode_source"]) == ("bf16+channels_last", "checkpoint")
+
+
+def test_the_tuned_switch_turns_on_each_speed_key_that_is_not_set():
+    from sdtrain.config import TrainConfig
+    from sdtrain.errors import UserError
+
+    plain = TrainConfig()
+    assert not plain.compiles(cuda=True) and not plain.searches_convolutions(fixed_shapes=True)
+    tuned = TrainConfig(tuned=True)
+    assert tuned.compiles(cuda=True) and tuned.searches_convolutions(fixed_shapes=True)
+    assert not tuned.compiles(cuda=False)  # measured slower on CPUs: compiled there only when asked
+    assert not tuned.searches_convolutions(fixed_shapes=False)  # aspect buckets: one search per shape
+    assert not TrainConfig(tuned=True, compile=False).compiles(cuda=True)
+    assert TrainConfig(compile=True).compiles(cuda=False)
+    TrainConfig(tuned=True, cuda_graphs=True).validate()
+    assert not TrainConfig(tuned=True, deterministic=True).searches_convolutions(fixed_shapes=True)
+    with pytest.raises(UserError, match=r"^train.cuda_graphs: .*train.compile=true"):
+        TrainConfig(cuda_graphs=True).validate()
+    with pytest.raises(UserError, match=r"^train.channels_last: must be auto, true or false"):
+        TrainConfig(channels_last="yes").validate()
+
+
+def test_a_layout_is_chosen_for_convolutional_denoisers_only():
+    from diffusers import FluxTransformer2DModel, UNet2DConditionModel
+
+    unet = UNet2DConditionModel(block_out_channels=(8, 16), down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), layers_per_block=1,
+                                cross_attention_dim=8, norm_num_groups=4, attention_head_dim=2, sample_size=8)
+    transformer = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                                         attention_head_dim=4, num_attention_heads=2, joint_attention_dim=8,
+                                         pooled_projection_dim=8, axes_dims_rope=(2, 2, 0))
+    assert autotune.is_convolutional([unet]) and not autotune.is_convolutional([transformer])
+
+
+def test_channels_last_is_timed_against_the_contiguous_layout_with_the_same_loss():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.SiLU(), nn.Conv2d(8, 3, 3, padding=1))
+    pixels = torch.randn(2, 3, 16, 16)
+    timings, difference = autotune.time_layouts(lambda: model(pixels).square().mean(), [model],
+                                                list(model.parameters()), torch.device("cpu"), samples=2, bf16=False)
+    assert set(timings) == {"contiguous", "channels_last"} and all(ms > 0 for ms in timings.values())
+    assert difference < autotune.CHANNELS_LAST_TOLERANCE
+    # Left as found: contiguous weights, no gradient.
+    assert model[0].weight.is_contiguous() and all(p.grad is None for p in model.parameters())
+
+
+def test_a_tuned_run_measures_its_layout_trains_in_it_and_resumes_bitwise(tmp_path, shapes_dir, autoencoder_run,
+                                                                          monkeypatch, caplog):
+    # Compilation is the slow tests' (test_train.py); here the layout the tuned path measures, records and keeps.
+    monkeypatch.setenv("SDTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(autotune, "CONTENDED_SHARE", 0.0)  # cached however busy the cores
+    real = autotune.time_layouts
+
+    def timed(step, modules, params, device, samples, bf16, repeats=1):  # channels_last made the faster
+        timings, difference = real(step, modules, params, device, samples, bf16, repeats=0)
+        return {**timings, "channels_last": 0.0}, difference
+
+    monkeypatch.setattr(autotune, "time_layouts", timed)
+    layouts = []
+    real_place = autotune.place_layout
+    monkeypatch.setattr(autotune, "place_layout", lambda modules, channels_last: layouts.append(channels_last)
+                        or real_place(modules, channels_last))
+    args = ["train", str(config_path("diffusion.yaml")), f"data.shards={shapes_dir}", f"model.vae={autoencoder_run}",
+            *TINY, "train.tuned=true", "validation.prompts=[]", "checkpoint.every=2"]
+    with caplog.at_level("INFO", logger="sdtrain"):
+        assert main([*args, f"run_dir={tmp_path / 'straight'}", "train.max_steps=4"]) == 0
+    tuning = read_meta(latest_checkpoint(tmp_path / "straight"))["tuning"]
+    assert (tuning["channels_last"], tuning["channels_last_source"]) == (True, "measured")
+    assert (tuning["compile"], tuning["cuda_graphs"], tuning["cudnn_benchmark"]) == (False, False, False)
+    assert layouts[-1] is True and "tuned path: compiled blocks off, channels_last on (measured)" in caplog.text
+    monkeypatch.setattr(autotune, "time_layouts", lambda *a, **k: pytest.fail("measured again on resume"))
+    stopped = tmp_path / "stopped"
+    assert main([*args, f"run_dir={stopped}", "train.max_steps=2"]) == 0  # from the cache
+    assert main([*args, f"run_dir={stopped}", "train.max_steps=4"]) == 0  # from its checkpoint
+    assert read_meta(latest_checkpoint(stopped))["tuning"]["channels_last_source"] == "checkpoint"
+    for name in ("model.safetensors", "ema.safetensors"):
+        a = load_file(str(latest_checkpoint(tmp_path / "straight") / name))
+        b = load_file(str(latest_checkpoint(stopped) / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

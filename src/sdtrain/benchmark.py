@@ -60,6 +60,8 @@ class Benchmark(Trainer):
     def __init__(self, config: RunConfig, encoded: bool = False, plan_only: bool = False):
         self.encoded = encoded
         self.plan_only = plan_only
+        self.losses: list[torch.Tensor] = []
+        """The loss of every step taken since `measure` began."""
         # From before the first weight is loaded: loading has its own peak, which may be the run's highest.
         self.memory = TreePeak(phase="loading").__enter__()
         try:
@@ -171,6 +173,7 @@ class Benchmark(Trainer):
         model FLOPs and measure this machine's peak for the step's dtype, before and after, for MFU; then
         time a checkpoint save and the memory it adds."""
         self.memory.phase("training")
+        self.losses.clear()
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         threads = torch.get_num_threads()
         # Another job on the cores makes steps stall for seconds: the load shows whether figures can be trusted.
@@ -231,6 +234,9 @@ class Benchmark(Trainer):
             "loader_workers": self.config.data.num_workers,
             "synthetic_data": self.synthetic_data,
             "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],
+            # Every step's loss, the first and the warm-up ones included: two runs of one config (the tuned path
+            # against eager) are compared by them.
+            "losses": [float(loss) for loss in self.losses],
             "cpu_count": os.cpu_count(),
         }
         if self.device.type == "cuda":
@@ -252,6 +258,11 @@ class Benchmark(Trainer):
                 shutil.rmtree(saved, ignore_errors=True)
         result |= self._allreduce(params)
         return result
+
+    def train_step(self) -> dict[str, torch.Tensor]:
+        totals = super().train_step()
+        self.losses.append(totals["loss"])  # read at the end: a read per step would sync the device
+        return totals
 
     def _timed_step(self) -> float:
         start = time.perf_counter()

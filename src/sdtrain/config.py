@@ -668,6 +668,8 @@ class EMAConfig:
 
 ENCODINGS = ("fp32", "bf16", "fp32+channels_last", "bf16+channels_last")
 """`TrainConfig.encode`'s ways for the autoencoder to encode a step's images."""
+SWITCHES = ("compile", "channels_last", "cuda_graphs", "cudnn_benchmark")
+"""`TrainConfig`'s keys that take ``auto`` (follow ``train.tuned``), true or false."""
 ATTENTION_KERNELS = ("flash", "efficient", "cudnn", "math")
 """`TrainConfig.attention_kernels`' names of torch's SDPA kernels."""
 
@@ -699,17 +701,38 @@ class TrainConfig:
     third more compute. ``auto`` turns it on only when the estimated training memory would not fit
     the device (GPU memory, or the machine's RAM on a CPU); true/false force it. Applied per UNet/VAE
     block and text-encoder layer of the trained modules."""
-    compile: bool = False
-    """Compile each block of the trained modules with torch.compile. The first steps are slow while
-    it compiles (minutes on CPU); worth it on GPUs for long runs."""
+    tuned: bool = False
+    """The tuned path, one switch: on a GPU each repeated block of the trained modules compiled (``train.compile``), a
+    convolutional denoiser in the channels_last layout where that measures faster (``train.channels_last``), and on
+    a GPU at one resolution, cuDNN's algorithm search (``train.cudnn_benchmark``) and CUDA graphs
+    (``train.cuda_graphs``). Each of those keys set to true or false overrides it. What a run chose is logged at its
+    start and saved with every checkpoint (meta.json, ``tuning``). On a GPU the first step is slow while the blocks
+    compile (minutes for a large model), so it pays on long runs."""
+    compile: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
+    """Compile each block of the trained modules with torch.compile (regional compilation: a repeated block's code
+    is compiled once and reused). ``auto``: with ``train.tuned`` on a GPU. Not on a CPU unless set: there compiled
+    blocks measured slower than eager ones (SD2's UNet in bf16, benchmarks/results), after minutes of compiling."""
+    channels_last: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
+    """Keep a convolutional denoiser's (a UNet's) weights, and with them its activations, in the channels_last
+    layout, which some convolution kernels run faster. ``auto``: with ``train.tuned``, a step in each layout is timed
+    at the first start (a batch of the run's size, in its precision) and channels_last kept where it is 5% faster
+    and its loss agrees with the contiguous layout's; cached per machine, kept for the life of the run. Transformers
+    have no such layout to choose."""
+    cuda_graphs: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
+    """On CUDA, replay each compiled block's kernels as one CUDA graph (torch.compile's ``reduce-overhead`` mode):
+    less launch overhead for the many small kernels of a UNet, some memory for the graphs' buffers. Needs
+    ``train.compile`` and a step whose shapes stay the same (a new shape records a new graph). ``auto``: with
+    ``train.tuned``, for a convolutional denoiser at one resolution (``data.aspect_buckets`` off) without gradient
+    checkpointing. Nothing on a CPU."""
+    cudnn_benchmark: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
+    """On CUDA, let cuDNN time its algorithms for each new convolution shape and keep the fastest
+    (``torch.backends.cudnn.benchmark``): a slower first step per shape, and aspect buckets bring several shapes.
+    ``auto``: with ``train.tuned`` at one resolution (``data.aspect_buckets`` off)."""
     device: str = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``."""
     tf32: bool = False
     """On CUDA, compute fp32 matmuls (those outside bf16 autocast) in TF32: faster, about 3 significant digits
     (``torch.set_float32_matmul_precision("high")``)."""
-    cudnn_benchmark: bool = False
-    """On CUDA, let cuDNN time its algorithms for each new convolution shape and keep the fastest
-    (``torch.backends.cudnn.benchmark``): a slower first step per shape, and aspect buckets bring several shapes."""
     deterministic: bool = False
     """On CUDA, only deterministic kernels (``torch.use_deterministic_algorithms``, cuDNN's deterministic
     convolutions, cuBLAS's fixed workspace): two runs, or a run and its resume, agree bit for bit, at some speed.
@@ -741,12 +764,27 @@ class TrainConfig:
         _check(self.gradient_checkpointing in (True, False, "auto"), "train.gradient_checkpointing",
                "must be auto, true or false")
         _check(self.device in ("auto", "cpu", "cuda"), "train.device", "must be auto, cpu or cuda")
+        for name in SWITCHES:
+            _check(getattr(self, name) in (True, False, "auto"), f"train.{name}", "must be auto, true or false")
+        _check(self.cuda_graphs is not True or self.compile is True or (self.compile == "auto" and self.tuned),
+               "train.cuda_graphs",
+               "replays compiled blocks: set train.compile=true (or train.tuned=true), or turn cuda_graphs off")
         _check(self.encode == "auto" or self.encode in ENCODINGS, "train.encode",
                f"must be auto or one of {', '.join(ENCODINGS)}")
         _check(bool(self.attention_kernels) and set(self.attention_kernels) <= set(ATTENTION_KERNELS),
                "train.attention_kernels", f"must list some of {', '.join(ATTENTION_KERNELS)}")
         _check(self.threads == "auto" or (isinstance(self.threads, int) and self.threads >= 0), "train.threads",
                "must be a thread count, 0 (torch's default) or auto")
+
+    def compiles(self, cuda: bool) -> bool:
+        """Whether the trained modules' blocks are compiled (``train.compile``), on a GPU or not."""
+        return self.tuned and cuda if self.compile == "auto" else bool(self.compile)
+
+    def searches_convolutions(self, fixed_shapes: bool) -> bool:
+        """Whether cuDNN times its convolution algorithms (``train.cudnn_benchmark``), for a run whose step shapes
+        are fixed or not."""
+        chosen = self.tuned and fixed_shapes if self.cudnn_benchmark == "auto" else bool(self.cudnn_benchmark)
+        return chosen and not self.deterministic
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""Settings decided by measuring this machine, not assumed: the compute precision and whether activation
-checkpointing is needed.
+"""Settings decided by measuring this machine, not assumed: the compute precision, whether activation
+checkpointing is needed, how the frozen autoencoder encodes, and on the tuned path (``train.tuned``) the denoiser's
+memory layout.
 
 Whether bf16 autocast pays differs between CPUs of one family (1.4x faster on one machine, 2x slower on
 another, depending on avx512_bf16/AMX and on what the weight casts cost) and between model sizes on one
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from sdtrain.config import RunConfig
+from sdtrain.config import SWITCHES, RunConfig
 from sdtrain.distributed import gather_objects
 from sdtrain.errors import UserError
 from sdtrain.flops import cpu_flags
@@ -79,6 +80,18 @@ class Tuning:
     """config, measured, cache, checkpoint, or default (nothing to choose: encoded shards, clips)."""
     encode_ms: dict[str, float] | None = None
     """Milliseconds per sample of each way measured (`time_encodings`)."""
+    compile: bool = False
+    """Whether the trained modules' blocks are compiled (``train.compile``)."""
+    channels_last: bool = False
+    """Whether the denoiser trains in the channels_last layout (``train.channels_last``)."""
+    channels_last_source: str = "default"
+    """config, measured, cache, checkpoint, or default (off: not on the tuned path, or no convolutional denoiser)."""
+    channels_last_ms: dict[str, float] | None = None
+    """Milliseconds per sample of a step in each layout, where measured (`time_layouts`)."""
+    cuda_graphs: bool = False
+    """Whether compiled blocks replay as CUDA graphs (``train.cuda_graphs``)."""
+    cudnn_benchmark: bool = False
+    """Whether cuDNN times its convolution algorithms (``train.cudnn_benchmark``)."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -517,6 +530,11 @@ def decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str, 
                  f"included; loading took {tuning.loading_gib or 0:.1f} GiB)"
                  if tuning.estimated_gib is not None else "",
                  f"; measured in {tuning.seconds:.1f} s" if tuning.seconds else "")
+        if config.train.tuned or any(getattr(config.train, name) is True for name in SWITCHES):
+            log.info("tuned path: compiled blocks %s, channels_last %s (%s), CUDA graphs %s, cuDNN algorithm search %s",
+                     *("on" if on else "off" for on in (tuning.compile, tuning.channels_last)),
+                     tuning.channels_last_source,
+                     *("on" if on else "off" for on in (tuning.cuda_graphs, tuning.cudnn_benchmark)))
     return gather_objects(tuning)[0]
 
 
@@ -616,9 +634,130 @@ def _decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str,
         with _synthetic_step(config, task, encoded, samples) as step:
             timings, source = measured_precision(fingerprint, step, _parameters(task), device, samples)
         precision = "bf16" if timings["bf16"] * BF16_MIN_GAIN < timings["fp32"] else "fp32"
-    return Tuning(precision, bool(checkpointing), source, timings.get("fp32"), timings.get("bf16"), estimated,
-                  available, loading, round(time.perf_counter() - start, 2) if calls.calls else 0.0, training_gib,
-                  encode, encode_source, encode_ms)
+    tuning = Tuning(precision, bool(checkpointing), source, timings.get("fp32"), timings.get("bf16"), estimated,
+                    available, loading, round(time.perf_counter() - start, 2) if calls.calls else 0.0, training_gib,
+                    encode, encode_source, encode_ms)
+    return _decide_tuned_path(config, task, encoded, previous, device, tuning, plan_only)
+
+
+def _decide_tuned_path(config: RunConfig, task: Any, encoded: bool, previous: dict[str, Any] | None,
+                       device: torch.device, tuning: Tuning, plan_only: bool) -> Tuning:
+    """`tuning` with the tuned path's switches decided (``train.tuned`` and the keys it turns on)."""
+    train = config.train
+    # What the tuned path would choose by: read only on it (a module count, no step).
+    convolutional = train.tuned and is_convolutional(list(task.parallel_modules().values()))
+    fixed_shapes = not config.data.aspect_buckets
+    cuda = device.type == "cuda"
+    if (plan_only or task.staged_on_host()) and train.channels_last == "auto":
+        # No step runs before the first on a plan, or on a model sharded as it reaches the device.
+        layout, layout_source, layout_ms = False, "not timed: no step runs before the first", None
+    else:
+        layout, layout_source, layout_ms = _decide_layout(config, task, encoded, previous, device, tuning,
+                                                          convolutional)
+    graphs = train.cuda_graphs if train.cuda_graphs != "auto" else \
+        train.tuned and convolutional and fixed_shapes and not tuning.checkpointing
+    return dataclasses.replace(
+        tuning, compile=train.compiles(cuda), channels_last=layout, channels_last_source=layout_source,
+        channels_last_ms=layout_ms, cuda_graphs=bool(graphs) and cuda and train.compiles(cuda),
+        cudnn_benchmark=cuda and train.searches_convolutions(fixed_shapes))
+
+
+CONVOLUTIONAL_SHARE = 0.1
+"""The share of a model's parameters in 2D convolutions above which it is convolutional (a UNet: most of them); a
+transformer's patch embedding is a few thousandths."""
+CHANNELS_LAST_TOLERANCE = 1e-2
+"""The most a channels_last step's loss may differ from the contiguous layout's (relatively) and be kept: the layout
+only changes the order of each convolution's sums."""
+
+
+def is_convolutional(modules: list[nn.Module]) -> bool:
+    """Whether `modules` (a task's trained modules) hold a convolutional denoiser, for which a memory layout is to be
+    chosen."""
+    total = conv = 0
+    for module in modules:
+        for layer in module.modules():
+            own = sum(p.numel() for p in layer.parameters(recurse=False))
+            total += own
+            conv += own if isinstance(layer, nn.Conv2d) else 0
+    return total > 0 and conv >= CONVOLUTIONAL_SHARE * total
+
+
+def place_layout(modules: list[nn.Module], channels_last: bool) -> None:
+    """The 2D convolutions of `modules` in the channels_last layout or the contiguous one; a convolution whose weight
+    is channels_last gives its output in that layout, so the activations follow. (3D convolutions, a video
+    transformer's patch embedding, have no such layout.)"""
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    for module in modules:
+        for layer in module.modules():
+            if isinstance(layer, nn.Conv2d):
+                layer.to(memory_format=layout)
+
+
+def time_layouts(step: Callable[[], torch.Tensor], modules: list[nn.Module], params: list[nn.Parameter],
+                 device: torch.device, samples: int, bf16: bool, repeats: int = 1
+                 ) -> tuple[dict[str, float], float]:
+    """Milliseconds per sample of ``step()``'s forward and backward with `modules` contiguous and channels_last,
+    alternating, the first round a warm-up (unless it is the only one), each layout's best kept; and how far the
+    channels_last loss is from the contiguous one's (relatively). `modules` are left contiguous, gradients cleared."""
+    best = {"contiguous": float("inf"), "channels_last": float("inf")}
+    losses: dict[str, float] = {}
+    try:
+        for attempt in range(repeats + 1):
+            for layout in best:
+                place_layout(modules, layout == "channels_last")
+                started = time.perf_counter()
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    loss = step()
+                loss.backward()
+                _synchronize(device)
+                seconds = time.perf_counter() - started
+                losses[layout] = float(loss.detach().float())
+                for p in params:
+                    p.grad = None
+                if attempt or not repeats:
+                    best[layout] = min(best[layout], seconds)
+    finally:
+        place_layout(modules, False)
+        for p in params:
+            p.grad = None
+    difference = abs(losses["channels_last"] - losses["contiguous"]) / max(abs(losses["contiguous"]), 1e-12)
+    return {layout: 1000 * seconds / samples for layout, seconds in best.items()}, difference
+
+
+def _decide_layout(config: RunConfig, task: Any, encoded: bool, previous: dict[str, Any] | None,
+                   device: torch.device, tuning: Tuning, convolutional: bool
+                   ) -> tuple[bool, str, dict[str, float] | None]:
+    """``train.channels_last`` for this run: the config's, the run's first start's, or on the tuned path for a
+    convolutional denoiser, measured (cached per machine)."""
+    requested = config.train.channels_last
+    if requested != "auto":
+        return bool(requested), "config", None
+    if not (config.train.tuned and convolutional):
+        return False, "default", None
+    if previous is not None:  # a run resumes in the layout it started in (one started before it: contiguous)
+        return bool(previous.get("channels_last", False)), "checkpoint", previous.get("channels_last_ms")
+    modules = list(task.parallel_modules().values())
+    samples = 1 if tuning.checkpointing else config.data.batch_size
+    bf16 = tuning.precision == "bf16"
+    identity = json.dumps(["layout-v1", _machine_key(device), torch.__version__, samples, config.data.resolution,
+                           tuning.precision, encoded, [type(m).__name__ for m in modules],
+                           sum(p.numel() for m in modules for p in m.parameters())])
+    key = hashlib.sha256(identity.encode()).hexdigest()[:24]
+    path = cache_dir() / "layout.json"
+    cached = _load_cache(path).get(key)
+    if cached is not None:
+        return cached["choice"], "cache", cached["ms"]
+    started = _clocks()
+    with _synthetic_step(config, task, encoded, samples) as step:
+        timings, difference = time_layouts(step, modules, _parameters(task), device, samples, bf16)
+    choice = difference <= CHANNELS_LAST_TOLERANCE and \
+        timings["channels_last"] * BF16_MIN_GAIN < timings["contiguous"]
+    log.info("train.channels_last=auto: %s (ms per sample forward+backward: contiguous %.0f, channels_last %.0f; "
+             "loss %.1e apart)", "on" if choice else "off", timings["contiguous"], timings["channels_last"],
+             difference)
+    if _ran_alone(started, device, "layout timings"):
+        _cache(path, key, {"choice": choice, "ms": timings}, "layout timings")
+    return choice, "measured", timings
 
 
 ENCODE_TOLERANCE = 0.02
@@ -753,13 +892,16 @@ def _synthetic_step(config: RunConfig, task: Any, encoded: bool, samples: int) -
 
     data = dataclasses.replace(config.data, batch_size=samples)
     batch = SyntheticBatches(data, task, seed=config.seed, rank=0, encoded=encoded).next()
-    generator = torch.Generator(task.device).manual_seed(0)
+    generator = torch.Generator(task.device)
     extra, rng = task.extra_state(), torch.get_rng_state()
     # bf16 weights (optim.weights) compute under bf16 autocast only, as their training steps do. Otherwise no
     # autocast of its own: a disabled one would switch off the bf16 autocast that time_precisions times it under.
     bf16 = config.optim.weights == "bf16"
 
     def step() -> torch.Tensor:
+        # The same noise every call, so that two ways of running the step give comparable losses.
+        generator.manual_seed(0)
+        torch.set_rng_state(rng)
         with torch.autocast(task.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
             return task.loss(batch, generator)[0]
 

@@ -37,12 +37,16 @@ class DataParallel:
         self.wrapped: list[DistributedDataParallel] = []
         self.sharded: list[nn.Module] = []
 
-    def apply(self, task, bf16: bool = False, checkpointing: bool = False, compile: bool = False) -> None:
+    def apply(self, task, bf16: bool = False, checkpointing: bool = False, compile: bool = False,
+              cuda_graphs: bool = False) -> None:
+        """Checkpointing and compilation of each block of the trained modules (`cuda_graphs`: compiled blocks
+        replay as CUDA graphs), then the data-parallel wrapping of several processes."""
         for module in task.parallel_modules().values() if compile or checkpointing else ():
             for block in shard_units(module):
                 if compile:
                     # Static shapes: training shapes are fixed, and dynamic-shape graphs hit inductor bugs here.
-                    block.forward = torch.compile(block.forward, dynamic=False)
+                    block.forward = torch.compile(block.forward, dynamic=False,
+                                                  mode="reduce-overhead" if cuda_graphs else None)
                 if checkpointing:
                     block.forward = _checkpointed(block.forward)
         if not self.topology.distributed:

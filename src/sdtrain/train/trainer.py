@@ -186,7 +186,7 @@ class Trainer:
         if self.device.type == "cuda":
             # Process-wide; off unless asked for (`make gpu-check` measures what each pays).
             torch.set_float32_matmul_precision("high" if config.train.tf32 else "highest")
-            torch.backends.cudnn.benchmark = config.train.cudnn_benchmark and not config.train.deterministic
+            torch.backends.cudnn.benchmark = config.train.searches_convolutions(not config.data.aspect_buckets)
             if config.train.deterministic:
                 # cuBLAS reads its workspace setting when first used: set before any matmul of this process.
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -223,9 +223,11 @@ class Trainer:
         self.val_loss = ValLoss(self.task, evaluation, self.device, self.topology.rank, self.topology.world_size,
                                 bf16=self.bf16) if evaluation.every_samples and "val_loss" in evaluation.metrics \
             else None
+        if self.tuning.channels_last:
+            autotune.place_layout(list(self.task.parallel_modules().values()), channels_last=True)
         self.parallel = DataParallel(config.parallel, self.topology, self.device)
         self.parallel.apply(self.task, bf16=self.bf16, checkpointing=self.tuning.checkpointing,
-                            compile=config.train.compile)
+                            compile=self.tuning.compile, cuda_graphs=self.tuning.cuda_graphs)
         if config.optim.in_backward and self.topology.distributed:
             raise UserError("optim.in_backward: steps each parameter before the gradients of all ranks are "
                             "averaged, so it runs in one process only; turn it off under torchrun")
@@ -412,6 +414,8 @@ class Trainer:
         """One optimizer step over grad_accum micro-batches. Metrics stay tensors: reading them
         every step would stall an accelerator for nothing."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.tuning.cuda_graphs:  # the graphs' outputs of the last step may be overwritten from here on
+            torch.compiler.cudagraph_mark_step_begin()
         accum = self.config.train.grad_accum
         totals: dict[str, torch.Tensor] = {}
         world, rank = self.topology.world_size, self.topology.rank
