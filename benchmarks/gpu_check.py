@@ -156,8 +156,8 @@ def cuda_cases(memory_gib: float) -> list[Case]:
 
 def dry_cases() -> list[Case]:
     """The same cases at tiny sizes on the CPU: the script's every path, in seconds each; the tuned ones take the
-    tuned path as it is on a CPU (no compilation there: minutes on a cold cache, and slower steps; tests/test_train.py
-    holds compiled blocks to eager ones) and are held to their eager twins' losses."""
+    tuned path as it is on a CPU (no compilation there: minutes on a cold cache for steps about as fast;
+    tests/test_train.py holds compiled blocks to eager ones) and are held to their eager twins' losses."""
     tiny = ["model.preset=tiny", "data.resolution=32", "data.batch_size=2", "data.num_workers=0",
             "train.mixed_precision=fp32", "train.gradient_checkpointing=false", "model.tokenizer_vocab_size=1024"]
     small = {"steps": 1, "warmup": 0, "timeout": 120, "flags": ["--no-save", "--peak-seconds", "0.1"]}

@@ -710,14 +710,15 @@ class TrainConfig:
     compile (minutes for a large model), so it pays on long runs."""
     compile: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
     """Compile each block of the trained modules with torch.compile (regional compilation: a repeated block's code
-    is compiled once and reused). ``auto``: with ``train.tuned`` on a GPU. Not on a CPU unless set: there compiled
-    blocks measured slower than eager ones (SD2's UNet in bf16, benchmarks/results), after minutes of compiling."""
+    is compiled once and reused). ``auto``: with ``train.tuned`` on a GPU. Not on a CPU unless set: there SD2's
+    compiled UNet stepped within a few percent of eager after five minutes of compiling, whose workers raised the
+    run's peak memory by 13 GiB (benchmarks/results)."""
     channels_last: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
     """Keep a convolutional denoiser's (a UNet's) weights, and with them its activations, in the channels_last
     layout, which some convolution kernels run faster. ``auto``: with ``train.tuned``, a step in each layout is timed
     at the first start (a batch of the run's size, in its precision) and channels_last kept where it is 5% faster
     and its loss agrees with the contiguous layout's; cached per machine, kept for the life of the run. Transformers
-    have no such layout to choose."""
+    have no such layout to choose; FSDP on several ranks keeps its shards contiguous."""
     cuda_graphs: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
     """On CUDA, replay each compiled block's kernels as one CUDA graph (torch.compile's ``reduce-overhead`` mode):
     less launch overhead for the many small kernels of a UNet, some memory for the graphs' buffers. Needs

@@ -36,7 +36,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sdtrain.config import SWITCHES, RunConfig
-from sdtrain.distributed import gather_objects
+from sdtrain.distributed import gather_objects, is_distributed
 from sdtrain.errors import UserError
 from sdtrain.flops import cpu_flags
 from sdtrain.memory import TreePeak, own_peak_bytes, tree_bytes
@@ -730,6 +730,12 @@ def _decide_layout(config: RunConfig, task: Any, encoded: bool, previous: dict[s
     """``train.channels_last`` for this run: the config's, the run's first start's, or on the tuned path for a
     convolutional denoiser, measured (cached per machine)."""
     requested = config.train.channels_last
+    if config.parallel.strategy == "fsdp" and is_distributed():
+        # FSDP2 shards each parameter along its first dimension as a flat, contiguous piece.
+        if requested is True:
+            raise UserError("train.channels_last: FSDP shards parameters in the contiguous layout; turn it off, or "
+                            "train with parallel.strategy=ddp")
+        return False, "default", None
     if requested != "auto":
         return bool(requested), "config", None
     if not (config.train.tuned and convolutional):
