@@ -549,6 +549,8 @@ def test_the_tuned_switch_turns_on_each_speed_key_that_is_not_set():
     assert not TrainConfig(tuned=True, deterministic=True).searches_convolutions(fixed_shapes=True)
     with pytest.raises(UserError, match=r"^train.cuda_graphs: .*train.compile=true"):
         TrainConfig(cuda_graphs=True).validate()
+    with pytest.raises(UserError, match=r"^train.cuda_graphs: .*train.grad_accum=1"):
+        TrainConfig(tuned=True, cuda_graphs=True, grad_accum=2).validate()
     with pytest.raises(UserError, match=r"^train.channels_last: must be auto, true or false"):
         TrainConfig(channels_last="yes").validate()
 
@@ -610,3 +612,41 @@ def test_a_tuned_run_measures_its_layout_trains_in_it_and_resumes_bitwise(tmp_pa
         a = load_file(str(latest_checkpoint(tmp_path / "straight") / name))
         b = load_file(str(latest_checkpoint(stopped) / name))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_tuned_path_decides_each_switch_for_the_device_and_the_run():
+    """What train.tuned turns on where, decided on a CPU as a GPU run would decide it."""
+    import dataclasses
+
+    from diffusers import UNet2DConditionModel
+
+    from sdtrain.config import RunConfig
+
+    unet = UNet2DConditionModel(block_out_channels=(8, 16), down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), layers_per_block=1,
+                                cross_attention_dim=8, norm_num_groups=4, attention_head_dim=2, sample_size=8)
+
+    class Task:
+        def parallel_modules(self):
+            return {"unet": unet}
+
+        def staged_on_host(self):
+            return False
+
+    def decide(device="cuda", checkpointing=False, buckets=False, **train):
+        config = RunConfig()
+        config.train = dataclasses.replace(config.train, tuned=True, channels_last=False, **train)
+        config.data = dataclasses.replace(config.data, aspect_buckets=buckets)
+        tuning = autotune.Tuning("bf16", checkpointing, "config")
+        return autotune._decide_tuned_path(config, Task(), False, None, torch.device(device), tuning, False)
+
+    gpu = decide()
+    assert (gpu.compile, gpu.cuda_graphs, gpu.cudnn_benchmark) == (True, True, True)
+    cpu = decide("cpu")
+    assert (cpu.compile, cpu.cuda_graphs, cpu.cudnn_benchmark) == (False, False, False)
+    bucketed = decide(buckets=True)  # a shape per bucket: a graph and an algorithm search per shape
+    assert bucketed.compile and not bucketed.cuda_graphs and not bucketed.cudnn_benchmark
+    assert not decide(checkpointing=True).cuda_graphs  # recomputed blocks would replay twice a step
+    assert not decide(grad_accum=2).cuda_graphs
+    assert not decide(compile=False).cuda_graphs and decide(compile=False).cudnn_benchmark
+    assert decide(cuda_graphs=False).compile and not decide(cuda_graphs=False).cuda_graphs

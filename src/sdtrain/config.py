@@ -722,9 +722,9 @@ class TrainConfig:
     cuda_graphs: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
     """On CUDA, replay each compiled block's kernels as one CUDA graph (torch.compile's ``reduce-overhead`` mode):
     less launch overhead for the many small kernels of a UNet, some memory for the graphs' buffers. Needs
-    ``train.compile`` and a step whose shapes stay the same (a new shape records a new graph). ``auto``: with
-    ``train.tuned``, for a convolutional denoiser at one resolution (``data.aspect_buckets`` off) without gradient
-    checkpointing. Nothing on a CPU."""
+    ``train.compile``, a step whose shapes stay the same (a new shape records a new graph) and one micro-batch a step
+    (``train.grad_accum: 1``). ``auto``: with ``train.tuned``, for a convolutional denoiser at one resolution
+    (``data.aspect_buckets`` off) without gradient checkpointing or accumulation. Nothing on a CPU."""
     cudnn_benchmark: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
     """On CUDA, let cuDNN time its algorithms for each new convolution shape and keep the fastest
     (``torch.backends.cudnn.benchmark``): a slower first step per shape, and aspect buckets bring several shapes.
@@ -770,6 +770,10 @@ class TrainConfig:
         _check(self.cuda_graphs is not True or self.compile is True or (self.compile == "auto" and self.tuned),
                "train.cuda_graphs",
                "replays compiled blocks: set train.compile=true (or train.tuned=true), or turn cuda_graphs off")
+        # A graph's outputs live until its next replay: a second micro-batch would overwrite the gradients the
+        # first left (a parameter's gradient takes over the output's memory).
+        _check(self.cuda_graphs is not True or self.grad_accum == 1, "train.cuda_graphs",
+               "replays each block's graph once a step: set train.grad_accum=1, or turn cuda_graphs off")
         _check(self.encode == "auto" or self.encode in ENCODINGS, "train.encode",
                f"must be auto or one of {', '.join(ENCODINGS)}")
         _check(bool(self.attention_kernels) and set(self.attention_kernels) <= set(ATTENTION_KERNELS),

@@ -655,7 +655,7 @@ def _decide_tuned_path(config: RunConfig, task: Any, encoded: bool, previous: di
         layout, layout_source, layout_ms = _decide_layout(config, task, encoded, previous, device, tuning,
                                                           convolutional)
     graphs = train.cuda_graphs if train.cuda_graphs != "auto" else \
-        train.tuned and convolutional and fixed_shapes and not tuning.checkpointing
+        train.tuned and convolutional and fixed_shapes and not tuning.checkpointing and train.grad_accum == 1
     return dataclasses.replace(
         tuning, compile=train.compiles(cuda), channels_last=layout, channels_last_source=layout_source,
         channels_last_ms=layout_ms, cuda_graphs=bool(graphs) and cuda and train.compiles(cuda),
