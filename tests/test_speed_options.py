@@ -621,6 +621,7 @@ def test_the_tuned_path_decides_each_switch_for_the_device_and_the_run():
     from diffusers import UNet2DConditionModel
 
     from sdtrain.config import RunConfig
+    from sdtrain.errors import UserError
 
     unet = UNet2DConditionModel(block_out_channels=(8, 16), down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
                                 up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), layers_per_block=1,
@@ -641,12 +642,26 @@ def test_the_tuned_path_decides_each_switch_for_the_device_and_the_run():
         return autotune._decide_tuned_path(config, Task(), False, None, torch.device(device), tuning, False)
 
     gpu = decide()
-    assert (gpu.compile, gpu.cuda_graphs, gpu.cudnn_benchmark) == (True, True, True)
-    cpu = decide("cpu")
+    assert (gpu.compile, gpu.cuda_graphs, gpu.cudnn_benchmark) == (True, False, True)  # graphs: asked for alone
+    cpu = decide("cpu", cuda_graphs=True)
     assert (cpu.compile, cpu.cuda_graphs, cpu.cudnn_benchmark) == (False, False, False)
-    bucketed = decide(buckets=True)  # a shape per bucket: a graph and an algorithm search per shape
-    assert bucketed.compile and not bucketed.cuda_graphs and not bucketed.cudnn_benchmark
-    assert not decide(checkpointing=True).cuda_graphs  # recomputed blocks would replay twice a step
-    assert not decide(grad_accum=2).cuda_graphs
-    assert not decide(compile=False).cuda_graphs and decide(compile=False).cudnn_benchmark
-    assert decide(cuda_graphs=False).compile and not decide(cuda_graphs=False).cuda_graphs
+    bucketed = decide(buckets=True)  # a shape per bucket: an algorithm search per shape
+    assert bucketed.compile and not bucketed.cudnn_benchmark
+    assert decide(cuda_graphs=True).cuda_graphs and not decide(compile=False, cuda_graphs=False).compile
+    with pytest.raises(UserError, match=r"^train.cuda_graphs: gradient checkpointing runs each block again"):
+        decide(checkpointing=True, cuda_graphs=True)  # a recomputed block would replay twice a step
+
+
+def test_a_run_resumed_in_another_layout_steps_its_optimizer_as_before(tmp_path, shapes_dir, autoencoder_run):
+    """A checkpoint saved in channels_last resumed contiguous (the layout forced off): the optimizer's moments are
+    laid out as the weights again, or the fused AdamW pairs each weight with another's moments."""
+    args = ["train", str(config_path("diffusion.yaml")), f"data.shards={shapes_dir}", f"model.vae={autoencoder_run}",
+            *TINY, "validation.prompts=[]", "checkpoint.every=2", "optim.fused=true"]
+    assert main([*args, f"run_dir={tmp_path / 'straight'}", "train.channels_last=true", "train.max_steps=4"]) == 0
+    switched = tmp_path / "switched"
+    assert main([*args, f"run_dir={switched}", "train.channels_last=true", "train.max_steps=2"]) == 0
+    assert main([*args, f"run_dir={switched}", "train.channels_last=false", "train.max_steps=4"]) == 0
+    a = load_file(str(latest_checkpoint(tmp_path / "straight") / "model.safetensors"))
+    b = load_file(str(latest_checkpoint(switched) / "model.safetensors"))
+    for key in a:  # the same arithmetic summed in another order: equal to rounding
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)

@@ -182,10 +182,12 @@ class Benchmark(Trainer):
         first = self._timed_step()
         for _ in range(max(warmup - 1, 0)):
             self.train_step()
+        times = [self._timed_step() for _ in range(steps)]
+        # Counted after the timed steps: compiled blocks run under the counter's dispatch mode stay slower
+        # afterwards (pytorch/pytorch#140909).
         attention: set[str] = set()
         with uncounted_recomputation():  # model FLOPs: a checkpointed block's second forward is not the model's work
             step_flops = flops.count_flops(self.train_step, attention)
-        times = [self._timed_step() for _ in range(steps)]
         training_peak = self._peak_memory_gib("training")
         peaks.append(flops.measure_peak_flops(dtype, self.device, threads, peak_seconds))
         step_s = statistics.median(times)

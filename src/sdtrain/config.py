@@ -668,7 +668,7 @@ class EMAConfig:
 
 ENCODINGS = ("fp32", "bf16", "fp32+channels_last", "bf16+channels_last")
 """`TrainConfig.encode`'s ways for the autoencoder to encode a step's images."""
-SWITCHES = ("compile", "channels_last", "cuda_graphs", "cudnn_benchmark")
+SWITCHES = ("compile", "channels_last", "cudnn_benchmark")
 """`TrainConfig`'s keys that take ``auto`` (follow ``train.tuned``), true or false."""
 ATTENTION_KERNELS = ("flash", "efficient", "cudnn", "math")
 """`TrainConfig.attention_kernels`' names of torch's SDPA kernels."""
@@ -704,10 +704,10 @@ class TrainConfig:
     tuned: bool = False
     """The tuned path, one switch: on a GPU each repeated block of the trained modules compiled (``train.compile``), a
     convolutional denoiser in the channels_last layout where that measures faster (``train.channels_last``), and on
-    a GPU at one resolution, cuDNN's algorithm search (``train.cudnn_benchmark``) and CUDA graphs
-    (``train.cuda_graphs``). Each of those keys set to true or false overrides it. What a run chose is logged at its
-    start and saved with every checkpoint (meta.json, ``tuning``). On a GPU the first step is slow while the blocks
-    compile (minutes for a large model), so it pays on long runs."""
+    a GPU at one resolution, cuDNN's algorithm search (``train.cudnn_benchmark``). Each of those keys set to true or
+    false overrides it; CUDA graphs (``train.cuda_graphs``) are asked for on their own. What a run chose is logged at
+    its start and saved with every checkpoint (meta.json, ``tuning``). On a GPU the first step is slow while the
+    blocks compile (minutes for a large model), so it pays on long runs."""
     compile: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
     """Compile each block of the trained modules with torch.compile (regional compilation: a repeated block's code
     is compiled once and reused). ``auto``: with ``train.tuned`` on a GPU. Not on a CPU unless set: there SD2's
@@ -719,12 +719,13 @@ class TrainConfig:
     at the first start (a batch of the run's size, in its precision) and channels_last kept where it is 5% faster
     and its loss agrees with the contiguous layout's; cached per machine, kept for the life of the run. Transformers
     have no such layout to choose; FSDP on several ranks keeps its shards contiguous."""
-    cuda_graphs: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
-    """On CUDA, replay each compiled block's kernels as one CUDA graph (torch.compile's ``reduce-overhead`` mode):
-    less launch overhead for the many small kernels of a UNet, some memory for the graphs' buffers. Needs
-    ``train.compile``, a step whose shapes stay the same (a new shape records a new graph) and one micro-batch a step
-    (``train.grad_accum: 1``). ``auto``: with ``train.tuned``, for a convolutional denoiser at one resolution
-    (``data.aspect_buckets`` off) without gradient checkpointing or accumulation. Nothing on a CPU."""
+    cuda_graphs: bool = False
+    """On CUDA, replay each compiled block's kernels as one CUDA graph (torch.compile's ``reduce-overhead`` mode): less
+    launch overhead for the many small kernels of a UNet, some memory for the graphs' buffers. Needs
+    ``train.compile``, one resolution (a new shape records a new graph), one micro-batch a step and no gradient
+    checkpointing. Not turned on by ``train.tuned``: blocks graphed one by one, each feeding the next, can find their
+    input overwritten by a later replay (pytorch/pytorch#152887), and evaluation between steps runs the blocks
+    outside training; `make gpu-check` measures it on its own. Nothing on a CPU."""
     cudnn_benchmark: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
     """On CUDA, let cuDNN time its algorithms for each new convolution shape and keep the fastest
     (``torch.backends.cudnn.benchmark``): a slower first step per shape, and aspect buckets bring several shapes.
@@ -767,12 +768,12 @@ class TrainConfig:
         _check(self.device in ("auto", "cpu", "cuda"), "train.device", "must be auto, cpu or cuda")
         for name in SWITCHES:
             _check(getattr(self, name) in (True, False, "auto"), f"train.{name}", "must be auto, true or false")
-        _check(self.cuda_graphs is not True or self.compile is True or (self.compile == "auto" and self.tuned),
+        _check(not self.cuda_graphs or self.compile is True or (self.compile == "auto" and self.tuned),
                "train.cuda_graphs",
                "replays compiled blocks: set train.compile=true (or train.tuned=true), or turn cuda_graphs off")
         # A graph's outputs live until its next replay: a second micro-batch would overwrite the gradients the
         # first left (a parameter's gradient takes over the output's memory).
-        _check(self.cuda_graphs is not True or self.grad_accum == 1, "train.cuda_graphs",
+        _check(not self.cuda_graphs or self.grad_accum == 1, "train.cuda_graphs",
                "replays each block's graph once a step: set train.grad_accum=1, or turn cuda_graphs off")
         _check(self.encode == "auto" or self.encode in ENCODINGS, "train.encode",
                f"must be auto or one of {', '.join(ENCODINGS)}")

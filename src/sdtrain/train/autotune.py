@@ -530,7 +530,8 @@ def decide(config: RunConfig, task: Any, encoded: bool, resumed_meta: dict[str, 
                  f"included; loading took {tuning.loading_gib or 0:.1f} GiB)"
                  if tuning.estimated_gib is not None else "",
                  f"; measured in {tuning.seconds:.1f} s" if tuning.seconds else "")
-        if config.train.tuned or any(getattr(config.train, name) is True for name in SWITCHES):
+        if config.train.tuned or config.train.cuda_graphs or any(getattr(config.train, name) is True
+                                                                 for name in SWITCHES):
             log.info("tuned path: compiled blocks %s, channels_last %s (%s), CUDA graphs %s, cuDNN algorithm search %s",
                      *("on" if on else "off" for on in (tuning.compile, tuning.channels_last)),
                      tuning.channels_last_source,
@@ -644,22 +645,21 @@ def _decide_tuned_path(config: RunConfig, task: Any, encoded: bool, previous: di
                        device: torch.device, tuning: Tuning, plan_only: bool) -> Tuning:
     """`tuning` with the tuned path's switches decided (``train.tuned`` and the keys it turns on)."""
     train = config.train
-    # What the tuned path would choose by: read only on it (a module count, no step).
-    convolutional = train.tuned and is_convolutional(list(task.parallel_modules().values()))
-    fixed_shapes = not config.data.aspect_buckets
     cuda = device.type == "cuda"
-    if (plan_only or task.staged_on_host()) and train.channels_last == "auto":
+    if train.cuda_graphs and tuning.checkpointing:
+        raise UserError("train.cuda_graphs: gradient checkpointing runs each block again in backward, which a CUDA "
+                        "graph replays only once a step; set train.gradient_checkpointing=false (if memory allows) or "
+                        "turn cuda_graphs off")
+    measured = train.tuned and train.channels_last == "auto" and previous is None
+    if measured and (plan_only or task.staged_on_host()):
         # No step runs before the first on a plan, or on a model sharded as it reaches the device.
         layout, layout_source, layout_ms = False, "not timed: no step runs before the first", None
     else:
-        layout, layout_source, layout_ms = _decide_layout(config, task, encoded, previous, device, tuning,
-                                                          convolutional)
-    graphs = train.cuda_graphs if train.cuda_graphs != "auto" else \
-        train.tuned and convolutional and fixed_shapes and not tuning.checkpointing and train.grad_accum == 1
+        layout, layout_source, layout_ms = _decide_layout(config, task, encoded, previous, device, tuning)
     return dataclasses.replace(
         tuning, compile=train.compiles(cuda), channels_last=layout, channels_last_source=layout_source,
-        channels_last_ms=layout_ms, cuda_graphs=bool(graphs) and cuda and train.compiles(cuda),
-        cudnn_benchmark=cuda and train.searches_convolutions(fixed_shapes))
+        channels_last_ms=layout_ms, cuda_graphs=train.cuda_graphs and cuda and train.compiles(cuda),
+        cudnn_benchmark=cuda and train.searches_convolutions(fixed_shapes=not config.data.aspect_buckets))
 
 
 CONVOLUTIONAL_SHARE = 0.1
@@ -725,10 +725,9 @@ def time_layouts(step: Callable[[], torch.Tensor], modules: list[nn.Module], par
 
 
 def _decide_layout(config: RunConfig, task: Any, encoded: bool, previous: dict[str, Any] | None,
-                   device: torch.device, tuning: Tuning, convolutional: bool
-                   ) -> tuple[bool, str, dict[str, float] | None]:
-    """``train.channels_last`` for this run: the config's, the run's first start's, or on the tuned path for a
-    convolutional denoiser, measured (cached per machine)."""
+                   device: torch.device, tuning: Tuning) -> tuple[bool, str, dict[str, float] | None]:
+    """``train.channels_last`` for this run: the config's, the run's first start's (a run started before the layout
+    was chosen: contiguous), or on the tuned path for a convolutional denoiser, measured (cached per machine)."""
     requested = config.train.channels_last
     if config.parallel.strategy == "fsdp" and is_distributed():
         # FSDP2 shards each parameter along its first dimension as a flat, contiguous piece.
@@ -738,15 +737,18 @@ def _decide_layout(config: RunConfig, task: Any, encoded: bool, previous: dict[s
         return False, "default", None
     if requested != "auto":
         return bool(requested), "config", None
-    if not (config.train.tuned and convolutional):
-        return False, "default", None
-    if previous is not None:  # a run resumes in the layout it started in (one started before it: contiguous)
+    if previous is not None:
         return bool(previous.get("channels_last", False)), "checkpoint", previous.get("channels_last_ms")
+    if not config.train.tuned:
+        return False, "default", None
     modules = list(task.parallel_modules().values())
+    if not is_convolutional(modules):
+        return False, "default", None
     samples = 1 if tuning.checkpointing else config.data.batch_size
     bf16 = tuning.precision == "bf16"
     identity = json.dumps(["layout-v1", _machine_key(device), torch.__version__, samples, config.data.resolution,
-                           tuning.precision, encoded, [type(m).__name__ for m in modules],
+                           config.data.aspect_buckets, tuning.precision, config.optim.weights,
+                           sorted(config.train.attention_kernels), encoded, [type(m).__name__ for m in modules],
                            sum(p.numel() for m in modules for p in m.parameters())])
     key = hashlib.sha256(identity.encode()).hexdigest()[:24]
     path = cache_dir() / "layout.json"

@@ -159,6 +159,18 @@ def build_optimizer(params: list[nn.Parameter], config: OptimConfig, seed: int =
 
 
 @torch.no_grad()
+def match_parameter_layouts(optimizer: torch.optim.Optimizer) -> None:
+    """Each state tensor shaped as its parameter (AdamW's moments) laid out in memory as the parameter is. A
+    checkpoint saved in another layout (``train.channels_last``) loads in its own strides, and fused optimizer
+    kernels pair the elements of a parameter and its moments by their place in memory."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.shape == param.shape and value.stride() != param.stride():
+                    state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
+
+
 def allocate_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state (AdamW's two moments: twice the trained weights) now rather than lazily
     in the first step, so the first step costs what every step costs and a run that cannot hold its

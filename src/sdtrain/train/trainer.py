@@ -64,6 +64,7 @@ from sdtrain.train.optim import (
     build_optimizer,
     check_optimizer,
     keep_in_bf16,
+    match_parameter_layouts,
     optimizer_settings,
 )
 from sdtrain.train.parallel import DataParallel
@@ -285,6 +286,7 @@ class Trainer:
         resume = self.resume_from
         if resume is not None:
             self.checkpointer.load(resume, self.state)
+            match_parameter_layouts(self.optimizer)
             self._apply_optimizer_config()
         self.logger.start(self.state.step, self.state.samples, self.plan.total)
         log.info("run %s: %s stage, %d trainable parameters, %d samples in %d shards", self.run_dir,
