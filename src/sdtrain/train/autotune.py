@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
@@ -306,33 +307,50 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_precisions(step: Callable[[], torch.Tensor], params: list[nn.Parameter], device: torch.device,
-                    samples: int, repeats: int = 2) -> dict[str, float]:
-    """Milliseconds per sample of ``step()``'s forward and its backward in fp32 and under bf16 autocast. The
-    precisions alternate, so a change in the machine's load affects both; the first round only warms caches
-    and allocators, then each precision's best time is kept, over `repeats` rounds or fewer when one is already
-    twice as fast. Gradients are left cleared."""
-    best = {"fp32": float("inf"), "bf16": float("inf")}
+def _time_ways(step: Callable[[], torch.Tensor], params: list[nn.Parameter], device: torch.device,
+               ways: dict[str, tuple[Callable[[], None], bool]], repeats: int, stop_when_decisive: bool = False
+               ) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds of ``step()``'s forward and its backward in each of `ways` (name: what sets it up, and whether under
+    bf16 autocast), alternating, so a change in the machine's load affects all; the first round only warms caches
+    and allocators (unless it is the only one), then each way's best time is kept, over `repeats` rounds, or fewer
+    with `stop_when_decisive` when one way is already twice as fast. Also each way's last loss. Gradients are left
+    cleared."""
+    best = dict.fromkeys(ways, float("inf"))
+    losses: dict[str, float] = {}
     try:
         for attempt in range(repeats + 1):
-            for name in best:
+            for name, (set_up, bf16) in ways.items():
+                set_up()
                 started = time.perf_counter()
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=name == "bf16"):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                     loss = step()
                 loss.backward()
                 _synchronize(device)
                 seconds = time.perf_counter() - started
+                losses[name] = float(loss.detach().float())
                 for p in params:
                     p.grad = None
-                if attempt:
+                if attempt or not repeats:
                     best[name] = min(best[name], seconds)
-            # A precision twice as slow after a timed round cannot win the next one: stop there (bf16 is about 10x
-            # slower for the demo's UNet on a CPU without bf16 units, and each of its rounds costs seconds).
-            if attempt and max(best.values()) > DECISIVE_RATIO * min(best.values()):
+            # A way twice as slow after a timed round cannot win the next one: stop there (bf16 is about 10x slower
+            # for the demo's UNet on a CPU without bf16 units, and each of its rounds costs seconds).
+            if stop_when_decisive and attempt and max(best.values()) > DECISIVE_RATIO * min(best.values()):
                 break
     finally:
         for p in params:
             p.grad = None
+    return best, losses
+
+
+def time_precisions(step: Callable[[], torch.Tensor], params: list[nn.Parameter], device: torch.device,
+                    samples: int, repeats: int = 2) -> dict[str, float]:
+    """Milliseconds per sample of ``step()``'s forward and its backward in fp32 and under bf16 autocast
+    (`_time_ways`, stopping early when one precision is twice as fast)."""
+    def as_it_is() -> None:
+        pass
+
+    best, _ = _time_ways(step, params, device, {"fp32": (as_it_is, False), "bf16": (as_it_is, True)}, repeats,
+                         stop_when_decisive=True)
     return {name: 1000 * seconds / samples for name, seconds in best.items()}
 
 
@@ -696,30 +714,15 @@ def place_layout(modules: list[nn.Module], channels_last: bool) -> None:
 def time_layouts(step: Callable[[], torch.Tensor], modules: list[nn.Module], params: list[nn.Parameter],
                  device: torch.device, samples: int, bf16: bool, repeats: int = 1
                  ) -> tuple[dict[str, float], float]:
-    """Milliseconds per sample of ``step()``'s forward and backward with `modules` contiguous and channels_last,
-    alternating, the first round a warm-up (unless it is the only one), each layout's best kept; and how far the
-    channels_last loss is from the contiguous one's (relatively). `modules` are left contiguous, gradients cleared."""
-    best = {"contiguous": float("inf"), "channels_last": float("inf")}
-    losses: dict[str, float] = {}
+    """Milliseconds per sample of ``step()``'s forward and backward with `modules` contiguous and channels_last
+    (`_time_ways`), and how far the channels_last loss is from the contiguous one's (relatively). `modules` are left
+    contiguous."""
+    ways = {layout: (functools.partial(place_layout, modules, layout == "channels_last"), bf16)
+            for layout in ("contiguous", "channels_last")}
     try:
-        for attempt in range(repeats + 1):
-            for layout in best:
-                place_layout(modules, layout == "channels_last")
-                started = time.perf_counter()
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                    loss = step()
-                loss.backward()
-                _synchronize(device)
-                seconds = time.perf_counter() - started
-                losses[layout] = float(loss.detach().float())
-                for p in params:
-                    p.grad = None
-                if attempt or not repeats:
-                    best[layout] = min(best[layout], seconds)
+        best, losses = _time_ways(step, params, device, ways, repeats)
     finally:
         place_layout(modules, False)
-        for p in params:
-            p.grad = None
     difference = abs(losses["channels_last"] - losses["contiguous"]) / max(abs(losses["contiguous"]), 1e-12)
     return {layout: 1000 * seconds / samples for layout, seconds in best.items()}, difference
 

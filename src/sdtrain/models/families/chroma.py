@@ -249,9 +249,8 @@ class Call(spec.DenoiserCall):
             timestep=timesteps / 1000,
             img_ids=image_ids(height // 2, width // 2, noisy.device, noisy.dtype),
             txt_ids=torch.zeros(context.shape[1], 3, device=noisy.device, dtype=noisy.dtype),
-            # Captions that fill T5's length mask nothing: none then, as an explicit mask is what cuDNN's SDPA
-            # backward on Hopper answers with NaN (pytorch/pytorch#196678).
-            attention_mask=None if bool(mask.all()) else mask, return_dict=False)[0]
+            # Captions that fill T5's length mask nothing.
+            attention_mask=spec.mask_unless_full(mask), return_dict=False)[0]
         return unpack(output, height, width)
 
 

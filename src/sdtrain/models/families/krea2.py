@@ -306,10 +306,8 @@ class Call(spec.DenoiserCall):
 
     def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
                   ) -> dict[str, Any]:
-        mask = text["text_mask"].bool()
-        # An all-True mask is none (the same attention): an explicit mask is what cuDNN's SDPA backward on Hopper
-        # answers with NaN gradients at some lengths (pytorch/pytorch#196678).
-        return {"encoder_hidden_states": text["text_emb"], "encoder_attention_mask": None if bool(mask.all()) else mask}
+        return {"encoder_hidden_states": text["text_emb"],
+                "encoder_attention_mask": spec.mask_unless_full(text["text_mask"].bool())}
 
     def denoise(self, denoiser: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 condition: dict[str, Any]) -> torch.Tensor:

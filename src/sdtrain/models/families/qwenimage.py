@@ -209,11 +209,8 @@ class Call(spec.DenoiserCall):
 
     def condition(self, text: dict[str, torch.Tensor], batch: dict[str, Any], device: torch.device
                   ) -> dict[str, Any]:
-        mask = text["text_mask"]
-        # An all-True mask is none, as the pipelines pass it: attention then takes no explicit mask, which cuDNN's
-        # SDPA backward on Hopper answers with NaN gradients at some lengths (pytorch/pytorch#196678).
         return {"encoder_hidden_states": text["text_emb"],
-                "encoder_hidden_states_mask": None if bool(mask.all()) else mask}
+                "encoder_hidden_states_mask": spec.mask_unless_full(text["text_mask"])}
 
     def denoise(self, denoiser: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 condition: dict[str, Any]) -> torch.Tensor:

@@ -254,9 +254,8 @@ class Call(spec.DenoiserCall):
                            torch.ones(batch, height * width // 4, dtype=torch.bool, device=noisy.device)], dim=1)
         output = denoiser(
             hidden_states=noisy.flatten(2).transpose(1, 2), encoder_hidden_states=text,
-            # Cut to the longest caption, a batch of one (or of equal lengths) masks nothing: passed as none, as an
-            # explicit mask is what cuDNN's SDPA backward on Hopper answers with NaN (pytorch/pytorch#196678).
-            encoder_hidden_states_mask=None if bool(mask.all()) else mask, img_shapes=[[(1, height, width)]] * batch,
+            # Cut to the longest caption, a batch of one (or of equal lengths) masks nothing.
+            encoder_hidden_states_mask=spec.mask_unless_full(mask), img_shapes=[[(1, height, width)]] * batch,
             img_mask=slots,
             # The transformer scales sigma by 1000 itself.
             timestep=timesteps / 1000, return_dict=False)[0]

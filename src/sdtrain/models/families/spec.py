@@ -45,6 +45,13 @@ def mask_key(index: int) -> str:
     return "attention_mask" if index == 0 else f"attention_mask_{index + 1}"
 
 
+def mask_unless_full(mask: torch.Tensor) -> torch.Tensor | None:
+    """An attention mask to pass to a denoiser, or none where it masks nothing (as the pipelines pass it): an
+    explicit mask, all True included, is what cuDNN's SDPA backward on Hopper answers with NaN gradients at some
+    lengths (pytorch/pytorch#196678). Reading it costs a device sync."""
+    return None if bool(mask.all()) else mask
+
+
 def index_says(source: str | Path | None, key: str) -> bool:
     """Whether the model_index.json of the pipeline folder at `source` (or of the one holding the component folder
     `source`) sets `key` true, as a pipeline reads a flag its components' configs do not carry (Flux.2 klein's and
